@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# pilab set-up and entry points. Each command below does the whole set-up first (idempotent):
+#
+#   ./lab.sh demo    # strong-scaling demo on the embedded CIFAR-10 subset -> runs/demo/report.html
+#   ./lab.sh test    # the whole test suite (what .ci/run runs)
+#   ./lab.sh setup   # only the set-up
+#
+# Environment knobs:
+#   PILAB_VENV=path       where the virtual environment lives (default: .venv beside this file)
+#   PILAB_SYSTEM_MPI=1    use the system MPI (e.g. Debian's mpich) instead of pip's MPICH
+#   PILAB_TORCH=spec      torch requirement (default: torch==2.13.0, CPU build)
+set -euo pipefail
+cd "$(dirname "$0")"
+here=$(pwd)
+venv=${PILAB_VENV:-$here/.venv}
+py=$venv/bin/python
+torch_spec=${PILAB_TORCH:-torch==2.13.0}
+
+say() { printf '[pilab] %s\n' "$*" >&2; }
+
+setup() {
+    if [ ! -x "$py" ]; then
+        command -v python3 >/dev/null || { say "python3 not found; install Python 3.9+ (e.g. apt-get install python3-venv)"; exit 1; }
+        say "creating virtual environment $venv"
+        python3 -m venv "$venv" || { say "python3 -m venv failed; on Debian install python3-venv"; exit 1; }
+    fi
+    extras=test
+    [ "${PILAB_SYSTEM_MPI:-0}" = 1 ] || extras=test,mpich
+    # Re-install only when what we install changed.
+    want=$(cat pyproject.toml lab.sh | sha256sum | cut -c1-16)-$extras-$torch_spec
+    stamp=$venv/.pilab-stamp
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+        return 0
+    fi
+    say "installing the stack into $venv (torch CPU, MPI, Jupyter, Bokeh, test tools)"
+    "$py" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    # Plain PyPI torch on x86-64 Linux is a multi-GB CUDA build: take PyTorch's CPU-only index where it
+    # answers; elsewhere (offline mirrors, local wheels, aarch64 where PyPI's build is CPU-only) use pip's
+    # configured sources as they are.
+    torch_index=()
+    if [ "$(uname -m)" = x86_64 ] && [ "$(uname -s)" = Linux ] && \
+        "$py" -c "import urllib.request as u; u.urlopen('https://download.pytorch.org/whl/cpu/torch/', timeout=5)" >/dev/null 2>&1; then
+        torch_index=(--extra-index-url https://download.pytorch.org/whl/cpu)
+    fi
+    "$py" -m pip install -q ${torch_index[@]+"${torch_index[@]}"} "$torch_spec"
+    "$py" -m pip install -q -e ".[$extras]"
+    echo "$want" >"$stamp"
+}
+
+
+browser() {
+    # The browser test drives Debian's Chromium (never a downloaded browser). Install it where we can.
+    if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        say "installing Debian's chromium for the browser test"
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+            || say "could not install chromium; the browser test will say so"
+    fi
+}
+
+case "${1:-}" in
+    setup)
+        setup
+        ;;
+    demo)
+        setup
+        shift
+        export PATH="$venv/bin:$PATH"
+        exec "$py" -m pilab scale --out runs/demo "$@"
+        ;;
+    test)
+        setup
+        browser
+        shift
+        export PATH="$venv/bin:$PATH"
+        # One pytest run: unit tests in-process, MPI tests spawn real mpiexec ranks, notebooks via nbval.
+        exec "$py" -m pytest -q -p no:cacheprovider tests notebooks --nbval-lax \
+            --nbval-sanitize-with notebooks/sanitize.cfg "$@"
+        ;;
+    *)
+        echo "usage: ./lab.sh demo | test | setup" >&2
+        exit 2
+        ;;
+esac

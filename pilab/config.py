@@ -1,0 +1,207 @@
+"""One frozen configuration for a training run, validated once, saved with every result.
+
+Variants are made with ``dataclasses.replace`` (which re-validates)::
+
+    from dataclasses import replace
+    from pilab.config import Config
+    cfg = Config(model="mobilenetv2_cifar", width=0.5, epochs=2)
+    big = replace(cfg, lr_scaling="linear", warmup_epochs=2)
+
+Every field has a unit or meaning beside it; ``Config.help(name)`` returns that text for the CLI.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A setting is invalid. The message is one line naming the setting and the fix."""
+
+
+# Choices live here so the CLI, widgets and validation agree.
+CHOICES = {
+    "sharding": ("static", "reshuffle"),
+    "batch_mode": ("per_rank", "global"),
+    "optimizer": ("sgd", "lars"),
+    "lr_scaling": ("none", "linear", "sqrt"),
+    "schedule": ("cosine", "step", "constant"),
+    "weight_decay_on": ("weights", "all"),
+    "bn": ("local", "sync"),
+    "bn_buffers": ("broadcast", "average"),
+    "compression": ("none", "fp16"),
+    "device": ("cpu", "cuda", "auto"),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    # --- model ---
+    model: str = "mobilenetv2_cifar"  # registry name: mobilenetv2_cifar | mobilenetv2 | squeezenet1_1
+    width: float = 1.0  # width multiplier, 0.25..1.4 (MobileNetV2 only; SqueezeNet accepts 1.0)
+    # --- data ---
+    data: str = "embedded"  # "embedded" (shipped subset) | "cifar10" (cached full set) | a path
+    train_subset: int = 0  # class-stratified training images to use; 0 = all
+    test_subset: int = 0  # class-stratified test images to use; 0 = all
+    sharding: str = "static"  # static: one fixed shard per rank | reshuffle: shared permutation per epoch
+    augment: bool = True  # random crop (4 px reflect pad) + horizontal flip
+    # --- batch and schedule ---
+    epochs: int = 10  # passes over the training set (the original study used 10)
+    batch_mode: str = "per_rank"  # per_rank: batch_size per rank (global grows with np) | global: split
+    batch_size: int = 32  # images per rank (per_rank) or in the global batch (global)
+    max_steps: int = 0  # stop after this many optimizer steps in total; 0 = no limit
+    # --- optimizer ---
+    optimizer: str = "sgd"  # sgd | lars
+    lr: float = 0.05  # learning rate per `lr_ref_batch` examples of the global batch
+    lr_ref_batch: int = 64  # reference batch size the lr is quoted for
+    lr_scaling: str = "none"  # rule from reference to global batch: none | linear | sqrt
+    warmup_epochs: float = 0.0  # per-step linear warmup from ~0 to the peak lr, in epochs
+    schedule: str = "cosine"  # after warmup, per step: cosine | step (x0.1 at 50%, 75%) | constant
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 5e-4
+    weight_decay_on: str = "weights"  # weights: conv/linear weights only | all parameters
+    lars_eta: float = 0.001  # LARS trust coefficient
+    # --- BatchNorm ---
+    bn: str = "local"  # local: per-rank statistics (the original study) | sync: across ranks over MPI
+    bn_buffers: str = "broadcast"  # before eval/checkpoint: rank 0's running stats | rank average
+    ghost_batch: int = 0  # BN statistics over groups of this many images per rank; 0 = whole batch
+    # --- communication ---
+    bucket_mb: float = 1.0  # gradient fusion bucket size, MiB of fp32
+    compression: str = "none"  # none | fp16 (halves bytes sent)
+    # --- runtime ---
+    seed: int = 0  # all randomness derives from (seed, epoch, step, rank)
+    threads: int = 0  # torch threads per rank; 0 = cores per node / ranks per node
+    device: str = "cpu"  # cpu | cuda | auto
+    eval_every: int = 1  # evaluate on the test set every N epochs (and always after the last)
+    checkpoint_every: int = 0  # write a checkpoint every K epochs; 0 = never
+    out: str = ""  # directory for result.json and checkpoints; "" = write nothing
+    resume: str = ""  # checkpoint file to resume from
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ------------------------------------------------------------------
+    def _validate(self) -> None:
+        for name, options in CHOICES.items():
+            value = getattr(self, name)
+            if value not in options:
+                raise ConfigError(
+                    f"{name}={value!r} is not valid; choose one of {', '.join(options)}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            want = _TYPES[f.name]
+            if want is float and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, float(value))
+                continue
+            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                raise ConfigError(
+                    f"{f.name}={value!r} has the wrong type; give a {want.__name__}")
+        from .models import MODEL_NAMES, check_width  # local: models imports torch
+
+        if self.model not in MODEL_NAMES:
+            raise ConfigError(
+                f"model={self.model!r} is unknown; choose one of {', '.join(MODEL_NAMES)}")
+        try:
+            check_width(self.model, self.width)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        positive = ("epochs", "batch_size", "lr_ref_batch", "eval_every")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        nonneg = ("train_subset", "test_subset", "max_steps", "ghost_batch", "threads",
+                  "checkpoint_every", "warmup_epochs", "weight_decay", "momentum", "seed")
+        for name in nonneg:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"lr={self.lr} must be a positive finite number")
+        if self.momentum >= 1:
+            raise ConfigError(f"momentum={self.momentum} must be < 1")
+        if self.nesterov and self.momentum == 0:
+            raise ConfigError("nesterov=True needs momentum > 0")
+        if self.bucket_mb <= 0:
+            raise ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
+        if self.ghost_batch and self.bn == "sync":
+            raise ConfigError("ghost_batch needs bn='local'; SyncBatchNorm already spans ranks")
+        if self.warmup_epochs > self.epochs:
+            raise ConfigError(
+                f"warmup_epochs={self.warmup_epochs} exceeds epochs={self.epochs}; shorten it")
+
+    # ------------------------------------------------------------------
+    def per_rank_batch(self, np_: int) -> int:
+        """Images per rank per step at ``np_`` ranks (raises ConfigError if not divisible)."""
+        if self.batch_mode == "per_rank":
+            return self.batch_size
+        if self.batch_size % np_:
+            raise ConfigError(
+                f"global batch_size={self.batch_size} is not divisible by np={np_}; "
+                f"pick a multiple of {np_} or use batch_mode=per_rank")
+        return self.batch_size // np_
+
+    def global_batch(self, np_: int) -> int:
+        return self.per_rank_batch(np_) * np_
+
+    def peak_lr(self, np_: int) -> float:
+        """The lr after scaling from ``lr_ref_batch`` to the global batch at ``np_`` ranks."""
+        ratio = self.global_batch(np_) / self.lr_ref_batch
+        factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
+        return self.lr * factor
+
+    def check_world(self, np_: int, n_train: int) -> None:
+        """Checks that need the process count and data size; raise ConfigError."""
+        if np_ < 1:
+            raise ConfigError(f"np={np_} must be >= 1")
+        if np_ > n_train:
+            raise ConfigError(
+                f"np={np_} exceeds the {n_train} training images; use fewer processes")
+        b = self.per_rank_batch(np_)
+        if self.ghost_batch and b % self.ghost_batch:
+            raise ConfigError(
+                f"ghost_batch={self.ghost_batch} does not divide the per-rank batch {b}")
+        if n_train // np_ < b:
+            raise ConfigError(
+                f"each of {np_} ranks holds {n_train // np_} images, fewer than its batch of {b}; "
+                "use fewer processes or a smaller batch")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Config":
+        """Build from a mapping, refusing unknown keys (e.g. a result's saved config)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; see `python -m pilab train --help`")
+        return cls(**dict(d))
+
+    @staticmethod
+    def help(name: str) -> str:
+        return _HELP.get(name, "")
+
+
+_TYPES = {f.name: {"str": str, "int": int, "float": float, "bool": bool}[f.type]
+          for f in fields(Config)}
+
+
+def _field_comments() -> dict:
+    """Read the comment beside each field so help text has one source (this file)."""
+    import inspect
+    import re
+
+    out = {}
+    for line in inspect.getsource(Config).splitlines():
+        m = re.match(r"\s+(\w+): \w+ = .*?#\s*(.*)$", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+try:
+    _HELP = _field_comments()
+except (OSError, TypeError):  # source not available (frozen app): help text is optional
+    _HELP = {}
