@@ -1,0 +1,6 @@
+"""``python -m pilab ...``: see pilab.cli."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,491 @@
+"""MPI communication for data-parallel training (mpi4py, buffer-based, no pickling on the per-step path).
+
+Three levels, as in Horovod's torch package:
+
+* primitives: ``allreduce_``, ``broadcast_``, ``world`` — thin, in-place (trailing ``_``), ``root=`` keyword;
+* helpers built on them: ``broadcast_module_``, ``broadcast_optimizer_state_``, ``sync_buffers_``,
+  ``reduce_sums``, ``SyncBatchNorm`` (works on CPU over MPI);
+* the optimizer-side piece: ``GradSync``, fused gradient buckets averaged with ``Iallreduce`` while
+  backward is still running.
+
+The communicator is always passed in; ``comm=None`` means one process and every call is a no-op::
+
+    from mpi4py import MPI
+    sync = GradSync(model, MPI.COMM_WORLD, bucket_mb=1.0)
+    loss.backward()          # buckets are posted from gradient hooks as they fill
+    stats = sync.finish()    # waits for the rest, writes averaged gradients into p.grad
+
+Run under ``mpiexec -n 2 python -m pilab train``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+try:  # mpi4py is a dependency, but keep single-process use importable without an MPI library.
+    from mpi4py import MPI
+except ImportError:  # pragma: no cover - exercised only on machines without MPI
+    MPI = None
+
+
+# ----------------------------------------------------------------------------------------------
+# primitives
+# ----------------------------------------------------------------------------------------------
+def world(comm) -> tuple[int, int]:
+    """(rank, size) of ``comm``; (0, 1) for ``comm=None``."""
+    if comm is None:
+        return 0, 1
+    return comm.Get_rank(), comm.Get_size()
+
+
+def _buf(t: torch.Tensor):
+    """A numpy view sharing memory with a contiguous CPU tensor (what mpi4py's buffer API wants)."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("MPI buffers must be contiguous CPU tensors")
+    return t.detach().numpy()
+
+
+def allreduce_(t: torch.Tensor, comm, op: str = "sum") -> torch.Tensor:
+    """In-place Allreduce of a contiguous CPU tensor: ``op`` is sum, max, min or mean."""
+    if comm is None or comm.Get_size() == 1:
+        return t
+    mpi_op = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+    comm.Allreduce(MPI.IN_PLACE, _buf(t), op=mpi_op)
+    if op == "mean":
+        t.div_(comm.Get_size())
+    return t
+
+
+def broadcast_(t: torch.Tensor, comm, root: int = 0) -> torch.Tensor:
+    """In-place Bcast of a contiguous CPU tensor from ``root``."""
+    if comm is not None and comm.Get_size() > 1:
+        comm.Bcast(_buf(t), root=root)
+    return t
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+def _flat_apply_(tensors: list[torch.Tensor], fn) -> None:
+    """Pack same-dtype tensors into one flat buffer, apply ``fn`` to it in place, unpack.
+
+    One message per dtype instead of one per tensor: MobileNetV2 has ~300 tensors and per-message
+    latency dominates on 1 GbE.
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        fn(flat)
+        offset = 0
+        with torch.no_grad():
+            for t in group:
+                n = t.numel()
+                t.copy_(flat[offset:offset + n].view_as(t))
+                offset += n
+
+
+def broadcast_module_(model: nn.Module, comm, root: int = 0) -> None:
+    """Make every rank's parameters AND buffers equal to ``root``'s (call once before training)."""
+    if comm is None or comm.Get_size() == 1:
+        return
+    tensors = [p.data for p in model.parameters()] + list(model.buffers())
+    _flat_apply_(tensors, lambda flat: broadcast_(flat, comm, root=root))
+
+
+def broadcast_optimizer_state_(optimizer: torch.optim.Optimizer, comm, root: int = 0) -> None:
+    """Give every rank ``root``'s optimizer state (momentum buffers, step counts).
+
+    Uses a pickled ``bcast`` once, at start or resume — never per step — because other ranks may
+    hold an empty state whose structure differs from root's.
+    """
+    if comm is None or comm.Get_size() == 1:
+        return
+    state = comm.bcast(optimizer.state_dict() if comm.Get_rank() == root else None, root=root)
+    optimizer.load_state_dict(state)
+
+
+def bn_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """BatchNorm running statistics (floating buffers); ``num_batches_tracked`` is excluded."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            out += [m.running_mean, m.running_var]
+    return out
+
+
+def sync_buffers_(model: nn.Module, comm, policy: str = "broadcast", root: int = 0) -> None:
+    """Make BatchNorm running statistics identical on all ranks before evaluation or checkpoint.
+
+    ``policy="broadcast"`` takes ``root``'s (the default: cheap and what most frameworks do);
+    ``"average"`` takes the mean over ranks, an estimate from np times more batches.
+    """
+    if comm is None or comm.Get_size() == 1:
+        return
+    floats = bn_buffers(model)
+    if policy == "broadcast":
+        _flat_apply_(floats, lambda flat: broadcast_(flat, comm, root=root))
+    elif policy == "average":
+        _flat_apply_(floats, lambda flat: allreduce_(flat, comm, op="mean"))
+    else:
+        raise ValueError(f"bn buffer policy {policy!r}; use broadcast or average")
+    counters = [b for name, b in model.named_buffers() if name.endswith("num_batches_tracked")]
+    if counters:
+        _flat_apply_(counters, lambda flat: broadcast_(flat, comm, root=root))
+
+
+def reduce_sums(values, comm) -> np.ndarray:
+    """Sum a short float vector over ranks (metrics: loss sums, correct counts, image counts)."""
+    arr = np.asarray(values, dtype=np.float64).copy()
+    if comm is not None and comm.Get_size() > 1:
+        comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM)
+    return arr
+
+
+def gather_floats(values, comm, root: int = 0) -> np.ndarray | None:
+    """Gather a fixed-length float vector from every rank, in rank order: shape (size, len) on root."""
+    arr = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
+    if comm is None or comm.Get_size() == 1:
+        return arr[None, :]
+    rank, size = world(comm)
+    out = np.empty((size, arr.size), dtype=np.float64) if rank == root else None
+    comm.Gather(arr, out, root=root)
+    return out
+
+
+def any_true(flag: bool, comm) -> bool:
+    """Collective OR: True on every rank if ``flag`` is True on any (stop requests, errors)."""
+    if comm is None or comm.Get_size() == 1:
+        return bool(flag)
+    arr = np.array([1 if flag else 0], dtype=np.int32)
+    comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.MAX)
+    return bool(arr[0])
+
+
+def launcher_size() -> int:
+    """The process count the launcher says it started (MPICH/Hydra, PMIx, Open MPI, Slurm), or 0."""
+    for var in ("PMI_SIZE", "PMIX_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS"):
+        v = os.environ.get(var)
+        if v and v.isdigit():
+            return int(v)
+    return 0
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher set it (0 when not launched by mpiexec)."""
+    for var in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        v = os.environ.get(var)
+        if v and v.isdigit():
+            return int(v)
+    return 0
+
+
+@contextmanager
+def abort_on_error(comm, code: int = 1):
+    """On an exception in one rank, print it and ``Abort`` the whole job, so no other rank is left
+    waiting in a collective forever. Wrap the outermost call on every rank::
+
+        with abort_on_error(MPI.COMM_WORLD):
+            train.run(cfg, MPI.COMM_WORLD)
+    """
+    try:
+        yield
+    except Exception:
+        if comm is None or comm.Get_size() == 1:
+            raise
+        rank = comm.Get_rank()
+        print(f"pilab: rank {rank} failed; aborting all {comm.Get_size()} ranks", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        comm.Abort(code)
+
+
+def check_launcher(comm) -> None:
+    """Refuse a world of size 1 when the launcher started several processes.
+
+    That is a launcher and MPI library that don't belong together (e.g. Debian's ``mpiexec`` with
+    pip's MPICH): every rank would silently train alone.
+    """
+    started = launcher_size()
+    if comm is not None and comm.Get_size() == 1 and started > 1:
+        raise RuntimeError(
+            f"the launcher started {started} processes but MPI sees a world of size 1 in each: "
+            "mpiexec and mpi4py's MPI library don't match; use the mpiexec of the same MPI "
+            "(e.g. the one next to this Python) or `python -m pilab train --np N`")
+
+
+def rank0_print(comm, *args, **kwargs) -> None:
+    """print() on rank 0 only."""
+    if world(comm)[0] == 0:
+        print(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# SyncBatchNorm over MPI (CPU)
+# ----------------------------------------------------------------------------------------------
+class _SyncBNFunction(torch.autograd.Function):
+    """Batch statistics over all ranks: one Allreduce of [sum, sum of squares, count] forward and one
+    of [sum dy, sum dy*xhat] backward, so the result equals BatchNorm on the concatenated batch."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, eps):
+        c = x.shape[1]
+        dims = [0, 2, 3]
+        local = torch.cat([x.sum(dims), (x * x).sum(dims),
+                           torch.tensor([x.numel() / c], dtype=x.dtype)]).double()
+        allreduce_(local, comm)
+        count = local[-1]
+        mean = (local[:c] / count)
+        var = (local[c:2 * c] / count - mean * mean).clamp_min(0)
+        invstd = torch.rsqrt(var + eps)
+        mean_f, invstd_f = mean.to(x.dtype), invstd.to(x.dtype)
+        xhat = (x - mean_f[None, :, None, None]) * invstd_f[None, :, None, None]
+        y = xhat * weight[None, :, None, None] + bias[None, :, None, None]
+        ctx.save_for_backward(xhat, weight, invstd_f)
+        ctx.comm = comm
+        ctx.count = float(count)
+        return y, mean.to(x.dtype), var.to(x.dtype), count
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _dvar, _dcount):
+        xhat, weight, invstd = ctx.saved_tensors
+        dims = [0, 2, 3]
+        c = xhat.shape[1]
+        sums = torch.cat([dy.sum(dims), (dy * xhat).sum(dims)]).double()
+        dbias_local, dweight_local = sums[:c].to(dy.dtype).clone(), sums[c:].to(dy.dtype).clone()
+        allreduce_(sums, ctx.comm)
+        n = ctx.count
+        sum_dy, sum_dy_xhat = sums[:c].to(dy.dtype), sums[c:].to(dy.dtype)
+        dx = (weight * invstd)[None, :, None, None] * (
+            dy - sum_dy[None, :, None, None] / n - xhat * (sum_dy_xhat / n)[None, :, None, None])
+        # Parameter gradients stay local: GradSync averages them like any other gradient.
+        return dx, dweight_local, dbias_local, None, None
+
+
+class SyncBatchNorm(nn.BatchNorm2d):
+    """BatchNorm2d whose batch statistics span all ranks of ``comm`` — on CPU, over MPI.
+
+    torch's and Horovod's SyncBatchNorm need CUDA/NCCL; this one needs only mpi4py.
+    Build it with ``convert_sync_batchnorm(model, comm)``.
+    """
+
+    def __init__(self, num_features, comm=None, **kwargs):
+        super().__init__(num_features, **kwargs)
+        # A duplicate communicator keeps these blocking Allreduces apart from gradient Iallreduces.
+        self.comm = comm
+
+    def forward(self, x):
+        if not self.training or self.comm is None or self.comm.Get_size() == 1:
+            return super().forward(x)
+        y, mean, var, count = _SyncBNFunction.apply(x, self.weight, self.bias, self.comm, self.eps)
+        with torch.no_grad():
+            self.num_batches_tracked += 1
+            m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+            unbiased = var * (count / max(count - 1, 1))
+            self.running_mean.mul_(1 - m).add_(mean * m)
+            self.running_var.mul_(1 - m).add_(unbiased.to(var.dtype) * m)
+        return y
+
+
+def convert_sync_batchnorm(model: nn.Module, comm) -> nn.Module:
+    """Replace every BatchNorm2d with a SyncBatchNorm on a duplicate of ``comm`` (in place)."""
+    bn_comm = comm.Dup() if comm is not None else None
+
+    def convert(module):
+        for name, child in module.named_children():
+            if isinstance(child, nn.BatchNorm2d) and not isinstance(child, SyncBatchNorm):
+                sync = SyncBatchNorm(child.num_features, bn_comm, eps=child.eps,
+                                     momentum=child.momentum, affine=child.affine,
+                                     track_running_stats=child.track_running_stats)
+                sync.load_state_dict(child.state_dict())
+                setattr(module, name, sync)
+            else:
+                convert(child)
+
+    convert(model)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# fused, overlapped gradient averaging
+# ----------------------------------------------------------------------------------------------
+def _fp16_type():
+    """MPI datatype for IEEE half precision, or None if this MPI library has none."""
+    t = getattr(MPI, "FLOAT16_T", None) if MPI is not None else None
+    if t is None or t == MPI.DATATYPE_NULL:
+        return None
+    return t
+
+
+@dataclass
+class StepComm:
+    """Communication figures of one step, in seconds and bytes (this rank)."""
+    total: float = 0.0  # first bucket posted -> last bucket complete
+    exposed: float = 0.0  # time spent waiting after backward ended (not hidden behind compute)
+    bytes_sent: int = 0  # payload handed to Allreduce (halved by fp16 compression)
+    buckets: int = 0
+    first_post: float = 0.0  # perf_counter() when the first bucket was posted
+    backward_end: float = 0.0  # perf_counter() when finish() was called
+    posts: list = field(default_factory=list)  # perf_counter() of each post, in bucket order
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter], fp16: bool):
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.flat = torch.zeros(self.numel, dtype=torch.float32)
+        self.wire = torch.zeros(self.numel, dtype=torch.float16) if fp16 else self.flat
+        self.pending = 0
+        self.request = None
+
+
+class GradSync:
+    """Average gradients over ``comm`` in fused buckets, posting each bucket's ``Iallreduce`` from
+    the gradient hooks as soon as it is full, so communication overlaps the rest of backward
+    (Horovod's fusion buffer, DDP's buckets).
+
+    MPICH progresses a non-blocking collective only inside MPI calls, so every hook also calls
+    ``Testall`` on the outstanding requests (``poll=True``); ``MPIR_CVAR_ASYNC_PROGRESS=1`` is the
+    alternative, measured in ``benchmarks/bench_comm.py``.
+
+    With ``compression="fp16"`` each bucket is divided by the world size *before* the cast (so the
+    sum of np halves cannot overflow) and sent as half precision: half the bytes.
+
+        sync = GradSync(model, comm, bucket_mb=1.0)
+        for x, y in batches:
+            opt.zero_grad(set_to_none=False)
+            loss_fn(model(x), y).backward()
+            stats = sync.finish()      # StepComm: total and exposed seconds
+            opt.step()
+    """
+
+    def __init__(self, model: nn.Module, comm, *, bucket_mb: float = 1.0,
+                 compression: str = "none", poll: bool = True):
+        self.comm = comm
+        self.rank, self.size = world(comm)
+        self.poll = poll
+        self.fp16 = compression == "fp16"
+        self.half_type = _fp16_type() if self.fp16 else None
+        if self.fp16 and self.size > 1 and self.half_type is None:
+            raise RuntimeError("compression=fp16 needs an MPI library with a half-precision type "
+                               "(MPICH >= 4.1); use compression=none")
+        params = [p for p in model.parameters() if p.requires_grad]
+        # Gradients arrive roughly in reverse definition order; fill buckets in that order so the
+        # first one is complete early in backward.
+        limit = max(1, int(bucket_mb * 2 ** 20 / 4))
+        self.buckets: list[_Bucket] = []
+        current, n = [], 0
+        for p in reversed(params):
+            if current and n + p.numel() > limit:
+                self.buckets.append(_Bucket(current, self.fp16))
+                current, n = [], 0
+            current.append(p)
+            n += p.numel()
+        if current:
+            self.buckets.append(_Bucket(current, self.fp16))
+        self._where: dict[int, int] = {}
+        for i, b in enumerate(self.buckets):
+            for p in b.params:
+                self._where[id(p)] = i
+        self._hooks = []
+        if self.size > 1:
+            for p in params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._reset()
+
+    # -- per step --------------------------------------------------------------------------
+    def _reset(self):
+        for b in self.buckets:
+            b.pending = len(b.params)
+            b.request = None
+        self._next = 0  # buckets are posted strictly in index order: same collective order on all ranks
+        self._ready = [False] * len(self.buckets)
+        self.stats = StepComm()
+
+    def _on_grad(self, p):
+        i = self._where[id(p)]
+        b = self.buckets[i]
+        b.pending -= 1
+        if b.pending == 0:
+            self._ready[i] = True
+            self._post_ready()
+        elif self.poll:
+            self._test()
+
+    def _post_ready(self):
+        while self._next < len(self.buckets) and self._ready[self._next]:
+            self._post(self.buckets[self._next])
+            self._next += 1
+        if self.poll:
+            self._test()
+
+    def _post(self, b: _Bucket):
+        offset = 0
+        for p in b.params:
+            n = p.numel()
+            if p.grad is None:
+                b.flat[offset:offset + n].zero_()
+            else:
+                b.flat[offset:offset + n].copy_(p.grad.reshape(-1))
+            offset += n
+        b.flat.div_(self.size)  # pre-divide: the sum is then the mean, and fp16 cannot overflow
+        if self.fp16:
+            b.wire.copy_(b.flat)
+            msg = [_buf(b.wire), self.half_type]
+        else:
+            msg = _buf(b.flat)
+        now = time.perf_counter()
+        if not self.stats.posts:
+            self.stats.first_post = now
+        self.stats.posts.append(now)
+        self.stats.bytes_sent += b.wire.numel() * b.wire.element_size()
+        b.request = self.comm.Iallreduce(MPI.IN_PLACE, msg, op=MPI.SUM)
+
+    def _test(self):
+        reqs = [b.request for b in self.buckets[:self._next] if b.request is not None]
+        if reqs:
+            MPI.Request.Testall(reqs)
+
+    def finish(self) -> StepComm:
+        """Call after ``backward()``: posts what is left, waits, writes averaged grads to ``p.grad``."""
+        stats = self.stats
+        if self.size == 1:
+            self._reset()
+            return stats
+        t_end = time.perf_counter()
+        stats.backward_end = t_end
+        # Parameters that got no gradient this step (unused branches) still take part, as zeros.
+        for i in range(len(self.buckets)):
+            self._ready[i] = True
+        self._post_ready()
+        MPI.Request.Waitall([b.request for b in self.buckets])
+        for b in self.buckets:
+            if self.fp16:
+                b.flat.copy_(b.wire)
+            offset = 0
+            for p in b.params:
+                n = p.numel()
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(b.flat[offset:offset + n].view_as(p.grad))
+                offset += n
+        done = time.perf_counter()
+        stats.exposed = done - t_end
+        stats.total = done - stats.first_post
+        stats.buckets = len(self.buckets)
+        self._reset()
+        return stats
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

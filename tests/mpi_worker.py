@@ -1,0 +1,279 @@
+"""Checks that need real MPI ranks. Launched by tests/test_mpi.py as
+
+    mpiexec -n K python tests/mpi_worker.py CASE OUT.json
+
+Every rank takes part; rank 0 writes a JSON of named measurements that the pytest side asserts on.
+Nothing here asserts: a failed check must show up as a failing pytest test with its numbers.
+"""
+import json
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+from pilab import data as data_mod
+from pilab import dist, train
+from pilab.config import Config
+from pilab.models import build_model
+
+torch.set_num_threads(1)
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+
+# Small but real: the embedded CIFAR-10 subset, narrow MobileNetV2, augmentation on.
+BASE = Config(width=0.25, train_subset=400, test_subset=200, batch_size=8, epochs=3,
+              max_steps=20, augment=True, lr=0.05, lr_ref_batch=16, threads=1, seed=3,
+              bucket_mb=0.25)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].numel())
+
+
+def gathered_states(model):
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return COMM.gather(state, root=0)  # pickled, once, in a test
+
+
+def reference_state(cfg: Config, ds, np_: int) -> list[dict]:
+    """One process averaging the same per-rank gradients: per-rank BN buffers kept apart by hand."""
+    from pilab.optim import build_optimizer, lr_at, set_lr
+    b = cfg.per_rank_batch(np_)
+    loaders = [data_mod.ShardLoader(ds, np_, r, b, seed=cfg.seed, policy=cfg.sharding,
+                                    augment=cfg.augment) for r in range(np_)]
+    spe = loaders[0].steps_per_epoch
+    total = min(cfg.epochs * spe, cfg.max_steps)
+    model = train.make_model(cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg, cfg.peak_lr(np_))
+    bufs = [{k: v.clone() for k, v in model.named_buffers()} for _ in range(np_)]
+    params = [p for p in model.parameters()]
+    for g in range(total):
+        epoch, step = divmod(g, spe)
+        set_lr(opt, lr_at(g, peak_lr=cfg.peak_lr(np_), total_steps=total,
+                          warmup_steps=round(cfg.warmup_epochs * spe), schedule=cfg.schedule))
+        grads = [torch.zeros_like(p) for p in params]
+        for r in range(np_):
+            with torch.no_grad():
+                for k, v in model.named_buffers():
+                    v.copy_(bufs[r][k])
+            x, y = loaders[r].batch(epoch, step)
+            torch.manual_seed(train.step_seed(cfg.seed, epoch, step, r))
+            model.zero_grad(set_to_none=False)
+            F.cross_entropy(model(x), y).backward()
+            for acc, p in zip(grads, params):
+                acc += p.grad / np_
+            bufs[r] = {k: v.clone() for k, v in model.named_buffers()}
+        for p, gr in zip(params, grads):
+            p.grad.copy_(gr)
+        opt.step()
+    out = []
+    for r in range(np_):
+        with torch.no_grad():
+            for k, v in model.named_buffers():
+                v.copy_(bufs[r][k])
+        out.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out
+
+
+def case_train(out):
+    """Equivalence with a single-process reference, buffer sync, accounting, buckets, fp16."""
+    res = {}
+    ds = train.load_data(BASE, COMM)
+    # 1) 20 steps, no eval before the end -> compare raw per-rank states with the reference.
+    cfg = replace(BASE, eval_every=100)
+    steps_seen = []
+    post_before_end = []
+
+    # Wrap GradSync.finish to record when the first bucket went out vs when backward ended.
+    orig_finish = dist.GradSync.finish
+
+    def finish(self):
+        st = orig_finish(self)
+        post_before_end.append((st.first_post < st.backward_end, st.buckets, st.bytes_sent))
+        return st
+    dist.GradSync.finish = finish
+    # Capture per-rank states BEFORE the final buffer sync by stopping short of the last epoch's eval:
+    # train for exactly 20 steps and compare after the run; the end-of-run sync makes buffers equal
+    # to rank 0's, so compare those with reference rank 0 and parameters on every rank.
+    result, model = train.train(cfg, COMM, data=ds, callbacks=[lambda e: steps_seen.append(e)])
+    dist.GradSync.finish = orig_finish
+    states = gathered_states(model)
+    flags = COMM.gather(post_before_end, root=0)
+    if RANK == 0:
+        ref = reference_state(cfg, ds, SIZE)
+        res["steps_run"] = sum(1 for e in steps_seen if e["kind"] == "step")
+        res["param_diff_vs_reference"] = max(
+            max_diff({k: s[k] for k, _ in ref_params(ref[0])}, ref[0]) for s in states)
+        # After the end-of-run sync (broadcast policy) every rank holds rank 0's buffers.
+        res["buffer_diff_vs_reference_rank0"] = max(
+            max_diff({k: s[k] for k in buffer_keys(ref[0])}, {k: ref[0][k] for k in buffer_keys(ref[0])})
+            for s in states)
+        res["ranks_identical_after_sync"] = all(max_diff(s, states[0]) == 0.0 for s in states)
+        res["first_post_before_backward_end"] = all(f[0] for per in flags for f in per)
+        res["buckets"] = flags[0][0][1]
+        res["bytes_fp32"] = flags[0][0][2]
+        res["result_np"] = result["np"]
+        res["accounting"] = result["data"]
+        res["epoch_images"] = [e["images"] for e in result["epochs"]]
+        res["comm_exposed"] = sum(result["steps"]["comm_exposed"])
+        res["comm_total"] = sum(result["steps"]["comm"])
+        res["final_loss_fp32"] = float(np.mean(result["steps"]["loss"][-5:]))
+
+    # 2) per-rank buffers BEFORE any sync: compare every rank's own BN statistics with the reference.
+    model = train.make_model(cfg, torch.device("cpu"))
+    cfg_nosync = replace(cfg, max_steps=20)
+    # run the loop by hand for exact per-rank buffers (train.run always settles buffers at the end)
+    states_before = _train_no_sync(cfg_nosync, ds)
+    all_before = COMM.gather(states_before, root=0)
+    if RANK == 0:
+        res["per_rank_state_diff_vs_reference"] = max(max_diff(all_before[r], ref[r]) for r in range(SIZE))
+        res["ranks_differ_before_sync"] = any(
+            max_diff({k: all_before[r][k] for k in buffer_keys(ref[0])},
+                     {k: all_before[0][k] for k in buffer_keys(ref[0])}) > 0 for r in range(1, SIZE))
+
+    # 3) fp16 compression: half the bytes, loss close to fp32
+    post_before_end.clear()
+    dist.GradSync.finish = finish
+    r16, _ = train.train(replace(cfg, compression="fp16"), COMM, data=ds)
+    dist.GradSync.finish = orig_finish
+    flags16 = COMM.gather(post_before_end, root=0)
+    if RANK == 0:
+        res["bytes_fp16"] = flags16[0][0][2]
+        res["final_loss_fp16"] = float(np.mean(r16["steps"]["loss"][-5:]))
+
+    # 4) sample accounting over a whole epoch for both policies, gathered from real ranks
+    for policy in ("static", "reshuffle"):
+        b = 16
+        loader = data_mod.ShardLoader(ds, SIZE, RANK, b, seed=1, policy=policy, augment=False)
+        idx = [data_mod.epoch_batches(ds.y_train, SIZE, RANK, b, e, seed=1, policy=policy).ravel()
+               for e in range(2)]
+        steps = COMM.gather(loader.steps_per_epoch, root=0)
+        gathered = COMM.gather(idx, root=0)
+        if RANK == 0:
+            per_epoch = []
+            for e in range(2):
+                allidx = np.concatenate([g[e] for g in gathered])
+                per_epoch.append({"used": int(allidx.size), "unique": int(np.unique(allidx).size),
+                                  "leftover": int(len(ds.y_train) - allidx.size)})
+            res[f"accounting_{policy}"] = {
+                "steps": steps, "per_epoch": per_epoch, "n": int(len(ds.y_train)), "batch": b,
+                "reported": data_mod.epoch_accounting(ds.y_train, SIZE, b, policy, seed=1)}
+
+    # 5) SyncBatchNorm == BatchNorm on the concatenated batch (forward and backward)
+    torch.manual_seed(0)
+    full = torch.randn(4 * SIZE, 6, 5, 5, dtype=torch.float32)
+    gout = torch.randn_like(full)
+    ref_bn = torch.nn.BatchNorm2d(6)
+    with torch.no_grad():
+        ref_bn.weight.uniform_(0.5, 1.5)
+        ref_bn.bias.uniform_(-0.5, 0.5)
+    sync_bn = dist.SyncBatchNorm(6, COMM.Dup())
+    sync_bn.load_state_dict(ref_bn.state_dict())
+    xr = full.clone().requires_grad_(True)
+    yr = ref_bn(xr)
+    (yr * gout).sum().backward()
+    mine = slice(4 * RANK, 4 * RANK + 4)
+    xs = full[mine].clone().requires_grad_(True)
+    ys = sync_bn(xs)
+    (ys * gout[mine]).sum().backward()
+    wgrad = sync_bn.weight.grad.clone()
+    dist.allreduce_(wgrad, COMM)
+    d = {
+        "y": float((ys - yr[mine]).detach().abs().max()),
+        "dx": float((xs.grad - xr.grad[mine]).abs().max()),
+        "dweight_summed": float((wgrad - ref_bn.weight.grad).abs().max()),
+        "running_mean": float((sync_bn.running_mean - ref_bn.running_mean).abs().max()),
+        "running_var": float((sync_bn.running_var - ref_bn.running_var).abs().max()),
+    }
+    ds_ = COMM.gather(d, root=0)
+    if RANK == 0:
+        res["syncbn"] = {k: max(x[k] for x in ds_) for k in d}
+        # and a short training run with bn=sync works end to end
+    rs, _ = train.train(replace(cfg, bn="sync", max_steps=4), COMM, data=ds)
+    if RANK == 0:
+        res["syncbn_train_loss_finite"] = bool(np.isfinite(rs["steps"]["loss"]).all())
+
+    # 6) the simulator reproduces this MPI run
+    from pilab import simulate
+    sim_cfg = replace(cfg, eval_every=100)
+    if RANK == 0:
+        _, sim_model = simulate.train(sim_cfg, SIZE, data=ds)
+        res["simulator_states"] = [simulate.virtual_state(sim_model, r) for r in range(SIZE)]
+        # Both runs end with the same buffer policy (broadcast), so compare with the synced states.
+        res["simulator_diff_per_rank"] = [max_diff(res["simulator_states"][r], states[r])
+                                          for r in range(SIZE)]
+        del res["simulator_states"]
+    if RANK == 0:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def ref_params(state):
+    return [(k, v) for k, v in state.items() if "running" not in k and "num_batches" not in k]
+
+
+def buffer_keys(state):
+    return [k for k in state if "running" in k]
+
+
+def _train_no_sync(cfg, ds):
+    """train.train's step loop without the end-of-run buffer sync: per-rank state after N steps."""
+    from pilab.optim import build_optimizer, lr_at, set_lr
+    b = cfg.per_rank_batch(SIZE)
+    loader = data_mod.ShardLoader(ds, SIZE, RANK, b, seed=cfg.seed, policy=cfg.sharding,
+                                  augment=cfg.augment)
+    spe = loader.steps_per_epoch
+    total = min(cfg.epochs * spe, cfg.max_steps)
+    model = train.make_model(cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg, cfg.peak_lr(SIZE))
+    dist.broadcast_module_(model, COMM)
+    gs = dist.GradSync(model, COMM, bucket_mb=cfg.bucket_mb)
+    for g in range(total):
+        epoch, step = divmod(g, spe)
+        set_lr(opt, lr_at(g, peak_lr=cfg.peak_lr(SIZE), total_steps=total,
+                          warmup_steps=round(cfg.warmup_epochs * spe), schedule=cfg.schedule))
+        x, y = loader.batch(epoch, step)
+        torch.manual_seed(train.step_seed(cfg.seed, epoch, step, RANK))
+        opt.zero_grad(set_to_none=False)
+        F.cross_entropy(model(x), y).backward()
+        gs.finish()
+        opt.step()
+    gs.remove()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def case_fault(out):
+    """Rank 1 raises at its 3rd step; abort_on_error must take the whole job down."""
+    calls = {"n": 0}
+
+    def stop():
+        calls["n"] += 1
+        if RANK == 1 and calls["n"] == 3:
+            raise RuntimeError("injected failure on rank 1")
+        return False
+    cfg = replace(BASE, max_steps=50)
+    with dist.abort_on_error(COMM):
+        train.run(cfg, COMM, stop=stop)
+
+
+def case_stop(out):
+    """A stop request on one rank ends the run on all ranks after the same step."""
+    calls = {"n": 0}
+
+    def stop():
+        calls["n"] += 1
+        return RANK == SIZE - 1 and calls["n"] == 4
+    res = train.run(replace(BASE, max_steps=50), COMM, stop=stop)
+    steps = COMM.gather(len(res["steps"]["loss"]), root=0)
+    if RANK == 0:
+        with open(out, "w") as f:
+            json.dump({"steps_per_rank": steps, "stopped": res["stopped_early"]}, f)
+
+
+if __name__ == "__main__":
+    case, out = sys.argv[1], sys.argv[2]
+    {"train": case_train, "fault": case_fault, "stop": case_stop}[case](out)
