@@ -44,7 +44,7 @@ def add_config_arguments(p: argparse.ArgumentParser, defaults: Config | None = N
             continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        text = f"{Config.help(f.name)} (default: {default!r})"
+        text = f"{Config.help(f.name)} (default: {default!r})".replace("%", "%%")
         if f.type == "bool":
             g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                            default=None, help=text)
@@ -246,12 +246,13 @@ def _register_optional():
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from .data import DataError
+    from .dist import LauncherError
     _register_optional()
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
         return args.func(args, argv[1:])
-    except (UsageError, ConfigError, DataError) as e:
+    except (UsageError, ConfigError, DataError, LauncherError) as e:
         from .dist import launcher_rank
         if launcher_rank() == 0:
             print(f"pilab: error: {e}", file=sys.stderr)

@@ -59,9 +59,9 @@ class Config:
     lr_scaling: str = "none"  # rule from reference to global batch: none | linear | sqrt
     warmup_epochs: float = 0.0  # per-step linear warmup from ~0 to the peak lr, in epochs
     schedule: str = "cosine"  # after warmup, per step: cosine | step (x0.1 at 50%, 75%) | constant
-    momentum: float = 0.9
-    nesterov: bool = False
-    weight_decay: float = 5e-4
+    momentum: float = 0.9  # SGD/LARS momentum coefficient
+    nesterov: bool = False  # Nesterov momentum
+    weight_decay: float = 5e-4  # L2 penalty coefficient
     weight_decay_on: str = "weights"  # weights: conv/linear weights only | all parameters
     lars_eta: float = 0.001  # LARS trust coefficient
     # --- BatchNorm ---

@@ -209,6 +209,10 @@ def abort_on_error(comm, code: int = 1):
         comm.Abort(code)
 
 
+class LauncherError(RuntimeError):
+    """mpiexec and the MPI library don't belong together."""
+
+
 def check_launcher(comm) -> None:
     """Refuse a world of size 1 when the launcher started several processes.
 
@@ -217,7 +221,7 @@ def check_launcher(comm) -> None:
     """
     started = launcher_size()
     if comm is not None and comm.Get_size() == 1 and started > 1:
-        raise RuntimeError(
+        raise LauncherError(
             f"the launcher started {started} processes but MPI sees a world of size 1 in each: "
             "mpiexec and mpi4py's MPI library don't match; use the mpiexec of the same MPI "
             "(e.g. the one next to this Python) or `python -m pilab train --np N`")

@@ -2,7 +2,8 @@
 
     opt = build_optimizer(model, cfg, peak_lr=cfg.peak_lr(np_))
     for step in range(total):
-        set_lr(opt, lr_at(step, cfg, peak_lr, steps_per_epoch))
+        set_lr(opt, lr_at(step, peak_lr=peak_lr, total_steps=total, warmup_steps=warm,
+                          schedule=cfg.schedule))
 """
 from __future__ import annotations
 

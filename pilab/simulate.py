@@ -185,9 +185,10 @@ def train(cfg: Config, np_: int, *, callbacks=(), stop=None, data=None,
                                     augment=cfg.augment) for r in range(np_)]
     accounting = data_mod.epoch_accounting(ds.y_train, np_, b, cfg.sharding, seed=cfg.seed)
     spe = loaders[0].steps_per_epoch
-    total_steps = cfg.epochs * spe
-    if cfg.max_steps:
-        total_steps = min(total_steps, cfg.max_steps)
+    # The schedule spans all epochs; max_steps only cuts the run short (an interruption), so a run
+    # resumed from its checkpoint follows the same learning rates as an uninterrupted one.
+    schedule_steps = cfg.epochs * spe
+    total_steps = min(schedule_steps, cfg.max_steps) if cfg.max_steps else schedule_steps
     warmup_steps = round(cfg.warmup_epochs * spe)
     peak_lr = cfg.peak_lr(np_)
     # One rank per forward on CPU reproduces an MPI rank's arithmetic exactly (same conv kernels on
@@ -226,7 +227,7 @@ def train(cfg: Config, np_: int, *, callbacks=(), stop=None, data=None,
             if gstep >= total_steps:
                 break
             t0 = time.perf_counter()
-            lr = lr_at(gstep, peak_lr=peak_lr, total_steps=total_steps, warmup_steps=warmup_steps,
+            lr = lr_at(gstep, peak_lr=peak_lr, total_steps=schedule_steps, warmup_steps=warmup_steps,
                        schedule=cfg.schedule)
             set_lr(optimizer, lr)
             for a in avg:

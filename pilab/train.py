@@ -217,9 +217,10 @@ def train(cfg: Config, comm=None, *, callbacks=(), stop=None, data=None) -> tupl
                                   augment=cfg.augment)
     accounting = data_mod.epoch_accounting(ds.y_train, size, b, cfg.sharding, seed=cfg.seed)
     spe = loader.steps_per_epoch
-    total_steps = cfg.epochs * spe
-    if cfg.max_steps:
-        total_steps = min(total_steps, cfg.max_steps)
+    # The schedule spans all epochs; max_steps only cuts the run short (an interruption), so a run
+    # resumed from its checkpoint follows the same learning rates as an uninterrupted one.
+    schedule_steps = cfg.epochs * spe
+    total_steps = min(schedule_steps, cfg.max_steps) if cfg.max_steps else schedule_steps
     warmup_steps = round(cfg.warmup_epochs * spe)
     peak_lr = cfg.peak_lr(size)
 
@@ -261,7 +262,7 @@ def train(cfg: Config, comm=None, *, callbacks=(), stop=None, data=None) -> tupl
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             t1 = time.perf_counter()
             torch.manual_seed(step_seed(cfg.seed, epoch, step, rank))
-            lr = lr_at(gstep, peak_lr=peak_lr, total_steps=total_steps,
+            lr = lr_at(gstep, peak_lr=peak_lr, total_steps=schedule_steps,
                        warmup_steps=warmup_steps, schedule=cfg.schedule)
             set_lr(optimizer, lr)
             optimizer.zero_grad(set_to_none=False)
@@ -352,6 +353,7 @@ def train(cfg: Config, comm=None, *, callbacks=(), stop=None, data=None) -> tupl
         "np": size, "threads": threads,
         "per_rank_batch": b, "global_batch": b * size, "peak_lr": peak_lr,
         "warmup_steps": warmup_steps, "steps_per_epoch": spe, "total_steps": total_steps,
+        "schedule_steps": schedule_steps,
         "data": {"source": ds.source, "checksum": ds.checksum, "n_train": int(len(ds.y_train)),
                  "n_test": int(len(ds.y_test)), "sharding": cfg.sharding, **accounting},
         "env": env,

@@ -53,7 +53,7 @@ def reference_state(cfg: Config, ds, np_: int) -> list[dict]:
     params = [p for p in model.parameters()]
     for g in range(total):
         epoch, step = divmod(g, spe)
-        set_lr(opt, lr_at(g, peak_lr=cfg.peak_lr(np_), total_steps=total,
+        set_lr(opt, lr_at(g, peak_lr=cfg.peak_lr(np_), total_steps=cfg.epochs * spe,
                           warmup_steps=round(cfg.warmup_epochs * spe), schedule=cfg.schedule))
         grads = [torch.zeros_like(p) for p in params]
         for r in range(np_):
@@ -234,7 +234,7 @@ def _train_no_sync(cfg, ds):
     gs = dist.GradSync(model, COMM, bucket_mb=cfg.bucket_mb)
     for g in range(total):
         epoch, step = divmod(g, spe)
-        set_lr(opt, lr_at(g, peak_lr=cfg.peak_lr(SIZE), total_steps=total,
+        set_lr(opt, lr_at(g, peak_lr=cfg.peak_lr(SIZE), total_steps=cfg.epochs * spe,
                           warmup_steps=round(cfg.warmup_epochs * spe), schedule=cfg.schedule))
         x, y = loader.batch(epoch, step)
         torch.manual_seed(train.step_seed(cfg.seed, epoch, step, RANK))

@@ -1,0 +1,432 @@
+"""Bokeh figures for pilab: live while a run goes on, and from result / study dicts afterwards.
+
+Every function takes plain dicts (a ``train.run`` result, a ``scaling.study`` result, or their JSON) and
+returns a Bokeh figure or layout, so notebooks and the HTML report draw the same pictures::
+
+    from pilab import plots
+    plots.setup_notebook()                 # BokehJS inline: works offline, no CDN
+    live = plots.LivePlot()
+    live.widget()                          # a jupyter_bokeh BokehModel; display it, then:
+    run = lab.train(cfg, callbacks=[live]) # each event streams into the plots
+
+    plots.show(plots.result_layout(result))          # one run: curves + per-rank time split
+    html = bokeh.embed.file_html(plots.report_layout(study), INLINE, "scaling")   # the report
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Mapping
+
+from bokeh.layouts import column, gridplot, row
+from bokeh.models import ColumnDataSource, Div, HoverTool, Legend, Range1d
+from bokeh.palettes import Category10
+from bokeh.plotting import figure
+
+__all__ = ["setup_notebook", "show", "LivePlot", "loss_figure", "accuracy_figure",
+           "throughput_figure", "timeline_figure", "result_layout", "speedup_figure",
+           "efficiency_figure", "study_accuracy_figure", "curves_by_np", "scaling_dashboard",
+           "report_layout", "STEP_SOURCE", "EPOCH_SOURCE", "RANK_SOURCE"]
+
+# Names of the live ColumnDataSources; a browser finds them with doc.get_model_by_name(...).
+STEP_SOURCE = "pilab_steps"
+EPOCH_SOURCE = "pilab_epochs"
+RANK_SOURCE = "pilab_ranks"
+
+W, H = 430, 260  # one panel, pixels
+PARTS = ("compute", "comm_exposed", "comm_hidden", "data")  # how a rank's time splits
+PART_LABELS = {"compute": "compute", "comm_exposed": "communication (waited for)",
+               "comm_hidden": "communication (overlapped)", "data": "data loading"}
+PART_COLORS = {"compute": "#4c78a8", "comm_exposed": "#e45756", "comm_hidden": "#f2b8b5",
+               "data": "#72b7b2"}
+
+
+def setup_notebook() -> None:
+    """Load BokehJS into the notebook page from the installed bokeh package (inline, not the CDN,
+    which an offline lab or a Binder behind a proxy cannot reach)."""
+    from bokeh.io import output_notebook
+    from bokeh.resources import INLINE
+
+    output_notebook(INLINE, hide_banner=True)
+
+
+def show(obj) -> None:
+    """Display a Bokeh figure/layout in a notebook as a jupyter_bokeh widget."""
+    from IPython.display import display
+    from jupyter_bokeh import BokehModel
+
+    display(BokehModel(obj))
+
+
+def _fig(title: str, x_label: str, y_label: str, **kw) -> figure:
+    p = figure(title=title, width=kw.pop("width", W), height=kw.pop("height", H),
+               x_axis_label=x_label, y_axis_label=y_label, toolbar_location="right",
+               tools="pan,wheel_zoom,box_zoom,reset,save", **kw)
+    p.title.text_font_size = "11pt"
+    return p
+
+
+def _legend_outside(p: figure) -> None:
+    if p.legend:
+        p.legend.location = "top_left"
+        p.legend.click_policy = "hide"
+        p.legend.label_text_font_size = "8pt"
+        p.legend.background_fill_alpha = 0.6
+
+
+# ----------------------------------------------------------------------------------------------
+# per-run figures (shared by LivePlot and the static views)
+# ----------------------------------------------------------------------------------------------
+def _loss(src: ColumnDataSource) -> figure:
+    p = _fig("training loss per step", "step", "loss (mean over ranks)")
+    p.line("global_step", "loss", source=src, color=Category10[10][0], line_width=1.5)
+    p.add_tools(HoverTool(tooltips=[("step", "@global_step"), ("epoch", "@epoch"),
+                                    ("loss", "@loss{0.000}"), ("lr", "@lr{0.0000}")]))
+    return p
+
+
+def _accuracy(src: ColumnDataSource) -> figure:
+    p = _fig("accuracy per epoch", "epoch", "accuracy")
+    p.y_range = Range1d(0, 1)
+    for key, label, color in (("train_acc", "train", Category10[10][0]),
+                              ("test_acc", "test", Category10[10][1])):
+        p.line("epoch", key, source=src, color=color, line_width=2, legend_label=label)
+        p.scatter("epoch", key, source=src, color=color, size=6, legend_label=label)
+    p.add_tools(HoverTool(tooltips=[("epoch", "@epoch"), ("train", "@train_acc{0.000}"),
+                                    ("test", "@test_acc{0.000}")]))
+    _legend_outside(p)
+    return p
+
+
+def _throughput(src: ColumnDataSource) -> figure:
+    p = _fig("throughput", "step", "images / s (all ranks)")
+    p.line("global_step", "images_per_s", source=src, color=Category10[10][2], line_width=1.5)
+    return p
+
+
+def _timeline(src: ColumnDataSource, title: str = "where each rank's time went") -> figure:
+    p = _fig(title, "seconds (summed over epochs so far)", "rank", y_range=list(src.data["rank"]) or ["0"])
+    renderers = p.hbar_stack(list(PARTS), y="rank", height=0.7, source=src,
+                             color=[PART_COLORS[k] for k in PARTS])
+    legend = Legend(items=[(PART_LABELS[k], [r]) for k, r in zip(PARTS, renderers)],
+                    label_text_font_size="8pt", location="center")
+    p.add_layout(legend, "below")
+    p.height = H + 60
+    p.add_tools(HoverTool(tooltips=[("rank", "@rank"), ("compute", "@compute{0.00} s"),
+                                    ("comm waited", "@comm_exposed{0.00} s"),
+                                    ("comm overlapped", "@comm_hidden{0.00} s"),
+                                    ("data", "@data{0.00} s")]))
+    return p
+
+
+def _rank_columns(per_rank: Mapping[str, list]) -> dict:
+    """Columns for the per-rank stacked bars from an epoch record's ``per_rank`` (or sums of them)."""
+    compute = list(per_rank.get("compute", []))
+    n = len(compute)
+    comm = list(per_rank.get("comm", [0.0] * n))
+    exposed = list(per_rank.get("comm_exposed", [0.0] * n))
+    data = list(per_rank.get("data", [0.0] * n))
+    return {"rank": [str(r) for r in range(n)], "compute": compute, "comm_exposed": exposed,
+            "comm_hidden": [max(c - e, 0.0) for c, e in zip(comm, exposed)], "data": data}
+
+
+def _sum_per_rank(epochs: list[Mapping]) -> dict:
+    total: dict[str, list] = {}
+    for e in epochs:
+        for k, vals in (e.get("per_rank") or {}).items():
+            if k not in total:
+                total[k] = [0.0] * len(vals)
+            total[k] = [a + (b or 0.0) for a, b in zip(total[k], vals)]
+    return total
+
+
+def _step_columns(result: Mapping) -> dict:
+    steps = result.get("steps") or {}
+    loss = list(steps.get("loss", []))
+    n = len(loss)
+    spe = result.get("steps_per_epoch") or max(n, 1)
+    start = (result.get("resumed_from_epoch") or 0) * spe
+    times = list(steps.get("time", [None] * n))
+    gb = result.get("global_batch") or 0
+    return {"global_step": list(range(start + 1, start + n + 1)), "loss": loss,
+            "lr": list(steps.get("lr", [None] * n)),
+            "epoch": [start // spe + i // spe + 1 for i in range(n)],
+            "images_per_s": [gb / t if t else None for t in times]}
+
+
+def _epoch_columns(result: Mapping) -> dict:
+    ep = result.get("epochs") or []
+    return {k: [e.get(k) for e in ep] for k in
+            ("epoch", "train_acc", "test_acc", "train_loss", "test_loss", "images_per_s")}
+
+
+def loss_figure(result: Mapping) -> figure:
+    """Training loss per step of one run."""
+    return _loss(ColumnDataSource(_step_columns(result)))
+
+
+def accuracy_figure(result: Mapping) -> figure:
+    """Train and test accuracy per epoch of one run."""
+    return _accuracy(ColumnDataSource(_epoch_columns(result)))
+
+
+def throughput_figure(result: Mapping) -> figure:
+    """Images per second at each step of one run."""
+    return _throughput(ColumnDataSource(_step_columns(result)))
+
+
+def timeline_figure(result: Mapping) -> figure:
+    """Per-rank compute / communication / data seconds over the whole run, as stacked bars."""
+    return _timeline(ColumnDataSource(_rank_columns(_sum_per_rank(result.get("epochs") or []))),
+                     title=f"where each rank's time went (np={result.get('np', '?')})")
+
+
+def _summary(result: Mapping) -> str:
+    ep = (result.get("epochs") or [{}])[-1]
+    acc = ep.get("test_acc")
+    ips = result.get("images_per_s")
+    bits = [f"np={result.get('np')}", f"{len(result.get('epochs') or [])} epoch(s)",
+            f"test acc {acc:.3f}" if acc is not None else "no test accuracy",
+            f"{ips:.0f} images/s" if ips else "",
+            f"wall {result.get('wall_time', 0):.1f} s",
+            "stopped early" if result.get("stopped_early") else ""]
+    return " · ".join(b for b in bits if b)
+
+
+def result_layout(result: Mapping):
+    """One run at a glance: loss, accuracy, throughput and the per-rank time split."""
+    return column(Div(text=f"<b>{_summary(result)}</b>"),
+                  gridplot([[loss_figure(result), accuracy_figure(result)],
+                            [throughput_figure(result), timeline_figure(result)]]))
+
+
+# ----------------------------------------------------------------------------------------------
+# live
+# ----------------------------------------------------------------------------------------------
+class LivePlot:
+    """Plots that follow a run: call it with each train event (it is a ``train.run`` callback)::
+
+        live = plots.LivePlot()
+        live.widget()                               # display first (a jupyter_bokeh BokehModel)
+        result = train.run(cfg, callbacks=[live])   # or lab.train(cfg, callbacks=[live])
+
+    Step events stream into the loss and throughput plots, epoch events into the accuracy plot and the
+    per-rank time split; a start event clears everything for the new run. Safe to call from the
+    watcher thread of a :class:`pilab.cluster.Run` (updates are serialised).
+    """
+
+    def __init__(self):
+        self.steps = ColumnDataSource({"global_step": [], "loss": [], "lr": [], "epoch": [],
+                                       "images_per_s": []}, name=STEP_SOURCE)
+        self.epochs = ColumnDataSource({k: [] for k in ("epoch", "train_acc", "test_acc",
+                                                        "train_loss", "test_loss", "images_per_s")},
+                                       name=EPOCH_SOURCE)
+        self.ranks = ColumnDataSource(_rank_columns({}), name=RANK_SOURCE)
+        self.title = Div(text="<b>waiting for a run</b>", name="pilab_status")
+        self.timeline = _timeline(self.ranks)
+        self.layout = column(self.title, gridplot([[_loss(self.steps), _accuracy(self.epochs)],
+                                                   [_throughput(self.steps), self.timeline]]))
+        self._lock = threading.Lock()
+        self._widget = None
+        self._per_rank: dict[str, list] = {}
+        self._epochs_done = 0
+
+    def widget(self):
+        """The jupyter_bokeh widget showing these plots (one per LivePlot)."""
+        if self._widget is None:
+            from jupyter_bokeh import BokehModel
+
+            self._widget = BokehModel(self.layout)
+        return self._widget
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget())
+
+    def __call__(self, event: Mapping[str, Any]) -> None:
+        kind = event.get("kind")
+        with self._lock:
+            if kind == "start":
+                self._reset(event)
+            elif kind == "step":
+                self.steps.stream({"global_step": [event["global_step"]], "loss": [event["loss"]],
+                                   "lr": [event["lr"]], "epoch": [event["epoch"]],
+                                   "images_per_s": [event["images_per_s"]]})
+            elif kind == "epoch":
+                self._epoch(event)
+            elif kind == "end":
+                self.title.text = f"<b>{_summary(event['result'])}</b>"
+            elif kind == "error":
+                self.title.text = f"<b style='color:#c00'>{event.get('message', 'run failed')}</b>"
+
+    def _reset(self, event: Mapping) -> None:
+        self.steps.data = {k: [] for k in self.steps.data}
+        self.epochs.data = {k: [] for k in self.epochs.data}
+        n = int(event.get("np", 1))
+        self.ranks.data = _rank_columns({k: [0.0] * n for k in ("compute", "comm", "comm_exposed",
+                                                                 "data")})
+        self.timeline.y_range.factors = [str(r) for r in range(n)]
+        self._per_rank = {}
+        cfg = event.get("config") or {}
+        self.title.text = (f"<b>running on {n} rank(s): {cfg.get('model', '')} width "
+                           f"{cfg.get('width', '')}, {event.get('epochs', '?')} epoch(s) of "
+                           f"{event.get('steps_per_epoch', '?')} steps</b>")
+
+    def _epoch(self, event: Mapping) -> None:
+        self.epochs.stream({k: [event.get(k)] for k in self.epochs.data})
+        per_rank = event.get("per_rank")
+        if per_rank:
+            for k, vals in per_rank.items():
+                prev = self._per_rank.get(k, [0.0] * len(vals))
+                self._per_rank[k] = [a + (b or 0.0) for a, b in zip(prev, vals)]
+            self.ranks.data = _rank_columns(self._per_rank)
+
+
+# ----------------------------------------------------------------------------------------------
+# scaling studies
+# ----------------------------------------------------------------------------------------------
+def _rows(study: Mapping) -> list[Mapping]:
+    return sorted(study.get("rows") or [], key=lambda r: r["np"])
+
+
+def _row_source(study: Mapping) -> ColumnDataSource:
+    rows = _rows(study)
+    keys = ("np", "speedup", "efficiency", "karp_flatt", "images_per_s", "comm_share",
+            "comm_exposed_share", "final_train_acc", "final_test_acc", "time_per_epoch",
+            "wall_time", "speedup_to_target")
+    cols = {k: [r.get(k) for r in rows] for k in keys}
+    cols["ideal"] = [r["np"] / rows[0]["np"] for r in rows] if rows else []
+    cols["kind"] = ["simulated" if r.get("simulated") else "measured" for r in rows]
+    cols["verdict"] = ["fast but wrong" if r.get("fast_but_wrong") else "ok" for r in rows]
+    cols["color"] = ["#d62728" if r.get("fast_but_wrong") else "#1f77b4" for r in rows]
+    return ColumnDataSource(cols)
+
+
+def _np_axis(p: figure, study: Mapping) -> None:
+    nps = [r["np"] for r in _rows(study)]
+    if nps:
+        p.xaxis.ticker = nps
+
+
+def speedup_figure(study: Mapping) -> figure:
+    """Measured speedup against np with the ideal line; fast-but-wrong points in red."""
+    src = _row_source(study)
+    p = _fig("speedup vs processes", "processes (np)", "speedup (time per epoch, np=first)")
+    p.line("np", "ideal", source=src, color="gray", line_dash="dashed", legend_label="ideal")
+    p.line("np", "speedup", source=src, color="#1f77b4", line_width=2, legend_label="measured")
+    p.scatter("np", "speedup", source=src, color="color", size=9, legend_label="measured")
+    p.add_tools(HoverTool(tooltips=[("np", "@np"), ("speedup", "@speedup{0.00}"),
+                                    ("efficiency", "@efficiency{0%}"), ("", "@verdict (@kind)")]))
+    _np_axis(p, study)
+    _legend_outside(p)
+    return p
+
+
+def efficiency_figure(study: Mapping) -> figure:
+    """Parallel efficiency and the communication share of step time against np."""
+    src = _row_source(study)
+    p = _fig("efficiency and communication", "processes (np)", "fraction")
+    p.y_range = Range1d(0, 1.05)
+    p.line("np", "efficiency", source=src, color="#1f77b4", line_width=2, legend_label="efficiency")
+    p.scatter("np", "efficiency", source=src, color="color", size=8, legend_label="efficiency")
+    p.line("np", "comm_exposed_share", source=src, color="#e45756", line_width=2,
+           legend_label="communication waited for (share of step)")
+    p.add_tools(HoverTool(tooltips=[("np", "@np"), ("efficiency", "@efficiency{0%}"),
+                                    ("comm waited", "@comm_exposed_share{0%}"),
+                                    ("Karp-Flatt", "@karp_flatt{0.000}")]))
+    _np_axis(p, study)
+    _legend_outside(p)
+    return p
+
+
+def study_accuracy_figure(study: Mapping) -> figure:
+    """Final train and test accuracy against np: where faster stops meaning as good."""
+    src = _row_source(study)
+    p = _fig("final accuracy vs processes", "processes (np)", "accuracy")
+    p.y_range = Range1d(0, 1)
+    for key, label, color in (("final_train_acc", "train", Category10[10][0]),
+                              ("final_test_acc", "test", Category10[10][1])):
+        p.line("np", key, source=src, color=color, line_width=2, legend_label=label)
+        p.scatter("np", key, source=src, color=color, size=8, legend_label=label)
+    p.add_tools(HoverTool(tooltips=[("np", "@np"), ("train", "@final_train_acc{0.000}"),
+                                    ("test", "@final_test_acc{0.000}"), ("", "@verdict")]))
+    _np_axis(p, study)
+    _legend_outside(p)
+    return p
+
+
+def _runs(study: Mapping) -> list[tuple[int, Mapping]]:
+    runs = study.get("runs") or {}
+    return sorted(((int(k), v) for k, v in runs.items()), key=lambda kv: kv[0])
+
+
+def curves_by_np(study: Mapping):
+    """Per-np curves: test accuracy per epoch and training loss per step, one line per np."""
+    acc = _fig("test accuracy per epoch, by np", "epoch", "test accuracy")
+    acc.y_range = Range1d(0, 1)
+    loss = _fig("training loss by np", "fraction of training", "loss")
+    runs = _runs(study)
+    palette = Category10[10]
+    for i, (np_, res) in enumerate(runs):
+        color = palette[i % 10]
+        ep = _epoch_columns(res)
+        pts = [(e, a) for e, a in zip(ep["epoch"], ep["test_acc"]) if a is not None]
+        if pts:
+            acc.line([p[0] for p in pts], [p[1] for p in pts], color=color, line_width=2,
+                     legend_label=f"np={np_}")
+            acc.scatter([p[0] for p in pts], [p[1] for p in pts], color=color, size=5,
+                        legend_label=f"np={np_}")
+        losses = list((res.get("steps") or {}).get("loss", []))
+        if losses:
+            # Steps per epoch shrink as np grows: put every run on the same 0..1 axis.
+            xs = [(j + 1) / len(losses) for j in range(len(losses))]
+            loss.line(xs, losses, color=color, line_width=1.2, legend_label=f"np={np_}")
+    for p in (acc, loss):
+        _legend_outside(p)
+    return row(acc, loss)
+
+
+def _table(study: Mapping) -> Div:
+    head = ("np", "time/epoch s", "speedup", "efficiency", "images/s", "comm waited",
+            "test acc", "verdict")
+    rows = []
+    for r in _rows(study):
+        def f(k, fmt):
+            v = r.get(k)
+            return format(v, fmt) if isinstance(v, (int, float)) else "–"
+        verdict = "fast but wrong" if r.get("fast_but_wrong") else "ok"
+        if r.get("simulated"):
+            verdict += " (simulated)"
+        rows.append((str(r["np"]), f("time_per_epoch", ".1f"), f("speedup", ".2f"),
+                     f("efficiency", ".0%"), f("images_per_s", ".0f"),
+                     f("comm_exposed_share", ".0%"), f("final_test_acc", ".3f"), verdict))
+    html = "<table style='border-collapse:collapse;font-size:10pt'>"
+    html += "<tr>" + "".join(f"<th style='padding:2px 8px;border-bottom:1px solid #999'>{h}</th>"
+                             for h in head) + "</tr>"
+    for cells in rows:
+        html += "<tr>" + "".join(f"<td style='padding:2px 8px;text-align:right'>{c}</td>"
+                                 for c in cells) + "</tr>"
+    return Div(text=html + "</table>")
+
+
+def scaling_dashboard(study: Mapping):
+    """Speedup vs ideal, efficiency, accuracy vs np, and the per-np curves of a study."""
+    return column(gridplot([[speedup_figure(study), efficiency_figure(study)],
+                            [study_accuracy_figure(study), None]]),
+                  curves_by_np(study), _table(study))
+
+
+def report_layout(study: Mapping):
+    """Everything the HTML report shows for a study: the dashboard, then the per-rank time split of
+    the largest measured run::
+
+        from bokeh.embed import file_html
+        from bokeh.resources import INLINE
+        html = file_html(plots.report_layout(study), INLINE, "pilab scaling study")
+    """
+    parts = [scaling_dashboard(study)]
+    measured = [(np_, res) for np_, res in _runs(study)
+                if not any(r.get("simulated") for r in _rows(study) if r["np"] == np_)]
+    if measured:
+        parts.append(timeline_figure(measured[-1][1]))
+    return column(*parts)
