@@ -233,9 +233,11 @@ _EXTRA_COMMANDS: list = []
 
 def _register_optional():
     # Each study module adds its own subcommand; they import lazily so `train` starts fast.
+    if _EXTRA_COMMANDS:  # once per process: main() may be called again (tests, notebooks)
+        return
     import importlib
     import importlib.util
-    for name in ("simulate", "scaling", "perfmodel"):
+    for name in ("simulate", "scaling", "remedies", "perfmodel"):
         if importlib.util.find_spec(f"pilab.{name}") is None:
             continue
         mod = importlib.import_module(f"pilab.{name}")

@@ -77,12 +77,23 @@ def profile_dir(profile: str = "mpi") -> str:
     in this repository, or under ``$PILAB_PROFILES``) or a path to a profile directory."""
     if os.sep in profile or os.path.isdir(profile):
         return os.path.abspath(profile)
-    root = os.environ.get("PILAB_PROFILES") or os.path.join(_REPO, "profiles")
-    path = os.path.join(root, f"profile_{profile}")
-    if not os.path.isdir(path):
-        raise ClusterError(f"no ipyparallel profile {path}; use profile='mpi' or 'pi', or pass the "
-                           "path of a profile directory")
-    return path
+    name = f"profile_{profile}"
+    roots = [os.environ.get("PILAB_PROFILES", ""), os.path.join(_REPO, "profiles")]
+    # A non-editable install has no repository beside the package: look up from the working
+    # directory (a notebook runs in notebooks/, next to profiles/).
+    here = os.getcwd()
+    while True:
+        roots.append(os.path.join(here, "profiles"))
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    for root in roots:
+        if root and os.path.isdir(os.path.join(root, name)):
+            return os.path.join(root, name)
+    raise ClusterError(f"no ipyparallel profile {name} (looked in $PILAB_PROFILES, {_REPO}/profiles and "
+                       "above the working directory); use profile='mpi' or 'pi', or pass the path of a "
+                       "profile directory")
 
 
 def _hostfile_lines(path: str) -> list[tuple[str, int]]:
@@ -334,8 +345,13 @@ class Engines:
 
     # -- ending --------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Stop the engines and the controller if :func:`start` started them, else just disconnect."""
+        """Stop the engines and the controller if :func:`start` started them, else just disconnect.
+        A run still going is stopped first, every rank after its current step."""
         if self._run is not None and not self._run.done:
+            print("stopping the run first: every rank ends after its current step")
+            self._run.stop()
+            with contextlib.suppress(ClusterError):
+                self._run.wait(timeout=60)
             self._run._cluster_stopping = True
         if self.owned and self.ipp_cluster is not None:
             # Ask the engines to exit first: each rank then finalizes MPI and mpiexec ends cleanly,

@@ -121,7 +121,7 @@ def evaluate(model: nn.Module, ds, comm, device, *, np_: int | None = None,
         correct += (out.argmax(1) == y).sum().item()
     model.train()
     loss_sum, correct, n = reduce_sums([loss_sum, correct, len(y_all)], comm)
-    return loss_sum / n, correct / n
+    return float(loss_sum / n), float(correct / n)
 
 
 def environment(comm, threads: int, device) -> dict:
@@ -162,10 +162,19 @@ def atomic_write(path: str, write) -> None:
             os.remove(tmp)
 
 
+def _plain(o):
+    """JSON for numpy scalars and arrays (metrics reduced with MPI come back as numpy values)."""
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"{type(o).__name__} is not JSON serializable")
+
+
 def save_json(obj, path: str) -> None:
     def write(tmp):
         with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
+            json.dump(obj, f, indent=1, default=_plain)
     atomic_write(path, write)
 
 
@@ -278,7 +287,8 @@ def train(cfg: Config, comm=None, *, callbacks=(), stop=None, data=None) -> tupl
             want_stop = bool(stop()) if stop is not None else False
             correct = (out.argmax(1) == y).sum().item()
             t3 = time.perf_counter()
-            loss_sum, correct_sum, votes = reduce_sums([loss.item() * b, correct, want_stop], comm)
+            loss_sum, correct_sum, votes = map(float, reduce_sums([loss.item() * b, correct, want_stop],
+                                                                  comm))
             t4 = time.perf_counter()
             compute = (t2 - t1) - cstats.exposed
             comm_t = cstats.total + (t4 - t3)

@@ -1,0 +1,152 @@
+"""Validate pilab.perfmodel here: calibrate from a real np=1 run + micro-benchmark, predict held-out runs.
+
+    python benchmarks/bench_perfmodel.py                       # ~3 min on 2 busy cores
+    python benchmarks/bench_perfmodel.py --repeat 2 --out runs/bench_perfmodel.json
+
+1. the Allreduce micro-benchmark at np=2 and 3 (``pilab perfmodel bench``) -> alpha, beta;
+2. a real np=1 run (MobileNetV2-CIFAR width 0.25, 32 images/rank, one thread) -> the calibration;
+3. held-out real runs -- np=2, np=3, np=2 at width 0.5, np=2 at 16 images/rank -- each ~10-40 s;
+4. predicted vs measured training time of the epoch (``epochs[0].time``, first-step warm-up included)
+   and evaluation time, with the error in percent.
+
+The machine may be shared (Linux's autogroup scheduling gives each busy session an equal share of the
+cores, however many threads it runs). So each run's CPU seconds over its wall seconds -- the cores the job
+actually got -- are measured too. Column "as calibrated" is the model with the np=1 run taken as it was and
+all cores free; "share-aware" scales the np=1 run to the cores it got and tells the model the cores the
+held-out job got (``Cluster.available_cores``). MPICH ranks spin while they wait, so the cores a job
+"got" include some waiting. Nothing here asserts on timings.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from pilab import perfmodel  # noqa: E402
+from pilab.config import Config  # noqa: E402
+
+BASE = dict(width=0.25, batch_size=32, train_subset=960, test_subset=200, epochs=1, threads=1)
+HELD_OUT = [
+    ("np2", 2, {}),
+    ("np3", 3, {}),
+    ("np2 width 0.5", 2, {"width": 0.5}),
+    ("np2 batch 16", 2, {"batch_size": 16}),
+]
+
+
+def cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)  # includes the ranks mpiexec waited for
+    return ru.ru_utime + ru.ru_stime
+
+
+def train(np_: int, settings: dict, out: str, mpiexec: str | None) -> tuple[dict, float]:
+    """One real run through the CLI; returns (result, cores the job got on average)."""
+    cmd = [sys.executable, "-m", "pilab", "train", "--quiet", "--out", out]
+    if np_ > 1:
+        cmd += ["--np", str(np_)]
+        if mpiexec:
+            cmd += ["--mpiexec", mpiexec]
+    for k, v in settings.items():
+        cmd += ["--" + k.replace("_", "-"), str(v)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(settings.get("threads", 1)))
+    cpu0, t0 = cpu_seconds(), time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    cores = (cpu_seconds() - cpu0) / (time.perf_counter() - t0)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    with open(os.path.join(out, "result.json")) as f:
+        result = json.load(f)
+    return result, cores
+
+
+def pct(pred: float, meas: float) -> float:
+    return 100 * (pred - meas) / meas
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeat", type=int, default=1,
+                   help="repeat calibration + held-out runs this many times (default 1)")
+    p.add_argument("--bench-nps", type=int, nargs="+", default=[2, 3],
+                   help="np of the Allreduce micro-benchmark (default 2 3)")
+    p.add_argument("--mpiexec", default=None, help="launcher (default: next to this Python)")
+    p.add_argument("--out", default=None, help="write every number as JSON here")
+    args = p.parse_args(argv)
+
+    bench = perfmodel.run_comm_bench(args.bench_nps, mpiexec=args.mpiexec)
+    fit = bench["fit"]
+    print(f"micro-benchmark (np {' '.join(map(str, args.bench_nps))}): "
+          f"alpha {fit['alpha'] * 1e6:.1f} us, beta "
+          f"{fit['beta'] * 1e9:.3f} ns/B ({fit['bandwidth_MBps'] or 0:.0f} MB/s), fit rms "
+          f"{100 * fit['rel_rms']:.0f}%; oversubscribed extra {fit['oversub_alpha'] * 1e6:.0f} us/round")
+
+    rows, cals = [], []
+    with tempfile.TemporaryDirectory(prefix="pilab-bench-pm-") as tmp:
+        for rep in range(args.repeat):
+            r1, got1 = train(1, BASE, os.path.join(tmp, f"np1_{rep}"), args.mpiexec)
+            cal_idle = perfmodel.calibrate(r1, bench, source="np=1 run")
+            cal_load = perfmodel.calibrate(r1, bench, source="np=1 run", available_cores=got1)
+            cals.append({"as_calibrated": cal_idle.to_dict(), "share_aware": cal_load.to_dict(),
+                         "np1_time": r1["epochs"][0]["time"], "np1_cores_got": got1})
+            print(f"\nrepeat {rep + 1}: np=1 epoch {r1['epochs'][0]['time']:.2f} s, the job got "
+                  f"{got1:.2f} cores -> {cal_idle.compute_s_per_image * 1e3:.2f} ms/image as run, "
+                  f"{cal_load.compute_s_per_image * 1e3:.2f} ms/image with its core to itself")
+            for name, np_, change in HELD_OUT:
+                settings = {**BASE, **change}
+                res, got = train(np_, settings, os.path.join(tmp, f"{name.replace(' ', '_')}_{rep}"),
+                                 args.mpiexec)
+                cfg = Config(**settings)
+                idle = perfmodel.predict(cfg, np_, cal_idle)
+                demand = np_ * settings["threads"]
+                box = perfmodel.this_box(cal_load)
+                if got < 0.95 * min(demand, box.cores_per_node):  # the job did not get what it wanted
+                    box = dataclasses.replace(box, available_cores=got)
+                aware = perfmodel.predict(cfg, np_, box)
+                ep = res["epochs"][0]
+                rows.append({
+                    "repeat": rep + 1, "run": name, "np": np_, "width": cfg.width,
+                    "batch": cfg.batch_size, "cores_got": got,
+                    "measured_time": ep["time"], "predicted_time_idle": idle["first_epoch_time"],
+                    "err_idle_pct": pct(idle["first_epoch_time"], ep["time"]),
+                    "predicted_time_share_aware": aware["first_epoch_time"],
+                    "err_share_aware_pct": pct(aware["first_epoch_time"], ep["time"]),
+                    "measured_eval": ep["eval_time"], "predicted_eval_share_aware": aware["eval_time"],
+                    "err_eval_pct": pct(aware["eval_time"], ep["eval_time"]),
+                    "measured_compute": ep["compute"], "predicted_compute": aware["compute"],
+                    "measured_comm_exposed": ep["comm_exposed"],
+                    "predicted_comm_exposed": aware["comm_exposed"],
+                })
+
+    print("\npredicted vs measured training time of the epoch (seconds; err = (pred - meas) / meas)")
+    head = (f"{'run':<15}{'rep':>4}{'cores':>6}{'measured':>10}{'as calib.':>10}{'err':>7}"
+            f"{'share-aware':>12}{'err':>7}{'eval meas':>11}{'pred':>7}{'err':>7}")
+    print(head)
+    for r in rows:
+        print(f"{r['run']:<15}{r['repeat']:>4}{r['cores_got']:>6.2f}{r['measured_time']:>10.2f}"
+              f"{r['predicted_time_idle']:>10.2f}{r['err_idle_pct']:>6.0f}%"
+              f"{r['predicted_time_share_aware']:>12.2f}{r['err_share_aware_pct']:>6.0f}%"
+              f"{r['measured_eval']:>11.2f}{r['predicted_eval_share_aware']:>7.2f}{r['err_eval_pct']:>6.0f}%")
+    for key in ("err_idle_pct", "err_share_aware_pct"):
+        errs = [abs(r[key]) for r in rows]
+        within = sum(e <= 15 for e in errs)
+        print(f"{key}: median |err| {statistics.median(errs):.0f}%, within 15%: {within}/{len(errs)}")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"bench": bench, "calibrations": cals, "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

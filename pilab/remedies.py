@@ -1,0 +1,173 @@
+"""Remedies: which settings keep accuracy at large np, and what they cost in time.
+
+With the simulator (exact np-rank emulation in one process) each candidate's accuracy at np ranks is
+measured on real data; the performance model gives its time per epoch and time to target. Candidates
+are the baseline, one change at a time (so each cause shows on its own), and the published recipes
+combined (Goyal et al.'s linear scaling + warmup; LARS + warmup; a fixed global batch)::
+
+    from pilab.config import Config
+    from pilab import remedies
+    res = remedies.search(Config(width=0.25, epochs=4, train_subset=2000), np_=48)
+    res["candidates"]   # label, changes, final_test_acc, epoch_time, time_to_target, pareto
+    res["best"]         # the Pareto front (time vs accuracy), most accurate first
+
+    python -m pilab remedies --np 48 --out runs/remedies
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+
+from .config import Config, ConfigError
+
+
+def candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
+    """(label, changes) pairs: the baseline, single-factor changes, then combined recipes."""
+    warm = max(1.0, round(cfg.epochs / 5, 1))
+    # A fixed global batch of the size a single rank used, rounded to a multiple of np (>= 2 per rank).
+    per = max(2, round(cfg.batch_size / np_))
+    fixed_global = {"batch_mode": "global", "batch_size": per * np_}
+    out = [
+        ("baseline", {}),
+        ("linear lr", {"lr_scaling": "linear"}),
+        ("sqrt lr", {"lr_scaling": "sqrt"}),
+        (f"warmup {warm:g} ep", {"warmup_epochs": warm}),
+        ("lars", {"optimizer": "lars", "lr_scaling": "linear", "lr": cfg.lr * 20}),
+        ("ghost BN 8", {"ghost_batch": 8} if cfg.per_rank_batch(np_) % 8 == 0 else None),
+        ("BN buffers averaged", {"bn_buffers": "average"}),
+        (f"fixed global batch {per * np_}", fixed_global),
+        (f"{2 * cfg.epochs} epochs", {"epochs": 2 * cfg.epochs}),
+        ("linear lr + warmup", {"lr_scaling": "linear", "warmup_epochs": warm}),
+        ("sqrt lr + warmup", {"lr_scaling": "sqrt", "warmup_epochs": warm}),
+        ("lars + warmup", {"optimizer": "lars", "lr_scaling": "linear", "lr": cfg.lr * 20,
+                           "warmup_epochs": warm}),
+        ("fixed global batch + sqrt lr", {**fixed_global, "lr_scaling": "sqrt"}),
+        (f"sqrt lr + warmup, {2 * cfg.epochs} epochs",
+         {"lr_scaling": "sqrt", "warmup_epochs": warm, "epochs": 2 * cfg.epochs}),
+    ]
+    return [(label, ch) for label, ch in out if ch is not None]
+
+
+def pareto(points: list[dict], time_key: str = "epochs_time", acc_key: str = "final_test_acc") -> list[bool]:
+    """True for points no other point beats on both time (lower) and accuracy (higher)."""
+    flags = []
+    for p in points:
+        t, a = p.get(time_key), p.get(acc_key)
+        if t is None or a is None:
+            flags.append(False)
+            continue
+        dominated = any(q is not p and q.get(time_key) is not None and q.get(acc_key) is not None
+                        and q[time_key] <= t and q[acc_key] >= a
+                        and (q[time_key] < t or q[acc_key] > a) for q in points)
+        flags.append(not dominated)
+    return flags
+
+
+def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=None,
+           target_fraction: float = 0.9, reference_acc: float | None = None, data=None,
+           callbacks=(), log=None) -> dict:
+    """Simulate every candidate at ``np_`` ranks; rank them by accuracy and by predicted time.
+
+    ``reference_acc`` (e.g. the np=1 run's final test accuracy) sets the target accuracy; without it
+    the baseline candidate simulated at np=1 is run first to get it.
+    """
+    from . import simulate
+    from .scaling import time_to_target
+    from .train import load_data
+    ds = data if data is not None else load_data(cfg)
+    cands = candidates(cfg, np_)
+    if only:
+        cands = [c for c in cands if c[0] in only]
+        if not cands:
+            raise ConfigError(f"none of {only} is a candidate; see remedies.candidates()")
+    sim_cfg = replace(cfg, out="", threads=cfg.threads)
+    if reference_acc is None:
+        ref = simulate.run(sim_cfg, 1, data=ds)
+        reference_acc = ref["epochs"][-1]["test_acc"]
+    target = target_fraction * reference_acc
+    rows = []
+    for label, changes in cands:
+        try:
+            c = replace(sim_cfg, **changes)
+            c.check_world(np_, len(ds.y_train))
+        except ConfigError as e:
+            rows.append({"label": label, "changes": changes, "skipped": str(e)})
+            continue
+        res = simulate.run(c, np_, data=ds)
+        epoch_time = None
+        if calibration is not None:
+            from . import perfmodel
+            epoch_time = perfmodel.predict(c, np_, calibration)["time"]
+        times = [epoch_time] * len(res["epochs"]) if epoch_time else None
+        last = res["epochs"][-1]
+        row = {"label": label, "changes": changes, "global_batch": res["global_batch"],
+               "per_rank_batch": res["per_rank_batch"], "peak_lr": res["peak_lr"],
+               "steps": res["total_steps"], "final_test_acc": last["test_acc"],
+               "final_train_loss": last["train_loss"],
+               "test_acc_curve": [e["test_acc"] for e in res["epochs"]],
+               "epoch_time": epoch_time,
+               "epochs_time": epoch_time * len(res["epochs"]) if epoch_time else None,
+               "time_to_target": time_to_target(res, target, times) if times else None,
+               "reached_target": any((e["test_acc"] or 0) >= target for e in res["epochs"])}
+        rows.append(row)
+        for cb in callbacks:
+            cb({"kind": "candidate", **row})
+        if log:
+            log(f"  {label:<34} test acc {row['final_test_acc']:.3f}")
+    done = [r for r in rows if "skipped" not in r]
+    have_time = any(r["epochs_time"] for r in done)
+    flags = pareto(done) if have_time else [False] * len(done)
+    for r, f in zip(done, flags):
+        r["pareto"] = f
+    best = sorted((r for r in done if r["pareto"]) if have_time else done,
+                  key=lambda r: -(r["final_test_acc"] or 0))
+    return {"kind": "pilab.remedies", "np": np_, "config": cfg.to_dict(),
+            "reference_acc": reference_acc, "target_accuracy": target,
+            "candidates": rows, "best": best[:5]}
+
+
+def table(res: dict) -> str:
+    lines = [f"np={res['np']}  reference accuracy {res['reference_acc']:.3f}  "
+             f"target {res['target_accuracy']:.3f}",
+             f"{'candidate':<36}{'glob.batch':>10}{'peak lr':>9}{'steps':>7}{'test acc':>9}"
+             f"{'time s':>9}{'→target':>10}  pareto"]
+    for r in res["candidates"]:
+        if "skipped" in r:
+            lines.append(f"{r['label']:<36}skipped: {r['skipped']}")
+            continue
+        t = f"{r['epochs_time']:.0f}" if r["epochs_time"] else "–"
+        ttt = f"{r['time_to_target']:.0f}s" if r["time_to_target"] else (
+            "not reached" if not r["reached_target"] else "–")
+        lines.append(f"{r['label']:<36}{r['global_batch']:>10}{r['peak_lr']:>9.3g}{r['steps']:>7}"
+                     f"{r['final_test_acc']:>9.3f}{t:>9}{ttt:>10}  {'*' if r.get('pareto') else ''}")
+    return "\n".join(lines)
+
+
+def add_cli(sub) -> None:
+    from .cli import add_config_arguments
+    from .scaling import DEMO
+    p = sub.add_parser("remedies", help="search settings that stay accurate at large np (simulated)",
+                       description="Simulate the baseline and candidate remedies at --np ranks and "
+                                   "print accuracy, predicted time and the Pareto front.")
+    p.add_argument("--np", type=int, default=48, help="process count to find remedies for (default 48)")
+    p.add_argument("--only", default="", help="comma-separated candidate labels to run (default: all)")
+    p.add_argument("--reference-acc", type=float, default=None,
+                   help="accuracy to aim at (default: the baseline simulated at np=1)")
+    add_config_arguments(p, replace(DEMO, out="runs/remedies"))
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args, argv) -> int:
+    from .cli import config_from_args
+    from .scaling import DEMO
+    from .train import save_json
+    cfg = config_from_args(args, replace(DEMO, out="runs/remedies"))
+    only = [s.strip() for s in args.only.split(",") if s.strip()] or None
+    res = search(cfg, args.np, only=only, reference_acc=args.reference_acc,
+                 log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(table(res))
+    if cfg.out:
+        save_json(res, os.path.join(cfg.out, "remedies.json"))
+        print(f"result: {os.path.join(cfg.out, 'remedies.json')}")
+    return 0

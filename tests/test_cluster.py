@@ -1,0 +1,291 @@
+"""pilab.cluster against real ipyparallel engines that are MPI ranks (mpiexec -n 2 on this machine).
+
+One cluster serves most tests (starting one costs ~8 s); the test that kills an engine starts its own.
+Timings are written to test-artifacts/cluster_timings.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("ipyparallel")
+pytest.importorskip("mpi4py")
+
+from ipyparallel import interactive  # noqa: E402  (engines get these test helpers by value)
+
+from pilab import cluster  # noqa: E402
+from pilab.config import Config  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARTIFACTS = os.path.join(REPO, "test-artifacts")
+TIMINGS: dict = {}
+
+# A few seconds per run on 2 shared cores: 256 images, 8 steps of 16 per rank per epoch.
+TINY = Config(width=0.25, train_subset=256, test_subset=128, epochs=1, batch_size=16, threads=1)
+
+
+def _save_timings():
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    with open(os.path.join(ARTIFACTS, "cluster_timings.json"), "w") as f:
+        json.dump(TIMINGS, f, indent=1)
+
+
+@pytest.fixture(scope="module")
+def lab():
+    t = time.monotonic()
+    lab = cluster.start(n=2)
+    TIMINGS["start_s"] = round(time.monotonic() - t, 2)
+    yield lab
+    t = time.monotonic()
+    lab.stop()
+    TIMINGS["stop_s"] = round(time.monotonic() - t, 2)
+    _save_timings()
+
+
+def _first_step(run, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not any(e.get("kind") == "step" for e in run.events):
+        assert not run.done, f"run ended before its first step: {run.describe()}"
+        assert time.monotonic() < deadline, "no step event within the timeout"
+        time.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------------------------
+# profiles (no engines)
+# ----------------------------------------------------------------------------------------------
+def test_mpi_profile_names_mpiexec_by_absolute_path(monkeypatch):
+    # A notebook kernel's PATH often lacks the venv's bin: the profile must not rely on it.
+    import ipyparallel as ipp
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.delenv("PILAB_MPIEXEC", raising=False)
+    c = ipp.Cluster(profile_dir=cluster.profile_dir("mpi"))
+    cmd = c.config.MPIEngineSetLauncher.mpi_cmd
+    assert os.path.isabs(cmd[0]) and os.access(cmd[0], os.X_OK), cmd
+    assert cmd[0] == os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    assert c.engine_launcher_class.__name__ == "MPIEngineSetLauncher"
+
+
+def test_pi_profile_settings(tmp_path, monkeypatch):
+    import ipyparallel as ipp
+
+    template = os.path.join(cluster.profile_dir("pi"), "hosts.template")
+    assert cluster.hostfile_slots(template) == 48  # 24 nodes x 2 ranks
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# two boards\nnode1:2\nnode2:2\n")
+    monkeypatch.setenv("PILAB_HOSTFILE", str(hosts))
+    monkeypatch.delenv("PILAB_CONTROLLER_IP", raising=False)
+    cfg = ipp.Cluster(profile_dir=cluster.profile_dir("pi")).config
+    assert cfg.Cluster.n == 4
+    assert cfg.MPIEngineSetLauncher.mpi_args == ["-f", str(hosts)]
+    assert os.path.isabs(cfg.MPIEngineSetLauncher.mpi_cmd[0])
+    # Listening on localhost would keep engines on other boards from ever registering.
+    assert cfg.Cluster.controller_ip == "0.0.0.0"
+    assert cfg.Cluster.engine_timeout >= 120
+
+
+def test_pi_profile_without_hostfile_says_what_to_do(tmp_path, monkeypatch):
+    # ipyparallel would log the config error and start engines on localhost; start() refuses.
+    monkeypatch.setenv("PILAB_HOSTFILE", str(tmp_path / "missing"))
+    with pytest.raises(cluster.ClusterError, match="hosts.template"):
+        cluster.start(profile="pi", n=None)
+
+
+def test_pi_profile_engines_register_over_the_lan_address(tmp_path, monkeypatch):
+    addrs = cluster.non_loopback_addresses()
+    if not addrs:
+        pytest.skip("this machine has no non-loopback IPv4 address to bind the controller to")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    monkeypatch.setenv("PILAB_HOSTFILE", str(hosts))
+    monkeypatch.setenv("PILAB_CONTROLLER_IP", addrs[0])
+    lab = cluster.start(profile="pi", n=None)
+    try:
+        assert lab.size == 2
+        info = json.load(open(lab.ipp_cluster.cluster_file))["cluster"]
+        assert info["controller_ip"] == addrs[0] and info["controller_location"] == addrs[0]
+        # The engines reached the controller on that address (it listens on nothing else).
+        engine_info = json.load(open(os.path.join(lab.ipp_cluster.profile_dir, "security",
+                                                  f"ipcontroller-{lab.ipp_cluster.cluster_id}-engine.json")))
+        assert engine_info["location"] == addrs[0], engine_info
+        assert [r["rank"] for r in lab.ranks] == [0, 1]
+        assert lab.apply(_allreduce_rank) == [1, 1]
+    finally:
+        lab.stop()
+
+
+@interactive
+def _allreduce_rank():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.allreduce(MPI.COMM_WORLD.Get_rank())
+
+
+# ----------------------------------------------------------------------------------------------
+# one cluster of 2 engines
+# ----------------------------------------------------------------------------------------------
+def test_engines_map_to_ranks_in_rank_order(lab):
+    assert lab.size == 2
+    assert [r["rank"] for r in lab.ranks] == [0, 1]
+    for r in range(lab.size):
+        # Ask each engine directly: the map must agree with what the engine says.
+        assert lab.client[lab.engine(r)].apply_sync(cluster.whoami)["rank"] == r
+        assert lab.rank_of(lab.engine(r)) == r
+    assert [w["rank"] for w in lab.apply(cluster.whoami)] == [0, 1]
+    assert lab.view.targets == lab.engine_ids
+    assert lab.missing() == []
+    assert "rank  1 = engine" in repr(lab)
+
+
+def test_stop_ends_all_ranks_within_a_step_and_a_second_run_works(lab):
+    events = []
+    run = lab.train(replace(TINY, epochs=50), callbacks=[events.append])
+    _first_step(run)
+    steps = [e for e in events if e.get("kind") == "step"]
+    step_s = max(e["time"] for e in steps)
+    t = time.monotonic()
+    run.stop()
+    result = run.wait(timeout=120)
+    latency = time.monotonic() - t
+    TIMINGS["stop_latency_s"], TIMINGS["step_s"] = round(latency, 2), round(step_s, 3)
+    assert result["stopped_early"] is True and run.status == "stopped"
+    assert result["np"] == 2
+    assert latency < step_s + 10, (latency, step_s)
+    # Every engine finished its task (none left training) and both are idle again.
+    assert run.ar.ready() and all(v == 0 for k, v in lab.client.queue_status().items()
+                                  if k in lab.engine_ids for v in [v["tasks"]])
+    assert [e["kind"] for e in events][0] == "start" and events[-1]["kind"] == "end"
+
+    # The same engines train again, to the end this time.
+    t = time.monotonic()
+    run2 = lab.train(replace(TINY, max_steps=3))
+    result2 = run2.wait(timeout=180)
+    TIMINGS["second_run_s"] = round(time.monotonic() - t, 2)
+    assert run2.status == "done" and result2["stopped_early"] is False
+    assert len(result2["steps"]["loss"]) == 3
+    TIMINGS["losses_local_data"] = result2["steps"]["loss"]
+
+
+def test_scattered_shards_equal_local_loading(lab):
+    # Rank 0 alone reads the data; the others get their shard by Scatterv and must hold exactly the
+    # rows a local load would give them.
+    checks = lab.apply(_check_scatter, TINY.seed, timeout=180)
+    for r, c in enumerate(checks):
+        assert c["rank"] == r and c["shard_rows_equal"] and c["test_rows_equal"], c
+        assert c["loader_shard_size"] == c["expected_shard_size"]
+    if "losses_local_data" not in TIMINGS:
+        pytest.skip("needs the run of the previous test to compare losses")
+    result = lab.train(replace(TINY, max_steps=3), scatter=True).wait(timeout=180)
+    assert result["steps"]["loss"] == TIMINGS["losses_local_data"]
+
+
+@interactive
+def _check_scatter(seed):
+    import numpy as np
+    from mpi4py import MPI
+
+    from pilab import cluster as cl
+    from pilab import data
+
+    comm = MPI.COMM_WORLD
+    full = data.load("embedded", train_subset=256, test_subset=128, seed=seed)
+    local = cl.scatter_shards(full if comm.rank == 0 else None, comm, seed=seed)
+    shard = data.static_shards(full.y_train, comm.size, seed)[comm.rank]
+    sl = data.test_shard(len(full.y_test), comm.size, comm.rank)
+    loader = data.ShardLoader(local, comm.size, comm.rank, 16, seed=seed)
+    return {"rank": comm.rank,
+            "shard_rows_equal": bool(np.array_equal(local.x_train[shard], full.x_train[shard])
+                                     and np.array_equal(local.y_train, full.y_train)),
+            "test_rows_equal": bool(np.array_equal(local.x_test[sl], full.x_test[sl])),
+            "loader_shard_size": loader.shard_size, "expected_shard_size": len(shard)}
+
+
+def test_fewer_processes_run_on_a_sub_communicator(lab):
+    run = lab.train(replace(TINY, max_steps=2), np_=1)
+    result = run.wait(timeout=180)
+    assert result["np"] == 1 and result["global_batch"] == TINY.batch_size
+    assert run.ar.get()[1] == {"rank": 1, "idle": True}
+    with pytest.raises(cluster.ClusterError, match="between 1 and the 2"):
+        lab.train(TINY, np_=3)
+
+
+def test_px_cell_interrupt_sets_the_stop_flag(lab):
+    # What `%%px` does on a kernel interrupt: SIGINT to the engines while the cell runs.
+    lab.push(cfg=replace(TINY, epochs=50))
+    ar = lab.view.execute(
+        "from mpi4py import MPI\nfrom pilab import cluster, train\n"
+        "cbs = [cluster.publish] if MPI.COMM_WORLD.rank == 0 else []\n"
+        "with cluster.stop_flag() as stop:\n"
+        "    result, model = train.train(cfg, MPI.COMM_WORLD, stop=stop, callbacks=cbs)\n",
+        block=False)
+    deadline = time.monotonic() + 120
+    while len(ar.data[0]) < 2:  # start + one step published by rank 0: the loop is running
+        assert not ar.ready(), ar.get()
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    t = time.monotonic()
+    lab.client.send_signal("SIGINT", targets=[lab.engine(0)], block=True)
+    ar.get(timeout=60)
+    TIMINGS["px_interrupt_latency_s"] = round(time.monotonic() - t, 2)
+    assert all(r["stopped_early"] for r in lab.view.pull("result", block=True))
+    # rank_state gathers in rank order and shows on rank 0 only.
+    lab.view.execute("t = cluster.rank_state(MPI.COMM_WORLD, model, result)", block=True)
+    tables = lab.view.pull("t", block=True)
+    assert tables[1] is None and [row["rank"] for row in tables[0]] == [0, 1]
+    assert [row["shard_size"] for row in tables[0]] == [128, 128]
+    # BN running stats were broadcast from rank 0 before evaluation.
+    assert tables[0][0]["bn_running_mean"] == tables[0][1]["bn_running_mean"]
+    assert "bn_running_mean" in repr(tables[0])
+
+
+def test_a_stuck_rank_is_reported_not_waited_for(lab):
+    run = lab.train(replace(TINY, epochs=50), hang_s=4)
+    _first_step(run)
+    pid = lab.ranks[1]["pid"]
+    os.kill(pid, signal.SIGSTOP)  # rank 1 freezes; rank 0 waits for it in the allreduce
+    try:
+        t = time.monotonic()
+        with pytest.raises(cluster.ClusterError, match="no progress") as err:
+            run.wait(timeout=60)
+        TIMINGS["hang_reported_s"] = round(time.monotonic() - t, 2)
+        assert "rank 1: stopped" in str(err.value)
+        assert run.status == "hung"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # Rank 1 resumes; stop the run so the cluster is free again.
+    lab.interrupt()
+    run.ar.get(timeout=60)
+
+
+# ----------------------------------------------------------------------------------------------
+# a rank that dies (own cluster: MPI ends the whole job)
+# ----------------------------------------------------------------------------------------------
+def test_a_killed_engine_is_reported_not_a_hang():
+    lab = cluster.start(n=2)
+    try:
+        run = lab.train(replace(TINY, epochs=50))
+        _first_step(run)
+        os.kill(lab.ranks[1]["pid"], signal.SIGKILL)
+        t = time.monotonic()
+        with pytest.raises(cluster.ClusterError, match="died") as err:
+            run.wait(timeout=60)
+        TIMINGS["death_reported_s"] = round(time.monotonic() - t, 2)
+        assert "rank 1" in str(err.value) and run.status == "died"
+        assert 1 in lab.missing()
+        with pytest.raises(cluster.ClusterError, match="rank 1"):
+            lab.train(TINY)
+        with pytest.raises(cluster.ClusterError, match="rank 1"):
+            lab.apply(cluster.whoami, timeout=30)
+    finally:
+        t = time.monotonic()
+        lab.stop()
+        TIMINGS["stop_after_death_s"] = round(time.monotonic() - t, 2)
+        _save_timings()

@@ -1,0 +1,248 @@
+"""pilab.perfmodel: published figures, alpha-beta fit, schedules, monotonic sanity, a real np=1 calibration,
+and the micro-benchmark under a real `mpiexec -n 2`. Plain pytest; nothing asserts on how fast this box is."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from conftest import MPIEXEC, mpi_env
+from pilab import perfmodel as pm
+from pilab.config import Config
+
+
+# ---- the published figures -------------------------------------------------------------------
+def test_published_speedup_at_48_is_41_6_percent_against_p0_2():
+    assert pm.efficiency(9.99, 48, 2) == pytest.approx(0.416, abs=5e-4)
+    assert pm.efficiency(9.99, 48, 1) == pytest.approx(0.208, abs=5e-4)  # not what was published
+
+
+def test_published_efficiencies_are_consistent_with_E_equals_S_p0_over_p():
+    rows = {r["np"]: r for r in pm.published_table()}
+    assert set(rows) == {4, 8, 48}
+    for p, r in rows.items():
+        assert pm.efficiency(r["speedup"], p, 2) == pytest.approx(r["efficiency"], abs=5e-4)
+    assert rows[4]["speedup"] == pytest.approx(1.818)
+    assert rows[8]["speedup"] == pytest.approx(2.092)
+    assert rows[48]["speedup_published"] and not rows[4]["speedup_published"]
+
+
+def test_speedup_and_karp_flatt():
+    assert pm.speedup(100.0, 25.0) == 4.0
+    assert pm.karp_flatt(4.0, 8, 2) == pytest.approx(0.0)  # perfect scaling: no serial fraction
+    assert pm.karp_flatt(1.0, 4, 2) == pytest.approx(1.0)  # no speedup at all: fully serial
+    assert math.isnan(pm.karp_flatt(1.0, 2, 2))
+    # Amdahl with serial fraction f gives back f
+    f, n = 0.1, 24
+    S = 1 / (f + (1 - f) / n)
+    assert pm.karp_flatt(S, 48, 2) == pytest.approx(f)
+
+
+# ---- schedules and the alpha-beta fit ------------------------------------------------------------
+@pytest.mark.parametrize("p", [2, 3, 4, 6, 8, 48])
+def test_schedules(p):
+    m = 1 << 20
+    ring = pm.allreduce_rounds(p, m, "ring")
+    assert len(ring) == 2 * (p - 1)
+    rd = pm.allreduce_rounds(p, m, "recursive_doubling")
+    pof2 = 1 << (p.bit_length() - 1)
+    fold = 2 if p != pof2 else 0
+    assert len(rd) == int(math.log2(pof2)) + fold
+    rab = pm.allreduce_rounds(p, m, "rabenseifner")
+    assert len(rab) == 2 * int(math.log2(pof2)) + fold
+    if p == pof2:  # Rabenseifner moves 2 (p-1)/p m per rank, like the ring
+        assert sum(rnd[0][2] for rnd in rab) == pytest.approx(2 * (p - 1) / p * m)
+    for rounds in (ring, rd, rab, pm.allreduce_rounds(p, m, "hierarchical", 2)):
+        for rnd in rounds:
+            assert all(0 <= s < p and 0 <= d < p and s != d for s, d, _, _ in rnd)
+
+
+def _synthetic_bench(alpha, beta, nps=(2, 3, 4), cores=64, over_alpha=0.0):
+    runs = []
+    for p in nps:
+        sizes = [4, 64, 1024, 16384, 131072, 1 << 20, 4 << 20]
+        secs = []
+        for s in sizes:
+            n_a, n_b = pm._critical_counts(p, s, "mpich")
+            secs.append(n_a * (alpha + (over_alpha if p > cores else 0)) + n_b * beta)
+        runs.append({"np": p, "ranks_per_node": p, "cores": cores, "sizes_bytes": sizes,
+                     "seconds": secs})
+    return {"runs": runs}
+
+
+def test_alpha_beta_fit_recovers_known_values():
+    fit = pm.fit_alpha_beta(_synthetic_bench(7e-6, 3e-10))
+    assert fit["alpha"] == pytest.approx(7e-6, rel=1e-6)
+    assert fit["beta"] == pytest.approx(3e-10, rel=1e-6)
+    assert fit["rel_rms"] < 1e-6
+    # oversubscribed runs (more ranks than cores) do not bend alpha/beta; they give the extra
+    fit = pm.fit_alpha_beta(_synthetic_bench(7e-6, 3e-10, nps=(2, 3), cores=2, over_alpha=5e-4))
+    assert fit["alpha"] == pytest.approx(7e-6, rel=1e-6)
+    assert fit["beta"] == pytest.approx(3e-10, rel=1e-6)
+    assert fit["oversub_alpha"] == pytest.approx(5e-4, rel=1e-6)
+
+
+def test_fit_is_nonnegative_on_flat_timings():
+    bench = _synthetic_bench(1e-5, 0.0)
+    fit = pm.fit_alpha_beta(bench)
+    assert fit["alpha"] > 0 and fit["beta"] >= 0
+
+
+# ---- the model ----------------------------------------------------------------------------------
+def _cal(**kw) -> pm.Calibration:
+    base = dict(model="mobilenetv2_cifar", width=0.25, per_rank_batch=32, threads=1, cores_per_node=64,
+                flops_per_image=5.7e7, compute_s_per_image=8e-3, data_s_per_image=4e-5,
+                eval_s_per_image=2.5e-3, step_overhead_s=2e-4, warmup_s=0.1, compute_cv=0.05,
+                alpha=2e-5, beta=1e-9, fit_rel_rms=0.1, bench_nps=(2, 3))
+    base.update(kw)
+    return pm.Calibration(**base)
+
+
+def test_gradient_layout_matches_gradsync_buckets():
+    import torch
+    from pilab.dist import GradSync
+    from pilab.models import build_model
+    for width in (0.25, 1.0):
+        with torch.device("meta"):
+            model = build_model("mobilenetv2_cifar", width=width)
+        layout = pm.gradient_layout("mobilenetv2_cifar", width)
+        assert len(layout) == 158
+        assert sum(n for n, _ in layout) == sum(p.numel() for p in model.parameters())
+        assert all(0 <= r <= 1 for _, r in layout)
+        assert layout[-1][1] == pytest.approx(1.0)  # the stem's gradient is the last one ready
+        for mb in (0.25, 1.0, 4.0):
+            gs = GradSync(model, None, bucket_mb=mb)
+            assert [n for n, _ in pm.buckets_for(layout, mb)] == [b.numel for b in gs.buckets]
+
+
+@pytest.mark.parametrize("cluster", ["pi4b_cluster", "calibration"])
+def test_monotonic_sanity(cluster):
+    cl = pm.pi4b_cluster() if cluster == "pi4b_cluster" else _cal()
+    cfg = Config(data="cifar10", width=1.0) if cluster == "pi4b_cluster" else Config(width=0.25)
+    nps = [2, 4, 8, 16, 48] if cluster == "pi4b_cluster" else [1, 2, 4, 8, 16]
+    rows = [pm.predict(cfg, p, cl) for p in nps]
+    for a, b in zip(rows, rows[1:]):
+        assert b["compute"] < a["compute"]  # fewer images per rank per epoch
+        assert b["step"]["comm"] >= a["step"]["comm"]  # each Allreduce spans more ranks
+        assert b["time"] < a["time"]
+    naive = [pm.predict(cfg, p, cl, "naive") for p in nps]
+    for a, b in zip(naive, naive[1:]):
+        assert b["step"]["comm"] >= a["step"]["comm"]
+
+
+def test_naive_slower_than_pilab_on_the_pi_cluster():
+    cfg = pm.pi_config()
+    for p in (4, 8, 16, 24, 32, 48):
+        pil = pm.predict(cfg, p, "pi4b_cluster", "pilab", baseline_np=2)
+        nai = pm.predict(cfg, p, "pi4b_cluster", "naive", baseline_np=2)
+        assert nai["epoch_time"] > pil["epoch_time"]
+        assert nai["step"]["comm_exposed"] > pil["step"]["comm_exposed"]
+        assert nai["messages_per_step"] == 158 and pil["messages_per_step"] < 20
+        assert nai["efficiency"] < pil["efficiency"]
+        assert pil["efficiency"] == pytest.approx(pil["speedup"] * 2 / p)
+
+
+def test_own_cluster_from_calibration_pays_the_inter_node_link():
+    cal = _cal(cores_per_node=4)
+    slow = pm.Link(1e-4, 1 / 100e6)
+    cl = pm.cluster_from_calibration(cal, nodes=4, ranks_per_node=2, inter=slow)
+    cfg = Config(width=0.25)
+    one_node = pm.predict(cfg, 2, cl)
+    four_nodes = pm.predict(cfg, 8, cl)
+    assert one_node["nodes"] == 1 and four_nodes["nodes"] == 4
+    assert four_nodes["step"]["comm"] > 10 * one_node["step"]["comm"]
+    inter = pm.cluster_from_calibration(cal, nodes=4, ranks_per_node=2,
+                                        inter_bench=_synthetic_bench(1e-4, 1e-8, nps=(2,)))
+    assert inter.inter.alpha == pytest.approx(1e-4) and inter.inter.beta == pytest.approx(1e-8)
+
+
+def test_pi_table_and_markdown():
+    rows = pm.pi_table()
+    assert [r["np"] for r in rows][0] == 2 and rows[0]["pilab_speedup"] == pytest.approx(1.0)
+    by_np = {r["np"]: r for r in rows}
+    assert by_np[48]["published_speedup"] == 9.99 and by_np[48]["nodes"] == 24
+    md = pm.pi_table_markdown()
+    assert md.splitlines()[0].startswith("| np |") and "41.6%" in md and "90.9%" in md
+    with pytest.raises(ValueError):
+        pm.predict(pm.pi_config(), 50, "pi4b_cluster")  # more ranks than 24 nodes x 2
+
+
+def test_json_roundtrips():
+    cal = _cal()
+    assert pm.Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
+    cl = pm.pi4b_cluster(train_gflops=3.0)
+    back = pm.Cluster.from_dict(json.loads(json.dumps(cl.to_dict())))
+    assert back == cl
+    assert pm.predict(Config(width=0.5), 4, back)["epoch_time"] == \
+        pytest.approx(pm.predict(Config(width=0.5), 4, cl)["epoch_time"])
+
+
+def _cli(argv):
+    """Parse and run ``pilab perfmodel ...`` in this process (only the perfmodel subcommand)."""
+    from pilab.cli import _Parser
+    parser = _Parser(prog="pilab")
+    pm.add_cli(parser.add_subparsers(dest="command", parser_class=_Parser, required=True))
+    args = parser.parse_args(argv)
+    return args.func(args, argv[1:])
+
+
+def test_cli_table_and_predict(tmp_path, capsys):
+    out = tmp_path / "table.json"
+    assert _cli(["perfmodel", "table", "--published", "--nps", "2", "4", "48", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["np"] for r in data["rows"]] == [2, 4, 48]
+    cal = tmp_path / "cal.json"
+    _cal().save(str(cal))
+    assert _cli(["perfmodel", "predict", "--calibration", str(cal), "--np", "2", "--width", "0.25",
+                 "--profile", "both", "--baseline-np", "1"]) == 0
+    assert _cli(["perfmodel", "table", "--calibration", str(cal), "--nps", "1", "2", "4",
+                 "--width", "0.25", "--train-subset", "960"]) == 0
+    text = capsys.readouterr().out
+    assert "efficiency" in text and "profile naive" in text
+
+
+# ---- a real np=1 run -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def np1_result():
+    from pilab import train
+    return train.run(Config(width=0.25, train_subset=256, test_subset=100, epochs=1, batch_size=32,
+                            threads=1))
+
+
+def test_calibrate_and_predict_on_a_real_np1_run(np1_result):
+    bench = _synthetic_bench(2e-5, 1e-9, nps=(2, 3), cores=2, over_alpha=1e-4)
+    cal = pm.calibrate(np1_result, bench)
+    for k in ("compute_s_per_image", "data_s_per_image", "eval_s_per_image", "alpha", "beta"):
+        v = getattr(cal, k)
+        assert math.isfinite(v) and v > 0, k
+    cfg = Config(width=0.25, train_subset=256, test_subset=100, epochs=1, batch_size=32, threads=1)
+    # at np=1 the model gives back the run it was calibrated from (an identity, not a timing)
+    one = pm.predict(cfg, 1, cal)
+    assert one["first_epoch_time"] == pytest.approx(np1_result["epochs"][0]["time"], rel=1e-6)
+    for p in (2, 3, 4):
+        for profile in ("pilab", "naive"):
+            r = pm.predict(cfg, p, cal, profile, baseline_np=1)
+            for k in ("time", "epoch_time", "compute", "comm", "comm_exposed", "eval_time",
+                      "images_per_s", "speedup", "efficiency"):
+                assert math.isfinite(r[k]) and r[k] > 0, (p, profile, k)
+    assert pm.predict(cfg, 3, cal)["oversubscription"] == pytest.approx(1.5)  # 3 ranks, 2 cores
+    with pytest.raises(ValueError):
+        pm.calibrate({**np1_result, "np": 2}, bench)
+
+
+# ---- the micro-benchmark under real MPI ----------------------------------------------------------------
+@pytest.mark.mpi
+def test_comm_bench_under_mpiexec(tmp_path):
+    out = tmp_path / "bench.json"
+    code = ("import json, sys; from mpi4py import MPI; from pilab.perfmodel import comm_bench; "
+            "r = comm_bench(MPI.COMM_WORLD, (4, 1024, 65536, 1 << 20), trials=3, min_time=0.01); "
+            "MPI.COMM_WORLD.Get_rank() == 0 and json.dump(r, open(sys.argv[1], 'w'))")
+    p = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", code, str(out)],
+                       capture_output=True, text=True, timeout=180, env=mpi_env())
+    assert p.returncode == 0, p.stderr[-2000:]
+    bench = json.loads(out.read_text())
+    assert bench["np"] == 2 and len(bench["seconds"]) == 4
+    assert bench["thread_level"] == "multiple"  # mpi4py's default: what async progress needs
+    fit = pm.fit_alpha_beta(bench)
+    assert fit["alpha"] > 0 and fit["beta"] > 0
