@@ -72,6 +72,7 @@ case "${1:-}" in
         browser
         shift
         export PATH="$venv/bin:$PATH"
+        export PILAB_NB_SMALL=1   # notebooks run with tiny settings under nbval
         # One pytest run: unit tests in-process, MPI tests spawn real mpiexec ranks, notebooks via nbval.
         exec "$py" -m pytest -q -p no:cacheprovider tests notebooks --nbval-lax \
             --nbval-sanitize-with notebooks/sanitize.cfg "$@"

@@ -164,10 +164,10 @@ def non_loopback_addresses() -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # the client side: a running set of engines
 # ----------------------------------------------------------------------------------------------
-def start(n: int | None = 2, profile: str = "mpi", *, timeout: float | None = None,
+def start(n: int | None = None, profile: str = "mpi", *, timeout: float | None = None,
           log_level: int | str = "WARNING") -> "Engines":
     """Start a controller and ``n`` MPI engines (one ``mpiexec -n n``), wait until all registered,
-    and map engine ids to MPI ranks. ``n=None`` takes the profile's count (the Pi profile: the
+    and map engine ids to MPI ranks. ``n=None`` takes the profile's count (``mpi``: 2; ``pi``: the
     hostfile's slots). Nothing else in pilab starts engines::
 
         lab = cluster.start(n=4)                   # this machine
@@ -512,8 +512,9 @@ class Run:
     def wait(self, timeout: float | None = None) -> dict:
         """Block until the run ends and return rank 0's result dict.
 
-        A kernel interrupt (the notebook's stop button) asks the ranks to stop after their current
-        step and goes on waiting for them; a second interrupt returns at once (the run goes on).
+        A kernel interrupt (JupyterLab's ■ while a cell waits here) asks the ranks to stop after
+        their current step and goes on waiting for them; a second one returns at once (the run goes
+        on, ``run.wait()`` again to collect it).
         Raises ClusterError if a rank failed, died or stopped making progress (``hang_s``), or
         ``timeout`` seconds passed: never waits forever.
         """

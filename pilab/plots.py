@@ -25,7 +25,7 @@ from bokeh.plotting import figure
 __all__ = ["setup_notebook", "show", "LivePlot", "loss_figure", "accuracy_figure",
            "throughput_figure", "timeline_figure", "result_layout", "speedup_figure",
            "efficiency_figure", "study_accuracy_figure", "curves_by_np", "scaling_dashboard",
-           "report_layout", "STEP_SOURCE", "EPOCH_SOURCE", "RANK_SOURCE"]
+           "report_layout", "remedies_figure", "STEP_SOURCE", "EPOCH_SOURCE", "RANK_SOURCE"]
 
 # Names of the live ColumnDataSources; a browser finds them with doc.get_model_by_name(...).
 STEP_SOURCE = "pilab_steps"
@@ -195,8 +195,8 @@ def _summary(result: Mapping) -> str:
 def result_layout(result: Mapping):
     """One run at a glance: loss, accuracy, throughput and the per-rank time split."""
     return column(Div(text=f"<b>{_summary(result)}</b>"),
-                  gridplot([[loss_figure(result), accuracy_figure(result)],
-                            [throughput_figure(result), timeline_figure(result)]]))
+                  row(loss_figure(result), accuracy_figure(result)),
+                  row(throughput_figure(result), timeline_figure(result)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,9 +411,9 @@ def _table(study: Mapping) -> Div:
 
 def scaling_dashboard(study: Mapping):
     """Speedup vs ideal, efficiency, accuracy vs np, and the per-np curves of a study."""
-    return column(gridplot([[speedup_figure(study), efficiency_figure(study)],
-                            [study_accuracy_figure(study), None]]),
-                  curves_by_np(study), _table(study))
+    # Plain rows and columns: a gridplot nested in columns renders blank in a standalone page.
+    return column(row(speedup_figure(study), efficiency_figure(study)),
+                  row(study_accuracy_figure(study)), curves_by_np(study), _table(study))
 
 
 def report_layout(study: Mapping):
@@ -430,3 +430,30 @@ def report_layout(study: Mapping):
     if measured:
         parts.append(timeline_figure(measured[-1][1]))
     return column(*parts)
+
+
+def remedies_figure(res: Mapping):
+    """Final test accuracy of each remedy candidate at np (Pareto-front members in red), with the
+    target accuracy; beside it accuracy against predicted time when the performance model gave times."""
+    rows = [r for r in res.get("candidates", []) if "skipped" not in r]
+    labels = [r["label"] for r in rows][::-1]
+    src = ColumnDataSource({"label": labels,
+                            "acc": [r["final_test_acc"] for r in rows][::-1],
+                            "color": ["#d62728" if r.get("pareto") else "#4c78a8" for r in rows][::-1]})
+    p = figure(title=f"remedies at np={res.get('np')}: final test accuracy", y_range=labels,
+               width=560, height=max(200, 28 * len(labels) + 60), x_axis_label="test accuracy",
+               toolbar_location=None)
+    p.x_range = Range1d(0, 1)
+    p.hbar(y="label", right="acc", height=0.7, color="color", source=src)
+    target = res.get("target_accuracy")
+    if target:
+        p.ray(x=[target], y=[0], length=0, angle=1.5708, color="gray", line_dash="dashed")
+    p.add_tools(HoverTool(tooltips=[("", "@label"), ("test acc", "@acc{0.000}")]))
+    timed = [r for r in rows if r.get("epochs_time")]
+    if not timed:
+        return p
+    q = _fig("accuracy vs predicted time", "predicted training time (s)", "test accuracy")
+    q.scatter([r["epochs_time"] for r in timed], [r["final_test_acc"] for r in timed], size=9,
+              color=["#d62728" if r.get("pareto") else "#4c78a8" for r in timed])
+    return row(p, q)
+

@@ -49,6 +49,12 @@ def candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
     return [(label, ch) for label, ch in out if ch is not None]
 
 
+def notebook_candidates() -> list[str] | None:
+    """All candidates on a laptop; three under CI / nbval (PILAB_NB_SMALL), to keep it quick."""
+    from .widgets import small_mode
+    return ["baseline", "linear lr", "linear lr + warmup"] if small_mode() else None
+
+
 def pareto(points: list[dict], time_key: str = "epochs_time", acc_key: str = "final_test_acc") -> list[bool]:
     """True for points no other point beats on both time (lower) and accuracy (higher)."""
     flags = []
@@ -125,6 +131,57 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=
     return {"kind": "pilab.remedies", "np": np_, "config": cfg.to_dict(),
             "reference_acc": reference_acc, "target_accuracy": target,
             "candidates": rows, "best": best[:5]}
+
+
+def ablations(cfg: Config, np_: int, *, data=None, log=None) -> dict:
+    """Separate the causes of the accuracy drop at ``np_`` ranks, one simulated run each.
+
+    Starting from one process, each row adds one ingredient of a large-np run:
+    the bigger global batch and fewer steps (np=1 with np× the batch), per-rank BatchNorm statistics
+    (the same with ghost batches of the per-rank size), then the real np-rank run with static shards
+    (shard composition), with reshuffled shards, and the LR rule with and without warmup::
+
+        res = remedies.ablations(Config(width=0.25, epochs=3, train_subset=2000), np_=16)
+        [(r["label"], r["final_test_acc"]) for r in res["rows"]]
+    """
+    from . import simulate
+    from .train import load_data
+    ds = data if data is not None else load_data(cfg)
+    b = cfg.per_rank_batch(np_)
+    big = replace(cfg, batch_mode="per_rank", batch_size=b * np_, out="")
+    warm = max(1.0, round(cfg.epochs / 5, 1))
+    plan = [
+        ("1 rank, batch b", "reference", replace(cfg, out=""), 1),
+        (f"1 rank, batch {b * np_} (global batch, step count)", "global batch & steps", big, 1),
+        (f"1 rank, batch {b * np_}, BN over groups of {b}", "per-rank BN batch",
+         replace(big, ghost_batch=b), 1),
+        (f"{np_} ranks, static shards", "shard composition", replace(cfg, out=""), np_),
+        (f"{np_} ranks, reshuffled shards", "shard composition",
+         replace(cfg, sharding="reshuffle", out=""), np_),
+        (f"{np_} ranks, linear lr", "LR rule", replace(cfg, lr_scaling="linear", out=""), np_),
+        (f"{np_} ranks, linear lr + {warm:g} ep warmup", "LR rule & warmup",
+         replace(cfg, lr_scaling="linear", warmup_epochs=warm, out=""), np_),
+    ]
+    rows = []
+    for label, cause, c, p in plan:
+        res = simulate.run(c, p, data=ds)
+        last = res["epochs"][-1]
+        rows.append({"label": label, "cause": cause, "np": p, "global_batch": res["global_batch"],
+                     "per_rank_batch": res["per_rank_batch"], "steps": res["total_steps"],
+                     "peak_lr": res["peak_lr"], "final_test_acc": last["test_acc"],
+                     "final_train_loss": last["train_loss"],
+                     "test_acc_curve": [e["test_acc"] for e in res["epochs"]]})
+        if log:
+            log(f"  {label:<52} test acc {last['test_acc']:.3f}")
+    return {"kind": "pilab.ablations", "np": np_, "config": cfg.to_dict(), "rows": rows}
+
+
+def ablation_table(res: dict) -> str:
+    lines = [f"{'run':<54}{'cause':<22}{'glob.batch':>10}{'steps':>7}{'peak lr':>9}{'test acc':>9}"]
+    for r in res["rows"]:
+        lines.append(f"{r['label']:<54}{r['cause']:<22}{r['global_batch']:>10}{r['steps']:>7}"
+                     f"{r['peak_lr']:>9.3g}{r['final_test_acc']:>9.3f}")
+    return "\n".join(lines)
 
 
 def table(res: dict) -> str:

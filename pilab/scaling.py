@@ -35,6 +35,16 @@ DEMO = Config(width=0.25, train_subset=2000, test_subset=1000, epochs=4, batch_s
               lr_ref_batch=32)
 
 
+def notebook_sweep(simulate_nps=(8, 48), small_simulate_nps=(4,)) -> dict:
+    """Process counts for the notebooks: the demo's, or tiny ones under CI / nbval (PILAB_NB_SMALL),
+    so the same notebook runs in seconds in CI and shows the effect on a laptop::
+
+        study = scaling.study(cfg, **scaling.notebook_sweep(), out="runs/nb")
+    """
+    from .widgets import small_mode
+    return {"nps": (1, 2), "simulate_nps": small_simulate_nps if small_mode() else simulate_nps}
+
+
 @dataclass(frozen=True)
 class Criteria:
     """How runs are judged; shown in the report and saved with the study."""

@@ -21,23 +21,29 @@ import ipywidgets as W
 from . import plots
 from .config import CHOICES, Config, ConfigError
 
-__all__ = ["ControlPanel", "quickstart_config"]
+__all__ = ["ControlPanel", "quickstart_config", "small_mode"]
+
+
+def small_mode() -> bool:
+    """True when notebooks should use tiny settings: PILAB_NB_SMALL=1, or unless it says otherwise,
+    under CI (CI=true) and in kernels that pytest/nbval started."""
+    flag = os.environ.get("PILAB_NB_SMALL")
+    if flag is not None:
+        return flag not in ("", "0")
+    return os.environ.get("CI") == "true" or "PYTEST_CURRENT_TEST" in os.environ
 
 
 def quickstart_config(live: bool = False, **overrides) -> Config:
     """Settings for the quickstart notebook: a short run on a laptop (about a minute on 2 cores).
 
-    ``live=True`` gives the live-panel run, a few epochs longer. ``PILAB_NB_SMALL=1`` (nbval; the
-    default when ``CI=true``) shrinks everything to seconds; ``PILAB_NB_LIVE_EPOCHS=N`` sets the live run's epochs (the
+    ``live=True`` gives the live-panel run, a few epochs longer. ``PILAB_NB_SMALL=1`` (the default
+    under ``CI=true`` and in kernels that pytest/nbval starts) shrinks everything to seconds; ``PILAB_NB_LIVE_EPOCHS=N`` sets the live run's epochs (the
     browser test uses a long one so it can press Stop)::
 
         cfg = widgets.quickstart_config()
         cfg = widgets.quickstart_config(epochs=3)     # any Config field
     """
-    flag = os.environ.get("PILAB_NB_SMALL")
-    # CI=true (CI services set it) means small too, unless PILAB_NB_SMALL says otherwise.
-    small = flag not in ("", "0") if flag is not None else os.environ.get("CI") == "true"
-    if small:
+    if small_mode():
         base = dict(width=0.25, train_subset=256, test_subset=128, epochs=1, batch_size=16)
     else:
         base = dict(width=0.5, train_subset=2000, test_subset=500, epochs=2, batch_size=32)

@@ -4,7 +4,7 @@ the live plot grows while the ranks train, the panel's Stop button ends the run,
 Also the pieces the page shows (plots.LivePlot, widgets.ControlPanel, the report layout), without a
 browser. Chromium is Debian's (/usr/bin/chromium, ``apt-get install chromium``); playwright never
 downloads one. Without it the browser test is skipped, except under CI=true where that is a failure.
-Writes docs/screenshot.png and test-artifacts/browser/.
+Writes test-artifacts/browser/ (and docs/screenshot.png with PILAB_UPDATE_SCREENSHOT=1).
 """
 from __future__ import annotations
 
@@ -67,20 +67,23 @@ def test_live_plot_streams_events_into_its_sources():
     assert live.steps.name == plots.STEP_SOURCE  # what the browser test looks up
 
 
-def test_static_layouts_render_to_html():
-    from bokeh.embed import file_html
-    from bokeh.resources import INLINE
-
-    from pilab import plots
-
-    study = {"rows": [
+def _study():
+    return {"rows": [
         {"np": 1, "speedup": 1.0, "efficiency": 1.0, "final_test_acc": 0.5, "final_train_acc": 0.6,
          "comm_exposed_share": 0.0, "time_per_epoch": 10.0, "images_per_s": 100.0, "fast_but_wrong": False},
         {"np": 4, "speedup": 3.1, "efficiency": 0.78, "final_test_acc": 0.3, "final_train_acc": 0.35,
          "comm_exposed_share": 0.2, "time_per_epoch": 3.2, "images_per_s": 310.0, "fast_but_wrong": True,
          "simulated": True}],
         "runs": {"1": _result(1), "4": _result(4)}}
-    html = file_html(plots.report_layout(study), INLINE, "pilab scaling study")
+
+
+def test_static_layouts_render_to_html():
+    from bokeh.embed import file_html
+    from bokeh.resources import INLINE
+
+    from pilab import plots
+
+    html = file_html(plots.report_layout(_study()), INLINE, "pilab scaling study")
     assert "speedup vs processes" in html and "fast but wrong" in html
     assert "where each rank" in file_html(plots.result_layout(_result()), INLINE, "run")
 
@@ -253,8 +256,8 @@ def test_notebook_in_jupyterlab_live_plot_and_stop(jupyterlab):
             time.sleep(0.5)
             shot = os.path.join(ARTIFACTS, "01_quickstart_live.png")
             page.screenshot(path=shot)
-            os.makedirs(os.path.join(REPO, "docs"), exist_ok=True)
-            shutil.copy(shot, os.path.join(REPO, "docs", "screenshot.png"))
+            if os.environ.get("PILAB_UPDATE_SCREENSHOT") == "1":  # refresh the README's picture
+                shutil.copy(shot, os.path.join(REPO, "docs", "screenshot.png"))
 
             # The rest: wait (returns at once), the static result plot, stop the engines.
             run_from("panel.wait()", "notebook:run-all-below")
@@ -268,3 +271,33 @@ def test_notebook_in_jupyterlab_live_plot_and_stop(jupyterlab):
             with open(os.path.join(ARTIFACTS, "timings.json"), "w") as f:
                 json.dump(timings, f, indent=1)
             browser.close()
+
+
+@pytest.mark.browser
+def test_report_layout_draws_every_figure(tmp_path):
+    # Layout mistakes (e.g. a gridplot nested in columns) render blank figures without any error:
+    # ask BokehJS for the size it gave each figure.
+    _need_browser()
+    from bokeh.embed import file_html
+    from bokeh.resources import INLINE
+    from playwright.sync_api import sync_playwright
+
+    from pilab import plots
+
+    page_path = tmp_path / "report.html"
+    page_path.write_text(file_html(plots.report_layout(_study()), INLINE, "pilab scaling study"))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM,
+                                    args=["--no-sandbox", "--disable-background-networking"])
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 1600})
+            page.goto(page_path.as_uri())
+            page.wait_for_function("() => window.Bokeh && window.Bokeh.index && "
+                                   "[...window.Bokeh.index.all_views()].length > 0", timeout=30_000)
+            widths = page.evaluate("""() => [...window.Bokeh.index.all_views()]
+                .filter(v => v.model.type === 'Figure').map(v => v.bbox.width)""")
+            os.makedirs(ARTIFACTS, exist_ok=True)
+            page.screenshot(path=os.path.join(ARTIFACTS, "report_layout.png"), full_page=True)
+        finally:
+            browser.close()
+    assert len(widths) == 6 and min(widths) > 100, widths

@@ -145,6 +145,17 @@ def test_engines_map_to_ranks_in_rank_order(lab):
     assert "rank  1 = engine" in repr(lab)
 
 
+def test_connect_attaches_without_owning(lab):
+    # What a notebook does after `ipcluster start` in a shell: attach, use, disconnect.
+    other = cluster.connect(profile=lab.ipp_cluster.profile_dir, cluster_id=lab.ipp_cluster.cluster_id)
+    try:
+        assert not other.owned and other.engine_ids == lab.engine_ids
+        assert [w["rank"] for w in other.apply(cluster.whoami)] == [0, 1]
+    finally:
+        other.stop()  # only disconnects
+    assert lab.apply(cluster.whoami)[1]["rank"] == 1  # the engines are still there
+
+
 def test_stop_ends_all_ranks_within_a_step_and_a_second_run_works(lab):
     events = []
     run = lab.train(replace(TINY, epochs=50), callbacks=[events.append])
@@ -172,6 +183,18 @@ def test_stop_ends_all_ranks_within_a_step_and_a_second_run_works(lab):
     assert run2.status == "done" and result2["stopped_early"] is False
     assert len(result2["steps"]["loss"]) == 3
     TIMINGS["losses_local_data"] = result2["steps"]["loss"]
+
+
+def test_interrupting_a_wait_stops_the_run(lab):
+    # A kernel interrupt while a cell blocks in run.wait() (or panel.wait()) is a KeyboardInterrupt
+    # in the waiting thread: wait() turns it into run.stop() and keeps waiting for the ranks.
+    import threading
+
+    run = lab.train(replace(TINY, epochs=50))
+    _first_step(run)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    result = run.wait(timeout=120)
+    assert result["stopped_early"] and run.status == "stopped"
 
 
 def test_scattered_shards_equal_local_loading(lab):

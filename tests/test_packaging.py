@@ -2,7 +2,8 @@
 environment.yml (conda) name the same packages with the same pins, and Binder's install path works.
 
 The slow test repeats what Binder does (pip install -r binder/requirements.txt, then binder/postBuild) in
-a clean venv, then starts two MPI engines under binder/start. Deselect it with ``-m "not slow"``.
+a clean venv, then starts two MPI engines under binder/start. It takes about 2 minutes, so it runs in CI
+(CI=true) or with PILAB_SLOW=1, and is skipped otherwise.
 """
 from __future__ import annotations
 
@@ -83,6 +84,8 @@ def test_binder_scripts_are_executable_and_start_passes_the_command_on():
 @pytest.mark.timeout(900)
 def test_binder_install_path_in_a_clean_venv(tmp_path):
     """pip install -r binder/requirements.txt + binder/postBuild in a fresh venv, then 2 MPI engines."""
+    if os.environ.get("CI") != "true" and os.environ.get("PILAB_SLOW") != "1":
+        pytest.skip("installs the Binder stack into a clean venv (~2 min): runs under CI=true or PILAB_SLOW=1")
     import torch
 
     venv = tmp_path / "venv"
@@ -91,6 +94,8 @@ def test_binder_install_path_in_a_clean_venv(tmp_path):
     py = str(bindir / "python")
     env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
                VIRTUAL_ENV=str(venv), PILAB_CACHE=str(tmp_path / "cache"))
+    # Offline, PyTorch's index fails to resolve: no retries, so pip moves on at once (it only warns).
+    env.setdefault("PIP_RETRIES", "0")
     env.pop("PYTHONPATH", None)
     env.pop("PILAB_MPIEXEC", None)
     # Pin torch to the build this machine already has (as ./lab.sh pins it): what is checked is the

@@ -93,3 +93,16 @@ def test_pareto_front():
     pts = [{"epochs_time": 10, "final_test_acc": 0.5}, {"epochs_time": 5, "final_test_acc": 0.5},
            {"epochs_time": 20, "final_test_acc": 0.7}, {"epochs_time": 30, "final_test_acc": 0.6}]
     assert remedies.pareto(pts) == [False, True, True, False]
+
+
+def test_ablations_separate_the_causes():
+    cfg = Config(width=0.25, train_subset=128, test_subset=64, epochs=1, batch_size=8, threads=1,
+                 lr_ref_batch=8)
+    res = remedies.ablations(cfg, 4)
+    rows = {r["cause"] + ":" + str(r["np"]): r for r in res["rows"]}
+    assert [r["np"] for r in res["rows"]] == [1, 1, 1, 4, 4, 4, 4]
+    ref, big = res["rows"][0], res["rows"][1]
+    assert ref["global_batch"] == 8 and big["global_batch"] == 32
+    assert big["steps"] == res["rows"][3]["steps"], "same global batch -> same step count as np=4"
+    assert res["rows"][5]["peak_lr"] == 4 * res["rows"][3]["peak_lr"]
+    assert "shard composition:4" in rows and "test acc" in remedies.ablation_table(res)

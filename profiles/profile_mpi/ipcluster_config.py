@@ -10,6 +10,7 @@ c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
 from pilab.cluster import find_mpiexec  # noqa: E402
 
 c.Cluster.engine_launcher_class = "mpi"
+c.Cluster.n = 2  # engines (= MPI ranks) when none are asked for; `ipcluster start -n N` / start(n=N)
 # The absolute path, found now (at start): a notebook kernel's PATH often lacks the venv's bin, and
 # the mpiexec that belongs to this Python's mpi4py is the one next to sys.executable.
 c.MPIEngineSetLauncher.mpi_cmd = [find_mpiexec()]
