@@ -106,15 +106,16 @@ def rows_from_runs(runs: dict[int, dict], criteria: Criteria = Criteria(),
         pr = predicted.get(p)
         return [pr["epoch_time"]] * len(runs[p]["epochs"]) if pr else None
 
+    # Simulated runs without a calibrated performance model have accuracy but no times.
     base_times = epoch_times(p0)
-    t0 = sum(base_times) / len(base_times)
-    ttt0 = time_to_target(base, target, base_times)
+    t0 = sum(base_times) / len(base_times) if base_times else None
+    ttt0 = time_to_target(base, target, base_times) if base_times else None
     rows = []
     for p in nps:
         r = runs[p]
         times = epoch_times(p)
         tpe = sum(times) / len(times) if times else None
-        s = speedup(t0, tpe) if tpe else None
+        s = speedup(t0, tpe) if (tpe and t0) else None
         ep = [e for e in r["epochs"]]
         train_time = sum(e["time"] for e in ep)
         comm = sum(e["comm"] for e in ep)
@@ -226,7 +227,8 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
         from . import simulate
         sim_cfg = replace(cfg, threads=sim_threads, out="")
         for p in simulate_nps:
-            runs[p] = simulate.run(sim_cfg, p)
+            # each run's result.json is written as it completes: a long study keeps what it did
+            runs[p] = simulate.run(replace(sim_cfg, out=os.path.join(out, f"np{p}") if out else ""), p)
             for cb in callbacks:
                 cb({"kind": "run", "np": p, "simulated": True, "result": runs[p]})
     if calibration is None and simulate_nps and nps:
@@ -304,7 +306,8 @@ def table(study_: dict) -> str:
     for r in study_["rows"]:
         def n(v, fmt):
             return format(v, fmt) if isinstance(v, (int, float)) and v is not None else "–"
-        ttt = "not reached" if r["time_to_target"] is None else f"{r['time_to_target']:.1f}s"
+        ttt = ("–" if r["time_per_epoch"] is None else "not reached") if r["time_to_target"] is None \
+            else f"{r['time_to_target']:.1f}s"
         lines.append(f"{r['np']:>4} {'sim' if r['simulated'] else 'measured':>9} {r['global_batch']:>10} "
                      f"{n(r['time_per_epoch'], '8.1f')} {n(r['speedup'], '8.2f')} "
                      f"{n(r['efficiency'], '6.0%')} {n(r['final_test_acc'], '8.3f')} {ttt:>12}  "

@@ -43,7 +43,8 @@ def quickstart_config(live: bool = False, **overrides) -> Config:
         cfg = widgets.quickstart_config()
         cfg = widgets.quickstart_config(epochs=3)     # any Config field
     """
-    if small_mode():
+    small = small_mode()
+    if small:
         base = dict(width=0.25, train_subset=256, test_subset=128, epochs=1, batch_size=16)
     else:
         base = dict(width=0.5, train_subset=2000, test_subset=500, epochs=2, batch_size=32)
