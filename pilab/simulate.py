@@ -151,14 +151,6 @@ def check_supported(cfg: Config) -> None:
         raise ConfigError("the simulator does not checkpoint or resume; drop --resume/--checkpoint-every")
 
 
-def _device(cfg: Config) -> torch.device:
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no CUDA device is available; use device=cpu")
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.device)
-
-
 def run(cfg: Config, np_: int, *, callbacks=(), stop=None, data=None,
         ranks_per_chunk: int = 0) -> dict:
     """Emulate ``np_`` ranks training ``cfg``; returns a result shaped like ``train.run``'s."""
@@ -171,11 +163,12 @@ def train(cfg: Config, np_: int, *, callbacks=(), stop=None, data=None,
     from . import __version__
     from .models import build_model
     from .optim import build_optimizer, lr_at, set_lr
-    from .train import NUM_CLASSES, environment, evaluate, load_data, peak_mem_mb, save_json, step_seed
+    from .train import (NUM_CLASSES, environment, evaluate, load_data, peak_mem_mb, resolve_device,
+                        save_json, step_seed)
 
     check_supported(cfg)
     t_wall = time.perf_counter()
-    device = _device(cfg)
+    device = resolve_device(cfg)
     threads = cfg.threads or (os.cpu_count() or 1)
     torch.set_num_threads(threads)
     ds = data if data is not None else load_data(cfg)
