@@ -19,7 +19,6 @@ with gradient accumulation, so memory stays bounded at any np; on CUDA several r
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 

@@ -23,7 +23,6 @@ import resource
 import socket
 import sys
 import time
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -33,7 +32,7 @@ from torch import nn
 from . import __version__
 from . import data as data_mod
 from .config import Config, ConfigError
-from .dist import (GradSync, any_true, broadcast_module_, broadcast_optimizer_state_,
+from .dist import (GradSync, broadcast_module_, broadcast_optimizer_state_,
                    convert_sync_batchnorm, gather_floats, reduce_sums, sync_buffers_, world)
 from .models import build_model
 from .optim import build_optimizer, lr_at, set_lr
