@@ -9,6 +9,12 @@
 4. predicted vs measured training time of the epoch (``epochs[0].time``, first-step warm-up included)
    and evaluation time, with the error in percent.
 
+``--split`` first measures, in this process, one-thread training steps of MobileNetV2-CIFAR at widths
+0.25, 0.5 and 1.0 and batches 4 to 64, and fits step time = (per-step work + batch x (FLOPs + k x
+activation elements)) / rate: k and the per-step work are the model constants
+``perfmodel.FLOPS_PER_ACTIVATION_CPU`` and ``STEP_WORK_PER_TENSOR_CPU`` (how compute time moves with
+width and with the per-rank batch; the np=1 run calibrates its level).
+
 The machine may be shared (Linux's autogroup scheduling gives each busy session an equal share of the
 cores, however many threads it runs). So each run's CPU seconds over its wall seconds -- the cores the job
 actually got -- are measured too. Column "as calibrated" is the model with the np=1 run taken as it was and
@@ -69,6 +75,47 @@ def train(np_: int, settings: dict, out: str, mpiexec: str | None) -> tuple[dict
     return result, cores
 
 
+def compute_split(points=((0.25, 4), (0.25, 8), (0.25, 16), (0.25, 32), (0.25, 64), (0.5, 4), (0.5, 8),
+                          (0.5, 16), (0.5, 32), (0.5, 64), (1.0, 16), (1.0, 32)),
+                  steps: int = 6) -> dict:
+    """Fit one-thread step time = (per-step work + batch x (FLOPs + k x activations)) / rate over
+    (width, batch) points: k is FLOPS_PER_ACTIVATION_CPU, the per-step work over the model's parameter
+    tensors is STEP_WORK_PER_TENSOR_CPU."""
+    import numpy as np
+    import torch
+
+    from pilab.models import activation_elements, build_model, train_flops_per_image
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    n_tensors = len(perfmodel.gradient_layout("mobilenetv2_cifar", 1.0))
+    rows = []
+    for w, batch in points:
+        model = build_model("mobilenetv2_cifar", num_classes=10, width=w)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+        times = []
+        for _ in range(steps + 1):
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        rows.append({"width": w, "batch": batch,
+                     "activations": activation_elements("mobilenetv2_cifar", w),
+                     "flops": train_flops_per_image("mobilenetv2_cifar", w),
+                     "step_s": statistics.median(times[1:])})  # median: robust on a shared box
+    A = np.array([[1.0, r["batch"] * r["flops"], r["batch"] * r["activations"]] for r in rows])
+    t = np.array([r["step_s"] for r in rows])
+    # least squares on relative errors: small steps count as much as large ones
+    (fixed, per_flop, per_act), *_ = np.linalg.lstsq(A / t[:, None], np.ones_like(t), rcond=None)
+    for r, fit in zip(rows, A @ np.array([fixed, per_flop, per_act])):
+        r["fit_err_pct"] = pct(fit, r["step_s"])
+    return {"rows": rows, "step_fixed_s": fixed, "s_per_flop": per_flop, "s_per_activation": per_act,
+            "flops_per_activation": per_act / per_flop,
+            "step_work_per_tensor": fixed / per_flop / n_tensors}
+
+
 def pct(pred: float, meas: float) -> float:
     return 100 * (pred - meas) / meas
 
@@ -81,7 +128,25 @@ def main(argv=None) -> int:
                    help="np of the Allreduce micro-benchmark (default 2 3)")
     p.add_argument("--mpiexec", default=None, help="launcher (default: next to this Python)")
     p.add_argument("--out", default=None, help="write every number as JSON here")
+    p.add_argument("--split", action="store_true",
+                   help="first measure how compute time moves with width and batch (~1 min)")
+    p.add_argument("--split-only", action="store_true", help="only that measurement")
     args = p.parse_args(argv)
+
+    split = None
+    if args.split or args.split_only:
+        split = compute_split()
+        for r in split["rows"]:
+            print(f"width {r['width']}, batch {r['batch']}: {r['activations'] / 1e6:.2f} M "
+                  f"activations and {r['flops'] / 1e6:.0f} MFLOP per image, step "
+                  f"{r['step_s'] * 1e3:.1f} ms (fit {r['fit_err_pct']:+.1f}%)")
+        print(f"per-step fixed {split['step_fixed_s'] * 1e3:.1f} ms; flops per activation "
+              f"{split['flops_per_activation']:.0f} (perfmodel.FLOPS_PER_ACTIVATION_CPU = "
+              f"{perfmodel.FLOPS_PER_ACTIVATION_CPU:.0f}); step work per tensor "
+              f"{split['step_work_per_tensor']:.3g} (STEP_WORK_PER_TENSOR_CPU = "
+              f"{perfmodel.STEP_WORK_PER_TENSOR_CPU:.3g})\n")
+        if args.split_only:
+            return 0
 
     bench = perfmodel.run_comm_bench(args.bench_nps, mpiexec=args.mpiexec)
     fit = bench["fit"]
@@ -143,7 +208,7 @@ def main(argv=None) -> int:
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"bench": bench, "calibrations": cals, "rows": rows}, f, indent=1)
+            json.dump({"split": split, "bench": bench, "calibrations": cals, "rows": rows}, f, indent=1)
         print(f"wrote {args.out}")
     return 0
 

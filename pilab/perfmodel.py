@@ -54,8 +54,8 @@ __all__ = [
     "Link", "Cluster", "Calibration", "allreduce_rounds", "allreduce_time", "ALGORITHMS",
     "comm_bench", "run_comm_bench", "fit_alpha_beta", "calibrate",
     "this_box", "pi4b_cluster", "cluster_from_calibration", "PRESETS", "resolve_cluster",
-    "gradient_layout", "buckets_for", "predict", "predict_table", "pi_table", "markdown_table",
-    "add_cli",
+    "gradient_layout", "buckets_for", "work_per_image", "predict", "predict_table", "pi_table",
+    "markdown_table", "add_cli", "FLOPS_PER_ACTIVATION_CPU", "STEP_WORK_PER_TENSOR_CPU",
 ]
 
 # Stated modelling assumptions (docs/perfmodel.md explains each).
@@ -63,6 +63,17 @@ BACKWARD_FRACTION = 2 / 3  # backward ~ 2x the forward FLOPs: 2/3 of a step's co
 THREAD_EXPONENT = 0.8  # compute time ~ threads^-0.8 (intra-op scaling of small 32x32 convs)
 ELEMENT_BYTES = 4  # fp32 gradients
 METRIC_BYTES = 24  # pilab's per-step Allreduce of [loss sum, correct, stop vote] (float64)
+# A CPU training step of these 32x32 networks is bound by memory traffic as much as by FLOPs: one
+# activation element written by a layer costs about as much time as this many training FLOPs.
+# Measured once on an x86 core with PyTorch's CPU build (benchmarks/bench_perfmodel.py --split prints
+# the fit); it sets how compute time moves with width, not its level, which the np=1 run calibrates.
+FLOPS_PER_ACTIVATION_CPU = 230.0
+# Each step also pays a cost that does not grow with the batch (operator dispatch, autograd
+# bookkeeping, the optimizer's per-tensor loops): ~20 ms per step for MobileNetV2 here at one thread,
+# at every width. In the same work units, per parameter tensor of the model; it matters when the
+# per-rank batch is small (a fixed global batch at large np). Measured like the constant above (fits
+# over batches 4..64 and widths 0.25..1 gave 170-360 for the one above and 3-7e6 for this one).
+STEP_WORK_PER_TENSOR_CPU = 5.0e6
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,8 +151,10 @@ class Cluster:
     ranks_per_node: int  # MPI ranks placed on one node, block placement (0: all ranks on one node)
     cores_per_node: int
     ref_threads: int  # torch threads per rank at which the rates below hold
-    train_gflops: float  # achieved training GFLOP/s per rank (fwd + bwd + optimizer), at ref_threads
-    eval_gflops: float  # achieved forward GFLOP/s per rank in evaluation, at ref_threads
+    # achieved training GFLOP/s per rank (fwd + bwd + optimizer), at ref_threads, counting as "work"
+    # the FLOPs plus flops_per_activation for each activation element (see work_per_image)
+    train_gflops: float
+    eval_gflops: float  # the same for the forward pass in evaluation (a third of the work)
     data_s_per_image: float  # batch augmentation + input conversion, per image
     step_overhead_s: float  # per-step time outside compute/data/comm (Python, .item(), logging)
     warmup_s: float  # one-time extra of the first step of a run (allocations)
@@ -155,6 +168,8 @@ class Cluster:
     overlap: float = 1.0  # fraction of the remaining backward that can hide posted buckets
     oversub_alpha: float = 0.0  # extra s per Allreduce round when a node has more ranks than cores
     available_cores: float = 0.0  # cores one job gets per node on a shared machine (0: all of them)
+    flops_per_activation: float = 0.0  # memory-bound cost per activation element (0: FLOPs only)
+    step_work_per_tensor: float = 0.0  # per-step work independent of the batch, per parameter tensor
     notes: str = ""
 
     def to_dict(self) -> dict:
@@ -480,7 +495,7 @@ class Calibration:
     data_s_per_image: float
     eval_s_per_image: float  # per test image (np=1 evaluates all of them)
     step_overhead_s: float  # per step, outside compute and data
-    warmup_s: float  # first step's extra time
+    warmup_s: float  # first step's extra time over the steady mean (may be < 0 in a warm process)
     compute_cv: float  # std / mean of per-step compute, first step excluded
     alpha: float  # s per message, intra-node (fitted)
     beta: float  # s per byte, intra-node (fitted)
@@ -491,6 +506,9 @@ class Calibration:
     mpi_library: str = ""
     host: str = ""
     source: str = ""
+    activations_per_image: float = 0.0  # activation elements per image of (model, width)
+    flops_per_activation: float = 0.0  # the model constant used (FLOPS_PER_ACTIVATION_CPU)
+    step_work_per_tensor: float = 0.0  # the model constant used (STEP_WORK_PER_TENSOR_CPU)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -515,7 +533,9 @@ class Calibration:
 
 
 def calibrate(np1_result: Mapping[str, Any], comm_bench: Any, *, source: str = "",
-              available_cores: float | None = None) -> Calibration:
+              available_cores: float | None = None,
+              flops_per_activation: float = FLOPS_PER_ACTIVATION_CPU,
+              step_work_per_tensor: float = STEP_WORK_PER_TENSOR_CPU) -> Calibration:
     """Calibration from an np=1 ``result.json`` (dict) and a micro-benchmark (``run_comm_bench``'s
     dict, one ``comm_bench`` dict or a list of them).
 
@@ -523,9 +543,11 @@ def calibrate(np1_result: Mapping[str, Any], comm_bench: Any, *, source: str = "
 
     ``available_cores``: on a shared machine, the CPU cores the np=1 run actually got (its CPU time
     over its wall time, when that is below its threads); its times are scaled back to a run that got
-    every core it asked for. None (the default) takes the run as it was.
+    every core it asked for. None (the default) takes the run as it was. ``flops_per_activation``:
+    see ``FLOPS_PER_ACTIVATION_CPU`` (0 makes compute time scale with FLOPs alone);
+    ``step_work_per_tensor``: see ``STEP_WORK_PER_TENSOR_CPU`` (0: compute proportional to the batch).
     """
-    from .models import train_flops_per_image
+    from .models import activation_elements, train_flops_per_image
 
     if int(np1_result.get("np", 0)) != 1:
         raise ValueError(f"calibrate needs the result of an np=1 run; this one has "
@@ -560,12 +582,17 @@ def calibrate(np1_result: Mapping[str, Any], comm_bench: Any, *, source: str = "
         compute_s_per_image=idle * c_step / b, data_s_per_image=idle * t_data / (n_steps * b),
         eval_s_per_image=idle * eval_s,
         step_overhead_s=idle * max(0.0, (t_time - t_comp - t_data) / n_steps),
-        warmup_s=idle * max(0.0, comp[0] - c_step),
+        # signed: in a process that has already run torch the first step is not slower, and the
+        # np=1 prediction must still give back the run it came from
+        warmup_s=idle * (comp[0] - c_step),
         compute_cv=statistics.pstdev(steady) / c_step if len(steady) > 1 else 0.0,
         alpha=fit["alpha"], beta=fit["beta"], fit_rel_rms=fit["rel_rms"],
         oversub_alpha=fit["oversub_alpha"], available_cores=float(available_cores or 0.0),
         bench_nps=tuple(int(r["np"]) for r in runs), mpi_library=str(runs[0].get("mpi_library", "")),
-        host=",".join(env.get("hostnames", [])[:1]), source=source)
+        host=",".join(env.get("hostnames", [])[:1]), source=source,
+        activations_per_image=float(activation_elements(cfg["model"], float(cfg["width"]))),
+        flops_per_activation=float(flops_per_activation),
+        step_work_per_tensor=float(step_work_per_tensor))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -574,10 +601,15 @@ def calibrate(np1_result: Mapping[str, Any], comm_bench: Any, *, source: str = "
 def this_box(cal: Calibration) -> Cluster:
     """The calibrated machine: one node, all ranks on it, intra-node link from the fit."""
     link = Link(cal.alpha, cal.beta)
+    work = cal.flops_per_image + cal.flops_per_activation * cal.activations_per_image
+    # the calibration step did b images of work plus the per-step part, in b x compute_s_per_image
+    step_fixed = cal.step_work_per_tensor * len(gradient_layout(cal.model, cal.width))
     return Cluster(
         name="this_box", nodes=1, ranks_per_node=0, cores_per_node=cal.cores_per_node,
-        ref_threads=cal.threads, train_gflops=cal.flops_per_image / cal.compute_s_per_image / 1e9,
-        eval_gflops=(cal.flops_per_image / 3) / cal.eval_s_per_image / 1e9 if cal.eval_s_per_image else 1e9,
+        ref_threads=cal.threads,
+        train_gflops=(work + step_fixed / cal.per_rank_batch) / cal.compute_s_per_image / 1e9,
+        eval_gflops=(work / 3) / cal.eval_s_per_image / 1e9 if cal.eval_s_per_image else 1e9,
+        flops_per_activation=cal.flops_per_activation, step_work_per_tensor=cal.step_work_per_tensor,
         data_s_per_image=cal.data_s_per_image, step_overhead_s=cal.step_overhead_s,
         warmup_s=cal.warmup_s, compute_cv=cal.compute_cv, intra=link, inter=link, gamma=0.0,
         algorithm="mpich", oversub_alpha=cal.oversub_alpha,
@@ -731,6 +763,19 @@ def buckets_for(layout, bucket_mb: float) -> list[tuple[int, float]]:
 _SOURCE_SIZES = {"embedded": (5000, 1000), "cifar10": (50000, 10000)}
 
 
+def work_per_image(model: str, width: float, flops_per_activation: float = 0.0) -> float:
+    """Training FLOPs of one image plus ``flops_per_activation`` for each activation element.
+
+        work_per_image("mobilenetv2_cifar", 0.5, FLOPS_PER_ACTIVATION_CPU) / 1e9   # ~1.32
+    """
+    from .models import activation_elements, train_flops_per_image
+
+    work = train_flops_per_image(model, width)
+    if flops_per_activation:
+        work += flops_per_activation * activation_elements(model, width)
+    return work
+
+
 def _sizes(cfg, n_train, n_test) -> tuple[int, int]:
     known = _SOURCE_SIZES.get(cfg.data)
     if n_train is None:
@@ -785,7 +830,6 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
     "epoch_time" adds evaluation.
     """
     from .data import epoch_accounting
-    from .models import train_flops_per_image
 
     if profile not in PROFILES:
         raise ValueError(f"profile={profile!r}; use one of {', '.join(PROFILES)}")
@@ -809,16 +853,16 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
     avail = cl.available_cores or cl.cores_per_node
     oversub = max(1.0, rpn * threads / avail)
     thread_factor = (cl.ref_threads / threads) ** THREAD_EXPONENT
-    flops = train_flops_per_image(cfg.model, cfg.width)
-    c_img = flops / (cl.train_gflops * 1e9) * thread_factor * oversub
-    e_img = (flops / 3) / (cl.eval_gflops * 1e9) * thread_factor * oversub
+    work = work_per_image(cfg.model, cfg.width, cl.flops_per_activation)
+    e_img = (work / 3) / (cl.eval_gflops * 1e9) * thread_factor * oversub
     d_img = cl.data_s_per_image * oversub
-    compute = b * c_img
+    layout = gradient_layout(cfg.model, cfg.width)
+    step_work = b * work + cl.step_work_per_tensor * len(layout)
+    compute = step_work / (cl.train_gflops * 1e9) * thread_factor * oversub
     data = b * d_img
     straggler = compute * cl.compute_cv * _expected_max_normal(p)
 
     # --- communication, per step
-    layout = gradient_layout(cfg.model, cfg.width)
     wire = 2 if cfg.compression == "fp16" else ELEMENT_BYTES
     n_params = sum(n for n, _ in layout)
     crowded = rpn * threads > avail  # a rank may wait for a peer that is not scheduled
@@ -1034,7 +1078,8 @@ def cmd_calibrate(args, argv) -> int:
         result = json.load(f)
     with open(args.bench) as f:
         bench = json.load(f)
-    cal = calibrate(result, bench, source=args.result)
+    cal = calibrate(result, bench, source=args.result, flops_per_activation=args.flops_per_activation,
+                    step_work_per_tensor=args.step_work_per_tensor)
     for k, v in cal.to_dict().items():
         print(f"{k:>22}: {v}")
     if args.out:
@@ -1134,6 +1179,15 @@ def add_cli(sub) -> None:
     c.add_argument("--bench", required=True, help="JSON written by `pilab perfmodel bench`")
     c.add_argument("--out", default="runs/perfmodel/calibration.json",
                    help="where to write the calibration (default: %(default)s)")
+    c.add_argument("--flops-per-activation", dest="flops_per_activation", type=float,
+                   default=FLOPS_PER_ACTIVATION_CPU,
+                   help="memory-bound cost of one activation element in training FLOPs: how compute "
+                        "time moves with width (default %(default)s, measured on x86; 0: FLOPs only)")
+    c.add_argument("--step-work-per-tensor", dest="step_work_per_tensor", type=float,
+                   default=STEP_WORK_PER_TENSOR_CPU,
+                   help="per-step work that does not grow with the batch, per parameter tensor, in "
+                        "the same units: how compute moves with the batch (default %(default)s; 0: "
+                        "proportional)")
     c.add_argument("--inter-bench", default=None,
                    help="a `perfmodel bench` JSON run with one rank per node: also write a Cluster "
                         "with that inter-node link")

@@ -15,7 +15,7 @@ returns a Bokeh figure or layout, so notebooks and the HTML report draw the same
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from bokeh.layouts import column, gridplot, row
 from bokeh.models import ColumnDataSource, Div, HoverTool, Legend, Range1d
@@ -400,13 +400,20 @@ def _table(study: Mapping) -> Div:
         rows.append((str(r["np"]), f("time_per_epoch", ".1f"), f("speedup", ".2f"),
                      f("efficiency", ".0%"), f("images_per_s", ".0f"),
                      f("comm_exposed_share", ".0%"), f("final_test_acc", ".3f"), verdict))
-    html = "<table style='border-collapse:collapse;font-size:10pt'>"
-    html += "<tr>" + "".join(f"<th style='padding:2px 8px;border-bottom:1px solid #999'>{h}</th>"
-                             for h in head) + "</tr>"
+    return Div(text=html_table(head, rows))
+
+
+def html_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain, escaped HTML table for a Bokeh ``Div``: ``Div(text=html_table(["np"], [[1], [2]]))``."""
+    import html as _html
+
+    out = "<table style='border-collapse:collapse;font-size:10pt'>"
+    out += "<tr>" + "".join(f"<th style='padding:2px 8px;border-bottom:1px solid #999'>"
+                            f"{_html.escape(str(h))}</th>" for h in head) + "</tr>"
     for cells in rows:
-        html += "<tr>" + "".join(f"<td style='padding:2px 8px;text-align:right'>{c}</td>"
-                                 for c in cells) + "</tr>"
-    return Div(text=html + "</table>")
+        out += "<tr>" + "".join(f"<td style='padding:2px 8px;text-align:right'>"
+                                f"{_html.escape(str(c))}</td>" for c in cells) + "</tr>"
+    return out + "</table>"
 
 
 def scaling_dashboard(study: Mapping):

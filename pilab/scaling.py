@@ -426,12 +426,16 @@ def compare_markdown(cmp: dict) -> str:
 
 
 def compare_html(cmp: dict) -> str:
+    import html as _html
+
     from bokeh.embed import file_html
     from bokeh.layouts import column, row
     from bokeh.models import Div, Range1d
     from bokeh.palettes import Category10
     from bokeh.plotting import figure
     from bokeh.resources import INLINE
+
+    from .plots import html_table
 
     nps = sorted({r["np"] for r in cmp["rows"]})
     figs = []
@@ -450,10 +454,14 @@ def compare_html(cmp: dict) -> str:
         figs.append(f)
     head = "<h2>pilab: fast-but-wrong, by learning-rate rule</h2>"
     for label, cmd in cmp["commands"].items():
-        head += f"<p><b>{label}:</b> <code>{cmd}</code></p>"
-    import html as _html
-    md = compare_markdown(cmp)
-    table = "<pre>" + _html.escape(md) + "</pre>"
+        head += f"<p><b>{_html.escape(label)}:</b> <code>{_html.escape(str(cmd))}</code></p>"
+    table = html_table(
+        ["rule", "np", "kind", "global batch", "peak lr", "steps", "final test acc",
+         "epochs near chance", "verdict"],
+        [[r["label"], r["np"], "simulated" if r["simulated"] else "measured", r["global_batch"],
+          f"{r['peak_lr']:.3g}", r["steps"], f"{r['final_test_acc']:.3f}",
+          f"{r['epochs_near_chance']}/{len(r['test_acc_curve'])}",
+          "fast-but-wrong" if r["fast_but_wrong"] else "ok"] for r in cmp["rows"]])
     return file_html(column(Div(text=head, width=1000), row(*figs), Div(text=table, width=1000)),
                      INLINE, "pilab fast-but-wrong")
 

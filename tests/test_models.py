@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pilab.config import Config, ConfigError
-from pilab.models import (MODEL_NAMES, build_model, check_width, count_parameters, forward_macs,
+from pilab.models import (MODEL_NAMES, activation_elements, build_model, check_width, count_parameters, forward_macs,
                           train_flops_per_image)
 
 torch.set_num_threads(1)
@@ -210,3 +210,16 @@ def test_forward_macs_by_hand():
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
     assert forward_macs(model, 4) == 16 * 8 * 27 + 16 * 8 * 9 + 8 * 5
     assert model.training
+
+
+def test_activation_elements_by_hand():
+    # the CIFAR stem alone at width 0.25: a 3x3 conv to 8 channels, its BN and ReLU6, each writing
+    # 8 x 32 x 32 elements; the whole network writes more, and width grows it less than FLOPs
+    a = {w: activation_elements("mobilenetv2_cifar", w) for w in (0.25, 0.5, 1.0)}
+    assert a[0.25] > 3 * 8 * 32 * 32
+    assert 1.5 < a[0.5] / a[0.25] < 2.0
+    flops = train_flops_per_image("mobilenetv2_cifar", 0.5) / train_flops_per_image("mobilenetv2_cifar", 0.25)
+    assert flops > 2.5
+    state = torch.get_rng_state()
+    assert activation_elements("squeezenet1_1") > 0
+    assert torch.equal(state, torch.get_rng_state())

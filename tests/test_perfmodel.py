@@ -1,5 +1,6 @@
 """pilab.perfmodel: published figures, alpha-beta fit, schedules, monotonic sanity, a real np=1 calibration,
 and the micro-benchmark under a real `mpiexec -n 2`. Plain pytest; nothing asserts on how fast this box is."""
+import dataclasses
 import json
 import math
 import subprocess
@@ -97,6 +98,46 @@ def _cal(**kw) -> pm.Calibration:
                 alpha=2e-5, beta=1e-9, fit_rel_rms=0.1, bench_nps=(2, 3))
     base.update(kw)
     return pm.Calibration(**base)
+
+
+def test_width_moves_compute_between_activation_and_flop_ratios():
+    from pilab.models import activation_elements, train_flops_per_image
+    m = "mobilenetv2_cifar"
+    acts = activation_elements(m, 0.5) / activation_elements(m, 0.25)
+    flops = train_flops_per_image(m, 0.5) / train_flops_per_image(m, 0.25)
+    mixed = _cal(activations_per_image=activation_elements(m, 0.25),
+                 flops_per_image=train_flops_per_image(m, 0.25),
+                 flops_per_activation=pm.FLOPS_PER_ACTIVATION_CPU)
+    flop_only = dataclasses.replace(mixed, flops_per_activation=0.0)
+
+    def ratio(cal):
+        return (pm.predict(Config(width=0.5), 1, cal)["step"]["compute"]
+                / pm.predict(Config(width=0.25), 1, cal)["step"]["compute"])
+    assert ratio(flop_only) == pytest.approx(flops)
+    assert acts < ratio(mixed) < flops
+    # at the calibrated width the split does not matter: the np=1 run sets the level
+    assert (pm.predict(Config(width=0.25), 1, mixed)["compute"]
+            == pytest.approx(pm.predict(Config(width=0.25), 1, flop_only)["compute"]))
+    # and an old calibration file without the new fields still loads, as FLOPs only
+    d = mixed.to_dict()
+    del d["activations_per_image"], d["flops_per_activation"]
+    assert pm.Calibration.from_dict(d).flops_per_activation == 0.0
+
+
+def test_per_step_work_makes_small_batches_dearer_per_image():
+    from pilab.models import train_flops_per_image
+    cal = _cal(step_work_per_tensor=pm.STEP_WORK_PER_TENSOR_CPU,
+               flops_per_image=train_flops_per_image("mobilenetv2_cifar", 0.25))
+
+    def per_image(batch):
+        r = pm.predict(Config(width=0.25, batch_size=batch, threads=1), 1, cal)
+        return r["step"]["compute"] / batch
+    # the calibrated batch (32) gives the np=1 run back; smaller batches cost more per image
+    assert per_image(32) == pytest.approx(cal.compute_s_per_image)
+    assert per_image(2) > per_image(8) > per_image(16) > per_image(32) > per_image(64)
+    flat = dataclasses.replace(cal, step_work_per_tensor=0.0)
+    assert (pm.predict(Config(width=0.25, batch_size=8, threads=1), 1, flat)["step"]["compute"]
+            == pytest.approx(8 * cal.compute_s_per_image))
 
 
 def test_gradient_layout_matches_gradsync_buckets():

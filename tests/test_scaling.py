@@ -75,6 +75,36 @@ def test_scale_cli_end_to_end(tmp_path):
     assert "FAST-BUT-WRONG" in p.stdout or " ok" in p.stdout
 
 
+def test_compare_cli_on_the_committed_study(tmp_path):
+    """`pilab compare` on docs/fast-but-wrong's study files, and the shape those files must show."""
+    import os
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    docs = os.path.join(repo, "docs", "fast-but-wrong")
+    rules = ["naive", "linear", "linear-warmup"]
+    p = subprocess.run([sys.executable, "-m", "pilab", "compare", *[os.path.join(docs, r) for r in rules],
+                        "--labels", "naive,linear,warmup", "--out", str(tmp_path / "cmp")],
+                       cwd=repo, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    cmp = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    acc = {(r["label"], r["np"]): r for r in cmp["rows"]}
+    assert sorted(acc) == sorted((lab, n) for lab in ("naive", "linear", "warmup") for n in (1, 8, 48))
+    html = (tmp_path / "cmp" / "compare.html").read_text()
+    assert "<table" in html and "linear" in html and "cdn.bokeh.org" not in html
+    # the issue's pass criteria, on the committed real-data run
+    chance, n_epochs = 0.10, len(acc[("naive", 1)]["test_acc_curve"])
+    assert acc[("warmup", 1)]["final_test_acc"] > 2 * chance
+    assert acc[("warmup", 8)]["final_test_acc"] > 2 * chance
+    assert acc[("linear", 48)]["epochs_near_chance"] >= n_epochs / 2
+    assert (acc[("linear", 48)]["final_test_acc"] < acc[("naive", 48)]["final_test_acc"]
+            < acc[("warmup", 8)]["final_test_acc"])
+    # a study directory that does not exist: one clear line, non-zero exit, nothing written
+    bad = subprocess.run([sys.executable, "-m", "pilab", "compare", str(tmp_path / "nope"),
+                          "--out", str(tmp_path / "cmp2")], cwd=repo, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "does not exist" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "cmp2").exists()
+
+
 def test_remedies_search_runs_candidates(tmp_path):
     cfg = Config(width=0.25, train_subset=256, test_subset=100, epochs=1, batch_size=16,
                  threads=1, lr_ref_batch=16)
