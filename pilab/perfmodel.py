@@ -20,7 +20,9 @@ Calibrate on your machine, then predict (everything returns dicts / lists of dic
 The model, per optimizer step on every rank (synchronous, so the slowest rank sets the pace):
 
     step = data + compute + straggler + exposed comm + overhead
-    compute   = per-rank batch x seconds per image (at the rank's threads, slowed by oversubscription)
+    compute   = (per-step work + per-rank batch x work per image) / rate (at the rank's threads,
+                slowed by oversubscription); work = FLOPs + a memory-bound term per activation element,
+                rate from the np=1 run
     straggler = E[max of np normal draws] x compute x cv  (per-step jitter measured at np=1)
     comm      = alpha-beta cost of each Allreduce, simulated round by round over the real schedule
                 (ring | recursive doubling | Rabenseifner | MPICH's choice by message size), with
