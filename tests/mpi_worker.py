@@ -210,6 +210,26 @@ def case_train(out):
         res["simulator_diff_per_rank"] = [max_diff(res["simulator_states"][r], states[r])
                                           for r in range(SIZE)]
         del res["simulator_states"]
+
+    # 7) BN buffer policy "average": the same run ends with every rank holding the mean of the
+    # per-rank running statistics of the reference, and the simulator applies the same policy
+    cfg_avg = replace(cfg, bn_buffers="average")
+    _, model_avg = train.train(cfg_avg, COMM, data=ds)
+    states_avg = gathered_states(model_avg)
+    if RANK == 0:
+        keys = [k for k in buffer_keys(ref[0]) if ref[0][k].is_floating_point()]
+        mean_ref = {k: sum(ref[r][k].double() for r in range(SIZE)) / SIZE for k in keys}
+        # relative to 1 + |value|: running variances reach tens, where float32 rounds at ~4e-6
+        res["average_buffers_diff_vs_reference_mean"] = max(
+            float(((s[k].double() - mean_ref[k]).abs() / (1 + mean_ref[k].abs())).max())
+            for s in states_avg for k in keys)
+        res["average_params_diff_vs_reference"] = max(
+            max_diff({k: s[k] for k, _ in ref_params(ref[0])}, ref[0]) for s in states_avg)
+        # the statistics differ by rank before the sync, so the mean is not any one rank's
+        res["average_differs_from_rank0"] = max_diff({k: ref[0][k] for k in keys}, mean_ref) > 1e-6
+        _, sim_avg = simulate.train(replace(sim_cfg, bn_buffers="average"), SIZE, data=ds)
+        res["simulator_average_diff_per_rank"] = [
+            max_diff(simulate.virtual_state(sim_avg, r), states_avg[r]) for r in range(SIZE)]
     if RANK == 0:
         with open(out, "w") as f:
             json.dump(res, f, indent=1)

@@ -84,6 +84,14 @@ def test_simulator_matches_mpi_run(measured):
     assert max(r["simulator_diff_per_rank"]) <= 1e-5, r["simulator_diff_per_rank"]
 
 
+def test_bn_buffer_policy_average_matches_the_mean_of_rank_statistics(measured):
+    _, r = measured
+    assert r["average_differs_from_rank0"]
+    assert r["average_buffers_diff_vs_reference_mean"] <= 1e-5
+    assert r["average_params_diff_vs_reference"] <= 1e-5
+    assert max(r["simulator_average_diff_per_rank"]) <= 1e-5, r["simulator_average_diff_per_rank"]
+
+
 def test_failing_rank_aborts_the_job(tmp_path):
     p, took = launch(3, "fault", tmp_path / "x.json", timeout=60)
     assert p.returncode != 0
