@@ -4,6 +4,7 @@
     mpiexec -n 2 python -m pilab train --epochs 2      # or under your own launcher
     python -m pilab scale --out runs/demo               # the strong-scaling study + report
     python -m pilab data fetch                          # official CIFAR-10 (needs torchvision + internet)
+    python -m pilab data cache --clear                  # delete the decoded copies pilab keeps
 
 Bad input gets one line on stderr naming the problem and the fix, and exit code 2.
 """
@@ -191,6 +192,20 @@ def cmd_data(args, argv) -> int:
         path = data.fetch(args.root)
         print(f"CIFAR-10 python batches in {path}; use --data cifar10 (or --data {path})")
         return 0
+    if args.clear and args.action != "cache":
+        raise UsageError(f"--clear goes with `pilab data cache`, not `pilab data {args.action}`")
+    if args.action == "cache":
+        entries = data.cache_entries()
+        if args.clear:
+            removed = data.clear_cache()
+            print(f"removed {len(removed)} cached data set(s), "
+                  f"{sum(e['bytes'] for e in entries) / 1e6:.0f} MB, from {data.default_cache_dir()}")
+            return 0
+        print(f"cache: {data.default_cache_dir()} ({len(entries)} data set(s), "
+              f"{sum(e['bytes'] for e in entries) / 1e6:.0f} MB; `pilab data cache --clear` removes them)")
+        for e in entries:
+            print(f"{e['bytes'] / 1e6:8.1f} MB  {os.path.basename(e['path'])}  {e['source']}")
+        return 0
     ds = data.load(args.data)
     print(f"source: {ds.source}\ntrain: {len(ds.y_train)}  test: {len(ds.y_test)}  "
           f"classes: {', '.join(ds.classes)}\nchecksum: {ds.checksum}\n"
@@ -215,10 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(t, Config(out="runs/train"))
     t.set_defaults(func=cmd_train)
 
-    d = sub.add_parser("data", help="fetch or inspect CIFAR-10",
+    d = sub.add_parser("data", help="fetch, inspect or uncache CIFAR-10",
                        description="fetch: download the official CIFAR-10 (needs torchvision and "
-                                   "internet); info: load a source and show counts and checksum.")
-    d.add_argument("action", choices=("fetch", "info"))
+                                   "internet); info: load a source and show counts and checksum; "
+                                   "cache: list the decoded data sets pilab keeps ($PILAB_CACHE), "
+                                   "--clear to delete them.")
+    d.add_argument("action", choices=("fetch", "info", "cache"))
+    d.add_argument("--clear", action="store_true", help="with cache: delete the cached data sets")
     d.add_argument("--root", default=None, help="where fetch stores it (default: the pilab cache)")
     d.add_argument("--data", default="embedded", help="source for info (default: embedded)")
     d.set_defaults(func=cmd_data)

@@ -114,6 +114,50 @@ def load(source: str = "embedded", *, cache_dir: str | None = None,
     return _subset(ds, train_subset, test_subset, seed)
 
 
+# what load() writes into the cache directory: decoded arrays and, after a crash, their temp files;
+# never anything else there (`data fetch` puts the downloaded batches in the same directory)
+_CACHE_NAME = re.compile(r"^(?:\.tmp-)?cifar10-[0-9a-f]{16}\.npz(?:-[^/]*\.npz)?$")
+
+
+def cache_entries(cache_dir: str | None = None) -> list[dict]:
+    """The decoded data sets in the cache, newest first: path, bytes, modified (epoch s), source.
+
+        for e in cache_entries():
+            print(e["bytes"] >> 20, "MiB", e["source"])
+
+    Each distinct source (and each new version of one: the key includes size and mtime) adds a file;
+    a full CIFAR-10 is ~185 MB. ``clear_cache`` removes them; the next ``load`` decodes again.
+    """
+    cache = os.path.abspath(os.path.expanduser(cache_dir)) if cache_dir else default_cache_dir()
+    if not os.path.isdir(cache):
+        return []
+    out = []
+    for name in os.listdir(cache):
+        path = os.path.join(cache, name)
+        if not (_CACHE_NAME.match(name) and os.path.isfile(path)):
+            continue
+        st = os.stat(path)
+        try:
+            with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
+                source = str(z["source"])
+        except Exception:  # a temp file of an interrupted write, or a corrupt entry
+            source = "(incomplete or corrupt: load() rebuilds it)"
+        out.append({"path": path, "bytes": st.st_size, "modified": st.st_mtime, "source": source})
+    return sorted(out, key=lambda e: -e["modified"])
+
+
+def clear_cache(cache_dir: str | None = None) -> list[str]:
+    """Delete the cached arrays (only files ``load`` writes; downloads stay) and return their paths."""
+    removed = []
+    for e in cache_entries(cache_dir):
+        try:
+            os.unlink(e["path"])
+            removed.append(e["path"])
+        except FileNotFoundError:  # another process cleared it first
+            pass
+    return removed
+
+
 def _resolve(source: str, cache: str) -> tuple[str, str]:
     """Map a source name or path to (kind, absolute path); kind: embedded | batches | folder | archive."""
     if not isinstance(source, (str, os.PathLike)):

@@ -199,6 +199,33 @@ def test_cache_roundtrip_and_corruption(small, tmp_path, monkeypatch):
     assert len(_files(cache)) == 2
 
 
+def test_cache_listing_and_clearing(small, tmp_path):
+    import subprocess
+    import sys
+    cache = tmp_path / "cache"
+    ds = data.load(small["path"], cache_dir=str(cache))
+    (cache / "cifar-10-batches-py").mkdir()  # where `data fetch` puts a download: never touched
+    (cache / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"x")
+    (cache / ".tmp-cifar10-0123456789abcdef.npz-abc.npz").write_bytes(b"half")  # an interrupted write
+    entries = data.cache_entries(str(cache))
+    assert len(entries) == 2
+    good = [e for e in entries if e["source"] == ds.source]
+    assert len(good) == 1 and good[0]["bytes"] > ds.x_train.nbytes
+    env = dict(os.environ, PILAB_CACHE=str(cache))
+    p = subprocess.run([sys.executable, "-m", "pilab", "data", "cache"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 0 and "2 data set(s)" in p.stdout and ds.source in p.stdout
+    p = subprocess.run([sys.executable, "-m", "pilab", "data", "cache", "--clear"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 0 and "removed 2" in p.stdout
+    assert data.cache_entries(str(cache)) == []
+    assert (cache / "cifar-10-batches-py" / "data_batch_1").exists()
+    assert data.load(small["path"], cache_dir=str(cache)).checksum == ds.checksum  # decoded again
+    p = subprocess.run([sys.executable, "-m", "pilab", "data", "info", "--clear"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "--clear goes with" in p.stderr
+
+
 def test_interrupted_cache_write_leaves_nothing(small, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
 
