@@ -114,29 +114,24 @@ def run_job(args) -> dict | None:
             broadcast_module_(m, comm)
             return m
 
+        def gradsync(key, label, mb, **kw):
+            m = fresh()
+            variants.append((key, label, mb, m, None, GradSync(m, comm, bucket_mb=mb, **kw)))
+
         if args.job == "main":
             m = fresh()
             variants.append(("a", "per-tensor blocking", None, m, per_tensor(m), None))
             m = fresh()
             variants.append(("b", "fused blocking", None, m, fused(m), None))
             for mb in args.buckets:
-                m = fresh()
-                variants.append(("c", "GradSync poll", mb, m, None, GradSync(m, comm, bucket_mb=mb)))
+                gradsync("c", "GradSync poll", mb)
             for mb in args.buckets:
-                m = fresh()
-                variants.append(("d", "GradSync no poll", mb, m, None,
-                                 GradSync(m, comm, bucket_mb=mb, poll=False)))
-            m = fresh()
-            variants.append(("fp16", "GradSync poll fp16", 1.0, m, None,
-                             GradSync(m, comm, bucket_mb=1.0, compression="fp16")))
+                gradsync("d", "GradSync no poll", mb, poll=False)
+            gradsync("fp16", "GradSync poll fp16", 1.0, compression="fp16")
         else:
             for mb in args.buckets:
-                m = fresh()
-                variants.append(("e", "GradSync async no poll", mb, m, None,
-                                 GradSync(m, comm, bucket_mb=mb, poll=False)))
-            m = fresh()
-            variants.append(("e+poll", "GradSync async + poll", 1.0, m, None,
-                             GradSync(m, comm, bucket_mb=1.0, poll=True)))
+                gradsync("e", "GradSync async no poll", mb, poll=False)
+            gradsync("e+poll", "GradSync async + poll", 1.0, poll=True)
         g = torch.Generator().manual_seed(1 + rank)
         x = torch.randn(args.batch, 3, 32, 32, generator=g).contiguous(memory_format=torch.channels_last)
         y = torch.randint(0, 10, (args.batch,), generator=g)
