@@ -262,6 +262,23 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _hooked_forward(model: nn.Module, hooks, image_size: int) -> None:
+    """One eval-mode forward of a single zero image with ``hooks`` ((module, fn) pairs) attached;
+    the hooks are removed and the model's train/eval mode restored afterwards."""
+    param = next(model.parameters())
+    x = torch.zeros(1, 3, image_size, image_size, device=param.device, dtype=param.dtype)
+    handles = [m.register_forward_hook(fn) for m, fn in hooks]
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+
+
 def forward_macs(model: nn.Module, image_size: int = 32) -> int:
     """Multiply-accumulates of the conv and linear layers for one image in a forward pass.
 
@@ -279,23 +296,9 @@ def forward_macs(model: nn.Module, image_size: int = 32) -> int:
         nonlocal total
         total += out[0].numel() * m.in_features
 
-    handles = []
-    for m in model.modules():
-        if isinstance(m, nn.Conv2d):
-            handles.append(m.register_forward_hook(conv_hook))
-        elif isinstance(m, nn.Linear):
-            handles.append(m.register_forward_hook(linear_hook))
-    param = next(model.parameters())
-    x = torch.zeros(1, 3, image_size, image_size, device=param.device, dtype=param.dtype)
-    was_training = model.training
-    try:
-        model.eval()
-        with torch.no_grad():
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
+    _hooked_forward(model, [(m, conv_hook if isinstance(m, nn.Conv2d) else linear_hook)
+                            for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))],
+                    image_size)
     return total
 
 
@@ -318,15 +321,8 @@ def activation_elements(name: str, width: float = 1.0, num_classes: int = 10,
         nonlocal total
         total += out[0].numel()
 
-    handles = [m.register_forward_hook(hook) for m in model.modules()
-               if next(m.children(), None) is None]
-    try:
-        model.eval()
-        with torch.no_grad():
-            model(torch.zeros(1, 3, image_size, image_size, device="meta"))
-    finally:
-        for h in handles:
-            h.remove()
+    _hooked_forward(model, [(m, hook) for m in model.modules() if next(m.children(), None) is None],
+                    image_size)
     return total
 
 

@@ -768,7 +768,7 @@ _SOURCE_SIZES = {"embedded": (5000, 1000), "cifar10": (50000, 10000)}
 def work_per_image(model: str, width: float, flops_per_activation: float = 0.0) -> float:
     """Training FLOPs of one image plus ``flops_per_activation`` for each activation element.
 
-        work_per_image("mobilenetv2_cifar", 0.5, FLOPS_PER_ACTIVATION_CPU) / 1e9   # ~1.32
+        work_per_image("mobilenetv2_cifar", 0.5, FLOPS_PER_ACTIVATION_CPU) / 1e9   # ~0.78
     """
     from .models import activation_elements, train_flops_per_image
 

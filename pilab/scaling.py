@@ -414,14 +414,21 @@ def compare(studies: dict[str, dict]) -> dict:
             "commands": {k: v.get("command") for k, v in studies.items()}}
 
 
+_COMPARE_HEAD = ("rule", "np", "kind", "global batch", "peak lr", "steps", "final test acc",
+                 "epochs near chance", "verdict")
+
+
+def _compare_cells(r: dict) -> list[str]:
+    """One row of the comparison table, as text (shared by the markdown and HTML forms)."""
+    return [r["label"], str(r["np"]), "simulated" if r["simulated"] else "measured",
+            str(r["global_batch"]), f"{r['peak_lr']:.3g}", str(r["steps"]), f"{r['final_test_acc']:.3f}",
+            f"{r['epochs_near_chance']}/{len(r['test_acc_curve'])}",
+            "fast-but-wrong" if r["fast_but_wrong"] else "ok"]
+
+
 def compare_markdown(cmp: dict) -> str:
-    lines = ["| rule | np | kind | global batch | peak lr | steps | final test acc | epochs near chance | verdict |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in cmp["rows"]:
-        lines.append(f"| {r['label']} | {r['np']} | {'simulated' if r['simulated'] else 'measured'} | "
-                     f"{r['global_batch']} | {r['peak_lr']:.3g} | {r['steps']} | "
-                     f"{r['final_test_acc']:.3f} | {r['epochs_near_chance']}/{len(r['test_acc_curve'])} | "
-                     f"{'fast-but-wrong' if r['fast_but_wrong'] else 'ok'} |")
+    lines = ["| " + " | ".join(_COMPARE_HEAD) + " |", "|" + "---|" * len(_COMPARE_HEAD)]
+    lines += ["| " + " | ".join(_compare_cells(r)) + " |" for r in cmp["rows"]]
     return "\n".join(lines)
 
 
@@ -455,13 +462,7 @@ def compare_html(cmp: dict) -> str:
     head = "<h2>pilab: fast-but-wrong, by learning-rate rule</h2>"
     for label, cmd in cmp["commands"].items():
         head += f"<p><b>{_html.escape(label)}:</b> <code>{_html.escape(str(cmd))}</code></p>"
-    table = html_table(
-        ["rule", "np", "kind", "global batch", "peak lr", "steps", "final test acc",
-         "epochs near chance", "verdict"],
-        [[r["label"], r["np"], "simulated" if r["simulated"] else "measured", r["global_batch"],
-          f"{r['peak_lr']:.3g}", r["steps"], f"{r['final_test_acc']:.3f}",
-          f"{r['epochs_near_chance']}/{len(r['test_acc_curve'])}",
-          "fast-but-wrong" if r["fast_but_wrong"] else "ok"] for r in cmp["rows"]])
+    table = html_table(_COMPARE_HEAD, [_compare_cells(r) for r in cmp["rows"]])
     return file_html(column(Div(text=head, width=1000), row(*figs), Div(text=table, width=1000)),
                      INLINE, "pilab fast-but-wrong")
 
