@@ -184,7 +184,7 @@ def run_job(args) -> dict | None:
 # the launcher side
 # ----------------------------------------------------------------------------------------------
 def launch(args, job: str, env_extra: dict) -> dict:
-    from pilab.cli import find_mpiexec
+    from pilab.launch import find_mpiexec
     mpiexec = find_mpiexec(args.mpiexec)
     with tempfile.TemporaryDirectory(prefix="pilab-bench-comm-") as tmp:
         part = os.path.join(tmp, "part.json")
@@ -242,7 +242,7 @@ def report(main: dict, extra: dict | None) -> dict:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from pilab.dist import launcher_size
+    from pilab.launch import launcher_size
     if launcher_size() > 0:  # a rank of an mpiexec job
         res = run_job(args)
         if res is not None:

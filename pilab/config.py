@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -205,3 +206,12 @@ try:
     _HELP = _field_comments()
 except (OSError, TypeError):  # source not available (frozen app): help text is optional
     _HELP = {}
+
+
+def small_mode() -> bool:
+    """True when notebooks and their studies should use tiny settings: PILAB_NB_SMALL=1, or unless it
+    says otherwise, under CI (CI=true) and in kernels that pytest/nbval started."""
+    flag = os.environ.get("PILAB_NB_SMALL")
+    if flag is not None:
+        return flag not in ("", "0")
+    return os.environ.get("CI") == "true" or "PYTEST_CURRENT_TEST" in os.environ

@@ -4,7 +4,7 @@ Three levels, as in Horovod's torch package:
 
 * primitives: ``allreduce_``, ``broadcast_``, ``world`` — thin, in-place (trailing ``_``), ``root=`` keyword;
 * helpers built on them: ``broadcast_module_``, ``broadcast_optimizer_state_``, ``sync_buffers_``,
-  ``reduce_sums``, ``SyncBatchNorm`` (works on CPU over MPI);
+  ``reduce_sums``, ``gather_floats`` (SyncBatchNorm, built on ``allreduce_``, is in ``pilab.layers``);
 * the optimizer-side piece: ``GradSync``, fused gradient buckets averaged with ``Iallreduce`` while
   backward is still running.
 
@@ -19,7 +19,6 @@ Run under ``mpiexec -n 2 python -m pilab train``.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 import traceback
@@ -30,9 +29,12 @@ import numpy as np
 import torch
 from torch import nn
 
-try:  # mpi4py is a dependency, but keep single-process use importable without an MPI library.
-    from mpi4py import MPI
-except ImportError:  # pragma: no cover - exercised only on machines without MPI
+from .buckets import bucket_assignment
+from .launch import launcher_size
+
+try:  # mpi4py is a dependency, but keep single-process use importable without an MPI library:
+    from mpi4py import MPI  # ImportError without mpi4py, RuntimeError without the library it needs
+except (ImportError, RuntimeError):  # pragma: no cover - exercised only on machines without MPI
     MPI = None
 
 
@@ -162,33 +164,6 @@ def gather_floats(values, comm, root: int = 0) -> np.ndarray | None:
     return out
 
 
-def any_true(flag: bool, comm) -> bool:
-    """Collective OR: True on every rank if ``flag`` is True on any (stop requests, errors)."""
-    if comm is None or comm.Get_size() == 1:
-        return bool(flag)
-    arr = np.array([1 if flag else 0], dtype=np.int32)
-    comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.MAX)
-    return bool(arr[0])
-
-
-def launcher_size() -> int:
-    """The process count the launcher says it started (MPICH/Hydra, PMIx, Open MPI, Slurm), or 0."""
-    for var in ("PMI_SIZE", "PMIX_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS"):
-        v = os.environ.get(var)
-        if v and v.isdigit():
-            return int(v)
-    return 0
-
-
-def launcher_rank() -> int:
-    """This process's rank as the launcher set it (0 when not launched by mpiexec)."""
-    for var in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
-        v = os.environ.get(var)
-        if v and v.isdigit():
-            return int(v)
-    return 0
-
-
 @contextmanager
 def abort_on_error(comm, code: int = 1):
     """On an exception in one rank, print it and ``Abort`` the whole job, so no other rank is left
@@ -225,98 +200,6 @@ def check_launcher(comm) -> None:
             f"the launcher started {started} processes but MPI sees a world of size 1 in each: "
             "mpiexec and mpi4py's MPI library don't match; use the mpiexec of the same MPI "
             "(e.g. the one next to this Python) or `python -m pilab train --np N`")
-
-
-def rank0_print(comm, *args, **kwargs) -> None:
-    """print() on rank 0 only."""
-    if world(comm)[0] == 0:
-        print(*args, **kwargs)
-
-
-# ----------------------------------------------------------------------------------------------
-# SyncBatchNorm over MPI (CPU)
-# ----------------------------------------------------------------------------------------------
-class _SyncBNFunction(torch.autograd.Function):
-    """Batch statistics over all ranks: one Allreduce of [sum, sum of squares, count] forward and one
-    of [sum dy, sum dy*xhat] backward, so the result equals BatchNorm on the concatenated batch."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, comm, eps):
-        c = x.shape[1]
-        dims = [0, 2, 3]
-        local = torch.cat([x.sum(dims), (x * x).sum(dims),
-                           torch.tensor([x.numel() / c], dtype=x.dtype)]).double()
-        allreduce_(local, comm)
-        count = local[-1]
-        mean = (local[:c] / count)
-        var = (local[c:2 * c] / count - mean * mean).clamp_min(0)
-        invstd = torch.rsqrt(var + eps)
-        mean_f, invstd_f = mean.to(x.dtype), invstd.to(x.dtype)
-        xhat = (x - mean_f[None, :, None, None]) * invstd_f[None, :, None, None]
-        y = xhat * weight[None, :, None, None] + bias[None, :, None, None]
-        ctx.save_for_backward(xhat, weight, invstd_f)
-        ctx.comm = comm
-        ctx.count = float(count)
-        return y, mean.to(x.dtype), var.to(x.dtype), count
-
-    @staticmethod
-    def backward(ctx, dy, _dmean, _dvar, _dcount):
-        xhat, weight, invstd = ctx.saved_tensors
-        dims = [0, 2, 3]
-        c = xhat.shape[1]
-        sums = torch.cat([dy.sum(dims), (dy * xhat).sum(dims)]).double()
-        dbias_local, dweight_local = sums[:c].to(dy.dtype).clone(), sums[c:].to(dy.dtype).clone()
-        allreduce_(sums, ctx.comm)
-        n = ctx.count
-        sum_dy, sum_dy_xhat = sums[:c].to(dy.dtype), sums[c:].to(dy.dtype)
-        dx = (weight * invstd)[None, :, None, None] * (
-            dy - sum_dy[None, :, None, None] / n - xhat * (sum_dy_xhat / n)[None, :, None, None])
-        # Parameter gradients stay local: GradSync averages them like any other gradient.
-        return dx, dweight_local, dbias_local, None, None
-
-
-class SyncBatchNorm(nn.BatchNorm2d):
-    """BatchNorm2d whose batch statistics span all ranks of ``comm`` — on CPU, over MPI.
-
-    torch's and Horovod's SyncBatchNorm need CUDA/NCCL; this one needs only mpi4py.
-    Build it with ``convert_sync_batchnorm(model, comm)``.
-    """
-
-    def __init__(self, num_features, comm=None, **kwargs):
-        super().__init__(num_features, **kwargs)
-        # A duplicate communicator keeps these blocking Allreduces apart from gradient Iallreduces.
-        self.comm = comm
-
-    def forward(self, x):
-        if not self.training or self.comm is None or self.comm.Get_size() == 1:
-            return super().forward(x)
-        y, mean, var, count = _SyncBNFunction.apply(x, self.weight, self.bias, self.comm, self.eps)
-        with torch.no_grad():
-            self.num_batches_tracked += 1
-            m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-            unbiased = var * (count / max(count - 1, 1))
-            self.running_mean.mul_(1 - m).add_(mean * m)
-            self.running_var.mul_(1 - m).add_(unbiased.to(var.dtype) * m)
-        return y
-
-
-def convert_sync_batchnorm(model: nn.Module, comm) -> nn.Module:
-    """Replace every BatchNorm2d with a SyncBatchNorm on a duplicate of ``comm`` (in place)."""
-    bn_comm = comm.Dup() if comm is not None else None
-
-    def convert(module):
-        for name, child in module.named_children():
-            if isinstance(child, nn.BatchNorm2d) and not isinstance(child, SyncBatchNorm):
-                sync = SyncBatchNorm(child.num_features, bn_comm, eps=child.eps,
-                                     momentum=child.momentum, affine=child.affine,
-                                     track_running_stats=child.track_running_stats)
-                sync.load_state_dict(child.state_dict())
-                setattr(module, name, sync)
-            else:
-                convert(child)
-
-    convert(model)
-    return model
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,17 +268,10 @@ class GradSync:
         params = [p for p in model.parameters() if p.requires_grad]
         # Gradients arrive roughly in reverse definition order; fill buckets in that order so the
         # first one is complete early in backward.
-        limit = max(1, int(bucket_mb * 2 ** 20 / 4))
-        self.buckets: list[_Bucket] = []
-        current, n = [], 0
-        for p in reversed(params):
-            if current and n + p.numel() > limit:
-                self.buckets.append(_Bucket(current, self.fp16))
-                current, n = [], 0
-            current.append(p)
-            n += p.numel()
-        if current:
-            self.buckets.append(_Bucket(current, self.fp16))
+        order = list(reversed(params))
+        self.buckets: list[_Bucket] = [
+            _Bucket([order[i] for i in idx], self.fp16)
+            for idx in bucket_assignment([p.numel() for p in order], bucket_mb)]
         self._where: dict[int, int] = {}
         for i, b in enumerate(self.buckets):
             for p in b.params:

@@ -19,7 +19,10 @@ import os
 import sys
 from dataclasses import replace
 
-from .config import Config, ConfigError
+from . import perfmodel, simulate
+from .config import Config, ConfigError, small_mode
+from .engine import load_data
+from .scaling import calibrate_from, time_to_target
 
 
 def candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
@@ -51,7 +54,6 @@ def candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
 
 def notebook_candidates() -> list[str] | None:
     """All candidates on a laptop; three under CI / nbval (PILAB_NB_SMALL), to keep it quick."""
-    from .widgets import small_mode
     return ["baseline", "linear lr", "linear lr + warmup"] if small_mode() else None
 
 
@@ -72,15 +74,15 @@ def pareto(points: list[dict], time_key: str = "epochs_time", acc_key: str = "fi
 
 def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=None,
            target_fraction: float = 0.9, reference_acc: float | None = None, data=None,
-           callbacks=(), log=None) -> dict:
+           callbacks=(), log=None, mpiexec: str | None = None) -> dict:
     """Simulate every candidate at ``np_`` ranks; rank them by accuracy and by predicted time.
 
     ``reference_acc`` (e.g. the np=1 run's final test accuracy) sets the target accuracy; without it
-    the baseline candidate simulated at np=1 is run first to get it.
+    the baseline candidate simulated at np=1 is run first to get it. ``calibration`` is what the
+    performance model predicts times for: a Calibration, a preset name (``"pi4b_cluster"``), a JSON
+    path, ``"this"`` (this machine, calibrated from the np=1 reference run and a short
+    micro-benchmark under ``mpiexec``) or None (no times, no Pareto front).
     """
-    from . import simulate
-    from .scaling import time_to_target
-    from .train import load_data
     ds = data if data is not None else load_data(cfg)
     cands = candidates(cfg, np_)
     if only:
@@ -88,9 +90,12 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=
         if not cands:
             raise ConfigError(f"none of {only} is a candidate; see remedies.candidates()")
     sim_cfg = replace(cfg, out="", threads=cfg.threads)
-    if reference_acc is None:
+    if reference_acc is None or calibration == "this":
         ref = simulate.run(sim_cfg, 1, data=ds)
-        reference_acc = ref["epochs"][-1]["test_acc"]
+        if reference_acc is None:
+            reference_acc = ref["epochs"][-1]["test_acc"]
+        if calibration == "this":
+            calibration = calibrate_from(ref, mpiexec)
     target = target_fraction * reference_acc
     rows = []
     for label, changes in cands:
@@ -103,7 +108,6 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=
         res = simulate.run(c, np_, data=ds)
         epoch_time = None
         if calibration is not None:
-            from . import perfmodel
             epoch_time = perfmodel.predict(c, np_, calibration)["time"]
         times = [epoch_time] * len(res["epochs"]) if epoch_time else None
         last = res["epochs"][-1]
@@ -129,6 +133,7 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=
     best = sorted((r for r in done if r["pareto"]) if have_time else done,
                   key=lambda r: -(r["final_test_acc"] or 0))
     return {"kind": "pilab.remedies", "np": np_, "config": cfg.to_dict(),
+            "calibration": calibration.to_dict() if hasattr(calibration, "to_dict") else calibration,
             "reference_acc": reference_acc, "target_accuracy": target,
             "candidates": rows, "best": best[:5]}
 
@@ -144,8 +149,6 @@ def ablations(cfg: Config, np_: int, *, data=None, log=None) -> dict:
         res = remedies.ablations(Config(width=0.25, epochs=3, train_subset=2000), np_=16)
         [(r["label"], r["final_test_acc"]) for r in res["rows"]]
     """
-    from . import simulate
-    from .train import load_data
     ds = data if data is not None else load_data(cfg)
     b = cfg.per_rank_batch(np_)
     big = replace(cfg, batch_mode="per_rank", batch_size=b * np_, out="")
@@ -199,32 +202,3 @@ def table(res: dict) -> str:
         lines.append(f"{r['label']:<36}{r['global_batch']:>10}{r['peak_lr']:>9.3g}{r['steps']:>7}"
                      f"{r['final_test_acc']:>9.3f}{t:>9}{ttt:>10}  {'*' if r.get('pareto') else ''}")
     return "\n".join(lines)
-
-
-def add_cli(sub) -> None:
-    from .cli import add_config_arguments
-    from .scaling import DEMO
-    p = sub.add_parser("remedies", help="search settings that stay accurate at large np (simulated)",
-                       description="Simulate the baseline and candidate remedies at --np ranks and "
-                                   "print accuracy, predicted time and the Pareto front.")
-    p.add_argument("--np", type=int, default=48, help="process count to find remedies for (default 48)")
-    p.add_argument("--only", default="", help="comma-separated candidate labels to run (default: all)")
-    p.add_argument("--reference-acc", type=float, default=None,
-                   help="accuracy to aim at (default: the baseline simulated at np=1)")
-    add_config_arguments(p, replace(DEMO, out="runs/remedies"))
-    p.set_defaults(func=_cmd)
-
-
-def _cmd(args, argv) -> int:
-    from .cli import config_from_args
-    from .scaling import DEMO
-    from .train import save_json
-    cfg = config_from_args(args, replace(DEMO, out="runs/remedies"))
-    only = [s.strip() for s in args.only.split(",") if s.strip()] or None
-    res = search(cfg, args.np, only=only, reference_acc=args.reference_acc,
-                 log=lambda s: print(s, file=sys.stderr, flush=True))
-    print(table(res))
-    if cfg.out:
-        save_json(res, os.path.join(cfg.out, "remedies.json"))
-        print(f"result: {os.path.join(cfg.out, 'remedies.json')}")
-    return 0

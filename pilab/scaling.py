@@ -24,11 +24,24 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from html import escape
 
-from .config import Config, ConfigError
+from bokeh.embed import file_html
+from bokeh.layouts import column, row
+from bokeh.models import Div, Range1d
+from bokeh.palettes import Category10
+from bokeh.plotting import figure
+from bokeh.resources import INLINE
+
+from . import perfmodel, plots, simulate
+from .config import Config, ConfigError, small_mode
+from .files import atomic_write_text, save_json
+from .launch import LaunchError, pilab_command
 from .perfmodel import efficiency, karp_flatt, speedup
+from .plots import html_table
 
 # Defaults of the demo: small enough for ~6 minutes on a 2-core laptop, big enough to show the effect.
 DEMO = Config(width=0.25, train_subset=2000, test_subset=1000, epochs=4, batch_size=32, lr=0.05,
@@ -41,7 +54,6 @@ def notebook_sweep(simulate_nps=(8, 48), small_simulate_nps=(4,)) -> dict:
 
         study = scaling.study(cfg, **scaling.notebook_sweep(), out="runs/nb")
     """
-    from .widgets import small_mode
     return {"nps": (1, 2), "simulate_nps": small_simulate_nps if small_mode() else simulate_nps}
 
 
@@ -80,7 +92,7 @@ def time_to_target(result: dict, target: float, epoch_times: list[float] | None 
     return None
 
 
-def _final(result: dict, key: str):
+def final_value(result: dict, key: str):
     for e in reversed(result["epochs"]):
         if e.get(key) is not None:
             return e[key]
@@ -97,7 +109,7 @@ def rows_from_runs(runs: dict[int, dict], criteria: Criteria = Criteria(),
     if p0 not in runs:
         raise ConfigError(f"baseline np={p0} is not among the runs {nps}; measure it or pick another")
     base = runs[p0]
-    base_acc = _final(base, "test_acc") or 0.0
+    base_acc = final_value(base, "test_acc") or 0.0
     target = criteria.target_fraction * base_acc
 
     def epoch_times(p):
@@ -120,7 +132,7 @@ def rows_from_runs(runs: dict[int, dict], criteria: Criteria = Criteria(),
         train_time = sum(e["time"] for e in ep)
         comm = sum(e["comm"] for e in ep)
         exposed = sum(e["comm_exposed"] for e in ep)
-        acc = _final(r, "test_acc")
+        acc = final_value(r, "test_acc")
         ttt = time_to_target(r, target, times) if times else None
         pr = predicted.get(p) or {}
         rows.append({
@@ -138,8 +150,8 @@ def rows_from_runs(runs: dict[int, dict], criteria: Criteria = Criteria(),
             "comm_exposed_share": (exposed / train_time if not r.get("simulated")
                                    else pr.get("comm_exposed_share")),
             "peak_mem_mb": max(r["peak_mem_mb"]) if r.get("peak_mem_mb") else None,
-            "final_train_acc": _final(r, "train_acc"), "final_test_acc": acc,
-            "final_train_loss": _final(r, "train_loss"), "final_test_loss": _final(r, "test_loss"),
+            "final_train_acc": final_value(r, "train_acc"), "final_test_acc": acc,
+            "final_train_loss": final_value(r, "train_loss"), "final_test_loss": final_value(r, "test_loss"),
             "time_to_target": ttt,
             "speedup_to_target": (ttt0 / ttt) if (ttt and ttt0) else None,
             "target_reached": ttt is not None,
@@ -169,13 +181,8 @@ def config_to_argv(cfg: Config) -> list[str]:
 def run_measured(cfg: Config, np_: int, out: str, *, mpiexec: str | None = None,
                  hostfile: str | None = None, timeout: float | None = None) -> dict:
     """One real MPI job; returns its result.json. Raises RuntimeError with the job's last lines."""
-    from .cli import find_mpiexec
-    launcher = find_mpiexec(mpiexec)
-    cmd = [launcher, "-n", str(np_)]
-    if hostfile:
-        cmd += ["-hostfile", hostfile]
-    cmd += [sys.executable, "-m", "pilab", "train", "--quiet",
-            *config_to_argv(replace(cfg, out=out))]
+    cmd = pilab_command(np_, ["train", "--quiet", *config_to_argv(replace(cfg, out=out))],
+                        mpiexec=mpiexec, hostfile=hostfile)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-15:])
@@ -188,7 +195,6 @@ def _predict(cfg: Config, nps, calibration) -> dict[int, dict]:
     """Predicted epoch times (and comm shares) from the performance model, where it is available."""
     if calibration is None:
         return {}
-    from . import perfmodel
     out = {}
     for p in nps:
         pr = perfmodel.predict(cfg, p, calibration)
@@ -224,15 +230,14 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
         for cb in callbacks:
             cb({"kind": "run", "np": p, "simulated": False, "result": runs[p]})
     if simulate_nps:
-        from . import simulate
         sim_cfg = replace(cfg, threads=sim_threads, out="")
         for p in simulate_nps:
             # each run's result.json is written as it completes: a long study keeps what it did
             runs[p] = simulate.run(replace(sim_cfg, out=os.path.join(out, f"np{p}") if out else ""), p)
             for cb in callbacks:
                 cb({"kind": "run", "np": p, "simulated": True, "result": runs[p]})
-    if calibration is None and simulate_nps and nps:
-        calibration = _calibrate_from(runs[nps[0]], nps[0], mpiexec)
+    if calibration is None and simulate_nps and nps and nps[0] == 1:
+        calibration = calibrate_from(runs[1], mpiexec)
     predicted = _predict(cfg, simulate_nps, calibration)
     rows, meta = rows_from_runs(runs, criteria, predicted)
     result = {
@@ -248,7 +253,6 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
 
 
 def _tmpdir() -> str:
-    import tempfile
     return tempfile.mkdtemp(prefix="pilab-run-")
 
 
@@ -263,18 +267,16 @@ def _jsonable(obj):
         return obj
 
 
-def _calibrate_from(base_result: dict, base_np: int, mpiexec):
-    """Calibrate the performance model from the baseline run (+ a short comm micro-benchmark)."""
-    from . import perfmodel
-    if base_np != 1:
-        return None
+def calibrate_from(np1_result: dict, mpiexec: str | None = None):
+    """This machine's performance model from an np=1 run (+ a short comm micro-benchmark under
+    mpiexec); None, with a one-line note, when the micro-benchmark cannot run here."""
     try:
         bench = perfmodel.run_comm_bench(nps=(2,), mpiexec=mpiexec)
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+    except (RuntimeError, OSError, LaunchError, subprocess.TimeoutExpired) as e:
         print(f"pilab: comm micro-benchmark failed ({e}); simulated rows get no predicted times",
               file=sys.stderr)
         return None
-    return perfmodel.calibrate(base_result, bench)
+    return perfmodel.calibrate(np1_result, bench)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,22 +319,11 @@ def table(study_: dict) -> str:
 
 def write(study_: dict, out: str) -> dict:
     """study.json, study.csv, report.html (self-contained, BokehJS inline) and report.png if possible."""
-    from .train import atomic_write, save_json
     os.makedirs(out, exist_ok=True)
     save_json(study_, os.path.join(out, "study.json"))
-    csv_text = to_csv(study_["rows"])
-
-    def write_csv(tmp):
-        with open(tmp, "w") as f:
-            f.write(csv_text)
-    atomic_write(os.path.join(out, "study.csv"), write_csv)
+    atomic_write_text(os.path.join(out, "study.csv"), to_csv(study_["rows"]))
     html_path = os.path.join(out, "report.html")
-    html = report_html(study_)
-
-    def write_html(tmp):
-        with open(tmp, "w") as f:
-            f.write(html)
-    atomic_write(html_path, write_html)
+    atomic_write_text(html_path, report_html(study_))
     paths = {"json": os.path.join(out, "study.json"), "csv": os.path.join(out, "study.csv"),
              "html": html_path}
     png = export_png(html_path, os.path.join(out, "report.png"))
@@ -342,12 +333,6 @@ def write(study_: dict, out: str) -> dict:
 
 
 def report_html(study_: dict) -> str:
-    from bokeh.embed import file_html
-    from bokeh.layouts import column
-    from bokeh.models import Div
-    from bokeh.resources import INLINE
-
-    from . import plots
     crit = study_["criteria"]
     cfg = study_["config"]
     head = (
@@ -433,17 +418,6 @@ def compare_markdown(cmp: dict) -> str:
 
 
 def compare_html(cmp: dict) -> str:
-    import html as _html
-
-    from bokeh.embed import file_html
-    from bokeh.layouts import column, row
-    from bokeh.models import Div, Range1d
-    from bokeh.palettes import Category10
-    from bokeh.plotting import figure
-    from bokeh.resources import INLINE
-
-    from .plots import html_table
-
     nps = sorted({r["np"] for r in cmp["rows"]})
     figs = []
     for p in nps:
@@ -461,120 +435,7 @@ def compare_html(cmp: dict) -> str:
         figs.append(f)
     head = "<h2>pilab: fast-but-wrong, by learning-rate rule</h2>"
     for label, cmd in cmp["commands"].items():
-        head += f"<p><b>{_html.escape(label)}:</b> <code>{_html.escape(str(cmd))}</code></p>"
+        head += f"<p><b>{escape(label)}:</b> <code>{escape(str(cmd))}</code></p>"
     table = html_table(_COMPARE_HEAD, [_compare_cells(r) for r in cmp["rows"]])
     return file_html(column(Div(text=head, width=1000), row(*figs), Div(text=table, width=1000)),
                      INLINE, "pilab fast-but-wrong")
-
-
-def _cmd_compare(args, argv) -> int:
-    from .train import atomic_write, save_json
-    labels = [s.strip() for s in args.labels.split(",")] if args.labels else \
-        [os.path.basename(os.path.normpath(d)) for d in args.studies]
-    if len(labels) != len(args.studies):
-        raise ConfigError(f"{len(labels)} labels for {len(args.studies)} studies; give one label each")
-    studies = {}
-    for label, d in zip(labels, args.studies):
-        path = os.path.join(d, "study.json") if os.path.isdir(d) else d
-        if not os.path.exists(path):
-            raise ConfigError(f"{path} does not exist; run `python -m pilab scale --out {d}` first")
-        with open(path) as f:
-            studies[label] = json.load(f)
-    cmp = compare(studies)
-    os.makedirs(args.out, exist_ok=True)
-    save_json(cmp, os.path.join(args.out, "compare.json"))
-    html_path = os.path.join(args.out, "compare.html")
-    text = compare_html(cmp)
-
-    def w(tmp):
-        with open(tmp, "w") as f:
-            f.write(text)
-    atomic_write(html_path, w)
-    export_png(html_path, os.path.join(args.out, "compare.png"))
-    print(compare_markdown(cmp))
-    print(f"report: {html_path}")
-    return 0
-
-
-# ----------------------------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------------------------
-PI_PRESET = {"nps": "2,4,8,16,32,48", "baseline": 2, "threads": 2}
-
-
-def add_cli(sub) -> None:
-    from .cli import add_config_arguments
-    p = sub.add_parser(
-        "scale", help="strong-scaling study: measured MPI runs + simulated accuracy sweep + report",
-        description="Run the same training at several process counts (real mpiexec jobs), add an "
-                    "exact simulated accuracy sweep at larger np, and write study.json/.csv and a "
-                    "self-contained report.html. Defaults are a ~6-minute demo on the embedded data.")
-    p.add_argument("--nps", default="1,2", help="measured process counts (default: 1,2)")
-    p.add_argument("--simulate-nps", default="8,48",
-                   help="simulated process counts for the accuracy sweep ('' for none; default: 8,48)")
-    p.add_argument("--baseline", type=int, default=0,
-                   help="baseline np p0 for speedup/efficiency (default: smallest measured)")
-    p.add_argument("--target-fraction", type=float, default=0.9,
-                   help="target accuracy as a fraction of the baseline's final test accuracy")
-    p.add_argument("--wrong-gap", type=float, default=0.10,
-                   help="fast-but-wrong if this far below the baseline's final test accuracy")
-    p.add_argument("--wrong-floor", type=float, default=0.20,
-                   help="fast-but-wrong if final test accuracy is under this")
-    p.add_argument("--preset", choices=("demo", "pi"), default="demo",
-                   help="demo: this machine; pi: 2..48 ranks, baseline 2, 2 threads/rank")
-    p.add_argument("--hostfile", default=None, help="MPI hostfile for the measured runs (Pi cluster)")
-    p.add_argument("--mpiexec", default=None, help="launcher (default: next to this Python, then PATH)")
-    add_config_arguments(p, replace(DEMO, out="runs/scale"))
-    p.set_defaults(func=_cmd_scale)
-
-    c = sub.add_parser("compare", help="put several scaling studies side by side",
-                       description="Read study.json from each directory and write compare.json, "
-                                   "compare.html (and .png) with accuracy curves per np and rule.")
-    c.add_argument("studies", nargs="+", help="study directories (or study.json files)")
-    c.add_argument("--labels", default="", help="comma-separated labels, one per study")
-    c.add_argument("--out", required=True, help="output directory")
-    c.set_defaults(func=_cmd_compare)
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise ConfigError(f"{text!r} is not a comma-separated list of process counts, e.g. 1,2,4") from None
-
-
-def _cmd_scale(args, argv) -> int:
-    from .cli import config_from_args
-    cfg = config_from_args(args, replace(DEMO, out="runs/scale"))
-    nps, sims, baseline = _ints(args.nps), _ints(args.simulate_nps), args.baseline
-    if args.preset == "pi":
-        if args.nps == "1,2":
-            nps = _ints(PI_PRESET["nps"])
-        baseline = baseline or PI_PRESET["baseline"]
-        if cfg.threads == 0:
-            cfg = replace(cfg, threads=PI_PRESET["threads"])
-    if any(p < 1 for p in nps + sims):
-        raise ConfigError("process counts must be >= 1")
-    from .train import load_data
-    ds = load_data(cfg)
-    for p in nps + sims:
-        cfg.check_world(p, len(ds.y_train))
-    criteria = Criteria(baseline_np=baseline, target_fraction=args.target_fraction,
-                        wrong_gap=args.wrong_gap, wrong_floor=args.wrong_floor)
-    if baseline and baseline not in nps:
-        raise ConfigError(f"--baseline {baseline} is not among --nps {args.nps}; add it")
-    print(f"pilab scale: measured np {nps}, simulated np {sims}, writing {cfg.out}", file=sys.stderr)
-
-    def progress(ev):
-        r = ev["result"]
-        acc = _final(r, "test_acc")
-        print(f"  np={ev['np']:<3} {'simulated' if ev['simulated'] else 'measured '} "
-              f"global batch {r['global_batch']:<5} final test acc {acc:.3f}  "
-              f"({r['wall_time']:.0f}s)", file=sys.stderr, flush=True)
-
-    command = "python -m pilab scale " + " ".join(argv)
-    res = study(cfg, nps, simulate_nps=sims, criteria=criteria, out=cfg.out, mpiexec=args.mpiexec,
-                hostfile=args.hostfile, callbacks=[progress], command=command.strip())
-    print(table(res))
-    print(f"report: {os.path.join(cfg.out, 'report.html')}")
-    return 0

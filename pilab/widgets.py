@@ -19,18 +19,10 @@ import os
 import ipywidgets as W
 
 from . import plots
-from .config import CHOICES, Config, ConfigError
+from .config import CHOICES, Config, ConfigError, small_mode
+from .models import MODEL_NAMES, WIDTH_RANGE
 
 __all__ = ["ControlPanel", "quickstart_config", "small_mode"]
-
-
-def small_mode() -> bool:
-    """True when notebooks should use tiny settings: PILAB_NB_SMALL=1, or unless it says otherwise,
-    under CI (CI=true) and in kernels that pytest/nbval started."""
-    flag = os.environ.get("PILAB_NB_SMALL")
-    if flag is not None:
-        return flag not in ("", "0")
-    return os.environ.get("CI") == "true" or "PYTEST_CURRENT_TEST" in os.environ
 
 
 def quickstart_config(live: bool = False, **overrides) -> Config:
@@ -65,12 +57,7 @@ class ControlPanel:
     """Settings, Start/Stop buttons, a progress bar and live plots for runs on ``lab``'s engines
     (a :class:`pilab.cluster.Engines`, or None to train in this kernel). See the module docstring."""
 
-    FIELDS = ("model", "width", "epochs", "batch_mode", "batch_size", "sharding", "lr_scaling",
-              "warmup_epochs", "optimizer", "bn")
-
     def __init__(self, lab=None, cfg: Config | None = None, *, live: plots.LivePlot | None = None):
-        from .models import MODEL_NAMES, WIDTH_RANGE
-
         self.lab = lab
         self.base = cfg if cfg is not None else quickstart_config(live=True)
         self.live = live if live is not None else plots.LivePlot()

@@ -23,7 +23,8 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from pilab.data import CLASSES, _decode_image, stratified_subset  # noqa: E402
+from pilab.data import CLASSES, stratified_subset  # noqa: E402
+from pilab.data.decode import decode_image  # noqa: E402
 
 DEFAULT_ARCHIVE = os.path.join(REPO, "..", "shared", "data", "cifar10-jpeg.tar.gz")
 DEFAULT_OUT = os.path.join(REPO, "pilab", "embedded", "cifar10_subset.npz")
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
         labels = np.array([t[1] for t in members[split]], dtype=np.int64)
         chosen += [members[split][i] for i in stratified_subset(labels, n, a.seed)]
     for name, _, data in chosen:  # refuse to ship anything load() would reject
-        _decode_image(data, name)
+        decode_image(data, name)
     sizes = np.array([len(t[2]) for t in chosen], dtype=np.int64)
     arrays = {
         "data": np.frombuffer(b"".join(t[2] for t in chosen), dtype=np.uint8),

@@ -7,7 +7,6 @@ Nothing here asserts: a failed check must show up as a failing pytest test with 
 """
 import json
 import sys
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -16,9 +15,8 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from pilab import data as data_mod
-from pilab import dist, train
+from pilab import dist, engine, layers, train
 from pilab.config import Config
-from pilab.models import build_model
 
 torch.set_num_threads(1)
 COMM = MPI.COMM_WORLD
@@ -47,7 +45,7 @@ def reference_state(cfg: Config, ds, np_: int) -> list[dict]:
                                     augment=cfg.augment) for r in range(np_)]
     spe = loaders[0].steps_per_epoch
     total = min(cfg.epochs * spe, cfg.max_steps)
-    model = train.make_model(cfg, torch.device("cpu"))
+    model = engine.base_model(cfg, torch.device("cpu"))
     opt = build_optimizer(model, cfg, cfg.peak_lr(np_))
     bufs = [{k: v.clone() for k, v in model.named_buffers()} for _ in range(np_)]
     params = [p for p in model.parameters()]
@@ -61,7 +59,7 @@ def reference_state(cfg: Config, ds, np_: int) -> list[dict]:
                 for k, v in model.named_buffers():
                     v.copy_(bufs[r][k])
             x, y = loaders[r].batch(epoch, step)
-            torch.manual_seed(train.step_seed(cfg.seed, epoch, step, r))
+            torch.manual_seed(layers.step_seed(cfg.seed, epoch, step, r))
             model.zero_grad(set_to_none=False)
             F.cross_entropy(model(x), y).backward()
             for acc, p in zip(grads, params):
@@ -124,7 +122,6 @@ def case_train(out):
         res["final_loss_fp32_unstable_lr"] = float(np.mean(result["steps"]["loss"][-5:]))
 
     # 2) per-rank buffers BEFORE any sync: compare every rank's own BN statistics with the reference.
-    model = train.make_model(cfg, torch.device("cpu"))
     cfg_nosync = replace(cfg, max_steps=20)
     # run the loop by hand for exact per-rank buffers (train.run always settles buffers at the end)
     states_before = _train_no_sync(cfg_nosync, ds)
@@ -174,7 +171,7 @@ def case_train(out):
     with torch.no_grad():
         ref_bn.weight.uniform_(0.5, 1.5)
         ref_bn.bias.uniform_(-0.5, 0.5)
-    sync_bn = dist.SyncBatchNorm(6, COMM.Dup())
+    sync_bn = layers.SyncBatchNorm(6, COMM.Dup())
     sync_bn.load_state_dict(ref_bn.state_dict())
     xr = full.clone().requires_grad_(True)
     yr = ref_bn(xr)
@@ -244,29 +241,12 @@ def buffer_keys(state):
 
 
 def _train_no_sync(cfg, ds):
-    """train.train's step loop without the end-of-run buffer sync: per-rank state after N steps."""
-    from pilab.optim import build_optimizer, lr_at, set_lr
-    b = cfg.per_rank_batch(SIZE)
-    loader = data_mod.ShardLoader(ds, SIZE, RANK, b, seed=cfg.seed, policy=cfg.sharding,
-                                  augment=cfg.augment)
-    spe = loader.steps_per_epoch
-    total = min(cfg.epochs * spe, cfg.max_steps)
-    model = train.make_model(cfg, torch.device("cpu"))
-    opt = build_optimizer(model, cfg, cfg.peak_lr(SIZE))
-    dist.broadcast_module_(model, COMM)
-    gs = dist.GradSync(model, COMM, bucket_mb=cfg.bucket_mb)
-    for g in range(total):
-        epoch, step = divmod(g, spe)
-        set_lr(opt, lr_at(g, peak_lr=cfg.peak_lr(SIZE), total_steps=cfg.epochs * spe,
-                          warmup_steps=round(cfg.warmup_epochs * spe), schedule=cfg.schedule))
-        x, y = loader.batch(epoch, step)
-        torch.manual_seed(train.step_seed(cfg.seed, epoch, step, RANK))
-        opt.zero_grad(set_to_none=False)
-        F.cross_entropy(model(x), y).backward()
-        gs.finish()
-        opt.step()
-    gs.remove()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """The engine's own steps without the end-of-run buffer sync: per-rank state after N steps."""
+    session = engine.Session(cfg, engine.MPIRanks(COMM), data=ds)
+    for g in range(session.total_steps):
+        session.step(*divmod(g, session.steps_per_epoch))
+    session.ranks.close()
+    return {k: v.detach().clone() for k, v in session.model.state_dict().items()}
 
 
 def case_fault(out):

@@ -77,15 +77,45 @@ def _study():
         "runs": {"1": _result(1), "4": _result(4)}}
 
 
+def _sources_with(layout, column: str) -> list[dict]:
+    """The data of every ColumnDataSource in ``layout`` that has ``column``."""
+    from bokeh.models import ColumnDataSource
+
+    return [dict(m.data) for m in layout.references()
+            if isinstance(m, ColumnDataSource) and column in m.data]
+
+
 def test_static_layouts_render_to_html():
     from bokeh.embed import file_html
+    from bokeh.models import Div
     from bokeh.resources import INLINE
 
     from pilab import plots
 
-    html = file_html(plots.report_layout(_study()), INLINE, "pilab scaling study")
-    assert "speedup vs processes" in html and "fast but wrong" in html
-    assert "where each rank" in file_html(plots.result_layout(_result()), INLINE, "run")
+    study = _study()
+    layout = plots.report_layout(study)
+    html = file_html(layout, INLINE, "pilab scaling study")
+    assert "speedup vs processes" in html and "cdn.bokeh.org" not in html
+    # the figures plot the study's rows: np, speedup, efficiency, accuracy and verdict of each
+    rows = study["rows"]
+    per_np = _sources_with(layout, "speedup")
+    assert per_np, "no per-np source in the report"
+    for data in per_np:
+        assert data["np"] == [r["np"] for r in rows]
+        assert data["speedup"] == [r["speedup"] for r in rows]
+        assert data["efficiency"] == [r["efficiency"] for r in rows]
+        assert data["final_test_acc"] == [r["final_test_acc"] for r in rows]
+        assert data["verdict"] == ["ok", "fast but wrong"]
+        assert data["ideal"] == [1.0, 4.0]
+
+    result = _result()
+    run_layout = plots.result_layout(result)
+    assert "where each rank" in file_html(run_layout, INLINE, "run")
+    summary = next(m.text for m in run_layout.references() if isinstance(m, Div))
+    assert "np=2" in summary and "2 epoch(s)" in summary and "test acc 0.300" in summary, summary
+    # the loss plot holds the run's per-step losses
+    assert any(d["loss"] == result["steps"]["loss"] for d in _sources_with(run_layout, "loss")), \
+        _sources_with(run_layout, "loss")
 
 
 def test_control_panel_builds_the_config_it_shows():
@@ -198,6 +228,7 @@ KERNEL_JS = "() => window.jupyterapp.shell.currentWidget.sessionContext.session.
 
 
 @pytest.mark.browser
+@pytest.mark.mpi  # the notebook starts 2 MPI engines (mpiexec)
 @pytest.mark.timeout(420)
 def test_notebook_in_jupyterlab_live_plot_and_stop(jupyterlab):
     from playwright.sync_api import sync_playwright

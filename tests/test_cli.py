@@ -1,6 +1,7 @@
 """The command line, as a user runs it: `python -m pilab ...` and `mpiexec -n N python -m pilab ...`,
 from a directory that is not the repository."""
 import json
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -92,6 +93,12 @@ def test_train_two_ranks_from_any_directory(tmp_path, how):
     assert len(e["per_rank"]["compute"]) == 2
     assert r["data"]["leftover"] == 200 - r["steps_per_epoch"] * 32
     assert p.stdout.count("final test acc") == 1, "only rank 0 prints"
+    # what it prints is what it wrote
+    m = re.search(r"np=(\d+) threads/rank=(\d+) global batch=(\d+) .*final test acc (\S+)", p.stdout)
+    assert m, p.stdout
+    assert (int(m[1]), int(m[2]), int(m[3])) == (2, r["threads"], 32)
+    assert float(m[4]) == pytest.approx(e["test_acc"])
+    assert f"result: {out / 'result.json'}" in p.stdout
 
 
 @pytest.mark.mpi
@@ -117,9 +124,17 @@ def test_resume_gives_bitwise_the_same_weights(tmp_path):
 
 
 def test_resume_with_other_settings_is_refused(tmp_path):
+    # One process, no --np: trains in this process, launches no mpiexec (hence no `mpi` mark).
     out = tmp_path / "r"
-    assert pilab("train", *TINY, "--epochs", "1", "--checkpoint-every", "1", "--out", str(out),
-                 cwd=tmp_path).returncode == 0
+    first = pilab("train", *TINY, "--epochs", "1", "--checkpoint-every", "1", "--out", str(out),
+                  cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "launching" not in first.stderr
+    before = (out / "checkpoint.pt").read_bytes()
     p = pilab("train", *TINY, "--epochs", "1", "--lr", "0.2", "--resume",
               str(out / "checkpoint.pt"), cwd=tmp_path)
     assert p.returncode == 2 and "different lr" in p.stderr
+    assert "Traceback" not in p.stderr
+    # refused before training: the checkpoint is untouched and the default --out was never created
+    assert (out / "checkpoint.pt").read_bytes() == before
+    assert not (tmp_path / "runs").exists()

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import select
 import signal
+import socket
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -83,13 +87,29 @@ def test_pi_profile_settings(tmp_path, monkeypatch):
     hosts.write_text("# two boards\nnode1:2\nnode2:2\n")
     monkeypatch.setenv("PILAB_HOSTFILE", str(hosts))
     monkeypatch.delenv("PILAB_CONTROLLER_IP", raising=False)
+    # The real lan_address would resolve node1 through DNS (traffic off this machine): record the call.
+    asked = []
+    monkeypatch.setattr(cluster, "lan_address", lambda hostfile: asked.append(hostfile) or "192.0.2.10")
     cfg = ipp.Cluster(profile_dir=cluster.profile_dir("pi")).config
     assert cfg.Cluster.n == 4
     assert cfg.MPIEngineSetLauncher.mpi_args == ["-f", str(hosts)]
     assert os.path.isabs(cfg.MPIEngineSetLauncher.mpi_cmd[0])
     # Listening on localhost would keep engines on other boards from ever registering.
     assert cfg.Cluster.controller_ip == "0.0.0.0"
+    # ...and engines are told the address that routes to the boards of this hostfile.
+    assert cfg.Cluster.controller_location == "192.0.2.10" and asked == [str(hosts)]
     assert cfg.Cluster.engine_timeout >= 120
+
+
+def test_lan_address_skips_loopback_routes_and_falls_back(tmp_path, monkeypatch):
+    # Only loopback and IP literals: a UDP connect to them sends nothing and needs no name lookup.
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n127.0.0.3:2\n")
+    monkeypatch.setattr(cluster.profiles, "non_loopback_addresses", lambda: ["192.0.2.7"])
+    assert cluster.lan_address(str(hosts)) == "192.0.2.7"  # a route over lo is no LAN address
+    monkeypatch.setattr(cluster.profiles, "non_loopback_addresses", lambda: [])
+    assert cluster.lan_address(str(hosts)) == "127.0.0.1"  # then only local engines can register
+    assert cluster.lan_address(str(tmp_path / "missing")) == "127.0.0.1"
 
 
 def test_pi_profile_without_hostfile_says_what_to_do(tmp_path, monkeypatch):
@@ -99,23 +119,35 @@ def test_pi_profile_without_hostfile_says_what_to_do(tmp_path, monkeypatch):
         cluster.start(profile="pi", n=None)
 
 
+def _loopback_alias() -> str:
+    """127.0.0.2: loopback (all of 127.0.0.0/8 is on Linux), yet not the 127.0.0.1 profile_mpi uses."""
+    alias = "127.0.0.2"
+    try:
+        with socket.socket() as s:
+            s.bind((alias, 0))
+    except OSError as e:  # e.g. macOS configures only 127.0.0.1 on lo0
+        pytest.skip(f"cannot bind the loopback alias {alias} ({e}); the test needs no other address")
+    return alias
+
+
 def test_pi_profile_engines_register_over_the_lan_address(tmp_path, monkeypatch):
-    addrs = cluster.non_loopback_addresses()
-    if not addrs:
-        pytest.skip("this machine has no non-loopback IPv4 address to bind the controller to")
+    # The controller listens on, and advertises, only the address the profile is given (the head node's
+    # LAN address on the Pi cluster). A loopback alias stands in for it: no traffic leaves this machine.
+    addr = _loopback_alias()
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
     monkeypatch.setenv("PILAB_HOSTFILE", str(hosts))
-    monkeypatch.setenv("PILAB_CONTROLLER_IP", addrs[0])
+    monkeypatch.setenv("PILAB_CONTROLLER_IP", addr)
     lab = cluster.start(profile="pi", n=None)
     try:
         assert lab.size == 2
         info = json.load(open(lab.ipp_cluster.cluster_file))["cluster"]
-        assert info["controller_ip"] == addrs[0] and info["controller_location"] == addrs[0]
+        assert info["controller_ip"] == addr and info["controller_location"] == addr
         # The engines reached the controller on that address (it listens on nothing else).
         engine_info = json.load(open(os.path.join(lab.ipp_cluster.profile_dir, "security",
                                                   f"ipcontroller-{lab.ipp_cluster.cluster_id}-engine.json")))
-        assert engine_info["location"] == addrs[0], engine_info
+        assert engine_info["location"] == addr, engine_info
+        assert engine_info["interface"] == f"tcp://{addr}", engine_info
         assert [r["rank"] for r in lab.ranks] == [0, 1]
         assert lab.apply(_allreduce_rank) == [1, 1]
     finally:
@@ -185,16 +217,72 @@ def test_stop_ends_all_ranks_within_a_step_and_a_second_run_works(lab):
     TIMINGS["losses_local_data"] = result2["steps"]["loss"]
 
 
-def test_interrupting_a_wait_stops_the_run(lab):
+# A second client, as a notebook kernel would be: it attaches to the engines, trains, blocks in
+# run.wait(), and gets SIGINT from the test (what JupyterLab's stop button sends the kernel).
+_WAITING_CLIENT = """
+import json, pickle, sys, time
+from pilab import cluster
+profile, cluster_id, cfg = sys.argv[1], sys.argv[2], pickle.loads(bytes.fromhex(sys.argv[3]))
+lab = cluster.connect(profile=profile, cluster_id=cluster_id)
+try:
+    run = lab.train(cfg)
+    deadline = time.monotonic() + 120
+    while not any(e.get("kind") == "step" for e in run.events):
+        assert not run.done and time.monotonic() < deadline, run.describe()
+        time.sleep(0.05)
+    print("waiting", flush=True)
+    result = run.wait(timeout=120)
+    print(json.dumps({"stopped_early": result["stopped_early"], "status": run.status}), flush=True)
+finally:
+    lab.stop()
+"""
+
+
+def test_interrupting_a_wait_stops_the_run(lab, tmp_path):
     # A kernel interrupt while a cell blocks in run.wait() (or panel.wait()) is a KeyboardInterrupt
     # in the waiting thread: wait() turns it into run.stop() and keeps waiting for the ranks.
-    import threading
+    # The SIGINT goes to a client process of its own, never to pytest.
+    err_file = tmp_path / "stderr.txt"
+    cmd = [sys.executable, "-c", _WAITING_CLIENT, lab.ipp_cluster.profile_dir, lab.ipp_cluster.cluster_id,
+           pickle.dumps(replace(TINY, epochs=50)).hex()]
+    with open(err_file, "w") as err:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO)
+    try:
+        _read_line(p, "waiting", timeout=180)
+        time.sleep(0.5)  # well inside run.wait() by now
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out + err_file.read_text()
+        (line,) = [x for x in out.splitlines() if x.startswith("{")]
+        assert json.loads(line) == {"stopped_early": True, "status": "stopped"}
+        assert "interrupted: every rank stops after its current step" in err_file.read_text()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+            lab.interrupt()  # the run it left behind: free the engines for the next test
+        _wait_idle(lab, timeout=60)
 
-    run = lab.train(replace(TINY, epochs=50))
-    _first_step(run)
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-    result = run.wait(timeout=120)
-    assert result["stopped_early"] and run.status == "stopped"
+
+def _read_line(p: subprocess.Popen, expected: str, timeout: float) -> None:
+    """Wait for the line ``expected`` on ``p``'s stdout (fail if it exits or the time is up first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([p.stdout], [], [], 0.5)
+        if ready:
+            line = p.stdout.readline()
+            if line.strip() == expected:
+                return
+            assert line, f"the client exited (rc={p.wait()}) before printing {expected!r}"
+    raise AssertionError(f"the client did not print {expected!r} within {timeout} s")
+
+
+def _wait_idle(lab, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(q["tasks"] or q["queue"] for eid, q in lab.client.queue_status().items()
+              if eid in lab.engine_ids):
+        assert time.monotonic() < deadline, "the engines are still busy"
+        time.sleep(0.2)
 
 
 def test_scattered_shards_equal_local_loading(lab):

@@ -46,7 +46,7 @@ def full(cifar_archive, tmp_path_factory):
 @pytest.fixture(scope="session")
 def embedded_raw():
     """The shipped .npz as stored: names, labels and the original JPEG bytes per member."""
-    with np.load(data._embedded_path(), allow_pickle=False) as z:
+    with np.load(data.sources._embedded_path(), allow_pickle=False) as z:
         raw = {k: z[k] for k in z.files}
     blob, off = raw["data"], raw["offsets"]
     raw["jpegs"] = [blob[off[i]:off[i + 1]].tobytes() for i in range(len(raw["labels"]))]
@@ -114,7 +114,7 @@ def _well_formed(ds):
         assert x.dtype == np.uint8 and x.shape[1:] == (32, 32, 3) and x.flags["C_CONTIGUOUS"]
         assert y.dtype == np.int64 and y.shape == (len(x),)
     assert ds.classes == CLASSES
-    assert ds.checksum == data._checksum([ds.x_train, ds.y_train, ds.x_test, ds.y_test])
+    assert ds.checksum == data.dataset._checksum([ds.x_train, ds.y_train, ds.x_test, ds.y_test])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def test_cache_roundtrip_and_corruption(small, tmp_path, monkeypatch):
         raise AssertionError("decoded although a valid cache exists")
 
     with monkeypatch.context() as m:
-        m.setattr(data, "_decode_source", no_decode)
+        m.setattr(data.sources, "decode_source", no_decode)
         again = data.load(small["path"], cache_dir=str(cache))
     assert again.checksum == first.checksum and again.source == first.source
     _assert_same(again, first.x_train, first.y_train, first.x_test, first.y_test)
@@ -233,7 +233,7 @@ def test_interrupted_cache_write_leaves_nothing(small, tmp_path, monkeypatch):
         f.write(b"PK\x03\x04 half a zip")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data.np, "savez", dies_half_way)
+    monkeypatch.setattr(data.cache.np, "savez", dies_half_way)
     with pytest.raises(KeyboardInterrupt):
         data.load(small["path"], cache_dir=str(cache))
     assert _files(cache) == []
@@ -318,9 +318,9 @@ def test_embedded_subset(embedded, embedded_raw, tmp_path, monkeypatch):
     assert tuple(embedded_raw["classes"]) == CLASSES
     for blob in embedded_raw["jpegs"][:50]:
         assert blob[:2] == b"\xff\xd8"  # stored as original JPEG bytes
-    assert os.path.getsize(data._embedded_path()) < 4_000_000
+    assert os.path.getsize(data.sources._embedded_path()) < 4_000_000
     # From another working directory: the package file is found (and its cache entry, keyed by it).
-    assert os.path.isabs(data._embedded_path())
+    assert os.path.isabs(data.sources._embedded_path())
     monkeypatch.chdir(tmp_path)
     cache = os.path.dirname(embedded_raw["cache_file"])
     other = data.load("embedded", cache_dir=os.path.relpath(cache))
@@ -396,7 +396,7 @@ def test_reshuffle_policy(labels, np_):
         assert len(np.unique(used)) == len(used) == acc["used"]
         # Rank r holds positions r, r+np, ... of one permutation: interleaving the ranks rebuilds it.
         perm = np.stack([p.ravel() for p in per_rank], axis=-1).ravel()
-        shared = data._rng(5, data._TAG_RESHUFFLE, epoch).permutation(n)
+        shared = data.shards._rng(5, data.shards._TAG_RESHUFFLE, epoch).permutation(n)
         np.testing.assert_array_equal(perm, shared[:acc["used"]])
         sets.append(per_rank)
     for r in range(np_):

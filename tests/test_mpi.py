@@ -4,7 +4,7 @@ import json
 import os
 import subprocess
 import sys
-import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -15,17 +15,33 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.mpi
 
 
-def launch(np_, case, out, timeout=420):
+def launch(np_, case, out, timeout=420, **env):
     cmd = [MPIEXEC, "-n", str(np_), sys.executable, str(HERE / "mpi_worker.py"), case, str(out)]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env())
-    return p, time.perf_counter() - t0
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(**env))
+
+
+def _processes_of_job(tag: str, out: str) -> list:
+    """Live processes of one job (its ranks, hydra proxies): those whose environment carries ``tag``
+    (mpiexec passes it on to the ranks) or whose command line names the job's output file."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if out in " ".join(proc.info["cmdline"] or ()) or proc.environ().get("PILAB_TEST_JOB") == tag:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
 def measured(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"np{request.param}") / "res.json"
-    p, _ = launch(request.param, "train", out)
+    p = launch(request.param, "train", out)
     assert p.returncode == 0, p.stderr[-3000:]
     return request.param, json.loads(out.read_text())
 
@@ -93,16 +109,32 @@ def test_bn_buffer_policy_average_matches_the_mean_of_rank_statistics(measured):
 
 
 def test_failing_rank_aborts_the_job(tmp_path):
-    p, took = launch(3, "fault", tmp_path / "x.json", timeout=60)
-    assert p.returncode != 0
-    assert took < 30, f"abort took {took:.1f}s"
-    assert "injected failure on rank 1" in p.stderr
-    assert "aborting all 3 ranks" in p.stderr
+    """Rank 1 raises; the job must end by itself (not hang until the timeout), fail, and leave no rank
+    behind. How fast it ends is not asserted: this machine is shared."""
+    import psutil
+
+    out, tag = str(tmp_path / "x.json"), uuid.uuid4().hex
+    try:
+        # TimeoutExpired here means the surviving ranks were left waiting: the abort did not happen
+        p = launch(3, "fault", out, timeout=300, PILAB_TEST_JOB=tag)
+        assert p.returncode != 0
+        assert "injected failure on rank 1" in p.stderr
+        assert "aborting all 3 ranks" in p.stderr
+        # mpiexec has returned: none of its ranks or proxies may still run (a short grace for the
+        # kernel to finish tearing them down, which is not a timing claim)
+        _, alive = psutil.wait_procs(_processes_of_job(tag, out), timeout=10)
+        assert not alive, [(q.pid, q.info["cmdline"]) for q in alive]
+    finally:
+        for q in _processes_of_job(tag, out):  # whatever a failure above left behind
+            try:
+                q.kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 def test_stop_on_one_rank_stops_all_after_the_same_step(tmp_path):
     out = tmp_path / "stop.json"
-    p, _ = launch(2, "stop", out, timeout=120)
+    p = launch(2, "stop", out, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads(out.read_text())
     assert r["steps_per_rank"] == [4, 4]

@@ -81,6 +81,7 @@ def test_binder_scripts_are_executable_and_start_passes_the_command_on():
 
 
 @pytest.mark.slow
+@pytest.mark.mpi  # postBuild runs mpiexec -n 2, then two MPI engines start
 @pytest.mark.timeout(900)
 def test_binder_install_path_in_a_clean_venv(tmp_path):
     """pip install -r binder/requirements.txt + binder/postBuild in a fresh venv, then 2 MPI engines."""

@@ -11,6 +11,7 @@ import pytest
 from conftest import MPIEXEC, mpi_env
 from pilab import perfmodel as pm
 from pilab.config import Config
+from pilab.perfmodel.allreduce import _critical_counts
 
 
 # ---- the published figures -------------------------------------------------------------------
@@ -65,7 +66,7 @@ def _synthetic_bench(alpha, beta, nps=(2, 3, 4), cores=64, over_alpha=0.0):
         sizes = [4, 64, 1024, 16384, 131072, 1 << 20, 4 << 20]
         secs = []
         for s in sizes:
-            n_a, n_b = pm._critical_counts(p, s, "mpich")
+            n_a, n_b = _critical_counts(p, s, "mpich")
             secs.append(n_a * (alpha + (over_alpha if p > cores else 0)) + n_b * beta)
         runs.append({"np": p, "ranks_per_node": p, "cores": cores, "sizes_bytes": sizes,
                      "seconds": secs})
@@ -221,9 +222,10 @@ def test_json_roundtrips():
 
 def _cli(argv):
     """Parse and run ``pilab perfmodel ...`` in this process (only the perfmodel subcommand)."""
-    from pilab.cli import _Parser
-    parser = _Parser(prog="pilab")
-    pm.add_cli(parser.add_subparsers(dest="command", parser_class=_Parser, required=True))
+    from pilab.cli import perfmodel as cli_perfmodel
+    from pilab.cli.common import Parser
+    parser = Parser(prog="pilab")
+    cli_perfmodel.add_parser(parser.add_subparsers(dest="command", parser_class=Parser, required=True))
     args = parser.parse_args(argv)
     return args.func(args, argv[1:])
 
@@ -241,6 +243,24 @@ def test_cli_table_and_predict(tmp_path, capsys):
                  "--width", "0.25", "--train-subset", "960"]) == 0
     text = capsys.readouterr().out
     assert "efficiency" in text and "profile naive" in text
+
+
+@pytest.mark.parametrize("argv", [
+    ["predict", "--np", "0"],
+    ["predict", "--np", "4", "--baseline-np", "-1"],
+    ["predict", "--np", "50"],  # more ranks than the Pi cluster's 24 nodes x 2
+    ["predict", "--np", "4", "--inter-mbps", "0"],
+    ["predict", "--np", "4", "--train-gflops", "nan"],
+    ["table", "--nps", "2", "-4"],
+    ["table", "--calibration", "no/such/calibration.json"],
+    ["calibrate", "--result", "r.json", "--bench", "b.json", "--nodes", "-2"],
+    ["bench", "--np", "1"],
+])
+def test_cli_bad_numbers_are_one_line_errors(argv, capsys):
+    from pilab.cli import main
+    assert main(["perfmodel", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pilab: error: ") and err.count("\n") == 1, err
 
 
 # ---- a real np=1 run -------------------------------------------------------------------------------

@@ -1,5 +1,10 @@
 """The strong-scaling study: metrics, judging runs, the CLI end to end, remedies."""
+import csv
+import html as html_lib
+import io
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -47,13 +52,30 @@ def test_rows_judge_speed_and_accuracy():
     assert by[2]["speedup_to_target"] == pytest.approx(30 / 18)
     assert by[4]["time_to_target"] is None and by[4]["speedup_to_target"] is None
     assert by[2]["comm_share"] == pytest.approx(0.1)
-    csv = scaling.to_csv(rows)
-    assert "not reached" in csv.splitlines()[3]
+    table = list(csv.DictReader(io.StringIO(scaling.to_csv(rows))))
+    assert [r["np"] for r in table] == ["1", "2", "4", "8"]
+    assert [r["fast_but_wrong"] for r in table] == ["False", "False", "True", "True"]
+    assert float(table[1]["time_to_target"]) == pytest.approx(18.0)
+    assert table[2]["time_to_target"] == table[2]["speedup_to_target"] == "not reached"
+    assert float(table[3]["final_test_acc"]) == pytest.approx(0.45)
     rows2, meta2 = scaling.rows_from_runs(runs, scaling.Criteria(baseline_np=2))
     assert meta2["baseline_np"] == 2
     assert {r["np"]: r for r in rows2}[4]["efficiency"] == pytest.approx(6 / 4 * 2 / 4)
 
 
+# One line of `scaling.table`: np, kind, global batch, s/epoch, speedup, efficiency, test acc,
+# time to target ("12.3s", "not reached" or "–") and the verdict.
+TABLE_ROW = re.compile(r"^\s*(?P<np>\d+)\s+(?P<kind>sim|measured)\s+(?P<gb>\d+)\s+(?P<tpe>\S+)\s+"
+                       r"(?P<speedup>\S+)\s+(?P<eff>\S+)\s+(?P<acc>\S+)\s+(?P<ttt>.+?)\s+"
+                       r"(?P<verdict>FAST-BUT-WRONG|ok)$")
+
+
+def _wrong(acc, base_acc, criteria):
+    """The verdict the numbers imply (scaling.Criteria's definition, restated)."""
+    return acc is None or acc < base_acc - criteria["wrong_gap"] or acc < criteria["wrong_floor"]
+
+
+@pytest.mark.mpi
 def test_scale_cli_end_to_end(tmp_path):
     out = tmp_path / "study"
     p = subprocess.run(
@@ -65,19 +87,59 @@ def test_scale_cli_end_to_end(tmp_path):
     st = json.loads((out / "study.json").read_text())
     assert [r["np"] for r in st["rows"]] == [1, 2, 4]
     assert [r["simulated"] for r in st["rows"]] == [False, False, True]
+    assert [r["global_batch"] for r in st["rows"]] == [16, 32, 64]
     assert st["config"]["threads"] == 1  # constant across the sweep: 2 cores / 2 ranks
     assert all(st["runs"][k]["threads"] == 1 for k in ("1", "2"))
+    assert (out / "np2" / "result.json").exists()
+
+    # every row's numbers come from its run, and its verdict is the one those numbers imply
+    crit = st["criteria"]
+    base_acc = st["runs"]["1"]["epochs"][-1]["test_acc"]
+    assert st["baseline_np"] == 1 and st["baseline_test_acc"] == pytest.approx(base_acc)
+    assert st["target_accuracy"] == pytest.approx(crit["target_fraction"] * base_acc)
+    for r in st["rows"]:
+        run = st["runs"][str(r["np"])]
+        assert r["final_test_acc"] == pytest.approx(run["epochs"][-1]["test_acc"])
+        assert r["fast_but_wrong"] == _wrong(r["final_test_acc"], base_acc, crit), r
+    t1, t2 = (sum(e["time"] for e in st["runs"][k]["epochs"]) / 2 for k in ("1", "2"))
     r2 = st["rows"][1]
-    assert r2["speedup"] > 0 and r2["efficiency"] == pytest.approx(r2["speedup"] / 2)
-    assert (out / "np2" / "result.json").exists() and (out / "study.csv").exists()
+    assert r2["speedup"] == pytest.approx(t1 / t2) and r2["efficiency"] == pytest.approx(r2["speedup"] / 2)
+
+    # study.csv: the same rows
+    rows_csv = list(csv.DictReader(io.StringIO((out / "study.csv").read_text())))
+    assert [int(r["np"]) for r in rows_csv] == [1, 2, 4]
+    for c, r in zip(rows_csv, st["rows"]):
+        assert c["fast_but_wrong"] == str(r["fast_but_wrong"])
+        assert float(c["final_test_acc"]) == pytest.approx(r["final_test_acc"])
+
+    # the printed table: the baseline line, then exactly one line per np with study.json's values
+    lines = p.stdout.splitlines()
+    assert (f"baseline np=1  final test acc {base_acc:.3f}  target {st['target_accuracy']:.3f}"
+            in lines), p.stdout
+    printed = [m.groupdict() for m in map(TABLE_ROW.match, lines) if m]
+    assert [int(m["np"]) for m in printed] == [1, 2, 4], p.stdout
+    for m, r in zip(printed, st["rows"]):
+        assert m["kind"] == ("sim" if r["simulated"] else "measured")
+        assert int(m["gb"]) == r["global_batch"]
+        assert m["acc"] == f"{r['final_test_acc']:.3f}"
+        assert m["verdict"] == ("FAST-BUT-WRONG" if r["fast_but_wrong"] else "ok"), m
+    assert printed[1]["speedup"] == f"{r2['speedup']:.2f}"
+
     html = (out / "report.html").read_text()
     assert "cdn.bokeh.org" not in html and "Bokeh" in html  # BokehJS inline: works offline
-    assert "FAST-BUT-WRONG" in p.stdout or " ok" in p.stdout
+
+
+def _html_table_rows(html: str) -> list[list[str]]:
+    """The cells of the styled table a report embeds (a Bokeh Div, escaped inside the document JSON)."""
+    text = html_lib.unescape(html)
+    start = text.index("<table style=")
+    table = text[start:text.index("</table>", start)]
+    return [[html_lib.unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", tr)]
+            for tr in re.findall(r"<tr>(.*?)</tr>", table)[1:]]
 
 
 def test_compare_cli_on_the_committed_study(tmp_path):
     """`pilab compare` on docs/fast-but-wrong's study files, and the shape those files must show."""
-    import os
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     docs = os.path.join(repo, "docs", "fast-but-wrong")
     rules = ["naive", "linear", "linear-warmup"]
@@ -88,12 +150,34 @@ def test_compare_cli_on_the_committed_study(tmp_path):
     cmp = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     acc = {(r["label"], r["np"]): r for r in cmp["rows"]}
     assert sorted(acc) == sorted((lab, n) for lab in ("naive", "linear", "warmup") for n in (1, 8, 48))
-    html = (tmp_path / "cmp" / "compare.html").read_text()
-    # the table is a Div inside Bokeh's document JSON (escaped there); BokehJS itself contains
-    # "<table", so look for the Div's own styled table
-    assert "table style=" in html and "linear" in html and "cdn.bokeh.org" not in html
-    # the issue's pass criteria, on the committed real-data run
     chance, n_epochs = 0.10, len(acc[("naive", 1)]["test_acc_curve"])
+    # every row carries its study's numbers: final accuracy, steps and the curve of each np's run
+    studies = {lab: json.loads(open(os.path.join(docs, r, "study.json")).read())
+               for lab, r in zip(("naive", "linear", "warmup"), rules)}
+    for (lab, n), row in acc.items():
+        st = studies[lab]
+        srow = next(r for r in st["rows"] if r["np"] == n)
+        run = st["runs"][str(n)]
+        assert row["final_test_acc"] == srow["final_test_acc"] == run["epochs"][-1]["test_acc"]
+        assert row["test_acc_curve"] == [e["test_acc"] for e in run["epochs"]]
+        assert row["steps"] == run["total_steps"] and row["global_batch"] == srow["global_batch"]
+        assert row["epochs_near_chance"] == sum(a < 0.15 for a in row["test_acc_curve"])
+        assert row["fast_but_wrong"] == srow["fast_but_wrong"]
+    assert cmp["commands"] == {lab: st["command"] for lab, st in studies.items()}
+    # the committed compare.json is what `pilab compare` makes of the committed studies
+    committed = json.loads(open(os.path.join(docs, "compare.json")).read())
+    rename = {"linear+warmup": "warmup"}
+    assert [{**r, "label": rename.get(r["label"], r["label"])} for r in committed["rows"]] == cmp["rows"]
+    # the HTML's table (a Div inside Bokeh's document JSON) shows one row per (rule, np), with its values
+    html = (tmp_path / "cmp" / "compare.html").read_text()
+    assert "cdn.bokeh.org" not in html
+    cells = _html_table_rows(html)
+    assert [(c[0], int(c[1])) for c in cells] == [(r["label"], r["np"]) for r in cmp["rows"]]
+    for c, r in zip(cells, cmp["rows"]):
+        assert c[5] == str(r["steps"]) and c[6] == f"{r['final_test_acc']:.3f}"
+        assert c[7] == f"{r['epochs_near_chance']}/{n_epochs}"
+        assert c[8] == ("fast-but-wrong" if r["fast_but_wrong"] else "ok")
+    # the issue's pass criteria, on the committed real-data run
     assert acc[("warmup", 1)]["final_test_acc"] > 2 * chance
     assert acc[("warmup", 8)]["final_test_acc"] > 2 * chance
     assert acc[("linear", 48)]["epochs_near_chance"] >= n_epochs / 2
@@ -118,7 +202,15 @@ def test_remedies_search_runs_candidates(tmp_path):
     assert base["global_batch"] == 64 and lin["peak_lr"] == pytest.approx(0.05 * 4)
     assert fixed["global_batch"] == 16 and fixed["per_rank_batch"] == 4
     assert all(0 <= c["final_test_acc"] <= 1 for c in res["candidates"])
-    assert "baseline" in remedies.table(res)
+    assert [c["steps"] for c in res["candidates"]] == [4, 4, 16]  # 256 images / global batch, 1 epoch
+    lines = remedies.table(res).splitlines()
+    assert lines[0].startswith(f"np=4  reference accuracy 0.300  target {res['target_accuracy']:.3f}")
+    assert len(lines) == 2 + 3  # two header lines, then one line per candidate, in order
+    for line, c in zip(lines[2:], res["candidates"]):
+        assert line[:36].rstrip() == c["label"]
+        gb, lr, steps, acc = line[36:].split()[:4]
+        assert (int(gb), int(steps), acc) == (c["global_batch"], c["steps"], f"{c['final_test_acc']:.3f}")
+        assert float(lr) == pytest.approx(c["peak_lr"], rel=1e-2)
 
 
 def test_pareto_front():
@@ -137,4 +229,11 @@ def test_ablations_separate_the_causes():
     assert ref["global_batch"] == 8 and big["global_batch"] == 32
     assert big["steps"] == res["rows"][3]["steps"], "same global batch -> same step count as np=4"
     assert res["rows"][5]["peak_lr"] == 4 * res["rows"][3]["peak_lr"]
-    assert "shard composition:4" in rows and "test acc" in remedies.ablation_table(res)
+    assert "shard composition:4" in rows
+    lines = remedies.ablation_table(res).splitlines()
+    assert len(lines) == 1 + len(res["rows"])  # a header, then one line per run, in order
+    for line, r in zip(lines[1:], res["rows"]):
+        assert (line[:54].rstrip(), line[54:76].rstrip()) == (r["label"], r["cause"])
+        gb, steps, lr, acc = line[76:].split()
+        assert (int(gb), int(steps), acc) == (r["global_batch"], r["steps"], f"{r['final_test_acc']:.3f}")
+        assert float(lr) == pytest.approx(r["peak_lr"], rel=1e-2)

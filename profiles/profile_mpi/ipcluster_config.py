@@ -7,7 +7,7 @@
 # collectives. Engine ids are registration order, not ranks: pilab.cluster maps them to ranks.
 c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
 
-from pilab.cluster import find_mpiexec  # noqa: E402
+from pilab.launch import find_mpiexec  # noqa: E402
 
 c.Cluster.engine_launcher_class = "mpi"
 c.Cluster.n = 2  # engines (= MPI ranks) when none are asked for; `ipcluster start -n N` / start(n=N)

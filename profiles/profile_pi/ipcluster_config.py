@@ -17,7 +17,8 @@
 # identical clone). The data set does not need to be on the nodes: see pilab.cluster.scatter_shards.
 import os
 
-from pilab.cluster import find_mpiexec, hostfile_slots, lan_address
+from pilab.cluster import hostfile_slots, lan_address
+from pilab.launch import find_mpiexec
 
 c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
 

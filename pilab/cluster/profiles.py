@@ -1,0 +1,192 @@
+"""Finding an ipyparallel profile and its hostfile, and starting or attaching to its engines::
+
+    lab = cluster.start(n=4)                   # profiles/profile_mpi: 4 ranks of one mpiexec here
+    lab = cluster.start(profile="pi")          # profiles/profile_pi: the hostfile's slots over the LAN
+    lab = cluster.connect(profile="pi")        # engines started by `ipcluster start --profile-dir ...`
+
+The profile files (``profiles/profile_*/ipcluster_config.py``) call :func:`hostfile_slots` and
+:func:`lan_address` when ipyparallel loads them. ipyparallel itself is imported inside :func:`start` and
+:func:`connect`: ranks started by plain ``mpiexec`` import ``pilab.cluster`` (for ``scatter_shards``,
+``rank_state``) without its client stack.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+
+import psutil  # an ipyparallel dependency
+
+from .client import Engines
+from .errors import ClusterError
+
+# The repository root: pilab/cluster/profiles.py is three levels below it.
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def profile_dir(profile: str = "mpi") -> str:
+    """Directory of an ipyparallel profile: a name (``"mpi"``, ``"pi"`` -> ``profiles/profile_<name>``
+    in this repository, or under ``$PILAB_PROFILES``) or a path to a profile directory."""
+    if os.sep in profile or os.path.isdir(profile):
+        return os.path.abspath(profile)
+    name = f"profile_{profile}"
+    roots = [os.environ.get("PILAB_PROFILES", ""), os.path.join(_REPO, "profiles")]
+    # A non-editable install has no repository beside the package: look up from the working
+    # directory (a notebook runs in notebooks/, next to profiles/).
+    here = os.getcwd()
+    while True:
+        roots.append(os.path.join(here, "profiles"))
+        parent = os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    for root in roots:
+        if root and os.path.isdir(os.path.join(root, name)):
+            return os.path.join(root, name)
+    raise ClusterError(f"no ipyparallel profile {name} (looked in $PILAB_PROFILES, {_REPO}/profiles and "
+                       "above the working directory); use profile='mpi' or 'pi', or pass the path of a "
+                       "profile directory")
+
+
+def _hostfile_lines(path: str) -> list[tuple[str, int]]:
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            host, _, slots = line.partition(":")
+            out.append((host.strip(), int(slots) if slots.strip() else 1))
+    return out
+
+
+def hostfile_slots(path: str) -> int:
+    """Total MPI slots in an MPICH hostfile (``host:slots`` lines, ``#`` comments)::
+
+        hostfile_slots("profiles/profile_pi/hosts.template")   # 48
+    """
+    lines = _hostfile_lines(path)
+    if not lines:
+        raise ClusterError(f"hostfile {path} lists no hosts; add lines such as 'pi01:2'")
+    return sum(slots for _, slots in lines)
+
+
+def lan_address(hostfile: str | None = None) -> str:
+    """This machine's address on the network the cluster nodes are on.
+
+    The address the kernel would send from to reach the first remote host of ``hostfile`` (a UDP
+    ``connect`` sends nothing), else the first non-loopback address of this host; ``127.0.0.1`` if
+    there is none (then only engines on this machine can register).
+    """
+    targets = [h for h, _ in _hostfile_lines(hostfile)] if hostfile and os.path.isfile(hostfile) else []
+    for host in targets:
+        if host in ("localhost", "127.0.0.1", socket.gethostname()):
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((host, 9))
+                addr = s.getsockname()[0]
+            if not addr.startswith("127."):
+                return addr
+        except OSError:
+            continue
+    for addr in non_loopback_addresses():
+        return addr
+    return "127.0.0.1"
+
+
+def non_loopback_addresses() -> list[str]:
+    """IPv4 addresses of this host other than 127.x (from its name, then from its interfaces)."""
+    found = []
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+            found.append(info[4][0])
+    except OSError:
+        pass
+    for addrs in psutil.net_if_addrs().values():
+        found += [a.address for a in addrs if a.family == socket.AF_INET]
+    return list(dict.fromkeys(a for a in found if not a.startswith("127.")))
+
+
+def start(n: int | None = None, profile: str = "mpi", *, timeout: float | None = None,
+          log_level: int | str = "WARNING") -> Engines:
+    """Start a controller and ``n`` MPI engines (one ``mpiexec -n n``), wait until all registered,
+    and map engine ids to MPI ranks. ``n=None`` takes the profile's count (``mpi``: 2; ``pi``: the
+    hostfile's slots). Nothing else in pilab starts engines::
+
+        lab = cluster.start(n=4)                   # this machine
+        lab = cluster.start(profile="pi")          # 48 ranks from profiles/profile_pi/hosts
+    """
+    import ipyparallel as ipp  # see the module docstring
+
+    pdir = profile_dir(profile)
+    if isinstance(log_level, str):
+        log_level = logging.getLevelName(log_level.upper())
+    kwargs = dict(engines="mpi", profile_dir=pdir, log_level=log_level)
+    if n is not None:
+        if n < 1:
+            raise ClusterError(f"n={n} must be >= 1 engines")
+        kwargs["n"] = int(n)
+    _check_profile(pdir)
+    ipc = ipp.Cluster(**kwargs)
+    if timeout is not None:
+        ipc.engine_timeout = int(timeout)
+    try:
+        client = ipc.start_and_connect_sync()
+    except Exception as e:
+        output = _launcher_output(ipc)
+        with contextlib.suppress(Exception):
+            ipc.stop_cluster_sync()
+        raise ClusterError(f"the engines did not all register within {ipc.engine_timeout} s "
+                           f"({type(e).__name__}: {e}); mpiexec said:\n{output}") from None
+    try:
+        return Engines(client, ipc, owned=True)
+    except Exception:
+        with contextlib.suppress(Exception):
+            ipc.stop_cluster_sync()
+        raise
+
+
+def connect(profile: str = "mpi", *, cluster_id: str = "", timeout: float = 30) -> Engines:
+    """Attach to engines started elsewhere (``ipcluster start --profile-dir ...``); ``stop()`` on the
+    result then only disconnects::
+
+        lab = cluster.connect(profile="pi")
+    """
+    import ipyparallel as ipp  # see the module docstring
+
+    pdir = profile_dir(profile)
+    if cluster_id:
+        client = ipp.Client(profile_dir=pdir, cluster_id=cluster_id, timeout=timeout)
+    else:
+        client = ipp.Client(profile_dir=pdir, timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while not client.ids and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not client.ids:
+        client.close()
+        raise ClusterError(f"no engines registered with the controller of {pdir} within {timeout} s")
+    return Engines(client, None, owned=False)
+
+
+def _check_profile(pdir: str) -> None:
+    """Load the profile's ipcluster_config.py once here: ipyparallel logs an error in it and goes on
+    with defaults (engines on localhost), which would hide e.g. a missing hostfile."""
+    from traitlets.config.loader import PyFileConfigLoader  # with ipyparallel: see the module docstring
+
+    if os.path.isfile(os.path.join(pdir, "ipcluster_config.py")):
+        try:
+            PyFileConfigLoader("ipcluster_config.py", path=pdir).load_config()
+        except Exception as e:
+            raise ClusterError(f"profile {pdir} cannot be used: {e}") from None
+
+
+def _launcher_output(ipc) -> str:
+    lines = []
+    for es in (ipc.engines or {}).values():
+        with contextlib.suppress(Exception):
+            lines.append(es.get_output(remove=False))
+    text = "\n".join(x for x in lines if x).strip()
+    return text[-3000:] if text else "(nothing)"

@@ -1,0 +1,46 @@
+"""CIFAR-10 for data-parallel training: loading, caching, sharding across ranks, batched augmentation.
+
+One process per rank calls the same functions; only the rank changes what it gets::
+
+    from pilab import data
+    ds = data.load("embedded")                    # shipped 5,000/1,000 subset; or "cifar10", or a path
+    loader = data.ShardLoader(ds, np_=comm.size, rank=comm.rank, batch=32, seed=0, policy="static")
+    for epoch in range(epochs):
+        for step, x, y in loader.epoch(epoch):    # x float32 (B,3,32,32) channels_last, y int64 (B,)
+            ...
+    sl = data.test_shard(len(ds.y_test), comm.size, comm.rank)   # evaluate x_test[sl], reduce sums
+
+Under ``mpiexec -n 4 python -m pilab train`` every rank sees the same shards and step counts, because all
+randomness derives from (seed, epoch, step, rank) and never from global RNG state.
+
+Sources for :func:`load` (decoded once, then cached as an ``.npz`` in :func:`default_cache_dir`):
+
+- ``"embedded"``: the class-balanced subset shipped in ``pilab/embedded/`` (see its README);
+- ``"cifar10"``: the official python batches placed in the cache by ``python -m pilab data fetch``;
+- a path to the official ``cifar-10-batches-py`` directory (or its ``.tar.gz``), or to an ImageFolder
+  directory / ``.tar.gz`` with ``train/<class>/*.jpg|png`` and ``test/<class>/*``.
+
+Where things live (everything below is importable from ``pilab.data`` itself):
+
+- :mod:`~pilab.data.dataset`: the :class:`CIFAR10` arrays and :class:`DataError`;
+- :mod:`~pilab.data.sources`: :func:`load` and :func:`fetch`; :mod:`~pilab.data.decode` reads each layout,
+  :mod:`~pilab.data.cache` keeps the decoded arrays;
+- :mod:`~pilab.data.shards`: subsets, shards, per-epoch batch indices, test slices (numpy only);
+- :mod:`~pilab.data.augmentation`: normalisation and batched crop/flip (torch);
+- :mod:`~pilab.data.loader`: :class:`ShardLoader`, one rank's batches.
+"""
+from __future__ import annotations
+
+from .augmentation import MEAN, PAD, STD, augment, to_input
+from .cache import cache_entries, clear_cache, default_cache_dir
+from .dataset import CIFAR10, CLASSES, DataError
+from .decode import BATCHES_DIR, OFFICIAL_URL
+from .loader import ShardLoader
+from .shards import POLICIES, epoch_accounting, epoch_batches, static_shards, stratified_subset, test_shard
+from .sources import fetch, load
+
+__all__ = [
+    "CIFAR10", "CLASSES", "DataError", "load", "fetch", "default_cache_dir", "cache_entries", "clear_cache",
+    "BATCHES_DIR", "OFFICIAL_URL", "POLICIES", "stratified_subset", "static_shards", "epoch_accounting",
+    "epoch_batches", "test_shard", "MEAN", "STD", "PAD", "to_input", "augment", "ShardLoader",
+]

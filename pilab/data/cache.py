@@ -1,0 +1,141 @@
+"""The cache of decoded data sets: one ``.npz`` per source version in :func:`default_cache_dir`.
+
+    from pilab import data
+    data.cache_entries()          # [{"path", "bytes", "modified", "source"}, ...] newest first
+    data.clear_cache()            # remove them; the next data.load decodes again
+
+:func:`pilab.data.load` names its entry with :func:`cache_key`, reads it with :func:`read_cache` (None when
+absent or corrupt) and writes it with :func:`write_cache` (atomic, so several ranks may load at once).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+import warnings
+
+import numpy as np
+
+from .dataset import CIFAR10, CLASSES, _checksum
+
+_CACHE_VERSION = 1  # bump when decoding changes, so old caches are not reused
+_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
+
+
+def default_cache_dir() -> str:
+    """``$PILAB_CACHE`` if set, else ``~/.cache/pilab``."""
+    return os.path.abspath(os.path.expanduser(os.environ.get("PILAB_CACHE") or "~/.cache/pilab"))
+
+
+def resolve_cache_dir(cache_dir: str | None = None) -> str:
+    """``cache_dir`` as an absolute path, or :func:`default_cache_dir` when None or empty."""
+    return os.path.abspath(os.path.expanduser(cache_dir)) if cache_dir else default_cache_dir()
+
+
+# what load() writes into the cache directory: decoded arrays and, after a crash, their temp files;
+# never anything else there (`data fetch` puts the downloaded batches in the same directory)
+_CACHE_NAME = re.compile(r"^(?:\.tmp-)?cifar10-[0-9a-f]{16}\.npz(?:-[^/]*\.npz)?$")
+
+
+def cache_entries(cache_dir: str | None = None) -> list[dict]:
+    """The decoded data sets in the cache, newest first: path, bytes, modified (epoch s), source.
+
+        for e in cache_entries():
+            print(e["bytes"] >> 20, "MiB", e["source"])
+
+    Each distinct source (and each new version of one: the key includes size and mtime) adds a file;
+    a full CIFAR-10 is ~185 MB. ``clear_cache`` removes them; the next ``load`` decodes again.
+    """
+    cache = resolve_cache_dir(cache_dir)
+    if not os.path.isdir(cache):
+        return []
+    out = []
+    for name in os.listdir(cache):
+        path = os.path.join(cache, name)
+        if not (_CACHE_NAME.match(name) and os.path.isfile(path)):
+            continue
+        st = os.stat(path)
+        try:
+            with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
+                source = str(z["source"])
+        except Exception:  # a temp file of an interrupted write, or a corrupt entry
+            source = "(incomplete or corrupt: load() rebuilds it)"
+        out.append({"path": path, "bytes": st.st_size, "modified": st.st_mtime, "source": source})
+    return sorted(out, key=lambda e: -e["modified"])
+
+
+def clear_cache(cache_dir: str | None = None) -> list[str]:
+    """Delete the cached arrays (only files ``load`` writes; downloads stay) and return their paths."""
+    removed = []
+    for e in cache_entries(cache_dir):
+        try:
+            os.unlink(e["path"])
+            removed.append(e["path"])
+        except FileNotFoundError:  # another process cleared it first
+            pass
+    return removed
+
+
+def cache_path(cache: str, kind: str, path: str) -> str:
+    """Where ``load`` keeps the decoded arrays of source ``path`` (of ``kind``) inside ``cache``."""
+    return os.path.join(cache, f"cifar10-{cache_key(kind, path)}.npz")  # matches _CACHE_NAME
+
+
+def cache_key(kind: str, path: str) -> str:
+    """Key from the source's absolute path, size and mtime (summed / max over a directory's files)."""
+    if os.path.isdir(path):
+        size, mtime = 0, os.stat(path).st_mtime_ns
+        for root, _, files in os.walk(path):
+            for f in files:
+                st = os.stat(os.path.join(root, f))
+                size, mtime = size + st.st_size, max(mtime, st.st_mtime_ns)
+    else:
+        st = os.stat(path)
+        size, mtime = st.st_size, st.st_mtime_ns
+    text = f"v{_CACHE_VERSION}|{kind}|{path}|{size}|{mtime}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def read_cache(path: str) -> CIFAR10 | None:
+    """The cached data set, or None when absent or corrupt (then the caller decodes again)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        # Our own file object: np.load leaks its handle when the zip is truncated.
+        with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
+            arrays = [z[k] for k in _ARRAYS]
+            checksum, source = str(z["checksum"]), str(z["source"])
+        ok = (arrays[0].dtype == np.uint8 and arrays[0].shape[1:] == (32, 32, 3)
+              and arrays[2].dtype == np.uint8 and arrays[2].shape[1:] == (32, 32, 3)
+              and _checksum(arrays) == checksum)
+    except Exception:  # truncated zip, bad CRC, missing key: all mean "rebuild"
+        ok = False
+    if not ok:
+        warnings.warn(f"cache {path} is corrupt; decoding the source again", RuntimeWarning, stacklevel=3)
+        return None
+    return CIFAR10(*arrays, classes=CLASSES, source=source, checksum=checksum)
+
+
+def write_cache(path: str, ds: CIFAR10) -> None:
+    """Write atomically: a temp file in the same directory, then os.replace (no half-written cache)."""
+    d = os.path.dirname(path)
+    tmp = None
+    try:
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", suffix=".npz", dir=d)
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, x_train=ds.x_train, y_train=ds.y_train, x_test=ds.x_test, y_test=ds.y_test,
+                     checksum=np.array(ds.checksum), source=np.array(ds.source))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the cache holds public data
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as e:  # a read-only home should not stop training: only the cache is lost
+        warnings.warn(f"could not write the data cache {path} ({e}); set PILAB_CACHE to a writable "
+                      "directory to avoid decoding again", RuntimeWarning, stacklevel=3)
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+

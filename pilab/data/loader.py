@@ -1,0 +1,84 @@
+"""The per-rank batch iterator that ``train.run`` and the simulator use::
+
+    from pilab import data
+    loader = data.ShardLoader(ds, np_=comm.size, rank=comm.rank, batch=32, seed=cfg.seed)
+    for step, x, y in loader.epoch(epoch): ...
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from .augmentation import augment, to_input
+from .dataset import CIFAR10, DataError
+from .shards import _check_np, _reshuffle_global, _static_local, epoch_accounting, static_shards
+
+
+class ShardLoader:
+    """Batches for one rank, under the ``static`` or ``reshuffle`` policy.
+
+    ``static`` keeps only this rank's shard in memory (a uint8 tensor); ``reshuffle`` holds the whole
+    training set and takes its slice of a shared per-epoch permutation. Every rank gets the same
+    ``steps_per_epoch``; ``leftover`` images per epoch (over all ranks) are skipped, not padded::
+
+        loader = ShardLoader(ds, np_=comm.size, rank=comm.rank, batch=32, seed=cfg.seed)
+        for step, x, y in loader.epoch(epoch): ...
+        x, y = loader.batch(epoch, step)        # the same batch again (replay / resume)
+    """
+
+    def __init__(self, ds: CIFAR10, np_: int, rank: int, batch: int, *, seed: int = 0,
+                 policy: str = "static", augment: bool = True):
+        n = len(ds.y_train)
+        _check_np(n, np_, rank, batch, policy)
+        acc = epoch_accounting(n, np_, batch, policy, seed)
+        if acc["steps"] < 1:
+            raise DataError(f"each of {np_} ranks holds at most {max(acc['shard_sizes'])} images, fewer than "
+                            f"its batch of {batch}; use fewer processes or a smaller batch")
+        self.np_, self.rank, self.batch_size, self.seed = np_, rank, batch, seed
+        self.policy, self.augment = policy, augment
+        self.steps_per_epoch: int = acc["steps"]
+        self.leftover: int = acc["leftover"]
+        self.shard_size: int = acc["shard_sizes"][rank]
+        if policy == "static":
+            self.indices = static_shards(ds.y_train, np_, seed)[rank]  # global indices of the shard
+            self._x = torch.from_numpy(np.ascontiguousarray(ds.x_train[self.indices]))
+            self._y = torch.from_numpy(np.ascontiguousarray(ds.y_train[self.indices]))
+        else:
+            self.indices = None
+            self._x = torch.from_numpy(ds.x_train)  # shares memory with ds
+            self._y = torch.from_numpy(ds.y_train)
+        self._cached_epoch, self._cached_rows = None, None
+
+    def _rows(self, epoch: int) -> torch.Tensor:
+        """(steps, batch) positions into self._x for ``epoch`` (computed once per epoch)."""
+        if self._cached_epoch != epoch:
+            if self.policy == "static":
+                rows = _static_local(len(self._y), self.steps_per_epoch, self.batch_size, epoch,
+                                     self.seed, self.rank)
+            else:
+                rows = _reshuffle_global(len(self._y), self.np_, self.rank, self.steps_per_epoch,
+                                         self.batch_size, epoch, self.seed)
+            self._cached_epoch, self._cached_rows = epoch, torch.from_numpy(rows)
+        return self._cached_rows
+
+    def global_indices(self, epoch: int) -> np.ndarray:
+        """Training-set indices per step for ``epoch``; equals ``epoch_batches(...)``."""
+        rows = self._rows(epoch).numpy()
+        return self.indices[rows] if self.indices is not None else rows.copy()
+
+    def batch(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``step`` of ``epoch``: x float32 (B,3,32,32) channels_last, y int64 (B,)."""
+        if not 0 <= step < self.steps_per_epoch:
+            raise DataError(f"step={step} is outside 0..{self.steps_per_epoch - 1} of an epoch")
+        rows = self._rows(epoch)[step]
+        xb, yb = self._x.index_select(0, rows), self._y.index_select(0, rows)
+        if self.augment:
+            return augment(xb, seed=self.seed, epoch=epoch, step=step, rank=self.rank), yb
+        return to_input(xb), yb
+
+    def epoch(self, epoch: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        for step in range(self.steps_per_epoch):
+            x, y = self.batch(epoch, step)
+            yield step, x, y

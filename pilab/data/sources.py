@@ -1,0 +1,132 @@
+"""Where the images come from: :func:`load` resolves a source name or path, decodes it once (see
+:mod:`pilab.data.decode`), caches the arrays (see :mod:`pilab.data.cache`) and takes subsets; :func:`fetch`
+downloads the official set::
+
+    from pilab import data
+    ds = data.load("embedded")                                   # the subset shipped in pilab/embedded/
+    ds = data.load("cifar10", train_subset=10_000, seed=0)       # after `python -m pilab data fetch`
+"""
+from __future__ import annotations
+
+import os
+import tarfile
+from importlib.resources import files
+
+import numpy as np
+
+from .cache import cache_path, read_cache, resolve_cache_dir, write_cache
+from .dataset import CIFAR10, DataError
+from .decode import BATCHES_DIR, LAYOUTS, OFFICIAL_URL, decode_source
+from .shards import stratified_subset
+
+_EMBEDDED_FILE = "cifar10_subset.npz"  # in the pilab.embedded package data (see pyproject.toml)
+
+
+def load(source: str = "embedded", *, cache_dir: str | None = None,
+         train_subset: int = 0, test_subset: int = 0, seed: int = 0) -> CIFAR10:
+    """Load CIFAR-10 from ``source``, decoding once and caching the arrays.
+
+    ``train_subset`` / ``test_subset`` (0 = all) take a class-stratified subset chosen by ``seed``, after
+    the cache. Several ranks may load at once (each cache write is atomic: temp file + ``os.replace``),
+    but each then decodes; under MPI let one rank per node load first, barrier, then the rest hit the cache::
+
+        ds = load("embedded")
+        ds = load("/data/cifar10-jpeg.tar.gz", train_subset=10_000)
+        ds = load("cifar10")          # after `python -m pilab data fetch`
+    """
+    for name, value in (("train_subset", train_subset), ("test_subset", test_subset), ("seed", seed)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            fix = "pass 0 for all images" if name.endswith("subset") else "pass a non-negative integer"
+            raise DataError(f"{name}={value!r} must be an integer >= 0; {fix}")
+    cache = resolve_cache_dir(cache_dir)
+    kind, path = _resolve(source, cache)
+    cache_file = cache_path(cache, kind, path)
+    ds = read_cache(cache_file)
+    if ds is None:
+        ds = decode_source(kind, path)
+        write_cache(cache_file, ds)
+    return _subset(ds, train_subset, test_subset, seed)
+
+
+def _resolve(source: str, cache: str) -> tuple[str, str]:
+    """Map a source name or path to (kind, absolute path); kind: embedded | batches | folder | archive."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise DataError(f"data source {source!r} is not a string; pass 'embedded', 'cifar10' or a path")
+    source = os.fspath(source)
+    if source == "embedded":
+        path = _embedded_path()
+        if not os.path.isfile(path):
+            raise DataError(f"the embedded subset {path} is missing; reinstall pilab or run "
+                            "scripts/make_embedded.py")
+        return "embedded", path
+    if source == "cifar10":
+        path = os.path.join(cache, BATCHES_DIR)
+        if not os.path.isdir(path):
+            raise DataError(f"CIFAR-10 has not been fetched into {cache}; run `python -m pilab data fetch` "
+                            f"(or pass the path of a {BATCHES_DIR} directory)")
+        return "batches", path
+    path = os.path.abspath(os.path.expanduser(source))
+    if not os.path.exists(path):
+        raise DataError(f"data path {path} does not exist; pass 'embedded', 'cifar10' or an existing "
+                        "directory or .tar.gz")
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "data_batch_1")):
+            return "batches", path
+        if os.path.isfile(os.path.join(path, BATCHES_DIR, "data_batch_1")):
+            return "batches", os.path.join(path, BATCHES_DIR)
+        if os.path.isdir(os.path.join(path, "train")) or os.path.isdir(os.path.join(path, "test")):
+            return "folder", path
+        raise DataError(f"directory {path} is neither known layout; pass one of: {LAYOUTS}")
+    if not tarfile.is_tarfile(path):
+        raise DataError(f"{path} is not a readable tar.gz archive; pass one of: {LAYOUTS}")
+    return "archive", path
+
+
+def _embedded_path() -> str:
+    """The shipped subset's file: package data of ``pilab`` (found from any working directory)."""
+    try:
+        return str(files("pilab") / "embedded" / _EMBEDDED_FILE)
+    except TypeError:  # unusual loaders: fall back to the package's own directory
+        pilab_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return os.path.join(pilab_dir, "embedded", _EMBEDDED_FILE)
+
+
+def _subset(ds: CIFAR10, n_train: int, n_test: int, seed: int) -> CIFAR10:
+    if not n_train and not n_test:
+        return ds
+    parts, notes = [ds.x_train, ds.y_train, ds.x_test, ds.y_test], []
+    for i, (name, n) in enumerate((("train_subset", n_train), ("test_subset", n_test))):
+        if not n:
+            continue
+        y = parts[2 * i + 1]
+        if n > len(y):
+            raise DataError(f"{name}={n} exceeds the {len(y)} images available in {ds.source}; "
+                            f"use at most {len(y)}, or 0 for all")
+        idx = stratified_subset(y, n, seed)
+        parts[2 * i], parts[2 * i + 1] = parts[2 * i][idx], y[idx]
+        notes.append(f"{name}={n}")
+    return CIFAR10.from_arrays(*parts, source=f"{ds.source} [{', '.join(notes)}, seed={seed}]")
+
+
+def fetch(root: str | None = None) -> str:
+    """Download the official CIFAR-10 python version into ``root`` (default: the cache dir) with
+    torchvision and return its ``cifar-10-batches-py`` path; ``load("cifar10")`` then finds it::
+
+        python -m pilab data fetch
+    """
+    root = resolve_cache_dir(root)
+    manual = (f"download {OFFICIAL_URL} by hand, unpack it, and pass the {BATCHES_DIR} directory as the "
+              "data path")
+    try:
+        import torchvision  # the optional `vision` extra: only this download needs it
+    except ImportError:
+        raise DataError("torchvision is not installed, so pilab cannot download CIFAR-10; run "
+                        f"`pip install 'pilab[vision]'` and retry, or {manual}") from None
+    try:
+        os.makedirs(root, exist_ok=True)
+        torchvision.datasets.CIFAR10(root, train=True, download=True)
+    except (OSError, RuntimeError) as e:  # URLError is an OSError
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"downloading CIFAR-10 into {root} failed ({msg}); check the network, "
+                        f"or {manual}") from None
+    return os.path.join(root, BATCHES_DIR)

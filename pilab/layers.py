@@ -1,0 +1,242 @@
+"""Layers whose behaviour depends on the ranks: every BatchNorm variant and the per-rank dropout.
+
+* ``SyncBatchNorm`` — batch statistics over all MPI ranks, on CPU (``bn="sync"``);
+* ``GhostBatchNorm2d`` — statistics per group of ``ghost_batch`` images, and per *virtual* rank in the
+  simulator, with running statistics kept per virtual rank (``RankContext`` says which ranks a forward
+  covers);
+* ``RankDropout`` — each virtual rank's dropout mask from that rank's step seed;
+* ``sync_virtual_buffers_`` — the BN buffer policy across virtual ranks, as ``dist.sync_buffers_`` is
+  across MPI ranks.
+
+The training engine picks them; the loops never build layers themselves::
+
+    model = convert_sync_batchnorm(build_model("mobilenetv2_cifar"), comm)        # MPI ranks
+    ctx = RankContext(seed=0)
+    use_ghost_batchnorm(model, ranks=48, ghost_batch=0, context=ctx)             # 48 virtual ranks
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .dist import allreduce_
+
+__all__ = ["step_seed", "SyncBatchNorm", "convert_sync_batchnorm", "RankContext", "GhostBatchNorm2d",
+           "RankDropout", "use_ghost_batchnorm", "use_rank_dropout", "sync_virtual_buffers_",
+           "virtual_state"]
+
+
+def step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
+    """Seed of the global torch RNG for one step on one rank (dropout draws from it)."""
+    return int(np.random.SeedSequence([seed, epoch, step, rank, 0x5EED]).generate_state(1)[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# SyncBatchNorm over MPI (CPU)
+# ----------------------------------------------------------------------------------------------
+class _SyncBNFunction(torch.autograd.Function):
+    """Batch statistics over all ranks: one Allreduce of [sum, sum of squares, count] forward and one
+    of [sum dy, sum dy*xhat] backward, so the result equals BatchNorm on the concatenated batch."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, eps):
+        c = x.shape[1]
+        dims = [0, 2, 3]
+        local = torch.cat([x.sum(dims), (x * x).sum(dims),
+                           torch.tensor([x.numel() / c], dtype=x.dtype)]).double()
+        allreduce_(local, comm)
+        count = local[-1]
+        mean = (local[:c] / count)
+        var = (local[c:2 * c] / count - mean * mean).clamp_min(0)
+        invstd = torch.rsqrt(var + eps)
+        mean_f, invstd_f = mean.to(x.dtype), invstd.to(x.dtype)
+        xhat = (x - mean_f[None, :, None, None]) * invstd_f[None, :, None, None]
+        y = xhat * weight[None, :, None, None] + bias[None, :, None, None]
+        ctx.save_for_backward(xhat, weight, invstd_f)
+        ctx.comm = comm
+        ctx.count = float(count)
+        return y, mean.to(x.dtype), var.to(x.dtype), count
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _dvar, _dcount):
+        xhat, weight, invstd = ctx.saved_tensors
+        dims = [0, 2, 3]
+        c = xhat.shape[1]
+        sums = torch.cat([dy.sum(dims), (dy * xhat).sum(dims)]).double()
+        dbias_local, dweight_local = sums[:c].to(dy.dtype).clone(), sums[c:].to(dy.dtype).clone()
+        allreduce_(sums, ctx.comm)
+        n = ctx.count
+        sum_dy, sum_dy_xhat = sums[:c].to(dy.dtype), sums[c:].to(dy.dtype)
+        dx = (weight * invstd)[None, :, None, None] * (
+            dy - sum_dy[None, :, None, None] / n - xhat * (sum_dy_xhat / n)[None, :, None, None])
+        # Parameter gradients stay local: GradSync averages them like any other gradient.
+        return dx, dweight_local, dbias_local, None, None
+
+
+class SyncBatchNorm(nn.BatchNorm2d):
+    """BatchNorm2d whose batch statistics span all ranks of ``comm`` — on CPU, over MPI.
+
+    torch's and Horovod's SyncBatchNorm need CUDA/NCCL; this one needs only mpi4py.
+    Build it with ``convert_sync_batchnorm(model, comm)``.
+    """
+
+    def __init__(self, num_features, comm=None, **kwargs):
+        super().__init__(num_features, **kwargs)
+        self.comm = comm  # convert_sync_batchnorm passes a Dup: apart from the gradient Iallreduces
+
+    def forward(self, x):
+        if not self.training or self.comm is None or self.comm.Get_size() == 1:
+            return super().forward(x)
+        y, mean, var, count = _SyncBNFunction.apply(x, self.weight, self.bias, self.comm, self.eps)
+        with torch.no_grad():
+            self.num_batches_tracked += 1
+            m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+            unbiased = var * (count / max(count - 1, 1))
+            self.running_mean.mul_(1 - m).add_(mean * m)
+            self.running_var.mul_(1 - m).add_(unbiased.to(var.dtype) * m)
+        return y
+
+
+def convert_sync_batchnorm(model: nn.Module, comm) -> nn.Module:
+    """Replace every BatchNorm2d with a SyncBatchNorm on a duplicate of ``comm`` (in place)."""
+    bn_comm = comm.Dup() if comm is not None else None
+
+    def convert(module):
+        for name, child in module.named_children():
+            if isinstance(child, nn.BatchNorm2d) and not isinstance(child, SyncBatchNorm):
+                sync = SyncBatchNorm(child.num_features, bn_comm, eps=child.eps,
+                                     momentum=child.momentum, affine=child.affine,
+                                     track_running_stats=child.track_running_stats)
+                sync.load_state_dict(child.state_dict())
+                setattr(module, name, sync)
+            else:
+                convert(child)
+
+    convert(model)
+    return model
+
+
+
+# ----------------------------------------------------------------------------------------------
+# virtual ranks (the simulator) and ghost batches
+# ----------------------------------------------------------------------------------------------
+class RankContext:
+    """Which virtual ranks the current forward covers, and the step (for dropout seeds)."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self.ranks = (0, 1)
+        self.epoch = 0
+        self.step = 0
+
+
+class GhostBatchNorm2d(nn.Module):
+    """BatchNorm2d with statistics per group of ``ghost_batch`` images and running statistics per
+    virtual rank (``ranks`` rows; one row is stored with BatchNorm2d's shapes, so state_dicts match).
+
+    In training, a batch of R ranks × k groups × g images is normalised group by group, and each group
+    updates its rank's running mean/var in turn, as k small batches would (k=1 is exactly BatchNorm2d
+    on the rank's sub-batch). In eval, row 0 is used: the buffer policy makes all rows equal before
+    any evaluation, as MPI ranks are made equal.
+    """
+
+    def __init__(self, bn: nn.BatchNorm2d, ranks: int, ghost_batch: int = 0, context=None):
+        super().__init__()
+        c = bn.num_features
+        self.num_features, self.eps = c, bn.eps
+        self.momentum = bn.momentum if bn.momentum is not None else 0.1
+        self.ranks, self.ghost_batch = ranks, ghost_batch
+        self.context = context
+        self.weight = nn.Parameter(bn.weight.detach().clone())
+        self.bias = nn.Parameter(bn.bias.detach().clone())
+        shape = (c,) if ranks == 1 else (ranks, c)
+        self.register_buffer("running_mean", bn.running_mean.detach().clone().expand(shape).contiguous())
+        self.register_buffer("running_var", bn.running_var.detach().clone().expand(shape).contiguous())
+        self.register_buffer("num_batches_tracked", bn.num_batches_tracked.detach().clone())
+
+    def _rows(self):
+        return self.running_mean.view(-1, self.num_features), self.running_var.view(-1, self.num_features)
+
+    def forward(self, x):
+        rm, rv = self._rows()
+        if not self.training:
+            return F.batch_norm(x, rm[0], rv[0], self.weight, self.bias, False, 0.0, self.eps)
+        r0, r1 = self.context.ranks if self.context is not None else (0, 1)
+        per_rank = x.shape[0] // (r1 - r0)
+        g = self.ghost_batch or per_rank
+        # One native batch_norm call per group, not a vectorised re-derivation: the native kernel's
+        # sums are what an MPI rank computes, so the simulator stays bit-close to real ranks
+        # (a hand-written (x - mean) * rsqrt(var) differs by ~1e-3 in gradients after a few layers).
+        outs = [F.batch_norm(part, rm[r0 + i * g // per_rank], rv[r0 + i * g // per_rank],
+                             self.weight, self.bias, True, self.momentum, self.eps)
+                for i, part in enumerate(x.split(g))]
+        if r0 == 0:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class RankDropout(nn.Module):
+    """Dropout that draws each virtual rank's mask from that rank's step seed, as an MPI rank does."""
+
+    def __init__(self, p: float, context: RankContext):
+        super().__init__()
+        self.p, self.context = p, context
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        ctx = self.context
+        r0, r1 = ctx.ranks
+        parts = x.chunk(r1 - r0)
+        out = []
+        for r, part in zip(range(r0, r1), parts):
+            torch.manual_seed(step_seed(ctx.seed, ctx.epoch, ctx.step, r))
+            out.append(F.dropout(part, self.p, True))
+        return torch.cat(out)
+
+
+def _replace(module: nn.Module, make) -> None:
+    for name, child in module.named_children():
+        new = make(child)
+        if new is not None:
+            setattr(module, name, new)
+        else:
+            _replace(child, make)
+
+
+def use_ghost_batchnorm(model: nn.Module, ranks: int, ghost_batch: int = 0, context=None) -> nn.Module:
+    """Replace every BatchNorm2d with a GhostBatchNorm2d (in place); returns the model."""
+    _replace(model, lambda m: GhostBatchNorm2d(m, ranks, ghost_batch, context)
+             if isinstance(m, nn.BatchNorm2d) else None)
+    return model
+
+
+def use_rank_dropout(model: nn.Module, context: RankContext) -> nn.Module:
+    """Replace every nn.Dropout with a RankDropout drawing per virtual rank (in place)."""
+    _replace(model, lambda m: RankDropout(m.p, context) if isinstance(m, nn.Dropout) else None)
+    return model
+
+
+def sync_virtual_buffers_(model: nn.Module, policy: str) -> None:
+    """The buffer policy across virtual ranks: rank 0's rows (broadcast) or their mean (average)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, GhostBatchNorm2d) and m.ranks > 1:
+                for buf in m._rows():
+                    src = buf[0].clone() if policy == "broadcast" else buf.sum(0) / m.ranks
+                    buf.copy_(src.expand_as(buf))
+
+
+def virtual_state(model: nn.Module, rank: int = 0) -> dict:
+    """Parameters and buffers as virtual rank ``rank`` holds them, keyed like a plain model's."""
+    out = {}
+    for name, t in model.state_dict().items():
+        mod_name, _, leaf = name.rpartition(".")
+        mod = model.get_submodule(mod_name) if mod_name else model
+        if isinstance(mod, GhostBatchNorm2d) and leaf in ("running_mean", "running_var") and mod.ranks > 1:
+            t = t[rank]
+        out[name] = t.detach().cpu().clone()
+    return out

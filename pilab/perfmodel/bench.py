@@ -1,0 +1,107 @@
+"""The Allreduce micro-benchmark: ``comm_bench`` times Allreduce on every rank of an MPI job,
+``run_comm_bench`` launches such jobs at several np and fits alpha and beta.
+
+    python -m pilab perfmodel bench --np 2 3          # = run_comm_bench((2, 3)); writes the JSON
+
+    from pilab.perfmodel import run_comm_bench
+    res = run_comm_bench((2, 3))                      # {"runs": [...], "fit": fit_alpha_beta(...)}
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ..config import ConfigError
+from ..files import load_json
+from ..launch import pilab_command
+from .fit import fit_alpha_beta
+
+DEFAULT_SIZES = (4, 64, 1024, 16 * 1024, 128 * 1024, 2 ** 20, 4 * 2 ** 20, 16 * 2 ** 20)
+
+
+def comm_bench(comm, sizes: Sequence[int] = DEFAULT_SIZES, *, trials: int = 5,
+               min_time: float = 0.03, max_reps: int = 2000) -> dict:
+    """Time ``Allreduce`` (in place, float32, SUM) of each size in bytes; call on every rank.
+
+        mpiexec -n 2 python -c "from mpi4py import MPI; from pilab.perfmodel import comm_bench; \\
+            print(comm_bench(MPI.COMM_WORLD))"
+
+    Each trial repeats the call enough times to last ``min_time`` (the same count on every rank) and
+    keeps the slowest rank's time per call; the median over ``trials`` is reported. Returns the same
+    dict on every rank.
+    """
+    # mpi4py only here, on the ranks of a launched job: importing it initialises MPI, which a
+    # process that only predicts or launches must not do
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local = node.Get_size()
+    node.Free()
+    hosts = comm.allgather(MPI.Get_processor_name())
+    med, best = [], []
+    for nbytes in sizes:
+        buf = np.zeros(max(1, int(nbytes) // 4), dtype=np.float32)
+        for _ in range(2):  # warm up: connections, registration
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        comm.Barrier()
+        t = time.perf_counter()
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        one = comm.allreduce(time.perf_counter() - t, op=MPI.MAX)
+        reps = int(min(max_reps, max(1, min_time / max(one, 1e-7))))
+        per = []
+        for _ in range(trials):
+            comm.Barrier()
+            t = time.perf_counter()
+            for _ in range(reps):
+                comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            per.append(comm.allreduce((time.perf_counter() - t) / reps, op=MPI.MAX))
+        med.append(statistics.median(per))
+        best.append(min(per))
+    return {
+        "np": size, "ranks_per_node": local, "cores": os.cpu_count(), "hosts": sorted(set(hosts)),
+        "sizes_bytes": [int(s) for s in sizes], "seconds": med, "seconds_min": best,
+        "trials": trials, "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "thread_level": {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                         MPI.THREAD_SERIALIZED: "serialized",
+                         MPI.THREAD_MULTIPLE: "multiple"}.get(MPI.Query_thread(), "?"),
+    }
+
+
+def run_comm_bench(nps: Iterable[int] = (2, 3), *, sizes: Sequence[int] = DEFAULT_SIZES,
+                   mpiexec: str | None = None, env: Mapping[str, str] | None = None,
+                   timeout: float = 300, extra_args: Sequence[str] = ()) -> dict:
+    """Launch ``mpiexec -n p`` for each p, run ``comm_bench`` there, merge, and fit alpha and beta.
+
+        run_comm_bench((2,), extra_args=["-ppn", "1", "-hosts", "n01,n02"])   # the inter-node link
+
+    Returns {"runs": [bench at each np], "fit": fit_alpha_beta(...)}; the JSON the CLI writes.
+    Raises ``ConfigError`` for an np below 2 or a size below 1 byte, ``LaunchError`` without a
+    launcher, ``RuntimeError`` (with the job's stderr) when a launched job fails.
+    """
+    nps = [int(p) for p in nps]
+    if not nps or min(nps) < 2:
+        raise ConfigError(f"nps={nps}: every np must be >= 2 (an Allreduce needs two ranks)")
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"sizes={list(sizes)}: message sizes are bytes >= 1")
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="pilab-bench-") as tmp:
+        for p in nps:
+            part = os.path.join(tmp, f"np{p}.json")
+            # each rank runs the CLI's bench, which sees it is under mpiexec and calls comm_bench
+            cmd = pilab_command(p, ["perfmodel", "bench", "--part-out", part,
+                                    "--sizes", *[str(s) for s in sizes]],
+                                mpiexec=mpiexec, extra=extra_args)
+            proc = subprocess.run(cmd, env=dict(env) if env is not None else None, timeout=timeout,
+                                  capture_output=True, text=True)
+            if proc.returncode != 0 or not os.path.exists(part):
+                raise RuntimeError(f"comm bench at np={p} failed (exit {proc.returncode}): "
+                                   f"{proc.stderr.strip()[-800:]}")
+            runs.append(load_json(part))
+    return {"runs": runs, "fit": fit_alpha_beta(runs)}

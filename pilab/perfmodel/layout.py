@@ -1,0 +1,99 @@
+"""What the model needs to know about a network: its gradient tensors in the order backward makes
+them ready, the buckets GradSync fuses them into, its work per image and its BatchNorm buffers.
+
+    from pilab.perfmodel import gradient_layout, buckets_for
+    layout = gradient_layout("mobilenetv2_cifar", 1.0)   # 158 (numel, ready) pairs
+    buckets_for(layout, bucket_mb=1.0)                   # (numel, ready) per GradSync bucket
+
+torch and the model registry are imported inside the functions that use them, so that
+``import pilab.perfmodel`` stays free of torch's start-up; nothing here initialises MPI.
+"""
+from __future__ import annotations
+
+import functools
+
+from ..buckets import bucket_assignment
+
+
+@functools.lru_cache(maxsize=None)
+def gradient_layout(model: str, width: float) -> tuple[tuple[int, float], ...]:
+    """(numel, ready) per parameter tensor, in the reversed definition order GradSync buckets in.
+
+    ``ready`` is the fraction of backward compute done when that tensor's gradient is complete,
+    taking each module's backward to cost in proportion to its forward multiply-accumulates.
+    Built on the meta device (no memory, no compute).
+    """
+    import torch  # here, not at the top: see the module docstring
+    from torch import nn
+
+    from ..models import build_model
+
+    with torch.device("meta"):
+        net = build_model(model, num_classes=10, width=width)
+    order: list[nn.Module] = []
+    macs: dict[int, float] = {}
+
+    def hook(m, inp, out):
+        order.append(m)
+        o = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(m, nn.Conv2d):
+            k = m.kernel_size[0] * m.kernel_size[1] * (m.in_channels // m.groups)
+            macs[id(m)] = macs.get(id(m), 0.0) + o[0].numel() * k
+        elif isinstance(m, nn.Linear):
+            macs[id(m)] = macs.get(id(m), 0.0) + o[0].numel() * m.in_features
+    leaves = [m for m in net.modules() if not list(m.children()) and list(m.parameters(recurse=False))]
+    handles = [m.register_forward_hook(hook) for m in leaves]
+    try:
+        net.eval()
+        with torch.no_grad():
+            net(torch.zeros(1, 3, 32, 32, device="meta"))
+    finally:
+        for h in handles:
+            h.remove()
+    total = sum(macs.values()) or 1.0
+    done_after: dict[int, float] = {}
+    acc = 0.0
+    for m in reversed(order):  # backward visits modules in reverse forward order
+        acc += macs.get(id(m), 0.0)
+        done_after.setdefault(id(m), acc / total)
+    owner = {}
+    for m in leaves:
+        for p in m.parameters(recurse=False):
+            owner[id(p)] = id(m)
+    params = [p for p in net.parameters() if p.requires_grad]
+    return tuple((p.numel(), done_after.get(owner.get(id(p)), 1.0)) for p in reversed(params))
+
+
+def buckets_for(layout, bucket_mb: float) -> list[tuple[int, float]]:
+    """(numel, ready) per bucket, filled by the rule ``dist.GradSync`` uses (``buckets.bucket_assignment``).
+
+        buckets_for(((10, 0.1), (10, 0.2), (300_000, 0.9)), 1.0)   # [(20, 0.2), (300000, 0.9)]
+    """
+    return [(sum(layout[i][0] for i in idx), max(layout[i][1] for i in idx))
+            for idx in bucket_assignment([numel for numel, _ in layout], bucket_mb)]
+
+
+def work_per_image(model: str, width: float, flops_per_activation: float = 0.0) -> float:
+    """Training FLOPs of one image plus ``flops_per_activation`` for each activation element.
+
+        work_per_image("mobilenetv2_cifar", 0.5, FLOPS_PER_ACTIVATION_CPU) / 1e9   # ~0.78
+    """
+    from ..models import activation_elements, train_flops_per_image  # torch: see the module docstring
+
+    work = train_flops_per_image(model, width)
+    if flops_per_activation:
+        work += flops_per_activation * activation_elements(model, width)
+    return work
+
+
+@functools.lru_cache(maxsize=None)
+def bn_bytes(model: str, width: float) -> int:
+    """Bytes of BatchNorm running mean + var (what sync_buffers_ broadcasts before evaluation)."""
+    import torch  # here, not at the top: see the module docstring
+    from torch import nn
+
+    from ..models import build_model
+
+    with torch.device("meta"):
+        net = build_model(model, num_classes=10, width=width)
+    return sum(2 * m.num_features * 4 for m in net.modules() if isinstance(m, nn.BatchNorm2d))

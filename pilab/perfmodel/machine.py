@@ -1,0 +1,99 @@
+"""The machine the model predicts for: links between ranks, nodes, compute rates.
+
+    from pilab.perfmodel import Cluster, Link, pi4b_cluster
+    cl = pi4b_cluster()                                   # or this_box(calibration), or Cluster(...)
+    cl.inter                                              # Link(alpha=7.5e-05, beta=8.5e-09)
+    dataclasses.replace(cl, inter=Link(50e-6, 1 / 1e9))   # the same cluster on a faster network
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..config import ConfigError
+from .assumptions import BACKWARD_FRACTION
+
+ALGORITHMS = ("mpich", "ring", "recursive_doubling", "rabenseifner", "hierarchical")
+
+
+@dataclass(frozen=True)
+class Link:
+    """Cost of one message of n bytes on a link: alpha + n * beta seconds."""
+    alpha: float  # seconds per message (latency)
+    beta: float  # seconds per byte (1 / bandwidth)
+
+    def __post_init__(self):
+        for name in ("alpha", "beta"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+                raise ConfigError(f"Link {name}={v!r} must be a finite number >= 0")
+
+
+# Fields of Cluster that must be > 0 (rates divide) and those that must be >= 0 (0 has a meaning or
+# is simply free); warmup_s is signed (see Calibration.warmup_s).
+_POSITIVE = ("cores_per_node", "ref_threads", "train_gflops", "eval_gflops")
+_NON_NEGATIVE = ("nodes", "ranks_per_node", "data_s_per_image", "step_overhead_s", "compute_cv",
+                 "gamma", "short_msg_bytes", "oversub_alpha", "available_cores",
+                 "flops_per_activation", "step_work_per_tensor")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Everything the model knows about a machine. ``this_box(cal)`` and ``pi4b_cluster()`` build one.
+
+    Out-of-range numbers (a rate <= 0, a negative count) raise ``ConfigError`` when it is built."""
+    name: str
+    nodes: int  # nodes available (0: as many as needed)
+    ranks_per_node: int  # MPI ranks placed on one node, block placement (0: all ranks on one node)
+    cores_per_node: int
+    ref_threads: int  # torch threads per rank at which the rates below hold
+    # achieved training GFLOP/s per rank (fwd + bwd + optimizer), at ref_threads, counting as "work"
+    # the FLOPs plus flops_per_activation for each activation element (see work_per_image)
+    train_gflops: float
+    eval_gflops: float  # the same for the forward pass in evaluation (a third of the work)
+    data_s_per_image: float  # batch augmentation + input conversion, per image
+    step_overhead_s: float  # per-step time outside compute/data/comm (Python, .item(), logging)
+    warmup_s: float  # one-time extra of the first step of a run (allocations)
+    compute_cv: float  # coefficient of variation of per-step compute (jitter -> stragglers)
+    intra: Link  # two ranks on one node (shared memory)
+    inter: Link  # two nodes (NIC + switch); flows leaving one node in the same round share it
+    gamma: float = 0.0  # seconds per byte to add two buffers (0: folded into beta by the fit)
+    algorithm: str = "mpich"  # one of ALGORITHMS
+    short_msg_bytes: int = 2048  # "mpich": recursive doubling up to this size, Rabenseifner above
+    backward_fraction: float = BACKWARD_FRACTION
+    overlap: float = 1.0  # fraction of the remaining backward that can hide posted buckets
+    oversub_alpha: float = 0.0  # extra s per Allreduce round when a node has more ranks than cores
+    available_cores: float = 0.0  # cores one job gets per node on a shared machine (0: all of them)
+    flops_per_activation: float = 0.0  # memory-bound cost per activation element (0: FLOPs only)
+    step_work_per_tensor: float = 0.0  # per-step work independent of the batch, per parameter tensor
+    notes: str = ""
+
+    def __post_init__(self):
+        for name in _POSITIVE + _NON_NEGATIVE:
+            v = getattr(self, name)
+            least = "> 0" if name in _POSITIVE else ">= 0"
+            ok = isinstance(v, (int, float)) and (v > 0 if name in _POSITIVE else v >= 0)
+            if not ok:
+                raise ConfigError(f"cluster {self.name!r}: {name}={v!r} must be {least}")
+        if not 0 <= self.backward_fraction <= 1 or not 0 <= self.overlap <= 1:
+            raise ConfigError(f"cluster {self.name!r}: backward_fraction and overlap are fractions "
+                              f"in [0, 1], not {self.backward_fraction} and {self.overlap}")
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"cluster {self.name!r}: algorithm={self.algorithm!r}; choose one of "
+                              f"{', '.join(ALGORITHMS)}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Cluster":
+        d = dict(d)
+        d["intra"] = Link(**d["intra"])
+        d["inter"] = Link(**d["inter"])
+        return cls(**d)
+
+    def node_of(self, rank: int, np_: int) -> int:
+        rpn = self.ranks_per_node or np_
+        return rank // rpn

@@ -1,0 +1,234 @@
+"""Prediction: time per epoch of a Config at any np on a Cluster.
+
+    from pilab.config import Config
+    from pilab.perfmodel import predict, predict_table, pi_table
+    predict(Config(width=0.5), 8, "pi4b_cluster", "naive", baseline_np=2)["efficiency"]
+    predict_table(Config(), [2, 4, 8, 48], "pi4b_cluster", "naive", baseline_np=2)   # one dict per np
+    pi_table()                                   # both profiles beside the published figures
+
+The model itself is described in the package docstring and docs/perfmodel.md.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Callable, Iterable
+
+from ..config import Config, ConfigError
+from .allreduce import allreduce_time
+from .assumptions import ELEMENT_BYTES, METRIC_BYTES, THREAD_EXPONENT
+from .layout import bn_bytes, buckets_for, gradient_layout, work_per_image
+from .machine import Cluster
+from .metrics import efficiency, karp_flatt, speedup
+from .presets import PI_TABLE_NPS, PUBLISHED, pi4b_cluster, pi_config, published_table, resolve_cluster
+
+# image counts of the named sources, so that a Config without subsets needs no data on disk
+_SOURCE_SIZES = {"embedded": (5000, 1000), "cifar10": (50000, 10000)}
+
+# profile -> (gradient averaging, evaluation); the two halves of "naive" apart, to see what each costs
+PROFILES = {
+    "pilab": ("buckets", "sharded"),  # fused buckets posted during backward; test set split over ranks
+    "naive": ("per_tensor", "full"),  # blocking Allreduce per tensor after backward; all ranks eval all
+    "naive_comm": ("per_tensor", "sharded"),
+    "naive_eval": ("buckets", "full"),
+}
+
+
+def _sizes(cfg: Config, n_train, n_test) -> tuple[int, int]:
+    known = _SOURCE_SIZES.get(cfg.data)
+    if n_train is None:
+        n_train = cfg.train_subset or (known[0] if known else None)
+    if n_test is None:
+        n_test = cfg.test_subset or (known[1] if known else None)
+    if n_train is None or n_test is None:
+        raise ConfigError(f"data={cfg.data!r}: pass n_train= and n_test= (image counts)")
+    return int(n_train), int(n_test)
+
+
+def _as_config(cfg) -> Config:
+    if isinstance(cfg, Config):
+        return cfg
+    if cfg is None:
+        return Config()
+    d = dict(cfg)
+    d = d.get("config", d)  # a result dict carries its config
+    return Config.from_dict(d)
+
+
+def _expected_max_normal(n: int) -> float:
+    """E[max of n standard normals] (Blom's approximation; 0 for n = 1)."""
+    if n <= 1:
+        return 0.0
+    return statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def _placement(cfg: Config, p: int, cl: Cluster) -> dict:
+    """Ranks per node, nodes, threads per rank, and how crowded a node is."""
+    rpn = min(p, cl.ranks_per_node or p)
+    threads = cfg.threads or max(1, cl.cores_per_node // rpn)
+    # more threads than the cores this job gets on a node: they time-share them
+    avail = cl.available_cores or cl.cores_per_node
+    return {"ranks_per_node": rpn, "nodes": math.ceil(p / rpn), "threads": threads,
+            "oversubscription": max(1.0, rpn * threads / avail),
+            "crowded": rpn * threads > avail}  # a rank may wait for a peer that is not scheduled
+
+
+def _rank_costs(cfg: Config, p: int, b: int, cl: Cluster, place: dict, n_tensors: int) -> dict:
+    """Per rank: compute, data and straggler seconds per step; evaluation seconds per test image."""
+    threads, oversub = place["threads"], place["oversubscription"]
+    thread_factor = (cl.ref_threads / threads) ** THREAD_EXPONENT
+    work = work_per_image(cfg.model, cfg.width, cl.flops_per_activation)
+    step_work = b * work + cl.step_work_per_tensor * n_tensors
+    compute = step_work / (cl.train_gflops * 1e9) * thread_factor * oversub
+    return {"compute": compute, "data": b * (cl.data_s_per_image * oversub),
+            "straggler": compute * cl.compute_cv * _expected_max_normal(p),
+            "eval_s_per_image": (work / 3) / (cl.eval_gflops * 1e9) * thread_factor * oversub}
+
+
+def _gradient_comm(cfg: Config, layout, averaging: str, compute: float, cl: Cluster,
+                   ar: Callable[[float], float]) -> tuple[int, float, float]:
+    """(messages, comm seconds, exposed seconds) per step for averaging the gradients (p > 1)."""
+    if averaging == "per_tensor":
+        comm = sum(ar(n * ELEMENT_BYTES) for n, _ in layout)
+        return len(layout), comm, comm
+    wire = 2 if cfg.compression == "fp16" else ELEMENT_BYTES
+    buckets = buckets_for(layout, cfg.bucket_mb)
+    t_fwd = compute * (1 - cl.backward_fraction)
+    t_bwd = compute * cl.backward_fraction
+    end = 0.0
+    comm = 0.0
+    for numel, ready in buckets:  # posted in order as they fill; one at a time on the wire
+        t = ar(numel * wire)
+        # overlap < 1: only that share of the remaining backward can hide communication
+        post = t_fwd + t_bwd * (1 - cl.overlap * (1 - ready))
+        end = max(end, post) + t
+        comm += t
+    return len(buckets), comm, max(0.0, end - (t_fwd + t_bwd))
+
+
+def _eval_time(cfg: Config, p: int, n_test: int, per_image: float, evaluation: str,
+               ar: Callable[[float], float], metric: float) -> float:
+    """Seconds of one evaluation of the test set."""
+    if evaluation == "full":
+        return n_test * per_image
+    t = math.ceil(n_test / p) * per_image
+    if p > 1:  # settle BN statistics (one broadcast ~ one Allreduce) + reduce the sums
+        t += ar(bn_bytes(cfg.model, cfg.width)) + metric
+    return t
+
+
+def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int | None = None,
+            n_train: int | None = None, n_test: int | None = None) -> dict:
+    """Predicted time per epoch of ``cfg`` at ``np_`` ranks on ``cluster``.
+
+    ``cluster``: a Calibration, a Cluster, a preset name ("pi4b_cluster") or a JSON path.
+    ``profile``: "pilab" (fused buckets overlapped with backward, sharded evaluation) or "naive"
+    (one blocking Allreduce per parameter tensor after backward, every rank evaluates everything);
+    "naive_comm" and "naive_eval" take only one half of naive (see ``PROFILES``).
+    ``baseline_np`` adds speedup, efficiency (E = S * p0 / p) and Karp-Flatt against that np.
+
+        predict(Config(width=0.5), 8, "pi4b_cluster", "naive", baseline_np=2)["efficiency"]
+
+    Times are seconds; "time" is the training part of an epoch (as in result.json's epochs[].time),
+    "epoch_time" adds evaluation. Settings that cannot run (np < 1, more ranks than the cluster has)
+    raise ``ConfigError``.
+    """
+    from ..data import epoch_accounting  # pilab.data loads torch: not at `import pilab.perfmodel`
+
+    if profile not in PROFILES:
+        raise ConfigError(f"profile={profile!r}; use one of {', '.join(PROFILES)}")
+    averaging, evaluation = PROFILES[profile]
+    cfg = _as_config(cfg)
+    cl = resolve_cluster(cluster)
+    p = int(np_)
+    if p < 1:
+        raise ConfigError(f"np={p} must be >= 1")
+    if baseline_np is not None and baseline_np < 1:
+        raise ConfigError(f"baseline_np={baseline_np} must be >= 1")
+    if cl.nodes and cl.ranks_per_node and p > cl.nodes * cl.ranks_per_node:
+        raise ConfigError(f"np={p} exceeds {cl.name}: {cl.nodes} nodes x {cl.ranks_per_node} ranks")
+    n_train, n_test = _sizes(cfg, n_train, n_test)
+    b = cfg.per_rank_batch(p)
+    steps = epoch_accounting(n_train, p, b, cfg.sharding, seed=cfg.seed)["steps"]
+    place = _placement(cfg, p, cl)
+    layout = gradient_layout(cfg.model, cfg.width)
+    rank = _rank_costs(cfg, p, b, cl, place, len(layout))
+    compute, data, straggler = rank["compute"], rank["data"], rank["straggler"]
+
+    def ar(nbytes):
+        return allreduce_time(nbytes, p, cl, None, place["crowded"])
+    metric = ar(METRIC_BYTES) if p > 1 else 0.0
+    messages, comm, exposed = (0, 0.0, 0.0) if p == 1 else \
+        _gradient_comm(cfg, layout, averaging, compute, cl, ar)
+    comm += metric
+    exposed += metric
+    overhead = cl.step_overhead_s
+    step = data + compute + straggler + exposed + overhead
+    eval_time = _eval_time(cfg, p, n_test, rank["eval_s_per_image"], evaluation, ar, metric)
+    # evaluation runs every eval_every epochs and after the last: its average share per epoch
+    n_evals = len({e for e in range(1, cfg.epochs + 1) if e % cfg.eval_every == 0} | {cfg.epochs})
+    evals_per_epoch = n_evals / cfg.epochs
+    time_ = steps * step
+    images = steps * b * p
+    n_params = sum(n for n, _ in layout)
+    wire = 2 if cfg.compression == "fp16" else ELEMENT_BYTES
+    out = {
+        "np": p, "profile": profile, "cluster": cl.name, "model": cfg.model, "width": cfg.width,
+        "nodes": place["nodes"], "ranks_per_node": place["ranks_per_node"],
+        "threads": place["threads"], "oversubscription": place["oversubscription"],
+        "per_rank_batch": b, "global_batch": b * p, "steps_per_epoch": steps, "images": images,
+        "n_train": n_train, "n_test": n_test,
+        "params": n_params, "messages_per_step": messages, "bytes_per_step": n_params * wire,
+        "algorithm": cl.algorithm,
+        "step_time": step,
+        "step": {"compute": compute, "data": data, "straggler": straggler, "comm": comm,
+                 "comm_exposed": exposed, "overhead": overhead},
+        "compute": steps * compute, "data": steps * data, "straggler": steps * straggler,
+        "comm": steps * comm, "comm_exposed": steps * exposed, "overhead": steps * overhead,
+        "time": time_, "eval_time": eval_time, "evals_per_epoch": evals_per_epoch,
+        "epoch_time": time_ + evals_per_epoch * eval_time,
+        "first_epoch_time": time_ + cl.warmup_s,
+        "images_per_s": images / time_ if time_ > 0 else None,
+    }
+    if baseline_np is not None:
+        base = out if baseline_np == p else predict(cfg, baseline_np, cl, profile,
+                                                    n_train=n_train, n_test=n_test)
+        S = speedup(base["epoch_time"], out["epoch_time"])
+        out.update({"baseline_np": baseline_np, "speedup": S,
+                    "efficiency": efficiency(S, p, baseline_np),
+                    "karp_flatt": karp_flatt(S, p, baseline_np),
+                    "train_speedup": speedup(base["time"], out["time"])})
+    return out
+
+
+def predict_table(cfg, nps: Iterable[int], cluster, profile: str = "pilab",
+                  baseline_np: int | None = None, **kwargs) -> list[dict]:
+    """``predict`` at each np, with speedup/efficiency against ``baseline_np`` (default: the first)."""
+    nps = list(nps)
+    if not nps:
+        raise ConfigError("predict_table needs at least one np")
+    base = nps[0] if baseline_np is None else baseline_np
+    return [predict(cfg, p, cluster, profile, baseline_np=base, **kwargs) for p in nps]
+
+
+def pi_table(cfg=None, nps: Iterable[int] = PI_TABLE_NPS, cluster=None) -> list[dict]:
+    """Predicted Pi-cluster scaling for both profiles beside the published figures (p0 = 2)."""
+    cfg = pi_config() if cfg is None else _as_config(cfg)
+    cl = pi4b_cluster() if cluster is None else resolve_cluster(cluster)
+    p0 = PUBLISHED["baseline_np"]
+    published = {r["np"]: r for r in published_table()}
+    rows = []
+    for p in nps:
+        pil = predict(cfg, p, cl, "pilab", baseline_np=p0)
+        nai = predict(cfg, p, cl, "naive", baseline_np=p0)
+        pub = published.get(p, {})
+        rows.append({
+            "np": p, "nodes": pil["nodes"],
+            "published_speedup": pub.get("speedup"), "published_efficiency": pub.get("efficiency"),
+            "naive_speedup": nai["speedup"], "naive_efficiency": nai["efficiency"],
+            "pilab_speedup": pil["speedup"], "pilab_efficiency": pil["efficiency"],
+            "naive_epoch_s": nai["epoch_time"], "pilab_epoch_s": pil["epoch_time"],
+            "naive_comm_exposed_s": nai["comm_exposed"], "pilab_comm_exposed_s": pil["comm_exposed"],
+            "naive_eval_s": nai["eval_time"], "pilab_eval_s": pil["eval_time"],
+        })
+    return rows

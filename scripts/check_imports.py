@@ -1,0 +1,168 @@
+"""Check pilab's import structure: layers point down, nothing below the CLI imports it, no circles.
+
+    python scripts/check_imports.py            # prints the module graph; exit 1 on a violation
+    python scripts/check_imports.py --stats    # also lines per module and the longest functions
+
+Reads the source with ``ast`` (imports inside functions count too), so it needs nothing installed.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "pilab"
+
+# Each top-level part of the package and its layer: a module may import only lower layers (the rule
+# in docs/architecture.md: front-ends -> study -> engine -> {dist, data, models}).
+LAYERS = {
+    "models": 0, "optim": 0, "launch": 0, "files": 0, "plots": 0, "embedded": 0, "buckets": 0,
+    "config": 1,
+    "dist": 2, "data": 2,
+    "layers": 3,
+    "engine": 4,
+    "train": 5, "simulate": 5,
+    "perfmodel": 6,
+    "scaling": 7,
+    "remedies": 8,
+    "cluster": 9,
+    "widgets": 10,
+    "cli": 11,
+    "__main__": 12, "__init__": 12,
+}
+FRONT_END_ONLY = {"ipywidgets": {"widgets"}}  # third-party modules only these parts may import
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> list[tuple[str, int, bool]]:
+    """(imported module, line, inside a function?) for every import in ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out = []
+
+    def visit(node, in_func):
+        for child in ast.iter_child_nodes(node):
+            func = in_func or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                out.extend((a.name, child.lineno, in_func) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")
+                    base = base[:len(base) - (child.level - 1)]
+                    target = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    target = child.module or ""
+                if child.module is None:
+                    # "from . import a, b": a name is a submodule, or an attribute of the package
+                    for a in child.names:
+                        sub = ROOT.parent.joinpath(*target.split("."), a.name)
+                        is_module = sub.is_dir() or sub.with_suffix(".py").exists()
+                        out.append((f"{target}.{a.name}" if is_module else target, child.lineno, in_func))
+                else:
+                    out.append((target, child.lineno, in_func))
+            visit(child, func)
+    visit(tree, False)
+    return out
+
+
+def part(module: str) -> str | None:
+    """The top-level part of pilab a module belongs to ("pilab.cli.train" -> "cli")."""
+    bits = module.split(".")
+    if bits[0] != "pilab":
+        return None
+    return bits[1] if len(bits) > 1 else "__init__"
+
+
+def check() -> tuple[list[str], dict, int]:
+    problems, graph, local_imports = [], {}, 0
+    for path in sorted(ROOT.rglob("*.py")):
+        me = module_name(path)
+        mine = part(me) if me != "pilab" else "__init__"
+        if path.name == "__main__.py":
+            mine = "__main__"
+        if mine not in LAYERS:
+            problems.append(f"{me}: not in the layer table of scripts/check_imports.py; add it")
+            continue
+        for target, line, in_func in imports_of(path):
+            local_imports += in_func and target.startswith("pilab")
+            top = target.split(".")[0]
+            if top in FRONT_END_ONLY and mine not in FRONT_END_ONLY[top]:
+                problems.append(f"{me}:{line} imports {top}, which only {sorted(FRONT_END_ONLY[top])} may")
+            theirs = part(target)
+            if theirs is None or theirs == mine or theirs == "__init__":
+                continue
+            if theirs not in LAYERS:
+                problems.append(f"{me}:{line} imports unknown part {target}")
+                continue
+            graph.setdefault(mine, set()).add(theirs)
+            if theirs == "cli" and mine != "__main__":
+                problems.append(f"{me}:{line} imports the CLI ({target}); only the CLI itself may")
+            elif LAYERS[theirs] >= LAYERS[mine]:
+                problems.append(f"{me}:{line} imports {target}: layer {LAYERS[theirs]} from layer "
+                                f"{LAYERS[mine]} (imports must point down)")
+    problems += [f"import circle: {' -> '.join(c)}" for c in cycles(graph)]
+    return problems, graph, local_imports
+
+
+def cycles(graph: dict) -> list[list[str]]:
+    """Every elementary circle found by depth-first search (the graph is small)."""
+    found, seen = [], set()
+
+    def dfs(node, stack):
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in stack:
+                c = stack[stack.index(nxt):] + [nxt]
+                key = frozenset(c)
+                if key not in seen:
+                    seen.add(key)
+                    found.append(c)
+            elif len(stack) < 20:
+                dfs(nxt, stack + [nxt])
+    for n in sorted(graph):
+        dfs(n, [n])
+    return found
+
+
+def stats(top: int = 10) -> None:
+    rows, funcs = [], []
+    for path in sorted(ROOT.rglob("*.py")):
+        text = path.read_text()
+        rows.append((len(text.splitlines()), str(path.relative_to(ROOT.parent))))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                funcs.append((node.end_lineno - node.lineno + 1, f"{path.relative_to(ROOT.parent)}:"
+                              f"{node.lineno} {node.name}"))
+    for n, name in rows:
+        print(f"{n:6d}  {name}")
+    print(f"\nthe {top} longest functions:")
+    for n, name in sorted(funcs, reverse=True)[:top]:
+        print(f"{n:6d}  {name}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stats", action="store_true", help="also lines per module, longest functions")
+    args = ap.parse_args()
+    problems, graph, local = check()
+    for mod in sorted(graph, key=lambda m: LAYERS[m]):
+        print(f"{mod:<10} -> {', '.join(sorted(graph[mod], key=lambda m: -LAYERS[m]))}")
+    print(f"function-local imports of pilab modules: {local}")
+    if args.stats:
+        stats()
+    for p in problems:
+        print("PROBLEM:", p, file=sys.stderr)
+    print("ok: imports point down, no circles" if not problems else f"{len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
