@@ -24,8 +24,8 @@ setup() {
         say "creating virtual environment $venv"
         python3 -m venv "$venv" || { say "python3 -m venv failed; on Debian install python3-venv"; exit 1; }
     fi
-    extras=test
-    [ "${PILAB_SYSTEM_MPI:-0}" = 1 ] || extras=test,mpich
+    extras=test,snn
+    [ "${PILAB_SYSTEM_MPI:-0}" = 1 ] || extras=test,mpich,snn
     # Re-install only when what we install changed.
     want=$(cat pyproject.toml lab.sh | sha256sum | cut -c1-16)-$extras-$torch_spec
     stamp=$venv/.pilab-stamp

@@ -34,14 +34,16 @@ CHOICES = {
     "bn_buffers": ("broadcast", "average"),
     "compression": ("none", "fp16"),
     "device": ("cpu", "cuda", "auto"),
+    "simulate_mode": ("exact", "fast"),
 }
 
 
 @dataclass(frozen=True)
 class Config:
     # --- model ---
-    model: str = "mobilenetv2_cifar"  # registry name: mobilenetv2_cifar | mobilenetv2 | squeezenet1_1
-    width: float = 1.0  # width multiplier, 0.25..1.4 (MobileNetV2 only; SqueezeNet accepts 1.0)
+    model: str = "mobilenetv2_cifar"  # mobilenetv2_cifar | mobilenetv2 | squeezenet1_1 | spiking_cnn
+    width: float = 1.0  # width multiplier, 0.25..1.4 (MobileNetV2), 0.25..2 (spiking_cnn); SqueezeNet 1.0
+    timesteps: int = 4  # spiking models: time steps each image is presented for (>= 1); others ignore it
     # --- data ---
     data: str = "embedded"  # "embedded" (shipped subset) | "cifar10" (cached full set) | a path
     train_subset: int = 0  # class-stratified training images to use; 0 = all
@@ -76,8 +78,10 @@ class Config:
     seed: int = 0  # all randomness derives from (seed, epoch, step, rank)
     threads: int = 0  # torch threads per rank; 0 = cores per node / ranks per node
     device: str = "cpu"  # cpu | cuda | auto
+    simulate_mode: str = "exact"  # simulator only: exact (one forward per virtual rank, MPI's arithmetic) | fast (one forward of the global batch, per-rank BN vectorised; see docs/simulator.md)
     eval_every: int = 1  # evaluate on the test set every N epochs (and always after the last)
     checkpoint_every: int = 0  # write a checkpoint every K epochs; 0 = never
+    keep: int = 1  # checkpoints kept: the last K (checkpoint-eNNNN.pt; checkpoint.pt is the newest)
     out: str = ""  # directory for result.json and checkpoints; "" = write nothing
     resume: str = ""  # checkpoint file to resume from
 
@@ -109,7 +113,9 @@ class Config:
             check_width(self.model, self.width)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        positive = ("epochs", "batch_size", "lr_ref_batch", "eval_every")
+        if self.timesteps < 1:
+            raise ConfigError(f"timesteps={self.timesteps} must be >= 1")
+        positive = ("epochs", "batch_size", "lr_ref_batch", "eval_every", "keep")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")

@@ -223,6 +223,8 @@ class StepComm:
     first_post: float = 0.0  # perf_counter() when the first bucket was posted
     backward_end: float = 0.0  # perf_counter() when finish() was called
     posts: list = field(default_factory=list)  # perf_counter() of each post, in bucket order
+    ready: float = 0.0  # perf_counter() when this rank's last bucket went out (its gradients were all in)
+    tests: int = 0  # Testall calls made from the gradient hooks this step
 
 
 class _Bucket:
@@ -233,6 +235,17 @@ class _Bucket:
         self.wire = torch.zeros(self.numel, dtype=torch.float16) if fp16 else self.flat
         self.pending = 0
         self.request = None
+        self.views: list = []  # per parameter: its slot of `flat` with the parameter's strides, or None
+
+
+def _dense(p: torch.Tensor) -> bool:
+    """True if ``p`` covers its numel elements without gaps (so a slot of a flat buffer can hold it)."""
+    return p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last))
+
+
+WAITS = ("sleep", "spin")  # how finish() waits: Testall, then Testall + short naps; or MPI's busy Waitall
+SPIN_S = 2e-3  # wait="sleep" polls without napping this long first: a transfer in flight finishes at full speed
+SLEEP_S = 50e-6  # then one nap between Testall calls (Linux timer slack adds ~50 us)
 
 
 class GradSync:
@@ -240,26 +253,50 @@ class GradSync:
     the gradient hooks as soon as it is full, so communication overlaps the rest of backward
     (Horovod's fusion buffer, DDP's buckets).
 
-    MPICH progresses a non-blocking collective only inside MPI calls, so every hook also calls
-    ``Testall`` on the outstanding requests (``poll=True``); ``MPIR_CVAR_ASYNC_PROGRESS=1`` is the
-    alternative, measured in ``benchmarks/bench_comm.py``.
+    Gradients are *views into the buckets* (``views=True``, DDP's ``gradient_as_bucket_view``): backward
+    accumulates straight into the fusion buffer and the averaged result lands in ``p.grad`` in place —
+    no copy in, no copy out. A gradient that someone replaced (``zero_grad(set_to_none=True)``) is copied
+    in once and re-pointed at its slot.
+
+    MPICH progresses a non-blocking collective only inside MPI calls, so the hooks call ``Testall`` on
+    the outstanding requests: every ``poll_every``-th gradient and at every post (``poll=False``: never;
+    ``MPIR_CVAR_ASYNC_PROGRESS=1`` is the alternative, measured in ``benchmarks/bench_comm.py``).
+
+    ``finish()`` polls with Testall for ``SPIN_S`` and then naps between polls (``wait="sleep"``), instead
+    of MPI's busy ``Waitall`` (``wait="spin"``): on a machine with more runnable processes than cores a
+    rank spinning while it waits for a straggler takes CPU from that rank, and the time shows up as the
+    straggler's *compute*.
+
+    ``meta`` float64 slots ride with the last bucket (their own tiny Iallreduce, posted the moment the
+    last bucket is, completed by the same wait): the caller writes per-step metrics into
+    ``sync.meta[:meta]`` before backward; after ``finish()`` they hold the sums over ranks, and
+    ``sync.meta[meta + r]`` holds rank r's ready time (its last post, seconds after ``begin(t0)``).
+    So the step needs no second collective — and no second point where ranks wait for each other.
 
     With ``compression="fp16"`` each bucket is divided by the world size *before* the cast (so the
     sum of np halves cannot overflow) and sent as half precision: half the bytes.
 
-        sync = GradSync(model, comm, bucket_mb=1.0)
+        sync = GradSync(model, comm, bucket_mb=1.0, meta=2)
         for x, y in batches:
             opt.zero_grad(set_to_none=False)
-            loss_fn(model(x), y).backward()
-            stats = sync.finish()      # StepComm: total and exposed seconds
+            sync.begin(time.perf_counter())
+            loss = loss_fn(model(x), y)
+            sync.meta[:2] = [loss.item(), len(y)]
+            loss.backward()
+            stats = sync.finish()      # StepComm: total and exposed seconds; sync.meta: the sums
             opt.step()
     """
 
     def __init__(self, model: nn.Module, comm, *, bucket_mb: float = 1.0,
-                 compression: str = "none", poll: bool = True):
+                 compression: str = "none", poll: bool = True, poll_every: int = 8,
+                 views: bool = True, wait: str = "sleep", meta: int = 0):
+        if wait not in WAITS:
+            raise ValueError(f"wait={wait!r}; use one of {', '.join(WAITS)}")
+        if poll_every < 1:
+            raise ValueError(f"poll_every={poll_every} must be >= 1")
         self.comm = comm
         self.rank, self.size = world(comm)
-        self.poll = poll
+        self.poll, self.poll_every, self.wait = poll, poll_every, wait
         self.fp16 = compression == "fp16"
         self.half_type = _fp16_type() if self.fp16 else None
         if self.fp16 and self.size > 1 and self.half_type is None:
@@ -276,11 +313,34 @@ class GradSync:
         for i, b in enumerate(self.buckets):
             for p in b.params:
                 self._where[id(p)] = i
+        self.n_meta = meta
+        self.meta = np.zeros(meta + self.size, dtype=np.float64)
+        self._meta_request = None
+        self._t0 = 0.0
         self._hooks = []
+        self.views = views and self.size > 1
         if self.size > 1:
+            for b in self.buckets:
+                b.views = self._make_views(b) if self.views else [None] * len(b.params)
             for p in params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._reset()
+
+    @staticmethod
+    def _make_views(b: _Bucket) -> list:
+        out, offset = [], 0
+        with torch.no_grad():
+            for p in b.params:
+                n = p.numel()
+                view = None
+                if _dense(p) and p.device.type == "cpu" and p.dtype == torch.float32:
+                    view = b.flat.as_strided(p.shape, p.stride(), offset)
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                    p.grad = view
+                out.append(view)
+                offset += n
+        return out
 
     # -- per step --------------------------------------------------------------------------
     def _reset(self):
@@ -289,30 +349,50 @@ class GradSync:
             b.request = None
         self._next = 0  # buckets are posted strictly in index order: same collective order on all ranks
         self._ready = [False] * len(self.buckets)
+        self._inflight: list = []
+        self._meta_request = None
+        self._hooked = 0
         self.stats = StepComm()
+
+    def begin(self, t0: float) -> None:
+        """The step's start (``time.perf_counter()``): ready times in ``meta`` are counted from it."""
+        self._t0 = t0
 
     def _on_grad(self, p):
         i = self._where[id(p)]
         b = self.buckets[i]
         b.pending -= 1
+        self._hooked += 1
         if b.pending == 0:
             self._ready[i] = True
             self._post_ready()
-        elif self.poll:
+        elif self.poll and self._hooked % self.poll_every == 0:
             self._test()
 
     def _post_ready(self):
+        posted = False
         while self._next < len(self.buckets) and self._ready[self._next]:
             self._post(self.buckets[self._next])
             self._next += 1
+            posted = True
+        if posted and self._next == len(self.buckets):
+            self._post_meta()
         if self.poll:
             self._test()
 
     def _post(self, b: _Bucket):
         offset = 0
-        for p in b.params:
+        for p, view in zip(b.params, b.views):
             n = p.numel()
-            if p.grad is None:
+            if view is not None:
+                g = p.grad
+                if g is None or g.data_ptr() != view.data_ptr():  # replaced or dropped: back into its slot
+                    if g is None:
+                        view.zero_()
+                    else:
+                        view.copy_(g)
+                    p.grad = view
+            elif p.grad is None:
                 b.flat[offset:offset + n].zero_()
             else:
                 b.flat[offset:offset + n].copy_(p.grad.reshape(-1))
@@ -329,16 +409,43 @@ class GradSync:
         self.stats.posts.append(now)
         self.stats.bytes_sent += b.wire.numel() * b.wire.element_size()
         b.request = self.comm.Iallreduce(MPI.IN_PLACE, msg, op=MPI.SUM)
+        self._inflight.append(b.request)
+
+    def _post_meta(self):
+        now = time.perf_counter()
+        self.stats.ready = now
+        self.meta[self.n_meta:] = 0.0
+        self.meta[self.n_meta + self.rank] = now - self._t0
+        self._meta_request = self.comm.Iallreduce(MPI.IN_PLACE, self.meta, op=MPI.SUM)
+        self._inflight.append(self._meta_request)
 
     def _test(self):
-        reqs = [b.request for b in self.buckets[:self._next] if b.request is not None]
-        if reqs:
-            MPI.Request.Testall(reqs)
+        if self._inflight:
+            self.stats.tests += 1
+            if MPI.Request.Testall(self._inflight):
+                self._inflight = []
+
+    def _wait(self):
+        reqs = [b.request for b in self.buckets] + [self._meta_request]
+        if self.wait == "spin":
+            MPI.Request.Waitall(reqs)
+            return
+        # MPICH moves a shared-memory Allreduce only inside MPI calls, so napping between calls slows a
+        # transfer in flight (measured: 0.28x the raw bandwidth with naps alone). Poll busily for SPIN_S,
+        # then nap: a long wait is a slower rank still computing, and a nap leaves it the CPU.
+        spin_until = time.perf_counter() + SPIN_S
+        while not MPI.Request.Testall(reqs):
+            if time.perf_counter() > spin_until:
+                time.sleep(SLEEP_S)
 
     def finish(self) -> StepComm:
-        """Call after ``backward()``: posts what is left, waits, writes averaged grads to ``p.grad``."""
+        """Call after ``backward()``: posts what is left, waits, leaves averaged grads in ``p.grad``
+        (and the summed ``meta``)."""
         stats = self.stats
         if self.size == 1:
+            stats.ready = time.perf_counter()
+            if self.n_meta < len(self.meta):
+                self.meta[self.n_meta] = stats.ready - self._t0
             self._reset()
             return stats
         t_end = time.perf_counter()
@@ -347,16 +454,19 @@ class GradSync:
         for i in range(len(self.buckets)):
             self._ready[i] = True
         self._post_ready()
-        MPI.Request.Waitall([b.request for b in self.buckets])
+        if self._meta_request is None:  # no buckets at all (nothing trainable): the metrics still travel
+            self._post_meta()
+        self._wait()
         for b in self.buckets:
             if self.fp16:
                 b.flat.copy_(b.wire)
             offset = 0
-            for p in b.params:
+            for p, view in zip(b.params, b.views):
                 n = p.numel()
-                if p.grad is None:
-                    p.grad = torch.empty_like(p)
-                p.grad.copy_(b.flat[offset:offset + n].view_as(p.grad))
+                if view is None:  # not a view (views=False, or a layout a flat slot cannot hold)
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)
+                    p.grad.copy_(b.flat[offset:offset + n].view_as(p.grad))
                 offset += n
         done = time.perf_counter()
         stats.exposed = done - t_end

@@ -3,7 +3,7 @@
 ``train(cfg, ranks)`` runs synchronous data-parallel SGD over a *rank backend*:
 
 * ``MPIRanks(comm)`` — this process is one rank of an MPI job (or the only process, ``comm=None``):
-  gradients averaged by ``GradSync``, metrics and the stop vote in one small Allreduce per step,
+  gradients averaged by ``GradSync``, metrics and the stop vote riding with its last bucket,
   BatchNorm buffers settled by ``dist.sync_buffers_``, checkpoints and resume;
 * ``VirtualRanks(np_)`` — the simulator: np ranks emulated in this process, each rank's sub-batch
   through its own forward (ghost BatchNorm per virtual rank, dropout per rank seed), gradients
@@ -36,12 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import __version__
+from . import __version__, checkpoint
 from . import data as data_mod
+from .checkpoint import RESUMABLE, CheckpointError, WriteError  # noqa: F401  (RESUMABLE: re-exported)
 from .config import Config, ConfigError
 from .dist import (GradSync, broadcast_module_, broadcast_optimizer_state_, gather_floats, reduce_sums,
                    sync_buffers_, world)
-from .files import atomic_write, save_json
+from .files import save_json
 from .layers import (RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_,
                      use_ghost_batchnorm, use_rank_dropout)
 from .models import build_model
@@ -52,10 +53,14 @@ __all__ = ["train", "Session", "MPIRanks", "VirtualRanks", "StepResult", "load_d
 
 NUM_CLASSES = 10
 EVAL_BATCH = 500
-STEP_KEYS = ("loss", "lr", "time", "compute", "comm", "comm_exposed", "data")
-TIME_KEYS = ("compute", "comm", "comm_exposed", "data")
-# Settings that may differ between a run and its resumption (they don't change the computation).
-RESUMABLE = ("out", "resume", "checkpoint_every", "max_steps", "eval_every", "threads")
+# comm_wait is the part of comm_exposed spent waiting for a slower rank to reach the gradient Allreduce
+# (a straggler); comm_exposed - comm_wait is what the network itself cost (see MPIRanks.step).
+STEP_KEYS = ("loss", "lr", "time", "compute", "comm", "comm_exposed", "data", "comm_wait")
+TIME_KEYS = ("compute", "comm", "comm_exposed", "data", "comm_wait")
+FAST_CHUNK_IMAGES = 512  # simulate_mode=fast: images per forward (memory stays bounded at any np)
+_META = ("loss_sum", "correct", "stop_votes")  # what MPIRanks.step sums over ranks with the last bucket
+# A run stopped early evaluates only if that is cheap: at most one evaluation batch per rank.
+EVAL_ON_STOP_MAX = EVAL_BATCH
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,7 +99,7 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
     """The model with identical initial weights on every rank (seeded; broadcast later anyway);
     ghost BatchNorm when ``cfg.ghost_batch`` or ``ranks`` > 1 (virtual ranks) asks for it."""
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width)
+    model = build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width, timesteps=cfg.timesteps)
     if cfg.ghost_batch or ranks > 1 or context is not None:
         use_ghost_batchnorm(model, ranks=ranks, ghost_batch=cfg.ghost_batch, context=context)
     if context is not None:
@@ -161,6 +166,8 @@ class StepResult:
     comm_exposed: float  # communication waited for
     data: float  # building the batch (indexing + augmentation)
     bytes_sent: int = 0
+    # of comm_exposed: waiting for the slowest rank to finish its backward (the rest is network time)
+    comm_wait: float = 0.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,10 +217,15 @@ class MPIRanks:
         """Every rank starts identical: rank 0's parameters, buffers and optimizer state."""
         broadcast_module_(model, self.comm)
         broadcast_optimizer_state_(optimizer, self.comm)
-        self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, compression=cfg.compression)
+        # meta: [loss sum, correct, stop votes] ride with the last gradient bucket (plus every rank's
+        # ready time, which GradSync adds), so a step has one synchronisation point, not two.
+        self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, compression=cfg.compression,
+                              meta=len(_META))
 
     def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None) -> StepResult:
+        sync = self.gsync
         t0 = time.perf_counter()
+        sync.begin(t0)
         x, y = self.loader.batch(epoch, step)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         t1 = time.perf_counter()
@@ -221,23 +233,32 @@ class MPIRanks:
         optimizer.zero_grad(set_to_none=False)
         out = model(x)
         loss = F.cross_entropy(out, y)
+        # The step's metrics and the stop vote are known once the forward is done; they ride with the
+        # last gradient bucket (GradSync's meta), so the step synchronises the ranks once, not twice.
+        # On CPU reading them here costs nothing; the stop is polled before backward, and still takes
+        # effect after this step on every rank.
+        want_stop = bool(stop()) if stop is not None else False
+        with torch.no_grad():
+            correct = (out.argmax(1) == y).sum()
+        sync.meta[:len(_META)] = (loss.item() * self.batch, correct.item(), want_stop)
         loss.backward()
-        cstats = self.gsync.finish()
+        cstats = sync.finish()
         optimizer.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
-        want_stop = bool(stop()) if stop is not None else False  # polled after the work of the step
-        correct = (out.argmax(1) == y).sum().item()
-        t3 = time.perf_counter()
-        # One small Allreduce per step carries the metrics and the stop vote together.
-        loss_sum, correct_sum, votes = map(float, reduce_sums(
-            [loss.item() * self.batch, correct, want_stop], self.comm))
-        t4 = time.perf_counter()
-        return StepResult(loss_sum, correct_sum, votes, time=t4 - t0,
-                          compute=(t2 - t1) - cstats.exposed, comm=cstats.total + (t4 - t3),
-                          comm_exposed=cstats.exposed + (t4 - t3), data=t1 - t0,
-                          bytes_sent=cstats.bytes_sent)
+        sums = sync.meta
+        loss_sum, correct_sum, votes = map(float, sums[:len(_META)])
+        # Every step starts together (right after the previous step's exchange), so a rank whose last
+        # gradient was ready `max(ready) - ready` before the slowest rank's waited that long for it;
+        # the rest of the exposed time is the network's.
+        ready = sums[len(_META):]
+        wait = min(cstats.exposed, max(0.0, float(ready.max() - ready[self.rank]))) if self.np_ > 1 else 0.0
+        # compute: forward + backward + optimizer, the time spent waiting in finish() taken out
+        return StepResult(loss_sum, correct_sum, votes, time=t2 - t0,
+                          compute=(t2 - t1) - cstats.exposed, comm=cstats.total,
+                          comm_exposed=cstats.exposed, data=t1 - t0,
+                          bytes_sent=cstats.bytes_sent, comm_wait=wait)
 
     def settle(self, model, policy: str) -> None:
         """All ranks must evaluate (and checkpoint) the same model: settle BN statistics first."""
@@ -268,10 +289,14 @@ class VirtualRanks:
     rank = 0
     comm = None
 
-    def __init__(self, np_: int, ranks_per_chunk: int = 0):
+    def __init__(self, np_: int, ranks_per_chunk: int = 0, *, defer_metrics: bool = False):
         if np_ < 1:
             raise ConfigError(f"np={np_} must be >= 1")
         self.np_, self.ranks_per_chunk = np_, ranks_per_chunk
+        # defer_metrics: step() returns loss_sum and correct as 0-d device tensors and never waits for
+        # the device (no .item(), no synchronize), so a GPU runs ahead of the host; the caller reads
+        # them at the epoch's end (scripts/gpu_check.py). engine.train() needs floats: leave it False.
+        self.defer_metrics = defer_metrics
 
     def threads(self, cfg: Config) -> int:
         return cfg.threads or usable_cores()
@@ -291,15 +316,23 @@ class VirtualRanks:
 
     def build(self, cfg: Config, device, ds, batch: int) -> nn.Module:
         np_ = self.np_
+        # On a GPU the images live and are augmented there (no per-step host-to-device copy).
         self.loaders = [data_mod.ShardLoader(ds, np_, r, batch, seed=cfg.seed, policy=cfg.sharding,
-                                             augment=cfg.augment) for r in range(np_)]
+                                             augment=cfg.augment,
+                                             device=device if device.type == "cuda" else None)
+                        for r in range(np_)]
         self.steps_per_epoch = self.loaders[0].steps_per_epoch
         self.batch, self.device = batch, device
         # One rank per forward on CPU reproduces an MPI rank's arithmetic exactly (same conv kernels on
         # the same batch). Several ranks per forward are faster on a GPU but sum weight gradients in
         # another order, and BatchNorm's shift invariance amplifies that float noise (~1e-3 after a step).
-        self.chunk = self.ranks_per_chunk or (max(1, min(np_, 256 // batch)) if device.type == "cuda" else 1)
+        # simulate_mode=fast: several ranks per forward everywhere (up to FAST_CHUNK_IMAGES images), and
+        # ghost BN vectorised over the ranks' groups; docs/simulator.md gives its measured deviation.
+        fast = cfg.simulate_mode == "fast"
+        auto = max(1, min(np_, (FAST_CHUNK_IMAGES if fast else 256) // batch))
+        self.chunk = self.ranks_per_chunk or (auto if fast or device.type == "cuda" else 1)
         self.context = RankContext(cfg.seed)
+        self.context.vectorised = fast
         return base_model(cfg, device, ranks=np_, context=self.context)
 
     def start(self, cfg: Config, model: nn.Module, optimizer) -> None:
@@ -311,16 +344,18 @@ class VirtualRanks:
     def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None) -> StepResult:
         np_, b, device = self.np_, self.batch, self.device
         t0 = time.perf_counter()
-        t_data = loss_sum = correct = 0.0
-        for a in self.avg:
-            a.zero_()
+        t_data = 0.0
+        loss_sum = correct = 0  # python numbers, or 0-d device tensors with defer_metrics
+        one_chunk = self.chunk >= np_  # the chunk's mean gradient is the average: nothing to accumulate
+        if not one_chunk:
+            torch._foreach_zero_(self.avg)
         self.context.epoch, self.context.step = epoch, step
         for r0 in range(0, np_, self.chunk):
             r1 = min(np_, r0 + self.chunk)
             td = time.perf_counter()
             parts = [self.loaders[r].batch(epoch, step) for r in range(r0, r1)]
-            x = torch.cat([p[0] for p in parts]).to(device, non_blocking=True)
-            y = torch.cat([p[1] for p in parts]).to(device, non_blocking=True)
+            x = (parts[0][0] if r1 - r0 == 1 else torch.cat([p[0] for p in parts])).to(device, non_blocking=True)
+            y = (parts[0][1] if r1 - r0 == 1 else torch.cat([p[1] for p in parts])).to(device, non_blocking=True)
             x = x.contiguous(memory_format=torch.channels_last)
             t_data += time.perf_counter() - td
             self.context.ranks = (r0, r1)
@@ -331,16 +366,22 @@ class VirtualRanks:
                 loss = F.cross_entropy(out.float(), y)
             optimizer.zero_grad(set_to_none=False)
             loss.backward()  # the mean loss over these ranks' images (one rank: exactly its loss)
+            if not one_chunk:
+                grads = [p.grad for p in self.params]
+                # as MPI sums them: each rank's gradient divided by np, added in rank order
+                torch._foreach_add_(self.avg, torch._foreach_div(grads, np_) if r1 - r0 == 1
+                                    else torch._foreach_mul(grads, (r1 - r0) / np_))
             with torch.no_grad():
-                for a, p in zip(self.avg, self.params):
-                    a.add_(p.grad / np_ if r1 - r0 == 1 else p.grad * ((r1 - r0) / np_))
-            loss_sum += loss.item() * b * (r1 - r0)
-            correct += (out.argmax(1) == y).sum().item()
-        with torch.no_grad():
-            for a, p in zip(self.avg, self.params):
-                p.grad.copy_(a)
+                if self.defer_metrics:
+                    loss_sum = loss_sum + loss.detach() * (b * (r1 - r0))
+                    correct = correct + (out.argmax(1) == y).sum()
+                else:
+                    loss_sum += loss.item() * b * (r1 - r0)
+                    correct += (out.argmax(1) == y).sum().item()
+        if not one_chunk:
+            torch._foreach_copy_([p.grad for p in self.params], self.avg)
         optimizer.step()
-        if device.type == "cuda":
+        if device.type == "cuda" and not self.defer_metrics:
             torch.cuda.synchronize()
         total = time.perf_counter() - t0
         want_stop = bool(stop()) if stop is not None else False
@@ -393,8 +434,8 @@ class Session:
         self.warmup_steps = round(cfg.warmup_epochs * spe)
         self.peak_lr = cfg.peak_lr(self.np_)
         self.optimizer = build_optimizer(self.model, cfg, self.peak_lr)
-        self.start_epoch, self.history = (_load_checkpoint(cfg, ranks.comm, self.model, self.optimizer)
-                                          if cfg.resume else (0, []))
+        self.start_epoch, self.history = (
+            _load_checkpoint(cfg, ranks.comm, self.np_, self.model, self.optimizer) if cfg.resume else (0, []))
         ranks.start(cfg, self.model, self.optimizer)
 
     def lr(self, global_step: int) -> float:
@@ -409,31 +450,31 @@ class Session:
         set_lr(self.optimizer, lr)
         return self.ranks.step(self.cfg, self.model, self.optimizer, epoch, step, stop), lr
 
-    def save_checkpoint(self, epoch: int, global_step: int, history: list) -> None:
+    def save_checkpoint(self, epoch: int, global_step: int, history: list) -> str:
+        """``<out>/checkpoint-eNNNN.pt`` (+ ``checkpoint.pt``), checksummed (see ``pilab.checkpoint``);
+        raises ``WriteError`` with the earlier checkpoints intact."""
         ck = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-              "epoch": epoch, "step": global_step, "config": self.cfg.to_dict(), "history": history}
-        atomic_write(os.path.join(self.cfg.out, "checkpoint.pt"), lambda p: torch.save(ck, p))
+              "epoch": epoch, "step": global_step, "np": self.np_, "config": self.cfg.to_dict(),
+              "history": history, "pilab_version": __version__}
+        return checkpoint.save(self.cfg.out, ck, keep=self.cfg.keep)
 
 
-def _load_checkpoint(cfg: Config, comm, model, optimizer) -> tuple[int, list]:
-    rank, _ = world(comm)
-    ck = None
+def _load_checkpoint(cfg: Config, comm, np_: int, model, optimizer) -> tuple[int, list]:
+    """Rank 0 reads and verifies ``cfg.resume`` (checksum, settings, np); every rank gets the epoch
+    and history, or the same CheckpointError (never one rank failing while the others wait)."""
+    rank, size = world(comm)
+    meta = error = None
     if rank == 0:
-        if not os.path.exists(cfg.resume):
-            raise ConfigError(f"resume={cfg.resume!r} does not exist; give a checkpoint.pt path")
-        ck = torch.load(cfg.resume, map_location="cpu", weights_only=False)
-        saved = Config.from_dict(ck["config"])
-        mine = {k: v for k, v in cfg.to_dict().items() if k not in RESUMABLE}
-        theirs = {k: v for k, v in saved.to_dict().items() if k not in RESUMABLE}
-        diff = sorted(k for k in mine if mine[k] != theirs[k])
-        if diff:
-            raise ConfigError(f"checkpoint was made with different {', '.join(diff)}; "
-                              "resume with the same settings")
-        model.load_state_dict(ck["model"])
-        optimizer.load_state_dict(ck["optimizer"])
-    meta = (ck["epoch"], ck["history"]) if rank == 0 else None
-    if comm is not None and comm.Get_size() > 1:
-        meta = comm.bcast(meta, root=0)
+        try:
+            ck = checkpoint.load(cfg.resume, cfg, np_)
+            checkpoint.apply(ck, model, optimizer, cfg.resume)
+            meta = (int(ck["epoch"]), list(ck["history"]))
+        except CheckpointError as e:
+            error = str(e)
+    if size > 1:
+        meta, error = comm.bcast((meta, error), root=0)
+    if error:
+        raise CheckpointError(error)
     return meta
 
 
@@ -459,7 +500,13 @@ class _Epoch:
 
 def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None) -> tuple[dict, nn.Module]:
     """Train ``cfg`` on ``ranks`` (``MPIRanks(comm)`` or ``VirtualRanks(np_)``); returns the result (on
-    every rank; rank 0 writes ``<out>/result.json``) and the trained model."""
+    every rank; rank 0 writes ``<out>/result.json``) and the trained model.
+
+    A stop (``stop()`` true on any rank) ends every rank after the same step; the partial epoch is
+    evaluated only if cheap (at most one evaluation batch per rank; else ``test_skipped``), and the
+    result says ``stopped_early``, ``stop_reason``, ``epochs_done`` and ``steps_done``. A checkpoint
+    that cannot be written stops the run the same way after that epoch (the earlier checkpoints stay).
+    A result.json that cannot be written is reported in the returned result's ``write_error``."""
     t_wall = time.perf_counter()
     s = Session(cfg, ranks, data=data)
     spe, images_per_step = s.steps_per_epoch, s.batch * s.np_
@@ -474,12 +521,14 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None) -> tuple[di
           **({"simulated": True} if ranks.simulated else {})})
     steps_log = {k: [] for k in STEP_KEYS}
     epochs_log = list(s.history)
-    bytes_per_step, stopped, gstep = 0, False, s.start_epoch * spe
+    bytes_per_step, stopped, stop_reason, write_error, gstep = 0, False, None, None, s.start_epoch * spe
     s.model.train()
+    run_started_at = time.time()  # wall clock (and epoch_started_at): joins a power meter's log
     for epoch in range(s.start_epoch, cfg.epochs):
         if gstep >= s.total_steps:
             break
         acc, t_epoch = _Epoch(), time.perf_counter()
+        epoch_started_at = time.time()
         for step in range(spe):
             if gstep >= s.total_steps:
                 break
@@ -488,7 +537,7 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None) -> tuple[di
             bytes_per_step = st.bytes_sent
             mean_loss = st.loss_sum / images_per_step
             for k, v in zip(STEP_KEYS, (mean_loss, lr, st.time, st.compute, st.comm, st.comm_exposed,
-                                        st.data)):
+                                        st.data, st.comm_wait)):
                 steps_log[k].append(v)
             gstep += 1
             emit({"kind": "step", "epoch": epoch + 1, "step": step + 1, "global_step": gstep,
@@ -497,21 +546,50 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None) -> tuple[di
                   **{k: getattr(st, k) for k in TIME_KEYS}})
             if st.stop_votes > 0:
                 stopped = True
+                stop_reason = (getattr(stop, "reason", None) if s.rank == 0 else None) or \
+                    f"stop requested on {int(st.stop_votes)} of {s.np_} rank(s)"
                 break
         record, checkpoint_now = _end_epoch(s, epoch, acc, time.perf_counter() - t_epoch, steps_log,
                                             stopped, gstep)
+        record["started_at"] = epoch_started_at
         epochs_log.append(record)
         emit({"kind": "epoch", **record})
-        if checkpoint_now and cfg.out and s.rank == 0:
-            s.save_checkpoint(epoch + 1, gstep, epochs_log)
+        if checkpoint_now and cfg.out:
+            failed = _checkpoint(s, epoch + 1, gstep, epochs_log)
+            if failed:  # every rank stops here, after this full epoch
+                stopped, stop_reason, write_error = True, failed, failed
         if stopped:
             break
     ranks.close()
     result = _result(s, epochs_log, steps_log, bytes_per_step, stopped, time.perf_counter() - t_wall)
+    result["stop_reason"] = stop_reason
+    result["started_at"], result["ended_at"] = run_started_at, time.time()  # see pilab.energy
+    if write_error:
+        result["write_error"] = write_error
     if s.rank == 0 and cfg.out:
-        save_json(result, os.path.join(cfg.out, "result.json"))
+        try:
+            save_json(result, os.path.join(cfg.out, "result.json"))
+        except OSError as e:  # rank 0 alone: report it, don't fail one rank of a finished job
+            result["write_error"] = "; ".join(filter(None, [write_error, (
+                f"cannot write {os.path.join(cfg.out, 'result.json')}: {e.strerror or e} (an earlier "
+                "result.json there is intact)")]))
     emit({"kind": "end", "result": result})
     return result, s.model
+
+
+def _checkpoint(s: Session, epoch: int, gstep: int, epochs_log: list) -> str | None:
+    """Rank 0 writes the checkpoint; every rank learns whether it failed (the reason) or not (None)."""
+    failed = None
+    if s.rank == 0:
+        try:
+            s.save_checkpoint(epoch, gstep, epochs_log)
+        except WriteError as e:
+            prev = checkpoint.epoch_files(s.cfg.out)
+            failed = f"{e}; " + (f"the previous checkpoint ({os.path.basename(prev[-1][1])}) is intact"
+                                 if prev else "there is no earlier checkpoint")
+    if s.ranks.comm is not None and s.np_ > 1:
+        failed = s.ranks.comm.bcast(failed, root=0)
+    return failed
 
 
 def _end_epoch(s: Session, epoch: int, acc: _Epoch, train_time: float, steps_log: dict,
@@ -520,12 +598,17 @@ def _end_epoch(s: Session, epoch: int, acc: _Epoch, train_time: float, steps_log
     cfg = s.cfg
     last = stopped or gstep >= s.total_steps or epoch + 1 == cfg.epochs
     evaluate_now = last or (epoch + 1) % cfg.eval_every == 0
+    # Stopped early (Ctrl-C, a batch system's SIGTERM, run.stop()): evaluate only if cheap, so the
+    # ranks leave promptly. Decided from sizes alone, so every rank decides the same.
+    per_rank_test = -(-len(s.ds.y_test) // (1 if s.ranks.simulated else s.np_))
+    skip_test = stopped and per_rank_test > EVAL_ON_STOP_MAX
+    evaluate_now = evaluate_now and not skip_test
     full_epoch = acc.steps == s.steps_per_epoch
     checkpoint_now = bool(cfg.checkpoint_every) and (epoch + 1) % cfg.checkpoint_every == 0 \
         and not stopped and full_epoch
     t_eval = time.perf_counter()
     test_loss = test_acc = None
-    if evaluate_now or checkpoint_now:
+    if evaluate_now or checkpoint_now or last:  # the last model is the same on every rank
         s.ranks.settle(s.model, cfg.bn_buffers)
     if evaluate_now:
         test_loss, test_acc = s.ranks.evaluate(s.model, s.ds)
@@ -541,6 +624,9 @@ def _end_epoch(s: Session, epoch: int, acc: _Epoch, train_time: float, steps_log
         "images_per_s": acc.images / train_time if train_time > 0 else None,
         **acc.times,
     }
+    if skip_test:
+        record["test_skipped"] = (f"stopped early; evaluating {per_rank_test} test images per rank "
+                                  f"is more than the {EVAL_ON_STOP_MAX} done on a stop")
     if per_rank is not None and s.rank == 0:
         record["per_rank"] = {k: per_rank[:, i].tolist() for i, k in enumerate(TIME_KEYS)}
     return record, checkpoint_now
@@ -568,4 +654,6 @@ def _result(s: Session, epochs_log: list, steps_log: dict, bytes_per_step: int, 
         "images_per_s": images_total / train_total if train_total else None,
         "peak_mem_mb": (mem[:, 0].tolist() if mem is not None else [peak_mem_mb()]) if s.rank == 0 else None,
         "stopped_early": stopped, "resumed_from_epoch": s.start_epoch,
+        "steps_done": len(steps_log["loss"]) + s.start_epoch * s.steps_per_epoch,
+        "epochs_done": sum(1 for e in epochs_log if e["steps"] == s.steps_per_epoch),
     }

@@ -6,6 +6,7 @@
     count_parameters(build_model("mobilenetv2"))                     # 2_236_682
     train_flops_per_image("mobilenetv2_cifar")                       # FLOPs for one image, fwd + bwd
     activation_elements("mobilenetv2_cifar")                         # elements its layers write
+    synaptic_ops(build_model("spiking_cnn"), images)                 # SynOps, firing rates (spiking)
 
 Names (``MODEL_NAMES``):
 
@@ -15,6 +16,10 @@ Names (``MODEL_NAMES``):
 * ``mobilenetv2_cifar`` -- the same module tree and keys (so the same parameters), with stride 1 in the
   stem and in the second stage, so a 32x32 input ends at 4x4 before pooling.
 * ``squeezenet1_1`` -- torchvision's ``squeezenet1_1`` with a stride-1 stem so 32x32 inputs survive.
+* ``spiking_cnn`` -- a small spiking CNN (leaky integrate-and-fire neurons, surrogate gradient, direct
+  input encoding, ``timesteps`` steps per image, BatchNorm through time); needs snntorch, the optional
+  extra ``pip install 'pilab[snn]'``, imported only when it is built. ``synaptic_ops(model, x)``
+  measures its firing rates and spike-driven operations.
 
 torchvision is not imported: the layouts are written out here and pinned by tests/test_models.py.
 Initialisation draws from torch's global RNG; every rank gets rank 0's weights by broadcast anyway.
@@ -25,6 +30,7 @@ import functools
 from typing import Callable, Dict, List, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # t (expansion), c (output channels), n (blocks), s (stride of the first block), as in the paper.
@@ -39,12 +45,15 @@ _MOBILENETV2_SETTING = (
 )
 WIDTH_RANGE = (0.25, 1.4)  # MobileNetV2 width multipliers accepted (inclusive)
 
-_REGISTRY: Dict[str, Callable[[int, float], nn.Module]] = {}
+_REGISTRY: Dict[str, Callable[..., nn.Module]] = {}
+_TAKES_TIMESTEPS: set = set()  # spiking models: their builders also take ``timesteps``
 
 
-def _register(name: str):
+def _register(name: str, timesteps: bool = False):
     def deco(fn):
         _REGISTRY[name] = fn
+        if timesteps:
+            _TAKES_TIMESTEPS.add(name)
         return fn
     return deco
 
@@ -222,39 +231,200 @@ def _squeezenet1_1(num_classes: int, width: float) -> nn.Module:
     return SqueezeNet11(num_classes)
 
 
-MODEL_NAMES = tuple(_REGISTRY)  # ("mobilenetv2_cifar", "mobilenetv2", "squeezenet1_1")
+# ----------------------------------------------------------------------------------------------
+# Spiking CNN (leaky integrate-and-fire neurons from snntorch, the optional extra pilab[snn])
+# ----------------------------------------------------------------------------------------------
+DEFAULT_TIMESTEPS = 4  # time steps a spiking model runs per image unless told otherwise
+SPIKING_WIDTH_RANGE = (0.25, 2.0)  # spiking_cnn width multipliers accepted (inclusive)
+SNN_INSTALL_HINT = "pip install 'pilab[snn]'"
+
+
+def _snntorch():
+    """snntorch and its surrogate module, imported only when a spiking model is built."""
+    try:
+        import snntorch
+        from snntorch import surrogate
+    except ImportError:
+        raise ImportError(f"spiking_cnn needs snntorch, which is not installed: {SNN_INSTALL_HINT}") from None
+    return snntorch, surrogate
+
+
+def _fold_time_into_height(x: torch.Tensor, t: int) -> torch.Tensor:
+    """(B*T, C, H, W), image-major -> (B, C, T*H, W): a BatchNorm2d on it normalises each channel over
+    batch, time and space (tdBN) while dim 0 stays one row per image, so a rank's images stay its own.
+    A view when ``x`` is channels_last (what the engine feeds), a copy otherwise."""
+    bt, c, h, w = x.shape
+    return x.permute(0, 2, 3, 1).reshape(bt // t, t * h, w, c).permute(0, 3, 1, 2)
+
+
+def _unfold_time(x: torch.Tensor, t: int) -> torch.Tensor:
+    """(B, C, T*H, W) -> (B, T, C, H, W), the inverse of ``_fold_time_into_height``."""
+    b, c, th, w = x.shape
+    return x.permute(0, 2, 3, 1).reshape(b, t, th // t, w, c).permute(0, 1, 4, 2, 3)
+
+
+class LIFLayer(nn.Module):
+    """One snntorch ``Leaky`` neuron layer run over ``T`` steps of input current (B, T, C, H, W).
+
+    U[t] = beta * U[t-1] + I[t] - theta * S[t-1];  S[t] = H(U[t] - theta), with theta = 1 and an
+    arctan surrogate gradient (snntorch's default, Fang et al. 2021) standing in for dH/dU in
+    backprop through time. The membrane starts at zero on every call: state never carries from one
+    batch to the next.
+    """
+
+    def __init__(self, beta: float):
+        super().__init__()
+        snn, surrogate = _snntorch()
+        device = torch.empty(0).device  # where the model is being built (meta for FLOP counts)
+        with torch.device("cpu"):  # Leaky's constructor reads a buffer back (.item()): not on meta
+            self.neuron = snn.Leaky(beta=beta, threshold=1.0, spike_grad=surrogate.atan(),
+                                    reset_mechanism="subtract")
+        self.neuron.to(device)
+        # snntorch lists every neuron ever built (for its init_hidden=True helpers, unused here: the
+        # state is passed explicitly); leaving ours there would keep discarded models alive.
+        instances = getattr(snn.SpikingNeuron, "instances", [])
+        if self.neuron in instances:
+            instances.remove(self.neuron)
+
+    def forward(self, current: torch.Tensor) -> torch.Tensor:
+        mem = torch.zeros_like(current[:, 0])  # reset per batch
+        spikes = []
+        for t in range(current.shape[1]):
+            spk, mem = self.neuron(current[:, t], mem)
+            spikes.append(spk)
+        # Drop the state snntorch keeps on the module: it is not ours to carry, and a tensor with a
+        # graph there would make the model impossible to deepcopy.
+        self.neuron.mem = self.neuron.reset = current.new_zeros(0)
+        # Stacked as (B, T, H, W, C) in memory, so the (B*T, C, H, W) the next conv sees is a
+        # channels_last view: elementwise ops and convs on mixed layouts are 10-30x slower on a CPU.
+        return torch.stack([s.permute(0, 2, 3, 1) for s in spikes], 1).permute(0, 1, 4, 2, 3)
+
+
+class SpikingConv(nn.Module):
+    """Conv 3x3 (no bias) -> BatchNorm through time (tdBN) -> LIF, on image-major (B*T, C, H, W)."""
+
+    def __init__(self, inp: int, oup: int, timesteps: int, beta: float):
+        super().__init__()
+        self.timesteps = timesteps
+        self.conv = nn.Conv2d(inp, oup, 3, 1, 1, bias=False)
+        self.bn = nn.BatchNorm2d(oup)
+        self.lif = LIFLayer(beta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.timesteps
+        cur = _unfold_time(self.bn(_fold_time_into_height(self.conv(x), t)), t)
+        return self.lif(cur).flatten(0, 1)  # spikes, (B*T, C, H, W)
+
+
+class SpikingEncoder(SpikingConv):
+    """Direct (analog) input encoding: the first conv + BN see the image once, and its current drives
+    the first LIF layer at every step (the input is static, so T copies would normalise the same)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cur = self.bn(self.conv(x))
+        return self.lif(cur.unsqueeze(1).expand(-1, self.timesteps, -1, -1, -1)).flatten(0, 1)
+
+
+class SpikingCNN(nn.Module):
+    """A small VGG-style spiking CNN for 32x32 images, trained with backprop through time.
+
+    encoder conv(3->c) @32 -> maxpool -> conv(c->2c) @16 -> maxpool -> conv(2c->4c) @8 ->
+    conv(4c->4c) @8 -> maxpool -> global average of the spikes over space and time -> linear.
+    c = 32 x width (rounded to a multiple of 8). Every conv but the encoder sees binary spikes
+    (max-pooling spikes keeps them binary), so its work is spike-driven accumulates (``synaptic_ops``).
+    The logits are the time-averaged readout of the last layer's firing rates.
+
+    BatchNorm is tdBN (Zheng et al., AAAI 2021): statistics per channel over batch, T and space,
+    shared by all steps, one running-statistics update per batch. The time axis is folded into the
+    height of a BatchNorm2d's input, so dim 0 is still one image per row: ghost/virtual-rank BN
+    (``layers.GhostBatchNorm2d`` splits dim 0 by rank) and ``SyncBatchNorm`` work unchanged.
+    """
+
+    def __init__(self, num_classes: int = 10, width: float = 1.0, timesteps: int = DEFAULT_TIMESTEPS,
+                 beta: float = 0.5):
+        super().__init__()
+        c = _make_divisible(32 * width)
+        self.timesteps = timesteps
+        self.encoder = SpikingEncoder(3, c, timesteps, beta)
+        self.blocks = nn.Sequential(
+            nn.MaxPool2d(2),
+            SpikingConv(c, 2 * c, timesteps, beta),
+            nn.MaxPool2d(2),
+            SpikingConv(2 * c, 4 * c, timesteps, beta),
+            SpikingConv(4 * c, 4 * c, timesteps, beta),
+            nn.MaxPool2d(2),
+        )
+        self.classifier = nn.Linear(4 * c, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out")
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0, 0.01)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # channels_last throughout (the engine's layout): the time folds below are then views
+        spikes = self.blocks(self.encoder(x.contiguous(memory_format=torch.channels_last)))
+        rates = spikes.mean((2, 3)).unflatten(0, (x.shape[0], self.timesteps)).mean(1)
+        return self.classifier(rates)
+
+
+@_register("spiking_cnn", timesteps=True)
+def _spiking_cnn(num_classes: int, width: float, timesteps: int = DEFAULT_TIMESTEPS) -> nn.Module:
+    return SpikingCNN(num_classes, width, timesteps)
+
+
+MODEL_NAMES = tuple(_REGISTRY)  # ("mobilenetv2_cifar", "mobilenetv2", "squeezenet1_1", "spiking_cnn")
+SPIKING_MODELS = tuple(n for n in MODEL_NAMES if n in _TAKES_TIMESTEPS)
 
 
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
 def check_width(name: str, width: float) -> None:
-    """Raise ValueError (one line: the problem and the fix) unless ``width`` suits model ``name``."""
+    """Raise ValueError (one line: the problem and the fix) unless model ``name`` can be built here at
+    ``width``: a known name, a width it takes, and for a spiking model snntorch installed (looked up,
+    not imported)."""
     if name not in _REGISTRY:
         raise ValueError(f"model={name!r} is unknown; choose one of {', '.join(MODEL_NAMES)}")
     if isinstance(width, bool) or not isinstance(width, (int, float)):
         raise ValueError(f"width={width!r} is not a number; give a float such as 1.0")
-    if name.startswith("mobilenetv2"):
-        lo, hi = WIDTH_RANGE
+    if name.startswith("mobilenetv2") or name in _TAKES_TIMESTEPS:
+        lo, hi = WIDTH_RANGE if name.startswith("mobilenetv2") else SPIKING_WIDTH_RANGE
         if not (lo <= width <= hi):  # also refuses NaN
-            raise ValueError(f"width={width} is out of range; MobileNetV2 takes {lo}..{hi}")
+            kind = "MobileNetV2" if name.startswith("mobilenetv2") else name
+            raise ValueError(f"width={width} is out of range; {kind} takes {lo}..{hi}")
     elif width != 1.0:
         raise ValueError(f"{name} has no width multiplier; use width=1.0")
+    if name in _TAKES_TIMESTEPS:
+        import importlib.util
+
+        if importlib.util.find_spec("snntorch") is None:
+            raise ValueError(f"model={name} needs snntorch, which is not installed: {SNN_INSTALL_HINT}")
 
 
-def build_model(name: str, num_classes: int = 10, width: float = 1.0) -> nn.Module:
+def build_model(name: str, num_classes: int = 10, width: float = 1.0, *,
+                timesteps: Optional[int] = None) -> nn.Module:
     """A freshly initialised model (train mode, CPU, contiguous weights).
 
         model = build_model("mobilenetv2_cifar", num_classes=10, width=0.5)
         model = build_model("squeezenet1_1").to(memory_format=torch.channels_last)
+        model = build_model("spiking_cnn", width=0.5, timesteps=4)   # needs pilab[snn]
         logits = model(x)                  # x: float (N, 3, 32, 32), any memory format -> (N, 10)
 
-    Seed torch (``torch.manual_seed``) first for reproducible weights.
+    ``timesteps`` (default ``DEFAULT_TIMESTEPS``) is for spiking models; the others ignore it, so the
+    engine can pass ``cfg.timesteps`` for every model. Seed torch (``torch.manual_seed``) first for
+    reproducible weights.
     """
     check_width(name, width)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"num_classes={num_classes!r} must be a positive int")
-    return _REGISTRY[name](num_classes, float(width))
+    if name not in _TAKES_TIMESTEPS:
+        return _REGISTRY[name](num_classes, float(width))
+    timesteps = DEFAULT_TIMESTEPS if timesteps is None else timesteps
+    if isinstance(timesteps, bool) or not isinstance(timesteps, int) or timesteps < 1:
+        raise ValueError(f"timesteps={timesteps!r} must be an int >= 1")
+    return _REGISTRY[name](num_classes, float(width), timesteps)
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -279,22 +449,29 @@ def _hooked_forward(model: nn.Module, hooks, image_size: int) -> None:
         model.train(was_training)
 
 
+def _numel(out) -> int:
+    """Elements a layer wrote in ``_hooked_forward``'s one-image forward: all of its output (a spiking
+    layer's batch holds that image's T steps), or the first tensor of a tuple (a neuron's spikes)."""
+    return (out[0] if isinstance(out, (tuple, list)) else out).numel()
+
+
 def forward_macs(model: nn.Module, image_size: int = 32) -> int:
     """Multiply-accumulates of the conv and linear layers for one image in a forward pass.
 
-    Counts weights x output positions (grouped convs by their group width); ignores biases, BN,
-    activations, pooling and the residual adds, which are a few percent for these networks.
+    Counts weights x output positions (grouped convs by their group width), every time step of a
+    spiking model as dense work; ignores biases, BN, activations, pooling and the residual adds,
+    which are a few percent for these networks. Spike-driven work: ``synaptic_ops``.
     """
     total = 0
 
     def conv_hook(m: nn.Conv2d, inp, out):
         nonlocal total
         k = m.kernel_size[0] * m.kernel_size[1] * (m.in_channels // m.groups)
-        total += out[0].numel() * k  # out[0]: one image of the batch
+        total += _numel(out) * k  # the forward has one image
 
     def linear_hook(m: nn.Linear, inp, out):
         nonlocal total
-        total += out[0].numel() * m.in_features
+        total += _numel(out) * m.in_features
 
     _hooked_forward(model, [(m, conv_hook if isinstance(m, nn.Conv2d) else linear_hook)
                             for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))],
@@ -304,22 +481,23 @@ def forward_macs(model: nn.Module, image_size: int = 32) -> int:
 
 @functools.lru_cache(maxsize=None)
 def activation_elements(name: str, width: float = 1.0, num_classes: int = 10,
-                        image_size: int = 32) -> int:
+                        image_size: int = 32, timesteps: Optional[int] = None) -> int:
     """Elements written by every leaf layer (conv, BN, ReLU6, pooling, linear) for one image.
 
         activation_elements("mobilenetv2_cifar", width=0.5)   # used by pilab.perfmodel
 
     On a CPU the training step of these small-image networks is bound by memory traffic more than
     by FLOPs: per-image time tracks this count (x1.75 from width 0.25 to 0.5) better than the FLOPs
-    (x2.95). Built on the meta device, like ``train_flops_per_image``.
+    (x2.95). A spiking model's neurons count once per time step. Built on the meta device, like
+    ``train_flops_per_image``.
     """
     with torch.device("meta"):
-        model = build_model(name, num_classes=num_classes, width=width)
+        model = build_model(name, num_classes=num_classes, width=width, timesteps=timesteps)
     total = 0
 
     def hook(m, inp, out):
         nonlocal total
-        total += out[0].numel()
+        total += _numel(out)
 
     _hooked_forward(model, [(m, hook) for m in model.modules() if next(m.children(), None) is None],
                     image_size)
@@ -328,14 +506,100 @@ def activation_elements(name: str, width: float = 1.0, num_classes: int = 10,
 
 @functools.lru_cache(maxsize=None)
 def train_flops_per_image(name: str, width: float = 1.0, num_classes: int = 10,
-                          image_size: int = 32) -> float:
+                          image_size: int = 32, timesteps: Optional[int] = None) -> float:
     """Training FLOPs per image: 2 FLOPs per MAC, and forward + backward ~= 3x the forward.
 
         train_flops_per_image("mobilenetv2_cifar", width=0.5)   # used by pilab.perfmodel
+        train_flops_per_image("spiking_cnn", 1.0, timesteps=8)  # every step as dense work (BPTT)
 
     The model is built on the meta device: no memory, no compute, and the global RNG is untouched,
     so calling this on some ranks only cannot make their weights diverge.
     """
     with torch.device("meta"):
-        model = build_model(name, num_classes=num_classes, width=width)
+        model = build_model(name, num_classes=num_classes, width=width, timesteps=timesteps)
     return 3.0 * 2.0 * forward_macs(model, image_size)
+
+
+def synaptic_ops(model: nn.Module, x: torch.Tensor, *, train: bool = False) -> dict:
+    """Spike activity of a spiking model on a real batch ``x``, measured with hooks: firing rates
+    per neuron layer and the synaptic operations (SynOps) the spikes drive, per image.
+
+        model = build_model("spiking_cnn", width=0.5)            # or the trained model of a run
+        ops = synaptic_ops(model, images)                         # images: (N, 3, 32, 32)
+        ops["synops_per_image"], ops["firing_rates"]["blocks.1.lif"]
+        energy.neuromorphic_energy(ops)                           # joules per image, cited figures
+
+    A conv fed by spikes (every conv of a ``SpikingConv`` block; checked to be 0/1) does one
+    accumulate per (input spike, synapse it reaches):
+    counted exactly, borders included, as a convolution of the spike map with a kernel of ones, times
+    the output channels. A layer with analog input (the encoder, which sees the image, and the
+    readout on firing rates) does dense multiply-accumulates, counted as in ``forward_macs``.
+    ``dense_macs_per_image`` is what the same network costs evaluated densely, every step.
+
+    Runs without gradients in eval mode (BN running statistics), or with ``train=True`` on a copy in
+    train mode (batch statistics; the model's buffers are left as they were).
+    """
+    was_training = model.training
+    net = model
+    if train:
+        import copy
+
+        net = copy.deepcopy(model).train()
+    else:
+        model.eval()
+    names = {m: n for n, m in net.named_modules()}
+    # the convs behind a neuron layer (not the encoder's, which sees the image)
+    spike_driven = {blk.conv for blk in net.modules() if type(blk) is SpikingConv}
+    layers, fired = [], {}
+
+    def weights_hook(m, inp, out):
+        a = inp[0]
+        binary = m in spike_driven
+        if binary and not bool(((a == 0) | (a == 1)).all()):
+            raise ValueError(f"{names[m]} should see spikes (0/1) but its input is analog")
+        if isinstance(m, nn.Conv2d):
+            dense = out.numel() * m.kernel_size[0] * m.kernel_size[1] * (m.in_channels // m.groups)
+            if binary:
+                g = m.groups
+                ones = a.new_ones(g, m.in_channels // g, *m.kernel_size)
+                # per output position and group: the input spikes in its receptive field
+                reach = F.conv2d((a != 0).to(a.dtype), ones, None, m.stride, m.padding, m.dilation, g)
+                ops = float(reach.sum()) * (m.out_channels // g)
+        else:
+            dense = out.numel() * m.in_features
+            if binary:
+                ops = float((a != 0).sum()) * m.out_features
+        layers.append({"name": names[m], "kind": "synops" if binary else "macs",
+                       "ops": ops if binary else float(dense), "dense_macs": float(dense),
+                       "input_rate": float((a != 0).float().mean()) if binary else None})
+
+    def neuron_hook(m, inp, out):
+        spikes, n = fired.get(names[m], (0.0, 0))
+        fired[names[m]] = (spikes + float(out.sum()), n + out.numel())
+
+    handles = [m.register_forward_hook(weights_hook) for m in net.modules()
+               if isinstance(m, (nn.Conv2d, nn.Linear))]
+    handles += [m.register_forward_hook(neuron_hook) for m in net.modules() if isinstance(m, LIFLayer)]
+    try:
+        with torch.no_grad():
+            net(x)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    if not fired:
+        raise ValueError(f"{type(model).__name__} has no spiking neurons (LIFLayer); "
+                         "synaptic_ops is for spiking models such as spiking_cnn")
+    b = x.shape[0]
+    for layer in layers:
+        layer["ops_per_image"] = layer.pop("ops") / b
+        layer["dense_macs_per_image"] = layer.pop("dense_macs") / b
+    return {
+        "images": b, "timesteps": getattr(model, "timesteps", None), "parameters": count_parameters(model),
+        "synops_per_image": sum(layer["ops_per_image"] for layer in layers if layer["kind"] == "synops"),
+        "macs_per_image": sum(layer["ops_per_image"] for layer in layers if layer["kind"] == "macs"),
+        "dense_macs_per_image": sum(layer["dense_macs_per_image"] for layer in layers),
+        "firing_rates": {name: s / n for name, (s, n) in fired.items()},
+        "mean_firing_rate": sum(s for s, _ in fired.values()) / sum(n for _, n in fired.values()),
+        "layers": layers,
+    }

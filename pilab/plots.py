@@ -295,7 +295,12 @@ def _row_source(study: Mapping) -> ColumnDataSource:
             "comm_exposed_share", "final_train_acc", "final_test_acc", "time_per_epoch",
             "wall_time", "speedup_to_target")
     cols = {k: [r.get(k) for r in rows] for k in keys}
-    cols["ideal"] = [r["np"] / rows[0]["np"] for r in rows] if rows else []
+    p0 = study.get("baseline_np") or (rows[0]["np"] if rows else 1)
+    cols["ideal"] = [r["np"] / p0 for r in rows]
+    # this machine's speedup beside a target's (measured points, or predicted-here simulated ones)
+    base_here = next((r.get("here_time_per_epoch") for r in rows if r["np"] == p0), None)
+    cols["here_speedup"] = [base_here / r["here_time_per_epoch"] if base_here and r.get("here_time_per_epoch")
+                            else None for r in rows]
     cols["kind"] = ["simulated" if r.get("simulated") else "measured" for r in rows]
     cols["verdict"] = ["fast but wrong" if r.get("fast_but_wrong") else "ok" for r in rows]
     cols["color"] = ["#d62728" if r.get("fast_but_wrong") else "#1f77b4" for r in rows]
@@ -311,10 +316,15 @@ def _np_axis(p: figure, study: Mapping) -> None:
 def speedup_figure(study: Mapping) -> figure:
     """Measured speedup against np with the ideal line; fast-but-wrong points in red."""
     src = _row_source(study)
-    p = _fig("speedup vs processes", "processes (np)", "speedup (time per epoch, np=first)")
+    machine = study.get("machine", "this machine")
+    p0 = study.get("baseline_np") or 1
+    p = _fig("speedup vs processes", "processes (np)", f"speedup (time per epoch vs np={p0})")
     p.line("np", "ideal", source=src, color="gray", line_dash="dashed", legend_label="ideal")
-    p.line("np", "speedup", source=src, color="#1f77b4", line_width=2, legend_label="measured")
-    p.scatter("np", "speedup", source=src, color="color", size=9, legend_label="measured")
+    label = "this machine" if machine == "this machine" else f"{machine} (predicted)"
+    p.line("np", "speedup", source=src, color="#1f77b4", line_width=2, legend_label=label)
+    p.scatter("np", "speedup", source=src, color="color", size=9, legend_label=label)
+    if machine != "this machine":
+        p.line("np", "here_speedup", source=src, color="#999999", line_width=1.5, legend_label="this machine")
     p.add_tools(HoverTool(tooltips=[("np", "@np"), ("speedup", "@speedup{0.00}"),
                                     ("efficiency", "@efficiency{0%}"), ("", "@verdict (@kind)")]))
     _np_axis(p, study)
@@ -387,19 +397,29 @@ def curves_by_np(study: Mapping):
 
 
 def _table(study: Mapping) -> Div:
-    head = ("np", "time/epoch s", "speedup", "efficiency", "images/s", "comm waited",
-            "test acc", "verdict")
+    machine = study.get("machine", "this machine")
+    two = machine != "this machine"
+    head = ("np", f"s/epoch ({machine})" if two else "s/epoch (this machine)",
+            *(("s/epoch (this machine)",) if two else ()), "speedup", "efficiency", "images/s",
+            "comm waited", "test acc", "time to target", "energy/epoch kJ", "energy to target kJ", "verdict")
     rows = []
     for r in _rows(study):
         def f(k, fmt):
             v = r.get(k)
-            return format(v, fmt) if isinstance(v, (int, float)) else "–"
+            return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "–"
         verdict = "fast but wrong" if r.get("fast_but_wrong") else "ok"
         if r.get("simulated"):
             verdict += " (simulated)"
-        rows.append((str(r["np"]), f("time_per_epoch", ".1f"), f("speedup", ".2f"),
+        here = f"{f('here_time_per_epoch', '.1f')} ({r.get('here_time_source') or '–'})"
+        ttt = f("time_to_target", ".0f") + " s" if r.get("time_to_target") is not None else \
+            ("not reached" if r.get("time_per_epoch") is not None else "–")
+        kj = (lambda k: format(r[k] / 1e3, ".2f") if r.get(k) is not None else "–")
+        ett = kj("energy_to_target_j") if r.get("energy_to_target_j") is not None else \
+            ("not reached" if r.get("energy_j") is not None else "–")
+        rows.append((str(r["np"]), f("time_per_epoch", ".1f"), *((here,) if two else ()), f("speedup", ".2f"),
                      f("efficiency", ".0%"), f("images_per_s", ".0f"),
-                     f("comm_exposed_share", ".0%"), f("final_test_acc", ".3f"), verdict))
+                     f("comm_exposed_share", ".0%"), f("final_test_acc", ".3f"), ttt,
+                     kj("energy_per_epoch_j"), ett, verdict))
     return Div(text=html_table(head, rows))
 
 
@@ -416,11 +436,38 @@ def html_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return out + "</table>"
 
 
+def energy_figure(study: Mapping) -> figure | None:
+    """Energy against time per np, each point labelled with its np and final test accuracy (red:
+    fast-but-wrong): what each process count costs in joules and seconds, and what it buys.
+    None when the study has no energy figures (this machine without readable RAPL counters)."""
+    rows = [r for r in _rows(study) if r.get("energy_j") is not None and r.get("time_per_epoch")]
+    if not rows:
+        return None
+    epochs = {int(k): len(v["epochs"]) for k, v in (study.get("runs") or {}).items()}
+    src = ColumnDataSource({
+        "np": [r["np"] for r in rows],
+        "time": [r["time_per_epoch"] * epochs.get(r["np"], 1) for r in rows],
+        "energy_kj": [r["energy_j"] / 1e3 for r in rows],
+        "acc": [r["final_test_acc"] for r in rows],
+        "label": [f"np={r['np']} ({(r['final_test_acc'] or 0):.0%})" for r in rows],
+        "color": ["#d62728" if r.get("fast_but_wrong") else "#1f77b4" for r in rows],
+        "source": [r.get("energy_source") for r in rows]})
+    machine = study.get("machine", "this machine")
+    p = _fig(f"energy vs time vs accuracy ({machine})", "training time, all epochs (s)", "energy (kJ)")
+    p.scatter("time", "energy_kj", source=src, color="color", size=10)
+    p.text("time", "energy_kj", text="label", source=src, x_offset=6, y_offset=-6, text_font_size="8pt")
+    p.add_tools(HoverTool(tooltips=[("np", "@np"), ("time", "@time{0.0} s"), ("energy", "@energy_kj{0.00} kJ"),
+                                    ("test acc", "@acc{0.000}"), ("source", "@source")]))
+    return p
+
+
 def scaling_dashboard(study: Mapping):
-    """Speedup vs ideal, efficiency, accuracy vs np, and the per-np curves of a study."""
+    """Speedup vs ideal, efficiency, accuracy vs np, energy, and the per-np curves of a study."""
     # Plain rows and columns: a gridplot nested in columns renders blank in a standalone page.
+    energy = energy_figure(study)
     return column(row(speedup_figure(study), efficiency_figure(study)),
-                  row(study_accuracy_figure(study)), curves_by_np(study), _table(study))
+                  row(study_accuracy_figure(study), *((energy,) if energy is not None else ())),
+                  curves_by_np(study), _table(study))
 
 
 def report_layout(study: Mapping):
@@ -432,6 +479,8 @@ def report_layout(study: Mapping):
         html = file_html(plots.report_layout(study), INLINE, "pilab scaling study")
     """
     parts = [scaling_dashboard(study)]
+    if study.get("remedies"):  # a remedies search run with the study: its Pareto front
+        parts.append(remedies_figure(study["remedies"]))
     measured = [(np_, res) for np_, res in _runs(study)
                 if not any(r.get("simulated") for r in _rows(study) if r["np"] == np_)]
     if measured:

@@ -22,7 +22,7 @@ from dataclasses import replace
 from . import perfmodel, simulate
 from .config import Config, ConfigError, small_mode
 from .engine import load_data
-from .scaling import calibrate_from, time_to_target
+from .scaling import POWER_MODELS, calibrate_from, run_energy, time_to_target
 
 
 def candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
@@ -57,19 +57,19 @@ def notebook_candidates() -> list[str] | None:
     return ["baseline", "linear lr", "linear lr + warmup"] if small_mode() else None
 
 
-def pareto(points: list[dict], time_key: str = "epochs_time", acc_key: str = "final_test_acc") -> list[bool]:
-    """True for points no other point beats on both time (lower) and accuracy (higher)."""
-    flags = []
-    for p in points:
-        t, a = p.get(time_key), p.get(acc_key)
-        if t is None or a is None:
-            flags.append(False)
-            continue
-        dominated = any(q is not p and q.get(time_key) is not None and q.get(acc_key) is not None
-                        and q[time_key] <= t and q[acc_key] >= a
-                        and (q[time_key] < t or q[acc_key] > a) for q in points)
-        flags.append(not dominated)
-    return flags
+def pareto(points: list[dict], time_key: str = "epochs_time", acc_key: str = "final_test_acc",
+           energy_key: str | None = None) -> list[bool]:
+    """True for points no other point beats: lower time, higher accuracy (and lower energy, with
+    ``energy_key``) — at least as good on every axis and better on one."""
+    keys = [(time_key, -1), (acc_key, 1)] + ([(energy_key, -1)] if energy_key else [])
+
+    def ok(q):
+        return all(q.get(k) is not None for k, _ in keys)
+
+    def beats(q, p):
+        ge = all(sign * (q[k] - p[k]) >= 0 for k, sign in keys)
+        return ge and any(sign * (q[k] - p[k]) > 0 for k, sign in keys)
+    return [ok(p) and not any(q is not p and ok(q) and beats(q, p) for q in points) for p in points]
 
 
 def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=None,
@@ -108,7 +108,10 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=
         res = simulate.run(c, np_, data=ds)
         epoch_time = None
         if calibration is not None:
-            epoch_time = perfmodel.predict(c, np_, calibration)["time"]
+            # A preset machine places its own threads per rank; this machine's count says nothing there.
+            on = replace(c, threads=0) if isinstance(calibration, str) and calibration in perfmodel.PRESETS else c
+            pred = perfmodel.predict(on, np_, calibration)
+            epoch_time = pred["time"]
         times = [epoch_time] * len(res["epochs"]) if epoch_time else None
         last = res["epochs"][-1]
         row = {"label": label, "changes": changes, "global_batch": res["global_batch"],
@@ -118,8 +121,13 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=
                "test_acc_curve": [e["test_acc"] for e in res["epochs"]],
                "epoch_time": epoch_time,
                "epochs_time": epoch_time * len(res["epochs"]) if epoch_time else None,
-               "time_to_target": time_to_target(res, target, times) if times else None,
+               "time_to_target": time_to_target(res, target, times, [pred["eval_time"]] * len(times))
+               if times else None,
                "reached_target": any((e["test_acc"] or 0) >= target for e in res["epochs"])}
+        if epoch_time and calibration in POWER_MODELS:  # energy: the third axis of the front
+            row.update(run_energy(res, {"train": times, "eval": [pred["eval_time"]] * len(times),
+                                        "comm_exposed_share": pred["comm_exposed"] / pred["time"]},
+                                  calibration, target))
         rows.append(row)
         for cb in callbacks:
             cb({"kind": "candidate", **row})
@@ -127,13 +135,15 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=
             log(f"  {label:<34} test acc {row['final_test_acc']:.3f}")
     done = [r for r in rows if "skipped" not in r]
     have_time = any(r["epochs_time"] for r in done)
-    flags = pareto(done) if have_time else [False] * len(done)
+    have_energy = any(r.get("energy_j") is not None for r in done)
+    flags = pareto(done, energy_key="energy_j" if have_energy else None) if have_time else [False] * len(done)
     for r, f in zip(done, flags):
         r["pareto"] = f
     best = sorted((r for r in done if r["pareto"]) if have_time else done,
                   key=lambda r: -(r["final_test_acc"] or 0))
     return {"kind": "pilab.remedies", "np": np_, "config": cfg.to_dict(),
             "calibration": calibration.to_dict() if hasattr(calibration, "to_dict") else calibration,
+            "machine": (calibration if isinstance(calibration, str) else "this machine") if calibration else None,
             "reference_acc": reference_acc, "target_accuracy": target,
             "candidates": rows, "best": best[:5]}
 
@@ -189,9 +199,10 @@ def ablation_table(res: dict) -> str:
 
 def table(res: dict) -> str:
     lines = [f"np={res['np']}  reference accuracy {res['reference_acc']:.3f}  "
-             f"target {res['target_accuracy']:.3f}",
+             f"target {res['target_accuracy']:.3f}"
+             + (f"  times predicted for {res['machine']}" if res.get("machine") else "  (no times: no target)"),
              f"{'candidate':<36}{'glob.batch':>10}{'peak lr':>9}{'steps':>7}{'test acc':>9}"
-             f"{'time s':>9}{'→target':>10}  pareto"]
+             f"{'time s':>9}{'→target':>10}{'energy kJ':>10}  pareto"]
     for r in res["candidates"]:
         if "skipped" in r:
             lines.append(f"{r['label']:<36}skipped: {r['skipped']}")
@@ -199,6 +210,7 @@ def table(res: dict) -> str:
         t = f"{r['epochs_time']:.0f}" if r["epochs_time"] else "–"
         ttt = f"{r['time_to_target']:.0f}s" if r["time_to_target"] else (
             "not reached" if not r["reached_target"] else "–")
+        kj = f"{r['energy_j'] / 1e3:.2f}" if r.get("energy_j") is not None else "–"
         lines.append(f"{r['label']:<36}{r['global_batch']:>10}{r['peak_lr']:>9.3g}{r['steps']:>7}"
-                     f"{r['final_test_acc']:>9.3f}{t:>9}{ttt:>10}  {'*' if r.get('pareto') else ''}")
+                     f"{r['final_test_acc']:>9.3f}{t:>9}{ttt:>10}{kj:>10}  {'*' if r.get('pareto') else ''}")
     return "\n".join(lines)

@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from html import escape
@@ -36,7 +37,7 @@ from bokeh.palettes import Category10
 from bokeh.plotting import figure
 from bokeh.resources import INLINE
 
-from . import perfmodel, plots, simulate
+from . import checkpoint, energy, perfmodel, plots, simulate
 from .config import Config, ConfigError, small_mode
 from .files import atomic_write_text, save_json
 from .launch import LaunchError, pilab_command
@@ -46,6 +47,20 @@ from .plots import html_table
 # Defaults of the demo: small enough for ~6 minutes on a 2-core laptop, big enough to show the effect.
 DEMO = Config(width=0.25, train_subset=2000, test_subset=1000, epochs=4, batch_size=32, lr=0.05,
               lr_ref_batch=32)
+
+
+def notebook_config(**overrides) -> Config:
+    """The notebooks' study settings: the demo's, or under CI / nbval / Binder (PILAB_NB_SMALL) a
+    run whose np=1 baseline still learns (~30% test accuracy in about a minute on 2 cores), so the
+    small study shows speedup and the collapse, not a baseline at chance::
+
+        study = scaling.study(scaling.notebook_config(), **scaling.notebook_sweep(), out="runs/nb02")
+    """
+    if small_mode():
+        base = replace(DEMO, train_subset=1000, test_subset=500, epochs=4)
+    else:
+        base = DEMO
+    return replace(base, **overrides)
 
 
 def notebook_sweep(simulate_nps=(8, 48), small_simulate_nps=(4,)) -> dict:
@@ -81,13 +96,23 @@ def _karp_flatt(s: float, p: int, p0: int) -> float | None:
     return None if math.isnan(e) else e
 
 
-def time_to_target(result: dict, target: float, epoch_times: list[float] | None = None) -> float | None:
-    """Training seconds until the first evaluated epoch with test accuracy >= target; None if never."""
+def time_to_target(result: dict, target: float, epoch_times: list[float] | None = None,
+                   eval_times: list[float] | None = None) -> float | None:
+    """Seconds until the first evaluation with test accuracy >= ``target``; None ("not reached") if
+    no evaluation gets there — never a number for a run that failed (MLPerf / DAWNBench rules).
+
+    Training time and the time of every evaluation up to that one count; ``epoch_times`` and
+    ``eval_times`` (per epoch) replace the measured ``epochs[].time`` / ``eval_time`` (predicted
+    times for another machine). An epoch without an evaluation contributes no evaluation time."""
     elapsed = 0.0
-    times = epoch_times or [e["time"] for e in result["epochs"]]
-    for e, t in zip(result["epochs"], times):
+    train = epoch_times or [e["time"] for e in result["epochs"]]
+    evals = eval_times or [e.get("eval_time") or 0.0 for e in result["epochs"]]
+    for e, t, t_eval in zip(result["epochs"], train, evals):
         elapsed += t
-        if e.get("test_acc") is not None and e["test_acc"] >= target:
+        if e.get("test_acc") is None:
+            continue
+        elapsed += t_eval
+        if e["test_acc"] >= target:
             return elapsed
     return None
 
@@ -99,67 +124,170 @@ def final_value(result: dict, key: str):
     return None
 
 
+def _times(run: dict, pr: dict | None, machine: str) -> dict | None:
+    """Per-epoch training and evaluation seconds of ``run`` on ``machine``: measured when the run is
+    a real one on this machine, else from the performance model's prediction ``pr`` (or None)."""
+    n = len(run["epochs"])
+    if machine == "this machine" and not run.get("simulated"):
+        ep = run["epochs"]
+        train_time = sum(e["time"] for e in ep)
+        return {"train": [e["time"] for e in ep], "eval": [e.get("eval_time") or 0.0 for e in ep],
+                "source": "measured", "comm_share": sum(e["comm"] for e in ep) / train_time,
+                "comm_exposed_share": sum(e["comm_exposed"] for e in ep) / train_time}
+    if not pr:
+        return None
+    return {"train": [pr["epoch_time"]] * n, "eval": [pr.get("eval_time", 0.0)] * n,
+            "source": "predicted", "comm_share": pr.get("comm_share"),
+            "comm_exposed_share": pr.get("comm_exposed_share")}
+
+
 def rows_from_runs(runs: dict[int, dict], criteria: Criteria = Criteria(),
-                   predicted: dict[int, dict] | None = None) -> tuple[list[dict], dict]:
-    """One row per np from run results (measured or simulated), judged against the baseline run."""
-    predicted = predicted or {}
+                   predicted: dict[int, dict] | None = None, *, target: str | None = None,
+                   target_predicted: dict[int, dict] | None = None) -> tuple[list[dict], dict]:
+    """One row per np from run results (measured or simulated), judged against the baseline runs.
+
+    ``predicted``: performance-model times for this machine (simulated points); ``target`` and
+    ``target_predicted``: another machine's name and its predicted times for every np. Speedup,
+    efficiency and time to target use the target's times when there is a target, else this
+    machine's; both appear in the row (``here_*`` and ``target_*``). The speed baseline is
+    ``criteria.baseline_np`` (default: the smallest measured np); accuracy is judged against the
+    smallest np of the study (np=1 where it ran), so the reference run is never itself judged wrong.
+    """
+    predicted, target_predicted = predicted or {}, target_predicted or {}
     nps = sorted(runs)
     measured = [p for p in nps if not runs[p].get("simulated")]
     p0 = criteria.baseline_np or (measured[0] if measured else nps[0])
     if p0 not in runs:
         raise ConfigError(f"baseline np={p0} is not among the runs {nps}; measure it or pick another")
-    base = runs[p0]
-    base_acc = final_value(base, "test_acc") or 0.0
-    target = criteria.target_fraction * base_acc
-
-    def epoch_times(p):
-        if not runs[p].get("simulated"):
-            return [e["time"] for e in runs[p]["epochs"]]
-        pr = predicted.get(p)
-        return [pr["epoch_time"]] * len(runs[p]["epochs"]) if pr else None
-
-    # Simulated runs without a calibrated performance model have accuracy but no times.
-    base_times = epoch_times(p0)
-    t0 = sum(base_times) / len(base_times) if base_times else None
-    ttt0 = time_to_target(base, target, base_times) if base_times else None
-    rows = []
-    for p in nps:
-        r = runs[p]
-        times = epoch_times(p)
-        tpe = sum(times) / len(times) if times else None
-        s = speedup(t0, tpe) if (tpe and t0) else None
-        ep = [e for e in r["epochs"]]
-        train_time = sum(e["time"] for e in ep)
-        comm = sum(e["comm"] for e in ep)
-        exposed = sum(e["comm_exposed"] for e in ep)
-        acc = final_value(r, "test_acc")
-        ttt = time_to_target(r, target, times) if times else None
-        pr = predicted.get(p) or {}
-        rows.append({
-            "np": p, "simulated": bool(r.get("simulated")),
-            "time_source": "predicted" if r.get("simulated") else "measured",
-            "per_rank_batch": r["per_rank_batch"], "global_batch": r["global_batch"],
-            "steps_per_epoch": r["steps_per_epoch"], "peak_lr": r["peak_lr"],
-            "threads": r["threads"],
-            "wall_time": r["wall_time"] if not r.get("simulated") else None,
-            "time_per_epoch": tpe,
-            "speedup": s, "efficiency": efficiency(s, p, p0) if s else None,
-            "karp_flatt": _karp_flatt(s, p, p0) if s else None,
-            "images_per_s": (r["per_rank_batch"] * p * r["steps_per_epoch"] / tpe) if tpe else None,
-            "comm_share": (comm / train_time if not r.get("simulated") else pr.get("comm_share")),
-            "comm_exposed_share": (exposed / train_time if not r.get("simulated")
-                                   else pr.get("comm_exposed_share")),
-            "peak_mem_mb": max(r["peak_mem_mb"]) if r.get("peak_mem_mb") else None,
-            "final_train_acc": final_value(r, "train_acc"), "final_test_acc": acc,
-            "final_train_loss": final_value(r, "train_loss"), "final_test_loss": final_value(r, "test_loss"),
-            "time_to_target": ttt,
-            "speedup_to_target": (ttt0 / ttt) if (ttt and ttt0) else None,
-            "target_reached": ttt is not None,
-            "fast_but_wrong": bool(acc is None or acc < base_acc - criteria.wrong_gap
-                                   or acc < criteria.wrong_floor),
-        })
-    meta = {"baseline_np": p0, "baseline_test_acc": base_acc, "target_accuracy": target}
+    pa = nps[0]
+    base_acc = final_value(runs[pa], "test_acc") or 0.0
+    target_acc = criteria.target_fraction * base_acc
+    primary = target or "this machine"
+    here = {p: _times(runs[p], predicted.get(p), "this machine") for p in nps}
+    there = {p: _times(runs[p], target_predicted.get(p), target) for p in nps} if target else here
+    times0 = there[p0]
+    # Strong scaling compares the same work: time per training image, since an epoch at larger np
+    # drops more leftover images (each rank's shard rounded down to whole batches).
+    t0 = sum(times0["train"]) / len(times0["train"]) / _images_per_epoch(runs[p0]) if times0 else None
+    ttt0 = time_to_target(runs[pa], target_acc, there[pa]["train"], there[pa]["eval"]) \
+        if there[pa] else None
+    rows = [_row(p, runs[p], here[p], there[p], primary, p0, t0, ttt0, base_acc, target_acc, criteria,
+                 reference=p == pa) for p in nps]
+    for row in rows:
+        row.update(run_energy(runs[row["np"]], there[row["np"]], primary, target_acc))
+    meta = {"baseline_np": p0, "accuracy_baseline_np": pa, "baseline_test_acc": base_acc,
+            "target_accuracy": target_acc, "machine": primary,
+            "reference_learned": base_acc >= criteria.wrong_floor}
     return rows, meta
+
+
+def _images_per_epoch(run: dict) -> int:
+    return run["per_rank_batch"] * run["np"] * run["steps_per_epoch"]
+
+
+def _row(p, r, here, there, machine, p0, t0, ttt0, base_acc, target_acc, criteria, reference=False) -> dict:
+    """The row of one np: speed on ``machine`` (``there``), this machine's time beside it."""
+    def mean(t):
+        return sum(t["train"]) / len(t["train"]) if t else None
+    tpe = mean(there)
+    s = speedup(t0, tpe / _images_per_epoch(r)) if (tpe and t0) else None
+    acc = final_value(r, "test_acc")
+    ttt = time_to_target(r, target_acc, there["train"], there["eval"]) if there else None
+    return {
+        "np": p, "simulated": bool(r.get("simulated")),
+        "machine": machine, "time_source": there["source"] if there else None,
+        "per_rank_batch": r["per_rank_batch"], "global_batch": r["global_batch"],
+        "steps_per_epoch": r["steps_per_epoch"], "peak_lr": r["peak_lr"],
+        "threads": r["threads"],
+        "wall_time": r["wall_time"] if not r.get("simulated") else None,
+        "time_per_epoch": tpe,
+        "here_time_per_epoch": mean(here), "here_time_source": here["source"] if here else None,
+        "speedup": s, "efficiency": efficiency(s, p, p0) if s else None,
+        "karp_flatt": _karp_flatt(s, p, p0) if s else None,
+        "images_per_s": (r["per_rank_batch"] * p * r["steps_per_epoch"] / tpe) if tpe else None,
+        "comm_share": there.get("comm_share") if there else None,
+        "comm_exposed_share": there.get("comm_exposed_share") if there else None,
+        "peak_mem_mb": max(r["peak_mem_mb"]) if r.get("peak_mem_mb") else None,
+        "final_train_acc": final_value(r, "train_acc"), "final_test_acc": acc,
+        "final_train_loss": final_value(r, "train_loss"), "final_test_loss": final_value(r, "test_loss"),
+        "time_to_target": ttt,
+        "speedup_to_target": (ttt0 / ttt) if (ttt and ttt0) else None,
+        "target_reached": any((e.get("test_acc") or 0) >= target_acc for e in r["epochs"]),
+        # The accuracy reference is what the others are judged against, never judged itself.
+        "fast_but_wrong": bool(not reference and (acc is None or acc < base_acc - criteria.wrong_gap
+                                                  or acc < criteria.wrong_floor)),
+    }
+
+
+# The power model of each target machine with one (pilab.energy); this machine has none: only its RAPL
+# counters, where readable, give its energy.
+POWER_MODELS = {"pi4b_cluster": "pi4b"}
+_NO_ENERGY = {"energy_j": None, "energy_per_epoch_j": None, "energy_to_target_j": None, "energy_source": None}
+
+
+def run_energy(run: dict, times: dict | None, machine: str, target_acc: float) -> dict:
+    """A row's energy on ``machine``: total, per epoch, to the target accuracy (None if not reached),
+    and where the figure comes from. Evaluation counts, as in time to target."""
+    n = len(run["epochs"])
+    if machine == "this machine":
+        window = run.get("rapl")
+        if not window or window.get("energy_j") is None:
+            return dict(_NO_ENERGY)
+        e = energy.energy_of_run(run, rapl=window, include_eval=True)
+    elif machine in POWER_MODELS and times:
+        evaluated = [e.get("test_acc") is not None for e in run["epochs"]]
+        seconds = [t + (ev if done else 0.0) for t, ev, done in zip(times["train"], times["eval"], evaluated)]
+        e = energy.energy_of_run(run, POWER_MODELS[machine], epoch_times=seconds,
+                                 comm_exposed_share=times.get("comm_exposed_share"))
+    else:
+        return dict(_NO_ENERGY)
+    return {"energy_j": e["energy_j"], "energy_per_epoch_j": e["energy_j"] / n if n else None,
+            "energy_to_target_j": energy.energy_to_target(run, target_acc, e["energy_per_epoch_j"]),
+            "energy_source": e["source"]}
+
+
+def verdict(study_: dict, *, within: float = 0.05) -> str:
+    """One plain-language paragraph from the numbers: how fast, up to which np it stays right."""
+    rows = sorted(study_["rows"], key=lambda r: r["np"])
+    base = study_["baseline_test_acc"]
+    pa = study_.get("accuracy_baseline_np", rows[0]["np"])
+    machine = study_.get("machine", "this machine")
+    where = "on this machine" if machine == "this machine" else f"predicted for {machine}"
+    parts = []
+    timed = [r for r in rows if r.get("speedup")]
+    if timed:
+        top = max(timed, key=lambda r: r["np"])
+        parts.append(f"Speedup ({where}, against np={study_['baseline_np']}) reaches {top['speedup']:.1f} "
+                     f"at np={top['np']} ({top['efficiency']:.0%} efficiency).")
+    if base < study_["criteria"]["wrong_floor"]:
+        parts.append(f"The reference run (np={pa}) ends at {base:.1%}, under the {study_['criteria']['wrong_floor']:.0%} "
+                     "floor: it has not learned enough to judge what scale does to accuracy; train it "
+                     "longer (more epochs or images) or tune its learning rate first.")
+        return " ".join(parts)
+    right = [r for r in rows if r["final_test_acc"] is not None and r["final_test_acc"] >= base - within]
+    k = max(right, key=lambda r: r["np"]) if right else None
+    if k is not None:
+        parts.append(f"np={k['np']} is the largest count that keeps test accuracy within {within * 100:.0f} "
+                     f"points of np={pa} ({k['final_test_acc']:.1%} vs {base:.1%}).")
+    wrong = [r for r in rows if r["fast_but_wrong"]]
+    beyond = [r for r in wrong if k is None or r["np"] > k["np"]]
+    if beyond:
+        w = min(beyond, key=lambda r: r["np"])
+        faster = f", although it is {w['speedup']:.1f}x faster" if w.get("speedup") else ""
+        steps = w["steps_per_epoch"] * len(study_["runs"][str(w["np"])]["epochs"])
+        parts.append(f"Beyond it, np={w['np']} ends at {w['final_test_acc']:.1%} "
+                     f"({(base - w['final_test_acc']) * 100:.0f} points below){faster}: fast but wrong — "
+                     f"its global batch is {w['global_batch']} and the whole run is {steps} optimizer steps.")
+    elif wrong:
+        parts.append("Fast-but-wrong at np=" + ", ".join(str(r["np"]) for r in wrong)
+                     + " although a larger count stays right: accuracy is not monotone in np here.")
+    else:
+        parts.append("No process count turned fast-but-wrong.")
+    missed = [r["np"] for r in rows if not r["target_reached"]]
+    parts.append(f"The target accuracy {study_['target_accuracy']:.1%} "
+                 f"({study_['criteria']['target_fraction']:.0%} of np={pa}'s) is "
+                 + (f"not reached at np={', '.join(map(str, missed))}." if missed else "reached at every np."))
+    return " ".join(parts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,19 +327,115 @@ def _predict(cfg: Config, nps, calibration) -> dict[int, dict]:
     for p in nps:
         pr = perfmodel.predict(cfg, p, calibration)
         # "time" is training only, like a measured epoch's "time" (evaluation is timed apart)
-        out[p] = {"epoch_time": pr["time"], "comm_share": pr["comm"] / pr["time"],
-                  "comm_exposed_share": pr["comm_exposed"] / pr["time"]}
+        out[p] = {"epoch_time": pr["time"], "eval_time": pr["eval_time"],
+                  "comm_share": pr["comm"] / pr["time"], "comm_exposed_share": pr["comm_exposed"] / pr["time"]}
     return out
+
+
+TARGETS = ("this", "pi4b_cluster")  # or the path of a calibration / cluster JSON
+
+
+def target_name(target) -> str | None:
+    """The machine a study's times are for: None for this machine, else a preset name or JSON path."""
+    if target in (None, "", "this"):
+        return None
+    if isinstance(target, str) and target not in perfmodel.PRESETS and not os.path.isfile(target):
+        raise ConfigError(f"target={target!r}: use this, {', '.join(perfmodel.PRESETS)} or the path of a "
+                          "calibration/cluster JSON (python -m pilab perfmodel calibrate writes one)")
+    return target if isinstance(target, str) else getattr(target, "name", "target")
+
+
+def target_baseline(target, nps) -> int:
+    """The speed baseline a target implies: one node of the Pi cluster (2 ranks) where it ran."""
+    if target == "pi4b_cluster" and perfmodel.PI_BASELINE_NP in nps:
+        return perfmodel.PI_BASELINE_NP
+    return 0
+
+
+def _predict_target(cfg: Config, nps, target) -> dict[int, dict]:
+    """Every np's times on the target machine, threads per rank as that machine gives them."""
+    # This machine's thread count says nothing about the target's: let the model place the ranks.
+    return _predict(replace(cfg, threads=0) if target in perfmodel.PRESETS else cfg, nps, target)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A study stopped part-way (Ctrl-C, SIGTERM, a failed run). ``study`` is what it kept: the finished
+    points, ``missing`` the others; it was written under ``out`` (``complete`` false)."""
+
+    def __init__(self, study_: dict, cause: BaseException):
+        super().__init__(f"study interrupted ({type(cause).__name__}); missing np {study_['missing']}")
+        self.study, self.cause = study_, cause
+
+
+def _finished_point(out: str | None, p: int, point_cfg: Config, simulated: bool) -> dict | None:
+    """The result of np point ``p`` kept from an earlier run of this study in ``out``: the same
+    settings, run to the end (not stopped early); None if there is none to keep."""
+    if not out:
+        return None
+    try:
+        r = _load_json(os.path.join(out, f"np{p}", "result.json"))
+        saved = Config.from_dict(r["config"]).to_dict()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    mine = point_cfg.to_dict()
+    same = all(saved[k] == mine[k] for k in mine if k not in ("out", "resume"))
+    done = not r.get("stopped_early") and r.get("steps_done", r.get("total_steps")) == r.get("total_steps")
+    return r if same and done and bool(r.get("simulated")) == simulated and r.get("np") == p else None
+
+
+def _load_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _clear_point(d: str) -> None:
+    """Remove an earlier run's files from a point's directory before the point is run again."""
+    for path in [os.path.join(d, "result.json"), os.path.join(d, "checkpoint.pt")] + \
+            [p for _, p in checkpoint.epoch_files(d)]:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def _partial_study(cfg, criteria, nps, simulate_nps, runs, kept, t_start, command, cause) -> dict:
+    """What an interrupted study has: its finished points (rows where the baseline is among them)."""
+    rows, meta = [], {}
+    if runs:
+        try:
+            rows, meta = rows_from_runs(runs, criteria)
+        except (ConfigError, KeyError, TypeError, ZeroDivisionError):  # e.g. the baseline is missing
+            pass
+    reason = "interrupted" if isinstance(cause, KeyboardInterrupt) else \
+        f"a run failed: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}"
+    return {"kind": "pilab.scaling.study", "config": cfg.to_dict(), "criteria": asdict(criteria),
+            "nps": nps, "simulate_nps": simulate_nps, **meta, "rows": rows,
+            "runs": {str(p): r for p, r in runs.items()}, "calibration": None,
+            "seconds": time.time() - t_start, "command": command, "complete": False,
+            "missing": [p for p in nps + simulate_nps if p not in runs], "kept": kept, "stopped": reason}
+
+
+def _write_partial(study_: dict, out: str) -> None:
+    """study.json and study.csv of an interrupted study (the JSON is the record; no report)."""
+    save_json(study_, os.path.join(out, "study.json"))
+    atomic_write_text(os.path.join(out, "study.csv"), to_csv(study_["rows"]))
 
 
 def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria = Criteria(),
           out: str | None = None, mpiexec: str | None = None, hostfile: str | None = None,
-          calibration=None, callbacks=(), command: str | None = None) -> dict:
+          calibration=None, callbacks=(), command: str | None = None, target=None,
+          resume: bool = False) -> dict:
     """Run the study; returns {"rows", "runs", "criteria", "config", ...} and writes it under ``out``.
 
+    ``target``: the machine speedup and time to target are reported for — None / "this" (measured
+    here, simulated points predicted for this machine), "pi4b_cluster" (every point predicted for
+    the 24-node Pi cluster; speed baseline one node = np 2 where it ran), or a calibration/cluster
+    JSON path. This machine's times stay in every row beside the target's.
     ``callbacks`` receive {"kind": "run", "np", "simulated", "result"} after each run, so a notebook
-    can draw the dashboard as it fills.
+    can draw the dashboard as it fills. Each point's result is kept under ``out/np<p>`` as it finishes;
+    interrupted (KeyboardInterrupt, a failed run), the study writes what it has (``complete`` false,
+    ``missing``: the points not run) and raises :class:`Interrupted`. ``resume=True`` keeps the
+    finished points of an earlier run with the same settings in ``out`` and runs only the others.
     """
+    tname = target_name(target)
     nps = sorted(set(int(p) for p in nps))
     simulate_nps = sorted(set(int(p) for p in simulate_nps) - set(nps))
     if not nps and not simulate_nps:
@@ -224,29 +448,56 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
         cfg = replace(cfg, threads=max(1, cores // max(nps)) if not hostfile else 2)
     t_start = time.time()
     runs: dict[int, dict] = {}
-    for p in nps:
-        run_out = os.path.join(out, f"np{p}") if out else _tmpdir()
-        runs[p] = run_measured(cfg, p, run_out, mpiexec=mpiexec, hostfile=hostfile)
-        for cb in callbacks:
-            cb({"kind": "run", "np": p, "simulated": False, "result": runs[p]})
-    if simulate_nps:
-        sim_cfg = replace(cfg, threads=sim_threads, out="")
+    kept: list[int] = []  # points taken from an earlier run of this study (resume)
+    sim_cfg = replace(cfg, threads=sim_threads, out="")
+    try:
+        for p in nps:
+            run_out = os.path.join(out, f"np{p}") if out else _tmpdir()
+            earlier = _finished_point(out, p, replace(cfg, out=run_out), False) if resume else None
+            if earlier is None:
+                if out:
+                    _clear_point(run_out)
+                with energy.RaplWindow() as window:  # this machine's CPU energy, where readable
+                    earlier = run_measured(cfg, p, run_out, mpiexec=mpiexec, hostfile=hostfile)
+                earlier["rapl"] = window.to_dict()
+            else:
+                kept.append(p)
+            runs[p] = earlier
+            for cb in callbacks:
+                cb({"kind": "run", "np": p, "simulated": False, "result": runs[p], "kept": p in kept})
         for p in simulate_nps:
             # each run's result.json is written as it completes: a long study keeps what it did
-            runs[p] = simulate.run(replace(sim_cfg, out=os.path.join(out, f"np{p}") if out else ""), p)
+            point_cfg = replace(sim_cfg, out=os.path.join(out, f"np{p}") if out else "")
+            earlier = _finished_point(out, p, point_cfg, True) if resume else None
+            if earlier is None:
+                if out:
+                    _clear_point(point_cfg.out)
+                earlier = simulate.run(point_cfg, p)
+            else:
+                kept.append(p)
+            runs[p] = earlier
             for cb in callbacks:
-                cb({"kind": "run", "np": p, "simulated": True, "result": runs[p]})
+                cb({"kind": "run", "np": p, "simulated": True, "result": runs[p], "kept": p in kept})
+    except (KeyboardInterrupt, RuntimeError, subprocess.TimeoutExpired) as e:
+        partial = _partial_study(cfg, criteria, nps, simulate_nps, runs, kept, t_start, command, e)
+        if out:
+            _write_partial(partial, out)
+        raise Interrupted(partial, e) from None
     if calibration is None and simulate_nps and nps and nps[0] == 1:
         calibration = calibrate_from(runs[1], mpiexec)
     predicted = _predict(cfg, simulate_nps, calibration)
-    rows, meta = rows_from_runs(runs, criteria, predicted)
+    if tname and not criteria.baseline_np and target_baseline(target, runs):
+        criteria = replace(criteria, baseline_np=target_baseline(target, runs))
+    rows, meta = rows_from_runs(runs, criteria, predicted, target=tname,
+                                target_predicted=_predict_target(cfg, sorted(runs), target) if tname else None)
     result = {
         "kind": "pilab.scaling.study", "config": cfg.to_dict(), "criteria": asdict(criteria),
         "nps": nps, "simulate_nps": simulate_nps, **meta, "rows": rows,
         "runs": {str(p): r for p, r in runs.items()},
         "calibration": _jsonable(calibration), "seconds": time.time() - t_start,
-        "command": command,
+        "command": command, "target": tname, "complete": True, "missing": [], "kept": kept,
     }
+    result["verdict"] = verdict(result)
     if out:
         write(result, out)
     return result
@@ -282,11 +533,12 @@ def calibrate_from(np1_result: dict, mpiexec: str | None = None):
 # ----------------------------------------------------------------------------------------------
 # output
 # ----------------------------------------------------------------------------------------------
-ROW_KEYS = ("np", "simulated", "time_source", "per_rank_batch", "global_batch", "steps_per_epoch",
-            "peak_lr", "threads", "time_per_epoch", "speedup", "efficiency", "karp_flatt",
-            "images_per_s", "comm_share", "comm_exposed_share", "peak_mem_mb", "final_train_acc",
-            "final_test_acc", "final_train_loss", "final_test_loss", "time_to_target",
-            "speedup_to_target", "fast_but_wrong")
+ROW_KEYS = ("np", "simulated", "machine", "time_source", "per_rank_batch", "global_batch", "steps_per_epoch",
+            "peak_lr", "threads", "time_per_epoch", "here_time_per_epoch", "here_time_source", "speedup",
+            "efficiency", "karp_flatt", "images_per_s", "comm_share", "comm_exposed_share", "peak_mem_mb",
+            "final_train_acc", "final_test_acc", "final_train_loss", "final_test_loss", "time_to_target",
+            "speedup_to_target", "target_reached", "energy_per_epoch_j", "energy_j", "energy_to_target_j",
+            "energy_source", "fast_but_wrong")
 
 
 def to_csv(rows: list[dict]) -> str:
@@ -294,26 +546,39 @@ def to_csv(rows: list[dict]) -> str:
     w = csv.DictWriter(buf, fieldnames=ROW_KEYS, extrasaction="ignore")
     w.writeheader()
     for r in rows:
-        w.writerow({k: ("not reached" if k in ("time_to_target", "speedup_to_target")
-                        and r.get(k) is None else r.get(k)) for k in ROW_KEYS})
+        w.writerow({k: ("not reached" if k in ("time_to_target", "speedup_to_target", "energy_to_target_j")
+                        and r.get(k) is None and (k != "energy_to_target_j" or r.get("energy_j") is not None)
+                        else r.get(k)) for k in ROW_KEYS})
     return buf.getvalue()
 
 
 def table(study_: dict) -> str:
-    """A plain-text table of the rows (what the CLI prints)."""
-    lines = [f"baseline np={study_['baseline_np']}  final test acc {study_['baseline_test_acc']:.3f}  "
+    """A plain-text table of the rows (what the CLI prints); with a target machine, its times first
+    and this machine's beside them."""
+    machine = study_.get("machine", "this machine")
+    two = machine != "this machine"
+    pa = study_.get("accuracy_baseline_np", study_["baseline_np"])
+    lines = [f"baseline np={pa}  final test acc {study_['baseline_test_acc']:.3f}  "
              f"target {study_['target_accuracy']:.3f}"]
-    lines.append(f"{'np':>4} {'kind':>9} {'glob.batch':>10} {'s/epoch':>8} {'speedup':>8} {'eff.':>6} "
-                 f"{'test acc':>8} {'time→target':>12}  verdict")
+    if two:
+        lines.append(f"times: {machine} (predicted), speed baseline np={study_['baseline_np']}; "
+                     "'here' = this machine")
+    lines.append(f"{'np':>4} {'kind':>9} {'glob.batch':>10} {'s/epoch':>8} "
+                 + (f"{'here':>8} " if two else "")
+                 + f"{'speedup':>8} {'eff.':>6} {'test acc':>8} {'time→target':>12}  verdict")
     for r in study_["rows"]:
         def n(v, fmt):
             return format(v, fmt) if isinstance(v, (int, float)) and v is not None else "–"
         ttt = ("–" if r["time_per_epoch"] is None else "not reached") if r["time_to_target"] is None \
             else f"{r['time_to_target']:.1f}s"
+        here = f"{n(r.get('here_time_per_epoch'), '8.1f'):>8} " if two else ""
         lines.append(f"{r['np']:>4} {'sim' if r['simulated'] else 'measured':>9} {r['global_batch']:>10} "
-                     f"{n(r['time_per_epoch'], '8.1f')} {n(r['speedup'], '8.2f')} "
-                     f"{n(r['efficiency'], '6.0%')} {n(r['final_test_acc'], '8.3f')} {ttt:>12}  "
+                     f"{n(r['time_per_epoch'], '8.1f'):>8} {here}{n(r['speedup'], '8.2f'):>8} "
+                     f"{n(r['efficiency'], '6.0%'):>6} {n(r['final_test_acc'], '8.3f'):>8} {ttt:>12}  "
                      f"{'FAST-BUT-WRONG' if r['fast_but_wrong'] else 'ok'}")
+    if study_.get("verdict"):
+        lines.append("")
+        lines.append(study_["verdict"])
     return "\n".join(lines)
 
 
@@ -335,25 +600,41 @@ def write(study_: dict, out: str) -> dict:
 def report_html(study_: dict) -> str:
     crit = study_["criteria"]
     cfg = study_["config"]
+    machine = study_.get("machine", "this machine")
+    pa = study_.get("accuracy_baseline_np", study_["baseline_np"])
+    times = ("Times are measured on this machine for measured points and predicted for it by the "
+             "performance model for simulated ones." if machine == "this machine" else
+             f"Speedup, efficiency, time and energy to target are <b>predicted for {escape(machine)}</b> for "
+             "every point (the performance model and power model of that machine's preset); the table also "
+             "shows this machine's times ('here': measured, or predicted for simulated points).")
+    times += (" Speedup compares time per training image: at larger np each rank's shard is rounded down "
+              "to whole batches, so an epoch drops more leftover images.")
     head = (
         "<h2>pilab strong-scaling study</h2>"
-        f"<p><b>command:</b> <code>{study_.get('command') or 'python API'}</code></p>"
+        f"<p><b>Verdict.</b> {escape(study_.get('verdict') or verdict(study_))}</p>"
+        f"<p><b>command:</b> <code>{escape(study_.get('command') or 'python API')}</code></p>"
         f"<p>model {cfg['model']} width {cfg['width']}, {cfg['epochs']} epochs, batch {cfg['batch_size']} "
         f"({cfg['batch_mode']}), lr {cfg['lr']} per {cfg['lr_ref_batch']} scaled {cfg['lr_scaling']}, "
         f"warmup {cfg['warmup_epochs']} epochs, sharding {cfg['sharding']}, BN {cfg['bn']}, "
-        f"threads/rank {cfg['threads']}, data {cfg['data']} (train subset {cfg['train_subset'] or 'all'})</p>"
-        f"<p>Baseline np={study_['baseline_np']} (final test accuracy {study_['baseline_test_acc']:.3f}). "
-        f"Target accuracy {study_['target_accuracy']:.3f} = {crit['target_fraction']:.0%} of the baseline's. "
-        f"A run is <b>fast-but-wrong</b> when its final test accuracy is more than "
-        f"{crit['wrong_gap'] * 100:.0f} points below the baseline's or under {crit['wrong_floor']:.0%}. "
-        "Measured points are real MPI jobs; simulated points are exact virtual-rank emulations "
-        "(accuracy) with times from the performance model.</p>")
+        f"threads/rank {cfg['threads']}, data {escape(cfg['data'])} "
+        f"(train subset {cfg['train_subset'] or 'all'})</p>"
+        f"<p>Speed baseline np={study_['baseline_np']}; accuracy reference np={pa} (final test accuracy "
+        f"{study_['baseline_test_acc']:.3f}). Target accuracy {study_['target_accuracy']:.3f} = "
+        f"{crit['target_fraction']:.0%} of the reference's, fixed before the other runs; time to target "
+        "counts training and every evaluation up to the first that reaches it, and a run that never "
+        "reaches it is <i>not reached</i> (MLPerf / DAWNBench conventions). A run is "
+        f"<b>fast-but-wrong</b> when its final test accuracy is more than {crit['wrong_gap'] * 100:.0f} "
+        f"points below the reference's or under {crit['wrong_floor']:.0%}. Measured points are real MPI "
+        f"jobs; simulated points are exact virtual-rank emulations. {times}</p>")
     return file_html(column(Div(text=head, width=900), plots.report_layout(study_)), INLINE,
                      "pilab scaling study")
 
 
 def export_png(html_path: str, png_path: str) -> str | None:
-    """Screenshot the report with Debian's Chromium through Playwright, where both are installed."""
+    """Screenshot the report with Debian's Chromium through Playwright, where both are installed.
+
+    The browser is driven from a thread of its own: Playwright's sync API refuses to run in a thread
+    with a running asyncio loop, which is every Jupyter kernel's main thread."""
     chromium = "/usr/bin/chromium"
     if not os.path.exists(chromium):
         return None
@@ -361,19 +642,29 @@ def export_png(html_path: str, png_path: str) -> str | None:
         from playwright.sync_api import sync_playwright
     except ImportError:
         return None
-    try:
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=chromium, args=[
-                "--no-sandbox", "--disable-background-networking", "--disable-gpu"])
-            page = browser.new_page(viewport={"width": 1000, "height": 900})
-            page.goto("file://" + os.path.abspath(html_path))
-            page.wait_for_timeout(1500)
-            page.screenshot(path=png_path, full_page=True)
-            browser.close()
-        return png_path
-    except Exception as e:  # a report without its PNG is still a report
+    outcome: dict = {}
+
+    def shoot():
+        try:
+            with sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path=chromium, args=[
+                    "--no-sandbox", "--disable-background-networking", "--disable-gpu"])
+                page = browser.new_page(viewport={"width": 1000, "height": 900})
+                page.goto("file://" + os.path.abspath(html_path))
+                page.wait_for_timeout(1500)
+                page.screenshot(path=png_path, full_page=True)
+                browser.close()
+            outcome["png"] = png_path
+        except Exception as e:  # a report without its PNG is still a report
+            outcome["error"] = e
+
+    worker = threading.Thread(target=shoot, name="pilab-png-export", daemon=True)
+    worker.start()
+    worker.join()
+    if "error" in outcome:
+        e = outcome["error"]
         print(f"pilab: PNG export skipped ({e.__class__.__name__}: {e})", file=sys.stderr)
-        return None
+    return outcome.get("png")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,6 +688,46 @@ def compare(studies: dict[str, dict]) -> dict:
     return {"kind": "pilab.scaling.compare", "labels": list(studies), "rows": table_rows,
             "configs": {k: v["config"] for k, v in studies.items()},
             "commands": {k: v.get("command") for k, v in studies.items()}}
+
+
+def models_summary(studies: dict[str, dict]) -> list[dict]:
+    """One row per study (e.g. per model): accuracy at the reference np, speedup and energy to target at
+    the largest np, and the smallest np that turned fast-but-wrong — the three-model comparison::
+
+        rows = scaling.models_summary({"MobileNetV2": a, "SqueezeNet": b, "spiking CNN": c})
+        print(scaling.models_summary_markdown(rows))
+    """
+    out = []
+    for label, st in studies.items():
+        rows = sorted(st["rows"], key=lambda r: r["np"])
+        ref = next(r for r in rows if r["np"] == st.get("accuracy_baseline_np", rows[0]["np"]))
+        top = rows[-1]
+        wrong = [r["np"] for r in rows if r["fast_but_wrong"]]
+        out.append({"label": label, "model": st["config"]["model"], "machine": st.get("machine"),
+                    "reference_np": ref["np"], "reference_acc": ref["final_test_acc"],
+                    "largest_np": top["np"], "largest_np_acc": top["final_test_acc"],
+                    "speedup_at_largest": top.get("speedup"), "baseline_np": st["baseline_np"],
+                    "energy_to_target_reference_j": ref.get("energy_to_target_j"),
+                    "energy_to_target_largest_j": top.get("energy_to_target_j"),
+                    "energy_source": top.get("energy_source"),
+                    "first_fast_but_wrong_np": wrong[0] if wrong else None})
+    return out
+
+
+def models_summary_markdown(rows: list[dict]) -> str:
+    def kj(v):
+        return f"{v / 1e3:.2f} kJ" if v is not None else "not reached"
+    head = ("model", "test acc (np ref)", "test acc (largest np)", "speedup at largest np",
+            "energy to target (np ref)", "energy to target (largest np)", "first fast-but-wrong np")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        sp = f"{r['speedup_at_largest']:.1f} (vs np={r['baseline_np']}, {r['machine']})" \
+            if r["speedup_at_largest"] else "–"
+        lines.append(f"| {r['label']} | {r['reference_acc']:.3f} (np={r['reference_np']}) | "
+                     f"{r['largest_np_acc']:.3f} (np={r['largest_np']}) | {sp} | "
+                     f"{kj(r['energy_to_target_reference_j'])} | {kj(r['energy_to_target_largest_j'])} | "
+                     f"{r['first_fast_but_wrong_np'] or 'none'} |")
+    return "\n".join(lines)
 
 
 _COMPARE_HEAD = ("rule", "np", "kind", "global batch", "peak lr", "steps", "final test acc",

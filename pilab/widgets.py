@@ -55,12 +55,21 @@ def _dropdown(name: str, options, value, **kw):
 
 class ControlPanel:
     """Settings, Start/Stop buttons, a progress bar and live plots for runs on ``lab``'s engines
-    (a :class:`pilab.cluster.Engines`, or None to train in this kernel). See the module docstring."""
+    (a :class:`pilab.cluster.Engines`, or None to train in this kernel). See the module docstring.
 
-    def __init__(self, lab=None, cfg: Config | None = None, *, live: plots.LivePlot | None = None):
+    ``settings_only=True`` shows just the settings, for a cell below that reads ``panel.config()``
+    (a study picks its own process counts, so a process slider or live plots would mislead)::
+
+        panel = widgets.ControlPanel(None, scaling.notebook_config(), settings_only=True)
+        study = scaling.study(panel.config(), **scaling.notebook_sweep())
+    """
+
+    def __init__(self, lab=None, cfg: Config | None = None, *, live: plots.LivePlot | None = None,
+                 settings_only: bool = False):
         self.lab = lab
+        self.settings_only = settings_only
         self.base = cfg if cfg is not None else quickstart_config(live=True)
-        self.live = live if live is not None else plots.LivePlot()
+        self.live = live if live is not None or settings_only else plots.LivePlot()
         self.run = None
         self.result = None
         c = self.base
@@ -99,8 +108,14 @@ class ControlPanel:
         self.progress = W.IntProgress(value=0, min=0, max=1, description="steps",
                                       layout=W.Layout(width="420px"))
         self.status = W.HTML("ready")
-        self.live_widget = self.live.widget()
         ctl = list(self.controls.values())
+        if settings_only:
+            self.live_widget = None
+            self.widget = W.VBox([W.HTML("<b>Settings</b> (the next cells read them with "
+                                         "<code>panel.config()</code>)"),
+                                  W.GridBox(ctl, layout=W.Layout(grid_template_columns="repeat(3, 300px)"))])
+            return
+        self.live_widget = self.live.widget()
         grid = W.GridBox([self.np_] + ctl,
                          layout=W.Layout(grid_template_columns="repeat(3, 300px)"))
         self.widget = W.VBox([grid, W.HBox([self.start_button, self.stop_button, self.progress]),
@@ -138,6 +153,9 @@ class ControlPanel:
     # -- running ---------------------------------------------------------------------------------
     def start(self):
         """Start a run with the current settings; returns the Run at once."""
+        if self.settings_only:
+            raise ConfigError("this panel only holds settings; pass panel.config() to the study, or build "
+                              "ControlPanel(lab, cfg) to train from it")
         if self.run is not None and not self.run.done:
             raise ConfigError("a run is still going; press Stop or wait for it")
         cfg = self.config()

@@ -18,12 +18,14 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 # in docs/architecture.md: front-ends -> study -> engine -> {dist, data, models}).
 LAYERS = {
     "models": 0, "optim": 0, "launch": 0, "files": 0, "plots": 0, "embedded": 0, "buckets": 0,
-    "config": 1,
-    "dist": 2, "data": 2,
+    "config": 1, "testbed": 1,
+    "watchdog": 2,
+    "dist": 2, "data": 2, "checkpoint": 2,
     "layers": 3,
     "engine": 4,
     "train": 5, "simulate": 5,
-    "perfmodel": 6,
+    "bench": 5.5,  # benchmarks: the engine, its building blocks and the launcher; below the study
+    "perfmodel": 6, "energy": 6.5,  # energy: uses the perfmodel's Pi facts; the study uses it
     "scaling": 7,
     "remedies": 8,
     "cluster": 9,

@@ -277,6 +277,39 @@ def case_stop(out):
             json.dump({"steps_per_rank": steps, "stopped": res["stopped_early"]}, f)
 
 
+def case_spiking(out):
+    """The spiking CNN (tests/test_spiking.py): every rank's own state before the buffer sync, and the
+    synced state after a full run, against the virtual-rank simulator of the same run."""
+    from pilab import simulate
+    cfg = Config(model="spiking_cnn", width=0.25, timesteps=3, train_subset=128, test_subset=64,
+                 batch_size=8, epochs=1, max_steps=4, lr=0.05, lr_ref_batch=16, threads=1, seed=3)
+    ds = train.load_data(cfg, COMM)
+    before = COMM.gather(_train_no_sync(cfg, ds), root=0)
+    result, model = train.train(cfg, COMM, data=ds)
+    after = gathered_states(model)
+    if RANK == 0:
+        session = engine.Session(cfg, engine.VirtualRanks(SIZE), data=ds)
+        for g in range(session.total_steps):
+            session.step(*divmod(g, session.steps_per_epoch))
+        sim_result, sim_model = simulate.train(cfg, SIZE, data=ds)
+        bn = [k for k in before[0] if "running" in k]
+        torch.manual_seed(cfg.seed)
+        init = engine.base_model(cfg, torch.device("cpu")).state_dict()
+        res = {
+            "per_rank_diff_before_sync": [max_diff(simulate.virtual_state(session.model, r), before[r])
+                                          for r in range(SIZE)],
+            "ranks_bn_differ_before_sync": max_diff({k: before[1][k] for k in bn},
+                                                    {k: before[0][k] for k in bn}) > 0,
+            "diff_after_run": [max_diff(simulate.virtual_state(sim_model, r), after[r]) for r in range(SIZE)],
+            "params_moved_from_init": max_diff({k: after[0][k] for k, _ in ref_params(init)}, init),
+            "mpi_loss": result["steps"]["loss"], "sim_loss": sim_result["steps"]["loss"],
+            "mpi_test_acc": result["epochs"][-1]["test_acc"], "sim_test_acc": sim_result["epochs"][-1]["test_acc"],
+            "timesteps": sim_model.timesteps,
+        }
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 if __name__ == "__main__":
     case, out = sys.argv[1], sys.argv[2]
-    {"train": case_train, "fault": case_fault, "stop": case_stop}[case](out)
+    {"train": case_train, "fault": case_fault, "stop": case_stop, "spiking": case_spiking}[case](out)

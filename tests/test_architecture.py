@@ -39,4 +39,6 @@ def test_one_training_loop():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "backward":
                 callers.append(path.relative_to(REPO).as_posix())
-    assert set(callers) == {"pilab/engine.py"}, callers
+    # pilab/bench/ holds the contenders the benchmarks measure pilab against (a bare PyTorch loop, DDP);
+    # they are not a way to train.
+    assert {c for c in callers if not c.startswith("pilab/bench/")} == {"pilab/engine.py"}, callers

@@ -130,9 +130,10 @@ def _loopback_alias() -> str:
     return alias
 
 
-def test_pi_profile_engines_register_over_the_lan_address(tmp_path, monkeypatch):
-    # The controller listens on, and advertises, only the address the profile is given (the head node's
-    # LAN address on the Pi cluster). A loopback alias stands in for it: no traffic leaves this machine.
+def test_pi_profile_engines_register_over_a_loopback_alias(tmp_path, monkeypatch):
+    # The controller listens on, and advertises, only the address the profile is given. The loopback-only
+    # variant (runs anywhere); across real hosts -- engines in network namespaces reaching the head
+    # node's bridge address -- see tests/test_testbed.py::test_pi_profile_engines_register_across_the_nodes.
     addr = _loopback_alias()
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")

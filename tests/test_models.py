@@ -43,7 +43,7 @@ def _x(n=2, size=32):
 
 # --- layout and parameter counts ------------------------------------------------------------
 def test_names():
-    assert MODEL_NAMES == ("mobilenetv2_cifar", "mobilenetv2", "squeezenet1_1")
+    assert MODEL_NAMES == ("mobilenetv2_cifar", "mobilenetv2", "squeezenet1_1", "spiking_cnn")
 
 
 @pytest.mark.parametrize("name,classes,expected", [

@@ -49,7 +49,8 @@ def _pyproject() -> dict[str, str]:
         import tomli as tomllib
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]
-    return _parse(project["dependencies"] + project["optional-dependencies"]["mpich"])
+    extras = project["optional-dependencies"]
+    return _parse(project["dependencies"] + extras["mpich"] + extras["snn"])
 
 
 def test_binder_requirements_match_pyproject():
@@ -68,6 +69,7 @@ def test_conda_environment_matches_pyproject():
     conda = [d for d in env["dependencies"] if isinstance(d, str)]
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     names = _parse(c for c in conda if _norm(re.split(r"[<>=!~ ]", c)[0]) not in ("python", "pip"))
+    names.update(_parse(p for p in pip if p != "-e ."))  # what conda-forge lacks, from PyPI
     assert names == _pyproject()
     assert "-e ." in pip  # pilab itself, editable so the notebooks find profiles/
 

@@ -85,6 +85,21 @@ def test_alpha_beta_fit_recovers_known_values():
     assert fit["oversub_alpha"] == pytest.approx(5e-4, rel=1e-6)
 
 
+def test_fit_min_bytes_keeps_small_message_noise_out_of_beta():
+    # a loaded box: every message under 16 KiB costs a scheduler wake-up (1 ms) on top of alpha-beta
+    bench = _synthetic_bench(1e-5, 8e-8, nps=(2,))
+    run = bench["runs"][0]
+    run["seconds"] = [t + (1e-3 if s < 16384 else 0.0) for s, t in zip(run["sizes_bytes"], run["seconds"])]
+    biased = pm.fit_alpha_beta(bench)
+    fit = pm.fit_alpha_beta(bench, min_bytes=16384)
+    assert fit["beta"] == pytest.approx(8e-8, rel=1e-6)
+    assert abs(biased["beta"] / 8e-8 - 1) > 0.05  # what the full range does to it
+    assert {pt["bytes"] for pt in fit["points"]} == {16384, 131072, 1 << 20, 4 << 20}
+    from pilab.config import ConfigError
+    with pytest.raises(ConfigError, match="stat"):
+        pm.fit_alpha_beta(bench, stat="mean")
+
+
 def test_fit_is_nonnegative_on_flat_timings():
     bench = _synthetic_bench(1e-5, 0.0)
     fit = pm.fit_alpha_beta(bench)

@@ -81,11 +81,12 @@ def test_scale_cli_end_to_end(tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "pilab", "scale", "--nps", "1,2", "--simulate-nps", "4",
          "--width", "0.25", "--train-subset", "256", "--test-subset", "100", "--epochs", "2",
-         "--batch-size", "16", "--out", str(out)],
+         "--batch-size", "16", "--target", "this", "--out", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600, env=mpi_env())
     assert p.returncode == 0, p.stderr[-3000:]
     st = json.loads((out / "study.json").read_text())
     assert [r["np"] for r in st["rows"]] == [1, 2, 4]
+    assert st["machine"] == "this machine" and st["target"] is None
     assert [r["simulated"] for r in st["rows"]] == [False, False, True]
     assert [r["global_batch"] for r in st["rows"]] == [16, 32, 64]
     assert st["config"]["threads"] == 1  # constant across the sweep: 2 cores / 2 ranks
@@ -100,7 +101,8 @@ def test_scale_cli_end_to_end(tmp_path):
     for r in st["rows"]:
         run = st["runs"][str(r["np"])]
         assert r["final_test_acc"] == pytest.approx(run["epochs"][-1]["test_acc"])
-        assert r["fast_but_wrong"] == _wrong(r["final_test_acc"], base_acc, crit), r
+        # the accuracy reference (np=1) is what the others are judged against, never judged itself
+        assert r["fast_but_wrong"] == (r["np"] != 1 and _wrong(r["final_test_acc"], base_acc, crit)), r
     t1, t2 = (sum(e["time"] for e in st["runs"][k]["epochs"]) / 2 for k in ("1", "2"))
     r2 = st["rows"][1]
     assert r2["speedup"] == pytest.approx(t1 / t2) and r2["efficiency"] == pytest.approx(r2["speedup"] / 2)
@@ -213,6 +215,15 @@ def test_remedies_search_runs_candidates(tmp_path):
         assert float(lr) == pytest.approx(c["peak_lr"], rel=1e-2)
 
 
+def test_pareto_front_with_energy_as_a_third_axis():
+    pts = [{"epochs_time": 10, "final_test_acc": 0.5, "energy_j": 100},
+           {"epochs_time": 10, "final_test_acc": 0.5, "energy_j": 50},   # same, cheaper: beats the first
+           {"epochs_time": 20, "final_test_acc": 0.6, "energy_j": 200},
+           {"epochs_time": 30, "final_test_acc": 0.55, "energy_j": 40}]  # slow and less accurate, cheapest
+    assert remedies.pareto(pts) == [True, True, True, False]
+    assert remedies.pareto(pts, energy_key="energy_j") == [False, True, True, True]
+
+
 def test_pareto_front():
     pts = [{"epochs_time": 10, "final_test_acc": 0.5}, {"epochs_time": 5, "final_test_acc": 0.5},
            {"epochs_time": 20, "final_test_acc": 0.7}, {"epochs_time": 30, "final_test_acc": 0.6}]
@@ -237,3 +248,103 @@ def test_ablations_separate_the_causes():
         gb, steps, lr, acc = line[76:].split()
         assert (int(gb), int(steps), acc) == (r["global_batch"], r["steps"], f"{r['final_test_acc']:.3f}")
         assert float(lr) == pytest.approx(r["peak_lr"], rel=1e-2)
+
+
+def test_scale_on_the_pi_target_predicts_every_point_and_keeps_this_machines_times(tmp_path):
+    # Simulated points only (no mpiexec): accuracy from the simulator, speed predicted for the Pi.
+    from pilab import perfmodel
+    out = tmp_path / "pi"
+    p = subprocess.run(
+        [sys.executable, "-m", "pilab", "scale", "--nps", "", "--simulate-nps", "1,2,4", "--width", "0.25",
+         "--train-subset", "256", "--test-subset", "100", "--epochs", "2", "--batch-size", "16",
+         "--lr", "0.02", "--threads", "1", "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    st = json.loads((out / "study.json").read_text())
+    assert st["target"] == "pi4b_cluster" == st["machine"]          # the default target
+    assert st["baseline_np"] == 2 and st["accuracy_baseline_np"] == 1  # one Pi node; np=1 for accuracy
+    cfg = Config.from_dict({**st["config"], "threads": 0})
+    pred = {n: perfmodel.predict(cfg, n, "pi4b_cluster") for n in (1, 2, 4)}
+    for r in st["rows"]:
+        n = r["np"]
+        assert r["machine"] == "pi4b_cluster" and r["time_source"] == "predicted"
+        assert r["time_per_epoch"] == pytest.approx(pred[n]["time"])
+        assert r["speedup"] == pytest.approx(pred[2]["time"] / pred[n]["time"])
+        assert r["efficiency"] == pytest.approx(r["speedup"] * 2 / n)
+        # time to target counts training and evaluation up to the first evaluation that reaches it
+        run = st["runs"][str(n)]
+        first = next((i for i, e in enumerate(run["epochs"]) if e["test_acc"] >= st["target_accuracy"]), None)
+        if first is None:
+            assert r["time_to_target"] is None and not r["target_reached"]
+        else:
+            assert r["time_to_target"] == pytest.approx((first + 1) * (pred[n]["time"] + pred[n]["eval_time"]))
+    assert not st["rows"][0]["fast_but_wrong"]  # the accuracy reference is never judged against itself
+    assert st["rows"][2]["speedup"] > st["rows"][1]["speedup"] == pytest.approx(1.0)
+    assert "predicted for pi4b_cluster" in st["verdict"]
+    # energy on the Pi, from the power model over the predicted times (training + evaluations)
+    from pilab import energy
+    for r in st["rows"]:
+        run = st["runs"][str(r["np"])]
+        secs = [pred[r["np"]]["time"] + pred[r["np"]]["eval_time"] for _ in run["epochs"]]
+        e = energy.energy_of_run(run, "pi4b", epoch_times=secs,
+                                 comm_exposed_share=pred[r["np"]]["comm_exposed"] / pred[r["np"]]["time"])
+        assert r["energy_source"] == "model:pi4b" and r["energy_j"] == pytest.approx(e["energy_j"])
+        assert (r["energy_to_target_j"] is None) == (r["time_to_target"] is None)
+    rows_csv = list(csv.DictReader(io.StringIO((out / "study.csv").read_text())))
+    assert [c["energy_source"] for c in rows_csv] == ["model:pi4b"] * 3
+    assert "times: pi4b_cluster (predicted), speed baseline np=2" in p.stdout
+    html = (out / "report.html").read_text()
+    assert "predicted for pi4b_cluster" in html and st["verdict"].split(".")[0] in html
+
+
+def test_verdict_names_the_largest_np_that_stays_right_and_the_first_wrong_one():
+    runs = {1: _run(1, [0.3, 0.5, 0.6], 10.0), 2: _run(2, [0.2, 0.45, 0.57], 6.0),
+            8: _run(8, [0.1, 0.12, 0.15], 2.5)}
+    rows, meta = scaling.rows_from_runs(runs, scaling.Criteria())
+    st = {"rows": rows, "runs": {str(k): v for k, v in runs.items()}, "criteria": {"target_fraction": 0.9,
+          "wrong_floor": 0.2}, **meta}
+    text = scaling.verdict(st)
+    assert "np=2 is the largest count that keeps test accuracy within 5 points of np=1" in text
+    assert "np=8 ends at 15.0% (45 points below), although it is 4.0x faster: fast but wrong" in text
+    assert "not reached at np=8" in text
+    # a reference that did not learn is said so, and nothing is judged against it
+    flat = {1: _run(1, [0.1, 0.1], 10.0), 2: _run(2, [0.1, 0.1], 6.0)}
+    rows, meta = scaling.rows_from_runs(flat, scaling.Criteria())
+    st = {"rows": rows, "runs": {str(k): v for k, v in flat.items()}, "criteria": {"target_fraction": 0.9,
+          "wrong_floor": 0.2}, **meta}
+    assert not meta["reference_learned"] and "has not learned enough" in scaling.verdict(st)
+
+
+def test_remedies_on_the_pi_target_get_times_and_a_pareto_front():
+    from dataclasses import replace
+
+    from pilab import perfmodel
+    cfg = Config(width=0.25, train_subset=256, test_subset=100, epochs=1, batch_size=16,
+                 threads=1, lr_ref_batch=16)
+    res = remedies.search(cfg, 4, only=["baseline", "fixed global batch 16"], reference_acc=0.3,
+                          calibration="pi4b_cluster")
+    assert res["machine"] == "pi4b_cluster"
+    for c, changes in zip(res["candidates"], ({}, {"batch_mode": "global", "batch_size": 16})):
+        want = perfmodel.predict(replace(cfg, threads=0, **changes), 4, "pi4b_cluster")["time"]
+        assert c["epoch_time"] == pytest.approx(want) and c["epochs_time"] == pytest.approx(want)
+    # the front: a candidate is on it unless another is at least as fast and as accurate, and better in one
+    flags = remedies.pareto(res["candidates"], energy_key="energy_j")
+    assert [c["pareto"] for c in res["candidates"]] == flags and any(flags)
+    assert all(c["energy_source"] == "model:pi4b" and c["energy_j"] > 0 for c in res["candidates"])
+    assert "times predicted for pi4b_cluster" in remedies.table(res).splitlines()[0]
+
+
+def test_models_summary_puts_accuracy_speedup_and_energy_side_by_side():
+    def study_of(accs8):
+        runs = {1: _run(1, [0.3, 0.5, 0.6], 10.0), 2: _run(2, [0.3, 0.5, 0.58], 6.0),
+                8: _run(8, accs8, 2.5)}
+        rows, meta = scaling.rows_from_runs(runs, scaling.Criteria())
+        return {"rows": rows, "runs": {str(k): v for k, v in runs.items()},
+                "config": {"model": "m"}, **meta}
+    rows = scaling.models_summary({"a": study_of([0.1, 0.1, 0.15]), "b": study_of([0.3, 0.5, 0.59])})
+    assert [r["label"] for r in rows] == ["a", "b"]
+    assert rows[0]["first_fast_but_wrong_np"] == 8 and rows[1]["first_fast_but_wrong_np"] is None
+    assert rows[0]["speedup_at_largest"] == pytest.approx(4.0) and rows[0]["largest_np_acc"] == 0.15
+    text = scaling.models_summary_markdown(rows).splitlines()
+    assert len(text) == 4 and text[2].startswith("| a | 0.600 (np=1) | 0.150 (np=8) | 4.0 (vs np=1")
+    assert text[3].endswith("| none |")

@@ -6,7 +6,9 @@
     python -m pilab scale --out runs/demo              # the strong-scaling study + report
     python -m pilab data fetch                         # official CIFAR-10 (needs torchvision + internet)
 
-Bad input gets one line on stderr naming the problem and the fix, and exit code 2.
+Bad input gets one line on stderr naming the problem and the fix, and exit code 2. A file that cannot
+be written (disk full, no permission) gets one line and exit code 74; an interrupted command exits 130
+(SIGINT) or 143 (SIGTERM) after writing what it did (see the README's "Failure behaviour").
 
 This package is the only place with argparse: one module per subcommand, each with ``add_parser(sub)``;
 nothing below the front-ends imports it. The command modules import the library inside their
@@ -14,16 +16,17 @@ nothing below the front-ends imports it. The command modules import the library 
 """
 from __future__ import annotations
 
+import errno
 import sys
 
 from ..config import ConfigError
 from ..launch import LaunchError, launcher_rank
-from . import compare, data, perfmodel, remedies, scale, simulate, train
-from .common import EXIT_USAGE, Parser, UsageError
+from . import bench, compare, data, perfmodel, remedies, scale, simulate, testbed, train
+from .common import EXIT_USAGE, EXIT_WRITE, Parser, UsageError
 
 __all__ = ["main", "build_parser", "UsageError", "EXIT_USAGE"]
 
-COMMANDS = (train, simulate, scale, compare, remedies, perfmodel, data)
+COMMANDS = (train, simulate, scale, compare, remedies, perfmodel, data, testbed, bench)
 
 
 def build_parser() -> Parser:
@@ -58,6 +61,20 @@ def main(argv: list[str] | None = None) -> int:
         if launcher_rank() == 0:
             print(f"pilab: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except OSError as e:  # results, reports, checkpoints: earlier files are left as they were
+        if not _is_write_fault(e):
+            raise
+        if launcher_rank() == 0:
+            what = f"cannot write {e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
+            print(f"pilab: error: {what}", file=sys.stderr)
+        return EXIT_WRITE
+    except KeyboardInterrupt:  # a second Ctrl-C, or a command without a stop point of its own
         print("pilab: interrupted", file=sys.stderr)
         return 130
+
+
+def _is_write_fault(e: OSError) -> bool:
+    """Disk full, quota, read-only file system, no permission: the machine's fault, one line."""
+    from ..checkpoint import WriteError
+    return isinstance(e, WriteError) or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
+                                                    errno.EPERM)

@@ -6,6 +6,9 @@ Only the CLI imports this module; library code raises its own errors (``ConfigEr
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
 from dataclasses import fields
 
@@ -109,3 +112,161 @@ def progress_callbacks(quiet: bool):
         elif kind == "end":
             state["bar"].close()
     return [cb]
+
+
+# ----------------------------------------------------------------------------------------------
+# exit codes, interruption, the output directory
+# ----------------------------------------------------------------------------------------------
+EXIT_WRITE = 74  # a result or checkpoint could not be written (sysexits' EX_IOERR)
+
+
+def exit_code_for(signum: int) -> int:
+    """The shell's convention: 128 + the signal's number (130 for SIGINT, 143 for SIGTERM)."""
+    return 128 + int(signum)
+
+
+class Interrupt:
+    """The stop request a signal makes; ``train.run(..., stop=flag)`` polls it after every step."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.reason: str | None = None
+
+    def __call__(self) -> bool:
+        return self.signum is not None
+
+
+@contextlib.contextmanager
+def interruptible(*, mpi: bool, speak: bool = True):
+    """SIGINT (Ctrl-C) and SIGTERM (a batch system's notice) become a stop request: every rank ends
+    after the same step and writes what it did. A second signal exits at once: ``KeyboardInterrupt``
+    in one process; under mpiexec this rank leaves at once and the launcher ends the others::
+
+        with interruptible(mpi=False) as stop:
+            result = train.run(cfg, None, stop=stop)
+    """
+    flag = Interrupt()
+
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if flag.signum is None:
+            flag.signum, flag.reason = signum, f"interrupted by {name}"
+            if speak:
+                print(f"\npilab: {name}: stopping after the current step and writing what is done "
+                      f"({'Ctrl-C' if signum == signal.SIGINT else name} again exits at once)",
+                      file=sys.stderr, flush=True)
+            return
+        if mpi:
+            if speak:
+                print(f"pilab: {name} again: exiting now", file=sys.stderr, flush=True)
+            os._exit(exit_code_for(signum))
+        raise KeyboardInterrupt
+
+    signums = (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.getsignal(s) for s in signums}
+    for s in signums:
+        signal.signal(s, handler)
+    try:
+        yield flag
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt like Ctrl-C does (for commands that stop by unwinding)."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
+
+
+# What a run leaves in its --out directory (and may replace when started again there).
+RUN_FILES = ("result.json", "checkpoint.pt")
+
+
+def _saved_config(out: str) -> tuple[dict | None, dict | None, str | None]:
+    """(config, result) of the run in ``out``: from result.json, else from its checkpoint; the third
+    value names what could not be read."""
+    import json
+    res_path = os.path.join(out, "result.json")
+    if os.path.exists(res_path):
+        try:
+            with open(res_path) as f:
+                res = json.load(f)
+            return res["config"], res, None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None, None, res_path
+    ck = os.path.join(out, "checkpoint.pt")
+    if os.path.exists(ck):
+        from .. import checkpoint
+        try:
+            return checkpoint.read(ck)["config"], None, None
+        except checkpoint.CheckpointError:
+            return None, None, ck
+    return None, None, None
+
+
+def _differences(mine: dict, theirs: dict, ignore: tuple) -> list[str]:
+    return [f"{k}={theirs.get(k)!r} there, {mine[k]!r} now" for k in sorted(mine)
+            if k not in ignore and theirs.get(k, mine[k]) != mine[k]]
+
+
+def check_out_dir(cfg, *, overwrite: bool, command: str = "train") -> bool:
+    """Refuse (UsageError) an ``--out`` that holds another run's results, unless ``overwrite``.
+
+    The same settings again are a re-run and replace the old files (what re-running a README command
+    does), except an unfinished run (a checkpoint and no complete result): that is continued with
+    ``--resume``, or started over with ``--overwrite``. Resuming from a checkpoint in ``out`` is
+    always allowed. Returns True when old run files are there to be cleared (``clear_out_dir``)."""
+    out = cfg.out
+    if not out or not os.path.isdir(out):
+        return False
+    from .. import checkpoint
+    present = [n for n in RUN_FILES if os.path.exists(os.path.join(out, n))] + \
+        [p for _, p in checkpoint.epoch_files(out)]
+    if not present:
+        return False
+    if cfg.resume and os.path.dirname(os.path.abspath(cfg.resume)) == os.path.abspath(out):
+        return False  # continuing the run that is there
+    if overwrite:
+        return True
+    theirs, res, unreadable = _saved_config(out)
+    if unreadable:
+        raise UsageError(f"--out {out} holds {os.path.basename(unreadable)}, which pilab cannot read; "
+                         "give another --out, or --overwrite to replace it")
+    diff = _differences(cfg.to_dict(), theirs, checkpoint.RESUMABLE)
+    if diff:
+        raise UsageError(f"--out {out} holds the results of another run ({'; '.join(diff[:3])}"
+                         f"{'; …' if len(diff) > 3 else ''}); give another --out, or --overwrite to "
+                         "replace them")
+    ck = checkpoint.latest(out)
+    unfinished = res is None or res.get("stopped_early") or \
+        res.get("epochs_done", cfg.epochs) < res["config"].get("epochs", cfg.epochs)
+    if ck and unfinished and not cfg.max_steps:
+        done = f" ({res.get('epochs_done')} of {cfg.epochs} epochs done)" if res else ""
+        raise UsageError(f"--out {out} holds an unfinished run of these settings{done}; continue it with "
+                         f"`--resume {ck}`, or start over with --overwrite")
+    return True
+
+
+def clear_out_dir(out: str) -> None:
+    """Remove the run files of an earlier run in ``out`` (result.json, checkpoints) before a new run
+    writes there, so nothing of the old run is mistaken for the new one's."""
+    from .. import checkpoint
+    for p in [os.path.join(out, n) for n in RUN_FILES] + [p for _, p in checkpoint.epoch_files(out)]:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(p)
+
+
+def mpi_or_error() -> None:
+    """LaunchError with the way to get an MPI library, where mpi4py cannot load one."""
+    from ..dist import MPI
+    from ..launch import MPI_HINT, LaunchError
+    if MPI is None:
+        raise LaunchError(f"this command needs an MPI library and mpi4py cannot load one; install it "
+                          f"with {MPI_HINT}")

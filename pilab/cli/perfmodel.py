@@ -208,6 +208,8 @@ def run_bench(args, argv) -> int:
     if any(p < 2 for p in args.np):
         raise UsageError("--np values must be >= 2 (an Allreduce needs two ranks)")
     _check_range(args, "sizes", 1)
+    from .common import mpi_or_error
+    mpi_or_error()  # the benchmark's ranks need an MPI library: say how to get one, before launching
     try:
         res = pm.run_comm_bench(args.np, sizes=args.sizes, mpiexec=args.mpiexec,
                                 extra_args=shlex.split(args.launcher_args or ""))

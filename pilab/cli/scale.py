@@ -1,12 +1,19 @@
-"""``pilab scale``: the strong-scaling study (measured MPI runs + simulated sweep + report)."""
+"""``pilab scale``: the strong-scaling study (measured MPI runs + simulated sweep + report).
+
+Interrupted (Ctrl-C, SIGTERM, a failed run), the study keeps its finished np points, writes study.json
+with ``complete: false`` and ``missing``, and exits 130/143 (1 for a failed run); ``--resume`` with the
+same command runs only the missing points. An ``--out`` holding another study is refused unless
+``--overwrite``."""
 from __future__ import annotations
 
+import glob
 import os
 import sys
 from dataclasses import replace
 
 from ..config import ConfigError
-from .common import add_config_arguments, config_from_args, ints
+from .common import (UsageError, add_config_arguments, config_from_args, exit_code_for, ints,
+                     sigterm_as_interrupt)
 
 
 
@@ -34,10 +41,50 @@ def add_parser(sub) -> None:
                    help="fast-but-wrong if final test accuracy is under this")
     p.add_argument("--preset", choices=("demo", "pi"), default="demo",
                    help="demo: this machine; pi: 2..48 ranks, baseline 2, 2 threads/rank")
+    p.add_argument("--target", default="pi4b_cluster",
+                   help="machine the speedup and time to target are for: pi4b_cluster (24 Raspberry Pi "
+                        "4B x 2 ranks, predicted by the performance model; speed baseline one node = np 2), "
+                        "this (this machine: measured, simulated points predicted here), or a calibration "
+                        "/ cluster JSON (default: pi4b_cluster; this machine's times are shown beside it)")
     p.add_argument("--hostfile", default=None, help="MPI hostfile for the measured runs (Pi cluster)")
     p.add_argument("--mpiexec", default=None, help="launcher (default: next to this Python, then PATH)")
-    add_config_arguments(p, _defaults())
+    p.add_argument("--resume", dest="resume_study", action="store_true",
+                   help="continue the interrupted study in --out: keep its finished np points, run only "
+                        "the missing ones")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace another study's results in --out (default: refuse)")
+    add_config_arguments(p, _defaults(), skip=("resume",))
     p.set_defaults(func=run)
+
+
+def check_study_dir(cfg, *, overwrite: bool, resume: bool) -> None:
+    """Refuse (UsageError) an ``--out`` holding another study (other settings) unless ``overwrite``,
+    and an unfinished study of these settings unless ``resume`` (or ``overwrite``)."""
+    import json
+
+    from ..checkpoint import RESUMABLE
+    from .common import _differences
+    out = cfg.out
+    path = os.path.join(out, "study.json") if out else ""
+    points = sorted(glob.glob(os.path.join(glob.escape(out), "np*", "result.json"))) if out else []
+    if overwrite or not (os.path.exists(path) or points):
+        return
+    try:
+        with open(path if os.path.exists(path) else points[0]) as f:
+            old = json.load(f)
+        theirs = old["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UsageError(f"--out {out} holds a study pilab cannot read; give another --out, or "
+                         "--overwrite to replace it") from None
+    diff = _differences(cfg.to_dict(), theirs, RESUMABLE)
+    if diff:
+        raise UsageError(f"--out {out} holds another study ({'; '.join(diff[:3])}); give another --out, "
+                         "or --overwrite to replace it")
+    unfinished = not os.path.exists(path) or old.get("complete") is False
+    if unfinished and not resume:
+        missing = f" (np {old['missing']} missing)" if old.get("missing") else ""
+        raise UsageError(f"--out {out} holds an unfinished study of these settings{missing}; the same "
+                         "command with --resume runs only the missing points, --overwrite starts over")
 
 
 def run(args, argv) -> int:
@@ -61,18 +108,36 @@ def run(args, argv) -> int:
                                 wrong_gap=args.wrong_gap, wrong_floor=args.wrong_floor)
     if baseline and baseline not in nps:
         raise ConfigError(f"--baseline {baseline} is not among --nps {args.nps}; add it")
+    check_study_dir(cfg, overwrite=args.overwrite, resume=args.resume_study)
+    if nps:
+        from .common import mpi_or_error
+        mpi_or_error()
     print(f"pilab scale: measured np {nps}, simulated np {sims}, writing {cfg.out}", file=sys.stderr)
 
     def progress(ev):
         r = ev["result"]
         acc = scaling.final_value(r, "test_acc")
+        took = "kept from the earlier run" if ev.get("kept") else f"{r['wall_time']:.0f}s"
         print(f"  np={ev['np']:<3} {'simulated' if ev['simulated'] else 'measured '} "
-              f"global batch {r['global_batch']:<5} final test acc {acc:.3f}  "
-              f"({r['wall_time']:.0f}s)", file=sys.stderr, flush=True)
+              f"global batch {r['global_batch']:<5} final test acc {acc:.3f}  ({took})",
+              file=sys.stderr, flush=True)
 
     command = "python -m pilab scale " + " ".join(argv)
-    res = scaling.study(cfg, nps, simulate_nps=sims, criteria=criteria, out=cfg.out, mpiexec=args.mpiexec,
-                        hostfile=args.hostfile, callbacks=[progress], command=command.strip())
+    scaling.target_name(args.target)  # a bad --target is refused before any run
+    try:
+        with sigterm_as_interrupt():
+            res = scaling.study(cfg, nps, simulate_nps=sims, criteria=criteria, out=cfg.out,
+                                mpiexec=args.mpiexec, hostfile=args.hostfile, callbacks=[progress],
+                                command=command.strip(), target=args.target, resume=args.resume_study)
+    except scaling.Interrupted as e:
+        st, cause = e.study, e.cause
+        kept = sorted(int(p) for p in st["runs"])
+        where = f"; kept np {kept} in {cfg.out}" if cfg.out and kept else ""
+        print(f"pilab: scale {st['stopped']}{where}; missing np {st['missing']}"
+              + ("; the same command with --resume runs only those" if cfg.out else ""), file=sys.stderr)
+        if isinstance(cause, KeyboardInterrupt):
+            return exit_code_for(15 if cause.args and cause.args[0] == "SIGTERM" else 2)
+        return 1
     print(scaling.table(res))
     print(f"report: {os.path.join(cfg.out, 'report.html')}")
     return 0

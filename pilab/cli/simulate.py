@@ -1,10 +1,15 @@
-"""``pilab simulate --np N``: the same training as ``pilab train --np N``, with virtual ranks."""
+"""``pilab simulate --np N``: the same training as ``pilab train --np N``, with virtual ranks.
+
+Ctrl-C or SIGTERM stops after the current step and writes result.json (``stopped_early``), exit 130 or
+143; a second one exits at once. ``--out`` holding another run is refused unless ``--overwrite``."""
 from __future__ import annotations
 
 import os
+import sys
 
 from ..config import Config, ConfigError
-from .common import add_config_arguments, config_from_args, progress_callbacks
+from .common import (EXIT_WRITE, add_config_arguments, check_out_dir, clear_out_dir, config_from_args, exit_code_for,
+                     interruptible, progress_callbacks)
 
 DEFAULTS = Config(out="runs/simulate")
 
@@ -17,6 +22,8 @@ def add_parser(sub) -> None:
     p.add_argument("--ranks-per-chunk", type=int, default=0,
                    help="virtual ranks per forward pass (memory vs speed; default: ~256 images)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace another run's results in --out (default: refuse)")
     add_config_arguments(p, DEFAULTS)
     p.set_defaults(func=run)
 
@@ -26,11 +33,24 @@ def run(args, argv) -> int:
     cfg = config_from_args(args, DEFAULTS)
     if args.np < 1:
         raise ConfigError(f"--np {args.np} must be >= 1")
-    res = simulate.run(cfg, args.np, callbacks=progress_callbacks(args.quiet),
-                       ranks_per_chunk=args.ranks_per_chunk)
+    simulate.check_supported(cfg)
+    if check_out_dir(cfg, overwrite=args.overwrite):
+        clear_out_dir(cfg.out)
+    with interruptible(mpi=False) as stop:
+        res = simulate.run(cfg, args.np, callbacks=progress_callbacks(args.quiet), stop=stop,
+                           ranks_per_chunk=args.ranks_per_chunk)
     last = res["epochs"][-1] if res["epochs"] else {}
     print(f"simulated np={args.np} global batch={res['global_batch']} peak lr={res['peak_lr']:.4g} "
           f"final test acc {last.get('test_acc')}")
-    if cfg.out:
+    if cfg.out and "result.json" not in res.get("write_error", ""):
         print(f"result: {os.path.join(cfg.out, 'result.json')}")
+    if res.get("write_error"):
+        print(f"pilab: error: {res['write_error']}", file=sys.stderr)
+        return EXIT_WRITE
+    if res.get("stopped_early"):
+        print(f"pilab: {res['stop_reason']}: stopped after step {res['steps_done']} of "
+              f"{res['total_steps']} ({res['epochs_done']} of {cfg.epochs} epochs done)"
+              + (f"; kept {os.path.join(cfg.out, 'result.json')} (stopped_early)" if cfg.out else ""),
+              file=sys.stderr)
+        return exit_code_for(stop.signum)
     return 0

@@ -2,16 +2,24 @@
 
     python -m pilab train --np 2 --epochs 2            # launches mpiexec itself
     mpiexec -n 2 python -m pilab train --epochs 2      # every rank runs this command
+
+Ctrl-C or SIGTERM: every rank stops after the same step, result.json says ``stopped_early``, the exit
+code is 128 + the signal (130, 143); a second one exits at once. A checkpoint or result that cannot be
+written: one line, exit 74, the earlier files intact. ``--out`` holding another run: refused (exit 2)
+unless ``--overwrite``.
 """
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
 from ..config import Config, ConfigError
 from ..launch import pilab_command, under_mpi
-from .common import EXIT_USAGE, add_config_arguments, config_from_args, progress_callbacks, strip_flags
+from .common import (EXIT_USAGE, EXIT_WRITE, UsageError, add_config_arguments, check_out_dir,
+                     clear_out_dir, config_from_args, exit_code_for, interruptible, mpi_or_error,
+                     progress_callbacks, strip_flags)
 
 DEFAULTS = Config(out="runs/train")
 
@@ -26,6 +34,13 @@ def add_parser(sub) -> None:
                    help="launcher to use with --np (default: $PILAB_MPIEXEC, the mpiexec next to this "
                         "Python, then PATH)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace another run's results in --out (default: refuse; the same settings "
+                        "again are a re-run and replace them)")
+    t.add_argument("--hang-s", type=float, default=None,
+                   help="end the job, naming the unreachable or stuck rank, after this many seconds "
+                        "without a step on a rank (default: $PILAB_HANG_S or 120; 0: never; see "
+                        "pilab.watchdog)")
     add_config_arguments(t, DEFAULTS)
     t.set_defaults(func=run)
 
@@ -35,63 +50,154 @@ def run(args, argv) -> int:
     if args.np is not None and not under_mpi():
         return _launch(cfg, args, argv)
     if not under_mpi():
-        return _report(_train_alone(cfg, args.quiet), cfg)
+        from ..engine import load_data
+        ds = load_data(cfg)
+        cfg.check_world(1, len(ds.y_train))
+        if _check_output(cfg, args, 1):
+            clear_out_dir(cfg.out)
+        with interruptible(mpi=False) as stop:
+            result = _train_alone(cfg, args.quiet, stop, ds)
+        return _report(result, cfg, stop)
     return _train_rank(cfg, args)
 
 
+def _check_output(cfg: Config, args, np_: int) -> bool:
+    """Refuse an --out of another run and a checkpoint that cannot resume this one, before any work;
+    True when the old run files in --out are to be replaced."""
+    stale = check_out_dir(cfg, overwrite=args.overwrite)
+    if cfg.resume:
+        from .. import checkpoint
+        checkpoint.load(cfg.resume, cfg, np_)
+    return stale
+
+
 def _launch(cfg: Config, args, argv) -> int:
-    """``--np N`` outside mpiexec: validate what can be checked before any rank starts, then launch."""
+    """``--np N`` outside mpiexec: validate what can be checked before any rank starts, then launch.
+
+    mpiexec runs in its own process group, so a Ctrl-C reaches it once, from here: the first asks the
+    ranks to stop after their step, a second makes mpiexec end them at once."""
     from ..engine import load_data
     if args.np < 1:
         raise ConfigError(f"--np {args.np} must be >= 1")
     cfg.check_world(args.np, len(load_data(cfg).y_train))
+    mpi_or_error()
+    _check_output(cfg, args, args.np)
     cmd = pilab_command(args.np, ["train", *strip_flags(argv, ("--np", "--mpiexec"))], mpiexec=args.mpiexec)
     print("launching: " + " ".join(cmd), file=sys.stderr, flush=True)
-    return subprocess.call(cmd)
+    # stdin from /dev/null: a launcher outside the terminal's foreground group must not read it
+    # stdout/stderr through the watchdog's pump: it ends an mpiexec left waiting for a lost node
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, process_group=0, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    signums = (signal.SIGINT, signal.SIGTERM)
+    old = {s: signal.getsignal(s) for s in signums}
+    for s in signums:
+        signal.signal(s, lambda signum, frame: proc.poll() is None and proc.send_signal(signum))
+    try:
+        from ..watchdog import watch_launcher
+        return watch_launcher(proc)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
-def _train_alone(cfg: Config, quiet: bool) -> dict:
+def _train_alone(cfg: Config, quiet: bool, stop=None, data=None) -> dict:
     """One process without mpiexec: no MPI library needed."""
     from .. import train
-    return train.run(cfg, None, callbacks=progress_callbacks(quiet))
+    return train.run(cfg, None, callbacks=progress_callbacks(quiet), stop=stop, data=data)
 
 
 def _train_rank(cfg: Config, args) -> int:
     """One rank of an mpiexec job."""
-    from mpi4py import MPI
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError) as e:  # RuntimeError: cannot load MPI library
+        from ..launch import MPI_HINT, LaunchError
+        raise LaunchError(f"mpi4py cannot load an MPI library ({str(e).splitlines()[0]}); install one "
+                          f"with {MPI_HINT}") from None
 
     from .. import train
     from ..data import DataError
     from ..dist import abort_on_error, check_launcher
     from ..engine import load_data
+    from ..watchdog import Watchdog, hang_s_from_env
     comm = MPI.COMM_WORLD
     check_launcher(comm)
     # Validate on every rank, then vote: a bad setting stops all ranks cleanly (exit 2) before any
     # collective of the training itself, instead of leaving some ranks waiting.
-    error, ds = None, None
+    error, ds, stale = None, None, False
     try:
         if args.np is not None and args.np != comm.Get_size():
             raise ConfigError(f"--np {args.np} but this job has {comm.Get_size()} ranks; "
                               "drop --np under mpiexec")
         ds = load_data(cfg)
         cfg.check_world(comm.Get_size(), len(ds.y_train))
-    except (ConfigError, DataError) as e:
+        hang_s = args.hang_s if args.hang_s is not None else hang_s_from_env()
+        if hang_s < 0:
+            raise ConfigError(f"--hang-s {args.hang_s} must be >= 0 (0: no watchdog)")
+        if comm.Get_rank() == 0:  # only rank 0 writes: its view of --out and of the checkpoint counts
+            stale = _check_output(cfg, args, comm.Get_size())
+    except (ConfigError, DataError, UsageError, ValueError) as e:
         error = e
     first = comm.allreduce(comm.Get_rank() if error is not None else comm.Get_size(), op=MPI.MIN)
     if first < comm.Get_size():
         if comm.Get_rank() == first:  # the lowest failing rank speaks for all
             print(f"pilab: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    with abort_on_error(comm):
-        result = train.run(cfg, comm, callbacks=progress_callbacks(args.quiet), data=ds)
-    return _report(result, cfg) if comm.Get_rank() == 0 else 0
+    # The watchdog ends every rank, naming the unreachable or stuck one, when a collective never
+    # completes (a node off the network): MPI over TCP would wait for TCP's timeouts.
+    if stale:
+        clear_out_dir(cfg.out)
+    rank0 = comm.Get_rank() == 0
+    with interruptible(mpi=True, speak=rank0) as stop, abort_on_error(comm), \
+            Watchdog(comm, hang_s) as watchdog:
+        result = train.run(cfg, comm, callbacks=progress_callbacks(args.quiet), data=ds,
+                           stop=_Polled(watchdog.polled(stop), stop))
+    return _report(result, cfg, stop, speak=rank0)
 
 
-def _report(result: dict, cfg: Config) -> int:
-    last = result["epochs"][-1] if result["epochs"] else {}
-    print(f"np={result['np']} threads/rank={result['threads']} global batch={result['global_batch']} "
-          f"wall {result['wall_time']:.1f}s  {result['images_per_s'] or 0:.0f} img/s  "
-          f"final test acc {last.get('test_acc')}")
-    if cfg.out:
-        print(f"result: {os.path.join(cfg.out, 'result.json')}")
+class _Polled:
+    """The watchdog's poll, carrying the interrupt's reason into the result (``stop_reason``)."""
+
+    def __init__(self, poll, flag):
+        self.poll, self.flag = poll, flag
+
+    def __call__(self) -> bool:
+        return self.poll()
+
+    @property
+    def reason(self):
+        return self.flag.reason
+
+
+def _report(result: dict, cfg: Config, stop=None, *, speak: bool = True) -> int:
+    """Print the summary (rank 0 only: ``speak``) and return the exit code: 0; 74 when a checkpoint
+    or the result could not be written; 128 + the signal when stopped by one (130 when another rank's
+    signal or a stop request ended the run)."""
+    write_error = result.get("write_error")
+    if speak:
+        last = result["epochs"][-1] if result["epochs"] else {}
+        print(f"np={result['np']} threads/rank={result['threads']} global batch={result['global_batch']} "
+              f"wall {result['wall_time']:.1f}s  {result['images_per_s'] or 0:.0f} img/s  "
+              f"final test acc {last.get('test_acc')}")
+        if cfg.out and not (write_error and "result.json" in write_error):
+            print(f"result: {os.path.join(cfg.out, 'result.json')}")
+    if write_error:
+        if speak:
+            print(f"pilab: error: {write_error}", file=sys.stderr)
+        return EXIT_WRITE
+    if result.get("stopped_early"):
+        if speak:
+            print(interrupted_line(result, cfg), file=sys.stderr)
+        return exit_code_for(stop.signum if stop is not None and stop.signum else signal.SIGINT)
     return 0
+
+
+def interrupted_line(result: dict, cfg: Config) -> str:
+    """One line: where the run stopped, what it kept, how to continue."""
+    from .. import checkpoint
+    ck = checkpoint.latest(cfg.out) if cfg.out else None
+    return (f"pilab: {result.get('stop_reason') or 'stopped early'}: stopped after step "
+            f"{result['steps_done']} of {result['total_steps']} ({result['epochs_done']} of "
+            f"{result['config']['epochs']} epochs done)"
+            + (f"; kept {os.path.join(cfg.out, 'result.json')} (stopped_early)" if cfg.out else "")
+            + (f"; continue with `--resume {ck}`" if ck else ""))

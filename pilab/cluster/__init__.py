@@ -35,12 +35,13 @@ from __future__ import annotations
 from .client import Engines, LocalRun, Run
 from .errors import ClusterError
 from .events import publish
-from .profiles import connect, hostfile_slots, lan_address, non_loopback_addresses, profile_dir, start
+from .profiles import (connect, hostfile_slots, lan_address, non_loopback_addresses, profile_dir,
+                       running_clusters, start, stop_stale)
 from .rank import RankTable, StopFlag, engine_train, last, rank_state, stop_flag, whoami
 from .scatter import load_scattered, scatter_shards
 
 __all__ = [
     "ClusterError", "Engines", "Run", "LocalRun", "start", "connect", "profile_dir", "hostfile_slots",
     "lan_address", "non_loopback_addresses", "whoami", "stop_flag", "StopFlag", "publish", "engine_train",
-    "rank_state", "RankTable", "last", "scatter_shards", "load_scattered",
+    "rank_state", "RankTable", "last", "scatter_shards", "load_scattered", "running_clusters", "stop_stale",
 ]

@@ -111,7 +111,7 @@ class Engines:
         if self._run is not None and not self._run.done:
             raise ClusterError("a run is still going on these engines; run.stop() or run.wait() first")
         self.check()
-        ar = self.view.apply_async(engine_train, cfg, np_, stream=True, scatter=scatter)
+        ar = self.view.apply_async(engine_train, cfg, np_, stream=True, scatter=scatter, hang_s=hang_s)
         self._run = Run(self, ar, np_, callbacks=callbacks, hang_s=hang_s, poll_s=poll_s)
         return self._run
 
@@ -136,12 +136,16 @@ class Engines:
             # Ask the engines to exit first: each rank then finalizes MPI and mpiexec ends cleanly,
             # instead of being killed after ipyparallel's TERM timeout.
             with contextlib.suppress(Exception):
-                self.client.shutdown(targets=self.client.ids, hub=False, block=True)
+                # Not block=True: an engine on a node that dropped off never replies, and its pid
+                # wait below is bounded anyway.
+                self.client.shutdown(targets=self.client.ids, hub=False, block=False)
                 _wait_pids_exit([getattr(es, "pid", None)
                                  for es in self.ipp_cluster.engines.values()], timeout=10)
             with contextlib.suppress(Exception):
                 self.client.close()
             self.ipp_cluster.stop_cluster_sync()
+            from . import profiles  # the registry of clusters started here
+            profiles._STARTED_HERE.discard(self.ipp_cluster.cluster_id)
             print(f"stopped {self.size} engines and their controller")
         else:
             with contextlib.suppress(Exception):
@@ -373,7 +377,8 @@ class Run:
                            "new cluster", e)
                 return
             quiet = time.monotonic() - self._last_event
-            if quiet > self.hang_s:
+            # the ranks' own watchdogs (pilab.watchdog) look first: they can name an unreachable node
+            if quiet > self.hang_s + WATCHDOG_GRACE_S:
                 status = _local_status(lab, ranks)
                 self._fail("hung", f"no progress from rank 0 for {quiet:.0f} s (hang_s={self.hang_s}) "
                            f"at {self._where()}; a rank is stuck or far slower than the others "
@@ -404,6 +409,9 @@ class Run:
         return f"step {last['global_step']}/{last.get('total_steps', '?')}" if last else "the start"
 
     def _fail(self, status: str, message: str, error) -> None:
+        found = _watchdog_lines(self.ar)
+        if found:  # what the ranks' watchdogs found out before they ended (the unreachable hosts)
+            message += "; the ranks' watchdog: " + found[0].split(WATCHDOG_MARK, 1)[1].strip()
         self.status = status
         self._failure = message
         self.error = error
@@ -451,6 +459,20 @@ class LocalRun(Run):
         finally:
             self.ended_at = time.monotonic()
             self._done.set()
+
+
+WATCHDOG_MARK = "pilab: watchdog:"  # = pilab.watchdog.MARK
+WATCHDOG_GRACE_S = 20.0  # seconds the ranks' watchdogs get to probe their peers and end
+
+
+def _watchdog_lines(ar) -> list[str]:
+    """The watchdog's reports in the ranks' stderr, rank 0's first."""
+    try:
+        streams = ar.stderr if ar is not None else []
+    except Exception:  # noqa: BLE001 - a broken AsyncResult must not hide the failure it reports
+        return []
+    streams = streams if isinstance(streams, list) else [streams]
+    return [line for text in streams for line in (text or "").splitlines() if WATCHDOG_MARK in line]
 
 
 def _short(e: BaseException) -> str:

@@ -12,9 +12,12 @@ The profile files (``profiles/profile_*/ipcluster_config.py``) call :func:`hostf
 from __future__ import annotations
 
 import contextlib
+import glob
+import json
 import logging
 import os
 import socket
+import sys
 import time
 
 import psutil  # an ipyparallel dependency
@@ -130,6 +133,7 @@ def start(n: int | None = None, profile: str = "mpi", *, timeout: float | None =
             raise ClusterError(f"n={n} must be >= 1 engines")
         kwargs["n"] = int(n)
     _check_profile(pdir)
+    _warn_running(pdir, profile)
     ipc = ipp.Cluster(**kwargs)
     if timeout is not None:
         ipc.engine_timeout = int(timeout)
@@ -142,7 +146,9 @@ def start(n: int | None = None, profile: str = "mpi", *, timeout: float | None =
         raise ClusterError(f"the engines did not all register within {ipc.engine_timeout} s "
                            f"({type(e).__name__}: {e}); mpiexec said:\n{output}") from None
     try:
-        return Engines(client, ipc, owned=True)
+        lab = Engines(client, ipc, owned=True)
+        _STARTED_HERE.add(ipc.cluster_id)
+        return lab
     except Exception:
         with contextlib.suppress(Exception):
             ipc.stop_cluster_sync()
@@ -169,6 +175,87 @@ def connect(profile: str = "mpi", *, cluster_id: str = "", timeout: float = 30) 
         client.close()
         raise ClusterError(f"no engines registered with the controller of {pdir} within {timeout} s")
     return Engines(client, None, owned=False)
+
+
+def running_clusters(profile: str = "mpi") -> list[dict]:
+    """Clusters of ``profile`` whose controller or engines still run: ``{"cluster_id", "file", "pids",
+    "mine"}`` (``mine``: started by this process and not stopped). A cluster file whose processes are
+    all gone (a crash) is removed on the way."""
+    pdir = profile_dir(profile)
+    found = []
+    for path in sorted(glob.glob(os.path.join(glob.escape(pdir), "security", "cluster-*.json"))):
+        try:
+            with open(path) as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            continue
+        pids = [p for p in _pids(info) if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        cid = info.get("cluster", {}).get("cluster_id", "")
+        if not pids:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            continue
+        found.append({"cluster_id": cid, "file": path, "pids": pids, "mine": cid in _STARTED_HERE})
+    return found
+
+
+def stop_stale(profile: str = "mpi") -> list[str]:
+    """Stop the clusters of ``profile`` left running by a kernel that is gone (restarted, crashed, killed)::
+
+        cluster.stop_stale("mpi")        # what cluster.start tells you to run after a kernel restart
+
+    Returns their cluster ids. Clusters this process started and still uses are left alone."""
+    import ipyparallel as ipp  # see the module docstring
+
+    stopped = []
+    for c in running_clusters(profile):
+        if c["mine"]:
+            continue
+        with contextlib.suppress(Exception):
+            ipp.Cluster.from_file(c["file"]).stop_cluster_sync()
+        for pid in c["pids"]:  # whatever ipyparallel could not reach (e.g. an engine set's mpiexec)
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                for p in [*proc.children(recursive=True), proc]:
+                    with contextlib.suppress(psutil.Error):
+                        p.kill()
+        with contextlib.suppress(OSError):
+            os.remove(c["file"])
+        stopped.append(c["cluster_id"])
+    return stopped
+
+
+def _pids(obj) -> list[int]:
+    if isinstance(obj, dict):
+        return [v for k, v in obj.items() if k == "pid" and isinstance(v, int) and v > 0] + \
+            [p for k, v in obj.items() if k != "pid" for p in _pids(v)]
+    if isinstance(obj, list):
+        return [p for v in obj for p in _pids(v)]
+    return []
+
+
+# Cluster ids started by this process (start) and not yet stopped (Engines.stop removes them).
+_STARTED_HERE: set[str] = set()
+
+
+def _warn_running(pdir: str, profile: str) -> list[dict]:
+    """Say what to do about other clusters of this profile (ipyparallel runs each on its own ports, so
+    starting one more works, but engines left by a dead kernel hold cores and memory). Returns them."""
+    others = running_clusters(pdir)
+    for c in others:
+        if c["mine"]:
+            msg = (f"note: a cluster of profile {profile!r} is already running in this kernel (cluster id "
+                   f"{c['cluster_id']}); starting a second, separate one: %px now goes to the new engines. "
+                   "Use the Engines you have instead, or lab.stop() the old one")
+        else:
+            msg = (f"warning: profile {profile!r} has a cluster this kernel did not start still running "
+                   f"(cluster id {c['cluster_id']}, pids {c['pids']}), e.g. left by a kernel restart or "
+                   f"crash: stop it with cluster.stop_stale({profile!r}) (or `ipcluster stop --profile-dir "
+                   f"{pdir} --cluster-id {c['cluster_id']}`), or attach to it with "
+                   f"cluster.connect({profile!r}, cluster_id={c['cluster_id']!r})")
+        print(msg, file=sys.stderr, flush=True)
+    return others
 
 
 def _check_profile(pdir: str) -> None:

@@ -79,7 +79,8 @@ def stop_flag(signals=(signal.SIGINT,)):
 last: dict = {}
 
 
-def engine_train(cfg, np_: int | None = None, *, stream: bool = True, scatter: bool = False) -> dict:
+def engine_train(cfg, np_: int | None = None, *, stream: bool = True, scatter: bool = False,
+                 hang_s: float = 0.0) -> dict:
     """Train on ranks ``0..np_-1`` of COMM_WORLD; call it on every engine (it splits the world).
 
     Ranks ``>= np_`` get no communicator and return ``{"rank": r, "idle": True}`` at once. Rank 0 of
@@ -105,7 +106,13 @@ def engine_train(cfg, np_: int | None = None, *, stream: bool = True, scatter: b
         try:
             callbacks = [publish] if stream and comm.Get_rank() == 0 else []
             data = load_scattered(cfg, comm) if scatter else None
-            result, model = train.train(cfg, comm, callbacks=callbacks, stop=stop, data=data)
+            # A node off the network can never rejoin this run: after hang_s without a step every rank
+            # ends itself, naming the unreachable ranks (the client reports them as died). A stuck but
+            # reachable rank is left to the client's own hang report.
+            from ..watchdog import Watchdog
+            with Watchdog(comm, hang_s, fatal=("unreachable",)) as watchdog:
+                result, model = train.train(cfg, comm, callbacks=callbacks, stop=watchdog.polled(stop),
+                                            data=data)
             last.clear()
             last.update(model=model, cfg=cfg, np=np_, rank=comm.Get_rank(), result=result)
         finally:

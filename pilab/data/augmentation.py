@@ -29,9 +29,21 @@ def _check_images(x: torch.Tensor) -> None:
         raise DataError(f"expected a uint8 tensor (B, 32, 32, 3), got {got}; pass rows of CIFAR10.x_train")
 
 
+_ON_DEVICE: dict = {}  # device -> (scale, shift) there: moved once, not on every batch
+
+
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if device.type == "cpu":
+        return _SCALE, _SHIFT
+    if device not in _ON_DEVICE:
+        _ON_DEVICE[device] = (_SCALE.to(device), _SHIFT.to(device))
+    return _ON_DEVICE[device]
+
+
 def _normalise(x_nhwc: torch.Tensor) -> torch.Tensor:
     """uint8 NHWC -> float32 NCHW view in channels_last memory (no copy beyond the float conversion)."""
-    y = x_nhwc.to(torch.float32).mul_(_SCALE).add_(_SHIFT)
+    scale, shift = _constants(x_nhwc.device)
+    y = x_nhwc.to(torch.float32).mul_(scale).add_(shift)
     return y.permute(0, 3, 1, 2)
 
 
@@ -63,16 +75,29 @@ def augment(x: torch.Tensor, *, seed: int, epoch: int, step: int, rank: int) -> 
         xb = augment(shard_x[idx], seed=0, epoch=3, step=17, rank=comm.rank)
     """
     _check_images(x)
-    x = x.contiguous()
-    b = x.shape[0]
+    shift, flip = augment_draws(x.shape[0], seed=seed, epoch=epoch, step=step, rank=rank)
+    return augment_with(x, shift, flip)
+
+
+def augment_draws(b: int, *, seed: int, epoch: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random numbers ``augment`` uses for a batch of ``b``: shifts (b, 2) and flips (b, 1), drawn
+    on the CPU from (seed, epoch, step, rank). A device-resident loader draws a whole epoch of them at
+    once and moves them in one copy, so the device never waits for the host per step."""
     g = _aug_generator(seed, epoch, step, rank)
     shift = torch.randint(-PAD, PAD + 1, (b, 2), generator=g)
     flip = torch.randint(0, 2, (b, 1), generator=g).bool()
-    ar = torch.arange(32)
+    return shift, flip
+
+
+def augment_with(x: torch.Tensor, shift: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
+    """``augment`` with given draws, on whatever device ``x`` and the draws are (all on the same one)."""
+    x = x.contiguous()
+    b = x.shape[0]
+    ar = torch.arange(32, device=x.device)
     # Crop of the padded image at offset (PAD+dy, PAD+dx) = reflected source rows/cols; the flip reverses
     # the columns of the crop. One gather of 3-byte pixels does crop and flip for the whole batch.
     rows = _reflect(ar + shift[:, :1])                                      # (b, 32)
     cols = _reflect(torch.where(flip, 31 - ar, ar) + shift[:, 1:])          # (b, 32)
-    flat = (torch.arange(b)[:, None, None] * 32 + rows[:, :, None]) * 32 + cols[:, None, :]
+    flat = (torch.arange(b, device=x.device)[:, None, None] * 32 + rows[:, :, None]) * 32 + cols[:, None, :]
     crops = x.view(-1, 3).index_select(0, flat.reshape(-1)).view(b, 32, 32, 3)
     return _normalise(crops)

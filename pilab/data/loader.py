@@ -11,7 +11,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .augmentation import augment, to_input
+from .augmentation import augment, augment_draws, augment_with, to_input
 from .dataset import CIFAR10, DataError
 from .shards import _check_np, _reshuffle_global, _static_local, epoch_accounting, static_shards
 
@@ -26,10 +26,15 @@ class ShardLoader:
         loader = ShardLoader(ds, np_=comm.size, rank=comm.rank, batch=32, seed=cfg.seed)
         for step, x, y in loader.epoch(epoch): ...
         x, y = loader.batch(epoch, step)        # the same batch again (replay / resume)
+
+    ``device=`` keeps the images (uint8) on that device and augments there: an epoch's batch positions
+    and augmentation draws are made on the CPU at the epoch's first batch and moved in one copy each, so
+    a step issues no host-to-device transfer and no host synchronisation. The batches are the same as
+    without ``device`` (``device="cpu"`` runs that path on the CPU, for tests).
     """
 
     def __init__(self, ds: CIFAR10, np_: int, rank: int, batch: int, *, seed: int = 0,
-                 policy: str = "static", augment: bool = True):
+                 policy: str = "static", augment: bool = True, device=None):
         n = len(ds.y_train)
         _check_np(n, np_, rank, batch, policy)
         acc = epoch_accounting(n, np_, batch, policy, seed)
@@ -50,6 +55,10 @@ class ShardLoader:
             self._x = torch.from_numpy(ds.x_train)  # shares memory with ds
             self._y = torch.from_numpy(ds.y_train)
         self._cached_epoch, self._cached_rows = None, None
+        self.device = torch.device(device) if device is not None else None
+        if self.device is not None:
+            self._x, self._y = _to_device(self._x, self.device), _to_device(self._y, self.device)
+            self._draws_epoch, self._draws = None, None
 
     def _rows(self, epoch: int) -> torch.Tensor:
         """(steps, batch) positions into self._x for ``epoch`` (computed once per epoch)."""
@@ -72,13 +81,46 @@ class ShardLoader:
         """Batch ``step`` of ``epoch``: x float32 (B,3,32,32) channels_last, y int64 (B,)."""
         if not 0 <= step < self.steps_per_epoch:
             raise DataError(f"step={step} is outside 0..{self.steps_per_epoch - 1} of an epoch")
+        if self.device is not None:
+            return self._device_batch(epoch, step)
         rows = self._rows(epoch)[step]
         xb, yb = self._x.index_select(0, rows), self._y.index_select(0, rows)
         if self.augment:
             return augment(xb, seed=self.seed, epoch=epoch, step=step, rank=self.rank), yb
         return to_input(xb), yb
 
+    def _device_batch(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._draws_epoch != epoch:  # once per epoch: positions and draws for every step, one copy each
+            rows = self._rows(epoch)
+            draws = [augment_draws(self.batch_size, seed=self.seed, epoch=epoch, step=s, rank=self.rank)
+                     for s in range(self.steps_per_epoch)] if self.augment else []
+            self._draws = (rows.to(self.device),
+                           torch.stack([d[0] for d in draws]).to(self.device) if draws else None,
+                           torch.stack([d[1] for d in draws]).to(self.device) if draws else None)
+            self._draws_epoch = epoch
+        rows, shifts, flips = self._draws
+        r = rows[step]
+        xb, yb = self._x.index_select(0, r), self._y.index_select(0, r)
+        if self.augment:
+            return augment_with(xb, shifts[step], flips[step]), yb
+        return to_input(xb), yb
+
     def epoch(self, epoch: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         for step in range(self.steps_per_epoch):
             x, y = self.batch(epoch, step)
             yield step, x, y
+
+
+_SHARED: list = []  # [(cpu tensor, device, device tensor)]: the last whole-set copy, shared by loaders
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; the reshuffle policy's whole training set is moved once, not once per
+    (virtual) rank: loaders of the same arrays share the last copy made."""
+    for src, dev, copy in _SHARED:
+        if src.data_ptr() == t.data_ptr() and src.shape == t.shape and dev == device:
+            return copy
+    copy = t.to(device)
+    if copy.data_ptr() != t.data_ptr():
+        _SHARED[:] = [(t, device, copy)] + _SHARED[:1]
+    return copy

@@ -118,7 +118,8 @@ def calibrate(np1_result: Mapping[str, Any], comm_bench: Any, *, source: str = "
     return Calibration(
         model=cfg["model"], width=float(cfg["width"]), per_rank_batch=b,
         threads=threads, cores_per_node=cores,
-        flops_per_image=train_flops_per_image(cfg["model"], float(cfg["width"])),
+        flops_per_image=train_flops_per_image(cfg["model"], float(cfg["width"]),
+                                              timesteps=cfg.get("timesteps")),
         compute_s_per_image=idle * c_step / b, data_s_per_image=idle * t_data / (n_steps * b),
         eval_s_per_image=idle * eval_s,
         step_overhead_s=idle * max(0.0, (t_time - t_comp - t_data) / n_steps),
@@ -130,7 +131,8 @@ def calibrate(np1_result: Mapping[str, Any], comm_bench: Any, *, source: str = "
         oversub_alpha=fit["oversub_alpha"], available_cores=float(available_cores or 0.0),
         bench_nps=tuple(int(r["np"]) for r in runs), mpi_library=str(runs[0].get("mpi_library", "")),
         host=",".join(env.get("hostnames", [])[:1]), source=source,
-        activations_per_image=float(activation_elements(cfg["model"], float(cfg["width"]))),
+        activations_per_image=float(activation_elements(cfg["model"], float(cfg["width"]),
+                                                        timesteps=cfg.get("timesteps"))),
         flops_per_activation=float(flops_per_activation),
         step_work_per_tensor=float(step_work_per_tensor))
 

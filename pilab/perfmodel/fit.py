@@ -60,22 +60,33 @@ def _wls(rows, use_alpha: bool = True, use_beta: bool = True):
     return solve(use_alpha, use_beta)
 
 
-def fit_alpha_beta(bench, algorithm: str = "mpich", short_msg_bytes: int = 2048) -> dict:
+def fit_alpha_beta(bench, algorithm: str = "mpich", short_msg_bytes: int = 2048, *,
+                   min_bytes: int = 0, stat: str = "seconds") -> dict:
     """Least-squares alpha (s/message) and beta (s/byte) from micro-benchmark timings.
 
     Each timing is modelled as ``rounds * alpha + critical_bytes * beta`` for the schedule of
     ``algorithm`` (one node: one link type), minimising relative residuals (sizes span 4 B..16 MiB),
-    both kept >= 0. Runs with more ranks than cores (oversubscribed: a busy-polling peer may be
+    both kept >= 0.
+
+    ``min_bytes`` leaves out the smaller messages. Where their cost is not ``alpha + n * beta`` -- on a
+    loaded machine a few-byte Allreduce over TCP costs what the scheduler takes to wake the peer, and
+    1 KiB may cost twice 4 B -- relative least squares trades beta against them and can put the
+    bandwidth above the link's line rate (a 100 Mbit/s testbed link fitted at 15 MB/s over 4 B..4 MiB,
+    12.4 MB/s over 16 KiB..4 MiB). Fit the link that carries gradient buckets over the sizes they
+    have: ``fit_alpha_beta(inter_bench, min_bytes=16 * 1024)``. ``stat``: ``"seconds"`` (the median
+    over trials) or ``"seconds_min"`` (the fastest trial: other work only ever adds time). Runs with more ranks than cores (oversubscribed: a busy-polling peer may be
     descheduled) are left out of that fit and give ``oversub_alpha`` instead: the extra seconds per
     round they need. Returns {"alpha", "beta", "oversub_alpha", "rel_rms", "points": [...]}.
     """
+    if stat not in ("seconds", "seconds_min"):
+        raise ConfigError(f"stat={stat!r}: 'seconds' (median over trials) or 'seconds_min'")
     rows = []
     for run in _bench_runs(bench):
         p = int(run["np"])
         over = _oversubscribed(run)
-        for nbytes, t in zip(run["sizes_bytes"], run["seconds"]):
+        for nbytes, t in zip(run["sizes_bytes"], run.get(stat) or run["seconds"]):
             n_a, n_b = _critical_counts(p, nbytes, algorithm, short_msg_bytes)
-            if n_a and t > 0:
+            if n_a and t > 0 and nbytes >= min_bytes:
                 rows.append((p, nbytes, t, n_a, n_b, over))
     if not rows:
         raise ConfigError("no usable timings: the benchmark needs np >= 2")

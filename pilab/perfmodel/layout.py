@@ -73,16 +73,18 @@ def buckets_for(layout, bucket_mb: float) -> list[tuple[int, float]]:
             for idx in bucket_assignment([numel for numel, _ in layout], bucket_mb)]
 
 
-def work_per_image(model: str, width: float, flops_per_activation: float = 0.0) -> float:
-    """Training FLOPs of one image plus ``flops_per_activation`` for each activation element.
+def work_per_image(model: str, width: float, flops_per_activation: float = 0.0,
+                   timesteps: int | None = None) -> float:
+    """Training FLOPs of one image plus ``flops_per_activation`` for each activation element
+    (``timesteps``: a spiking model's time steps; the others ignore it).
 
         work_per_image("mobilenetv2_cifar", 0.5, FLOPS_PER_ACTIVATION_CPU) / 1e9   # ~0.78
     """
     from ..models import activation_elements, train_flops_per_image  # torch: see the module docstring
 
-    work = train_flops_per_image(model, width)
+    work = train_flops_per_image(model, width, timesteps=timesteps)
     if flops_per_activation:
-        work += flops_per_activation * activation_elements(model, width)
+        work += flops_per_activation * activation_elements(model, width, timesteps=timesteps)
     return work
 
 

@@ -77,7 +77,7 @@ def _rank_costs(cfg: Config, p: int, b: int, cl: Cluster, place: dict, n_tensors
     """Per rank: compute, data and straggler seconds per step; evaluation seconds per test image."""
     threads, oversub = place["threads"], place["oversubscription"]
     thread_factor = (cl.ref_threads / threads) ** THREAD_EXPONENT
-    work = work_per_image(cfg.model, cfg.width, cl.flops_per_activation)
+    work = work_per_image(cfg.model, cfg.width, cl.flops_per_activation, timesteps=cfg.timesteps)
     step_work = b * work + cl.step_work_per_tensor * n_tensors
     compute = step_work / (cl.train_gflops * 1e9) * thread_factor * oversub
     return {"compute": compute, "data": b * (cl.data_s_per_image * oversub),

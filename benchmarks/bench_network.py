@@ -1,0 +1,350 @@
+"""Validate the performance model's network half on the testbed: multi-node runs over shaped TCP links.
+
+    sudo python benchmarks/bench_network.py                         # ~15 min on 2 busy cores
+    sudo python benchmarks/bench_network.py --rates 100mbit --repeat 1 --out runs/bench_network.json
+    python benchmarks/bench_network.py --analyse benchmarks/results/bench_network.json  # no root, no runs
+
+Brings up its own testbed (``pilabnet``: 4 nodes x 2 slots on 10.77.8.0/24, see ``pilab.testbed``) and
+always takes it down again, also after an error or Ctrl-C. Then, on the nodes' namespaces:
+
+1. the Allreduce micro-benchmark (``perfmodel.run_comm_bench``) on one node (np 2 and 4: the intra-node
+   link, MPICH's shared memory; np 4 is oversubscribed), and at each link rate with one rank on each of
+   2 nodes (the inter-node link), 4 nodes, and 2 ranks on each of 2 and 4 nodes (held out);
+2. an np=1 training run on node01 (the compute calibration);
+3. real training runs at np = 2, 4, 8 on 1, 2 and 4 nodes (block placement, ranks 0.. on node01) at
+   each rate, repeated ``--repeat`` times, the rates alternating so that the machine's load hits each
+   alike;
+4. alpha and beta fitted from 1. *only* (``fit_alpha_beta(..., min_bytes=16 KiB)``, the sizes a
+   gradient bucket has: intra from the one-node runs, inter from the 2-node one-rank-per-node run at
+   that rate), the Cluster built with ``cluster_from_calibration``,
+   and ``perfmodel.predict`` against each run: the Allreduce time per step (measured: rank 0's median
+   of ``comm_exposed - comm_wait`` over the steps after the first -- the network's part of the
+   exposed communication; at width 0.25 the gradients are one 1 MB bucket, ready at the end of
+   backward, so none of it is hidden) and the training time of the epoch.
+
+All nodes of the testbed share this machine's cores: a node gets ``cores / nodes`` of them
+(``Cluster.available_cores``), and np = 4 and 8 are oversubscribed (more ranks than the 2 cores).
+"share-aware" also scales by the cores each job actually got on a machine shared with other work (CPU
+seconds over wall seconds, as in ``benchmarks/bench_perfmodel.py``). "+ tbf credit" takes off each
+multi-node step the first ``testbed.burst_bytes(rate)`` of its transfer, which tc's token bucket lets
+through at once after the step's compute (a testbed effect, not a wire's: see docs/perfmodel.md).
+Nothing here asserts on timings.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from pilab import perfmodel  # noqa: E402
+from pilab.config import Config  # noqa: E402
+
+NAME, SUBNET = "pilabnet", "10.77.8.0/24"
+SIZES = (4, 1024, 16 * 1024, 128 * 1024, 2 ** 20, 4 * 2 ** 20)
+# (np, nodes): block placement, np / nodes ranks on each node
+POINTS = [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)]
+TRAIN = dict(width=0.25, batch_size=8, train_subset=512, test_subset=100, epochs=1, threads=1)
+GOAL = 0.20  # |predicted / measured - 1| for communication-bound points
+COMM_BOUND = 0.30  # measured network time >= this share of the step
+
+
+def cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def hosts_arg(tb, np_: int, nodes: int) -> str:
+    rpn = np_ // nodes
+    return ",".join(f"{tb.address(h)}:{rpn}" for h in tb.hosts[:nodes])
+
+
+def base_env(tb) -> dict:
+    env = tb.env()
+    env.pop("HYDRA_HOST_FILE", None)  # each job names its hosts (-hosts)
+    env.pop("PILAB_HOSTFILE", None)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def bench(tb, np_: int, nodes: int, log) -> dict:
+    t = time.monotonic()
+    res = perfmodel.run_comm_bench(
+        (np_,), sizes=SIZES, env=base_env(tb), timeout=600,
+        extra_args=[*tb.mpiexec_args(), "-hosts", hosts_arg(tb, np_, nodes)])
+    run = res["runs"][0]
+    run.update(nodes=nodes, rate=None, wall_s=round(time.monotonic() - t, 1))
+    log(f"  bench np={np_} nodes={nodes}: " + ", ".join(
+        f"{s}B {v * 1e3:.3g}ms" for s, v in zip(run["sizes_bytes"], run["seconds"])))
+    return run
+
+
+def train(tb, np_: int, nodes: int, out: str, log) -> dict:
+    from pilab.launch import find_mpiexec
+    cmd = [find_mpiexec(), *tb.mpiexec_args(), "-hosts", hosts_arg(tb, np_, nodes), "-n", str(np_),
+           sys.executable, "-m", "pilab", "train", "--quiet", "--overwrite", "--hang-s", "120",
+           "--out", out]
+    for k, v in TRAIN.items():
+        cmd += ["--" + k.replace("_", "-"), str(v)]
+    cpu0, t0 = cpu_seconds(), time.perf_counter()
+    p = subprocess.run(cmd, env=base_env(tb), capture_output=True, text=True, cwd=REPO, timeout=900)
+    wall = time.perf_counter() - t0
+    cores = (cpu_seconds() - cpu0) / wall
+    if p.returncode != 0:
+        raise RuntimeError(f"train np={np_} nodes={nodes} failed (exit {p.returncode}):\n"
+                           f"{(p.stderr or p.stdout)[-2500:]}")
+    with open(os.path.join(out, "result.json")) as f:
+        r = json.load(f)
+    st = r["steps"]
+    net = [e - w for e, w in zip(st["comm_exposed"], st["comm_wait"])][1:]
+    comp = st["compute"][1:]
+    ep = r["epochs"][0]
+    row = {"np": np_, "nodes": nodes, "cores_got": round(cores, 3), "wall_s": round(wall, 1),
+           "steps": len(st["compute"]), "hostnames": r["env"]["hostnames"],
+           "net_step_median": statistics.median(net), "net_step_mean": statistics.fmean(net),
+           "comm_step_median": statistics.median(st["comm"][1:]),
+           "wait_step_mean": statistics.fmean(st["comm_wait"][1:]),
+           "compute_step_median": statistics.median(comp),
+           "step_median": statistics.median(st["time"][1:]),
+           "epoch_time": ep["time"], "epoch_compute": ep["compute"], "epoch_comm_exposed": ep["comm_exposed"],
+           "bytes_per_step": r.get("bytes_per_step"), "result": r}
+    log(f"  train np={np_} nodes={nodes}: epoch {ep['time']:.2f} s, net/step {row['net_step_median'] * 1e3:.1f} "
+        f"ms, compute/step {row['compute_step_median'] * 1e3:.0f} ms, cores got {cores:.2f}")
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# the model's side (from the stored measurements only: --analyse redoes it without running anything)
+# ----------------------------------------------------------------------------------------------
+FIT = {"min_bytes": 16 * 1024, "stat": "seconds"}  # see perfmodel.fit_alpha_beta
+
+
+def links(data: dict, fit=FIT) -> dict:
+    """Fitted links: intra (one node), inter per rate (2 nodes x 1 rank)."""
+    intra_runs = [b for b in data["bench"] if b["nodes"] == 1]
+    intra = perfmodel.fit_alpha_beta(intra_runs, **fit)
+    out = {"intra": intra, "inter": {}}
+    for rate in data["rates"]:
+        runs = [b for b in data["bench"] if b["rate"] == rate and b["nodes"] == 2 and b["np"] == 2]
+        out["inter"][rate] = perfmodel.fit_alpha_beta(runs, **fit)
+    return out
+
+
+def cluster_for(cal, fits, rate, np_, nodes, cores, cores_got=None):
+    # every node of the testbed shares this machine's cores: a node gets cores / nodes of them
+    # (share-aware: of the cores the job actually got)
+    avail = (cores_got if cores_got else cores) / nodes
+    inter = fits["inter"][rate]
+    return perfmodel.cluster_from_calibration(
+        cal, nodes=nodes, ranks_per_node=np_ // nodes,
+        inter=perfmodel.Link(inter["alpha"], inter["beta"]), available_cores=avail)
+
+
+def analyse(data: dict) -> dict:
+    from pilab import testbed
+    fits = links(data)
+    cores = data["cores"]
+    np1 = data["np1"]
+    cal = perfmodel.calibrate(np1["result"], [b for b in data["bench"] if b["nodes"] == 1],
+                              source="testbed node01 np=1")
+    cal_share = perfmodel.calibrate(np1["result"], [b for b in data["bench"] if b["nodes"] == 1],
+                                    source="testbed node01 np=1",
+                                    available_cores=min(np1["cores_got"], TRAIN["threads"]))
+    cfg = Config(**TRAIN)
+    # the micro-benchmark's own held-out points: 1 MB Allreduce, predicted vs measured
+    bench_rows = []
+    for b in data["bench"]:
+        if b["rate"] is None or (b["nodes"] == 2 and b["np"] == 2):
+            continue
+        cl = cluster_for(cal, fits, b["rate"], b["np"], b["nodes"], cores)
+        crowded = b["np"] // b["nodes"] > cores / b["nodes"]
+        for size, t in zip(b["sizes_bytes"], b["seconds"]):
+            if size not in (128 * 1024, 2 ** 20, 4 * 2 ** 20):
+                continue
+            pred = perfmodel.allreduce_time(size, b["np"], cl, None, crowded)
+            pred_h = perfmodel.allreduce_time(size, b["np"], cl, "hierarchical", crowded)
+            bench_rows.append({"rate": b["rate"], "np": b["np"], "nodes": b["nodes"], "bytes": size,
+                               "measured_s": t, "predicted_s": pred, "ratio": pred / t,
+                               "predicted_hierarchical_s": pred_h})
+    rows = []
+    for r in data["train"]:
+        np_, nodes, rate = r["np"], r["nodes"], r["rate"]
+        cl = cluster_for(cal, fits, rate, np_, nodes, cores)
+        cl_s = cluster_for(cal_share, fits, rate, np_, nodes, cores, r["cores_got"])
+        p = perfmodel.predict(cfg, np_, cl, "pilab")
+        ps = perfmodel.predict(cfg, np_, cl_s, "pilab")
+        net_pred = p["step"]["comm_exposed"]
+        # the testbed's links are token buckets (pilab.testbed.burst_bytes), refilled while a step
+        # computes: the first burst of each step's inter-node transfer passes at once
+        credit = testbed.burst_bytes(rate) / (testbed.parse_rate(rate) / 8) if nodes > 1 else 0.0
+        if r["compute_step_median"] < credit:
+            credit = 0.0  # not idle long enough to refill
+        share = r["net_step_median"] / r["step_median"] if r["step_median"] else 0.0
+        over = np_ > cores
+        rows.append({
+            "rate": rate, "np": np_, "nodes": nodes, "rep": r.get("rep", 1), "oversubscribed": over,
+            "cores_got": r["cores_got"], "comm_share": share,
+            "net_step_measured": r["net_step_median"], "net_step_predicted": net_pred,
+            "net_ratio": net_pred / r["net_step_median"] if r["net_step_median"] > 0 else None,
+            "tbf_credit": credit, "net_step_predicted_tbf": net_pred - credit,
+            "net_ratio_tbf": (net_pred - credit) / r["net_step_median"] if r["net_step_median"] > 0 else None,
+            "epoch_measured": r["epoch_time"], "epoch_predicted": p["time"],
+            "epoch_ratio": p["time"] / r["epoch_time"],
+            "epoch_predicted_share": ps["time"], "epoch_ratio_share": ps["time"] / r["epoch_time"],
+            # in the goal: communication-bound (>= 30% of the step) across nodes
+            "in_goal": share >= COMM_BOUND and nodes > 1,
+        })
+    return {"links": {"intra": {k: fits["intra"][k] for k in ("alpha", "beta", "oversub_alpha", "rel_rms")},
+                      "inter": {rate: {k: f[k] for k in ("alpha", "beta", "rel_rms", "bandwidth_MBps")}
+                                for rate, f in fits["inter"].items()}},
+            "calibration": cal.to_dict(), "bench_rows": bench_rows, "rows": rows}
+
+
+def table(an: dict) -> str:
+    head = ("| link | np | nodes | comm share | Allreduce/step measured ms | predicted ms | ratio | "
+            "+ tbf credit ms | ratio | epoch measured s | predicted s | ratio | share-aware s | ratio |")
+    lines = [head, "|" + "---|" * 2 + "---:|" * 12]
+    for r in sorted(an["rows"], key=lambda r: (r["rate"], r["np"], r["nodes"], r["rep"])):
+        tag = " (oversubscribed)" if r["oversubscribed"] else ""
+        mark = "" if r["in_goal"] else "*"
+        lines.append(
+            f"| {r['rate']} | {r['np']}{tag} | {r['nodes']} | {r['comm_share'] * 100:.0f}% | "
+            f"{r['net_step_measured'] * 1e3:.1f} | {r['net_step_predicted'] * 1e3:.1f} | "
+            f"{(r['net_ratio'] or 0):.2f}{mark} | {r['net_step_predicted_tbf'] * 1e3:.1f} | "
+            f"{(r['net_ratio_tbf'] or 0):.2f}{mark} | {r['epoch_measured']:.2f} | {r['epoch_predicted']:.2f} | "
+            f"{r['epoch_ratio']:.2f}{mark} | {r['epoch_predicted_share']:.2f} | {r['epoch_ratio_share']:.2f}{mark} |")
+    return "\n".join(lines)
+
+
+def bench_table(an: dict) -> str:
+    lines = ["| link | np | nodes | bytes | measured ms | predicted ms | ratio | hierarchical ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for b in an["bench_rows"]:
+        lines.append(f"| {b['rate'] or 'shm'} | {b['np']} | {b['nodes']} | {b['bytes']} | "
+                     f"{b['measured_s'] * 1e3:.2f} | {b['predicted_s'] * 1e3:.2f} | {b['ratio']:.2f} | "
+                     f"{b['predicted_hierarchical_s'] * 1e3:.2f} |")
+    return "\n".join(lines)
+
+
+def summary(an: dict) -> str:
+    goal = [r for r in an["rows"] if r["in_goal"]]
+    ok_n = [r for r in goal if r["net_ratio"] and abs(r["net_ratio"] - 1) <= GOAL]
+    ok_t = [r for r in goal if r["net_ratio_tbf"] and abs(r["net_ratio_tbf"] - 1) <= GOAL]
+    ok_e = [r for r in goal if abs(r["epoch_ratio"] - 1) <= GOAL]
+    ok_s = [r for r in goal if abs(r["epoch_ratio_share"] - 1) <= GOAL]
+    L = an["links"]
+    parts = [f"intra: alpha {L['intra']['alpha'] * 1e6:.1f} us, {1 / L['intra']['beta'] / 1e6:.0f} MB/s"
+             if L["intra"]["beta"] else "intra: beta 0"]
+    for rate, f in L["inter"].items():
+        parts.append(f"inter {rate}: alpha {f['alpha'] * 1e6:.0f} us, {f['bandwidth_MBps'] or 0:.1f} MB/s "
+                     f"(fit rms {f['rel_rms'] * 100:.0f}%)")
+    return ("; ".join(parts) + f"\nin the goal (comm >= {COMM_BOUND:.0%} of the step, "
+            f"multi-node): {len(goal)} points; Allreduce/step within {GOAL:.0%}: {len(ok_n)}/{len(goal)} "
+            f"(with the tbf credit: {len(ok_t)}/{len(goal)}), "
+            f"epoch: {len(ok_e)}/{len(goal)}, epoch share-aware: {len(ok_s)}/{len(goal)}")
+
+
+# ----------------------------------------------------------------------------------------------
+def measure(args, log) -> dict:
+    from pilab import testbed
+    why = testbed.available()
+    if why:
+        sys.exit(f"bench_network: {why}")
+    rates = args.rates.split(",")
+    nps = {int(x) for x in args.nps.split(",")}
+    points = [pt for pt in POINTS if pt[0] in nps]
+    data = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "host": platform.node(), "cores": os.cpu_count(), "load_before": os.getloadavg(),
+            "rates": rates, "train_config": TRAIN, "sizes": list(SIZES),
+            "bench": [], "train": [], "np1": None}
+    testbed.down(NAME)
+    tb = testbed.up(testbed.Testbed(nodes=4, slots=2, rate=rates[0], subnet=SUBNET, name=NAME))
+    try:
+        log(f"testbed {NAME} up; load {os.getloadavg()[0]:.1f}")
+        for np_ in (2, 4):  # the intra-node link: shared memory, independent of the link rate
+            data["bench"].append(bench(tb, np_, 1, log))
+        for rate in rates:
+            for h in tb.hosts:
+                tb = testbed.shape(tb, h, rate)
+            log(f"links {rate}")
+            for np_, nodes in ((2, 2), (4, 4), (4, 2), (8, 4)):
+                if np_ in nps or (np_, nodes) == (2, 2):
+                    run = bench(tb, np_, nodes, log)
+                    run["rate"] = rate
+                    data["bench"].append(run)
+        out = os.path.join(args.work, "np1")
+        from pilab.launch import find_mpiexec
+        cmd = [find_mpiexec(), *tb.mpiexec_args(), "-hosts", f"{tb.address('node01')}:1", "-n", "1",
+               sys.executable, "-m", "pilab", "train", "--quiet", "--overwrite", "--out", out]
+        for k, v in TRAIN.items():
+            cmd += ["--" + k.replace("_", "-"), str(v)]
+        cpu0, t0 = cpu_seconds(), time.perf_counter()
+        subprocess.run(cmd, env=base_env(tb), check=True, capture_output=True, cwd=REPO, timeout=900)
+        wall = time.perf_counter() - t0
+        with open(os.path.join(out, "result.json")) as f:
+            data["np1"] = {"result": json.load(f), "cores_got": (cpu_seconds() - cpu0) / wall}
+        log(f"np=1: epoch {data['np1']['result']['epochs'][0]['time']:.2f} s, "
+            f"cores got {data['np1']['cores_got']:.2f}")
+        for rep in range(1, args.repeat + 1):
+            order = rates if rep % 2 else rates[::-1]  # alternate: neither rate always runs first
+            for rate in order:
+                for h in tb.hosts:
+                    tb = testbed.shape(tb, h, rate)
+                log(f"rep {rep}, links {rate}; load {os.getloadavg()[0]:.1f}")
+                for np_, nodes in points:  # one-node runs too: the same load, and a check
+                    row = train(tb, np_, nodes, os.path.join(args.work, f"{rate}-np{np_}-n{nodes}-{rep}"), log)
+                    row.update(rate=rate, rep=rep)
+                    data["train"].append(row)
+    finally:
+        testbed.down(NAME)
+        log(f"testbed {NAME} down")
+    data["load_after"] = os.getloadavg()
+    return data
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", default="100mbit,1gbit", help="link rates, tc syntax (default: %(default)s)")
+    ap.add_argument("--nps", default="2,4,8")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--work", default=os.path.join(REPO, "runs", "bench_network"))
+    ap.add_argument("--out", default=os.path.join(REPO, "runs", "bench_network.json"))
+    ap.add_argument("--analyse", default=None, help="redo the model's side from this JSON; runs nothing")
+    args = ap.parse_args(argv)
+
+    def log(msg):
+        print(msg, flush=True)
+    if args.analyse:
+        with open(args.analyse) as f:
+            data = json.load(f)
+    else:
+        data = measure(args, log)
+        for r in data["train"]:
+            r.pop("result", None)  # the step logs stay in --work; the JSON keeps the figures
+    an = analyse(data)
+    data["analysis"] = an
+    if not args.analyse:
+        from pilab.files import save_json
+        save_json(data, args.out)
+        log(f"wrote {args.out}")
+    print(bench_table(an))
+    print()
+    print(table(an))
+    print()
+    print(summary(an))
+    print("* outside the goal: communication < 30% of the step, or one node")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""``python -m pilab bench``: how fast pilab is against what a user would pick instead, on this machine.
+
+    python -m pilab bench                       # the whole set (<= 15 min here), JSON + BENCHMARKS.md
+    python -m pilab bench --quick               # CI-sized: tiny models, 5 alternations, ~2 min
+    python -m pilab bench --sections one_rank,data --out runs/bench
+
+A library package, not scripts under ``benchmarks/``, so that the command works from an installed
+pilab and its pieces are importable (tests call them on tiny settings); ``benchmarks/`` keeps the older
+stand-alone studies. Every figure is a ratio against a baseline measured in the same run: contenders
+alternate round by round (the order rotated), one ratio per round, reported as median and p10-p90 /
+min-max. The sections that need ranks run as one ``mpiexec -n 2 python -m pilab.bench.ranks`` job.
+
+* ``one_rank``: pilab's one-rank step vs a bare PyTorch loop; ``models``: images/s per model and layout;
+* ``data``: ShardLoader vs a per-sample Dataset + DataLoader; ``simulator``: exact vs fast, np 1/8/48;
+  ``deviation`` (only when asked for): the fast mode's deviation after 100 steps at np=48;
+* ``ranks``: memory, communication (bandwidth, bucket sweep, hidden share) and the np=2 step
+  (pilab vs DDP-gloo vs the sync-only floor vs the no-exchange ceiling, strong scaling).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+SECTIONS = ("one_rank", "models", "data", "simulator", "ranks")
+EXTRA_SECTIONS = ("deviation",)  # not in the default run (~7 min here): the fast mode's 100-step deviation
+
+
+class BenchError(RuntimeError):
+    """A benchmark job failed; the message says which and how."""
+
+
+def machine() -> dict:
+    """Facts about this machine and its load, for the table's header."""
+    import torch
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "usable_cores": cores, "python": platform.python_version(),
+            "torch": torch.__version__, "platform": platform.platform(),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "loadavg_start": list(os.getloadavg())}
+
+
+def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", markdown: str | None = "BENCHMARKS.md",
+        mpiexec: str | None = None, command: str = "python -m pilab bench", log=print) -> dict:
+    """Run ``sections``; writes ``<out>/bench.json`` and (unless None) ``markdown``; returns the dict."""
+    import torch
+
+    from ..config import Config
+    from ..files import save_json
+    from . import local
+    from .report import markdown_report
+
+    torch.set_num_threads(1)
+    res = {"quick": quick, "command": command, "machine": machine(), "sections": list(sections)}
+    t_all = time.perf_counter()
+    q = quick
+
+    def timed(name, fn):
+        log(f"bench: {name} ...")
+        t = time.perf_counter()
+        res[name] = fn()
+        res[name]["wall_s"] = time.perf_counter() - t
+        log(f"bench: {name} done in {res[name]['wall_s']:.0f} s")
+
+    if "one_rank" in sections:
+        cfg = Config(width=0.25 if q else 1.0, batch_size=16 if q else 64, threads=1,
+                     train_subset=512 if q else 0)
+        timed("one_rank", lambda: local.one_rank(cfg, 5 if q else 10, 2 if q else 3))
+    if "models" in sections:
+        models = [("mobilenetv2_cifar", 0.25), ("mobilenetv2", 0.25), ("squeezenet1_1", 1.0)] if q else local.MODELS
+        timed("models", lambda: local.models(16 if q else 64, 5, 1 if q else 2, models))
+    if "data" in sections:
+        timed("data", lambda: local.data_path(64, 5 if q else 7, 4 if q else 10))
+    scfg = Config(width=0.25, batch_size=4 if q else 8, threads=1, train_subset=0)
+    dcfg = Config(width=0.25, batch_size=4, threads=1, lr=0.05, lr_ref_batch=64)
+    if "simulator" in sections:
+
+        timed("simulator", lambda: local.simulator(scfg, (1, 8) if q else (1, 8, 48), 5))
+    if "deviation" in sections:
+        timed("deviation", lambda: local.fast_deviation(dcfg, 8 if q else 48, 10 if q else 100))
+    if "ranks" in sections:
+        timed("ranks", lambda: _ranks_job(quick, mpiexec))
+    res["machine"]["loadavg_end"] = list(os.getloadavg())
+    res["wall_s"] = time.perf_counter() - t_all
+    if out:
+        save_json(res, os.path.join(out, "bench.json"))
+    if markdown:
+        from ..files import atomic_write_text
+        atomic_write_text(markdown, markdown_report(res))
+    return res
+
+
+def ranks_command(out_json: str, quick: bool, mpiexec: str | None = None) -> list[str]:
+    from ..launch import mpiexec_command
+    return mpiexec_command(2, [sys.executable, "-m", "pilab.bench.ranks", out_json]
+                           + (["--quick"] if quick else []), mpiexec=mpiexec)
+
+
+def _ranks_job(quick: bool, mpiexec: str | None) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ranks.json")
+        cmd = ranks_command(path, quick, mpiexec)
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if p.returncode != 0 or not os.path.exists(path):
+            raise BenchError(f"the rank job failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-2000:]}")
+        with open(path) as f:
+            out = json.load(f)
+        out["command"] = "OMP_NUM_THREADS=1 mpiexec -n 2 python -m pilab.bench.ranks OUT.json" + \
+            (" --quick" if quick else "")
+        return out

@@ -1,0 +1,199 @@
+"""The single-process benchmarks: one rank's step vs a bare PyTorch loop, images/s per model and memory
+layout, the data path vs a per-sample Dataset + DataLoader, and the simulator (exact vs fast).
+
+Each function returns a plain dict of raw per-round numbers and their summaries (``stats.summary``)."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import data as data_mod
+from .. import engine
+from ..config import Config
+from ..models import build_model
+from ..optim import build_optimizer
+from .stats import alternate, ratios, summary
+
+
+def _sgd(model, cfg: Config):
+    return build_optimizer(model, cfg, cfg.peak_lr(1))
+
+
+def one_rank(cfg: Config, rounds: int, repeat: int) -> dict:
+    """pilab's one-rank training step (``engine.Session`` on ``MPIRanks(None)``) vs a bare loop on the
+    same model, optimizer, data and threads: zero_grad, forward, loss, backward, step, loss.item()."""
+    session = engine.Session(cfg, engine.MPIRanks(None))
+    loader, spe = session.ranks.loader, session.steps_per_epoch
+    model = engine.base_model(cfg, torch.device("cpu"))
+    opt = _sgd(model, cfg)
+    model.train()
+    session.model.train()
+    k = {"pilab": 0, "bare": 0}
+
+    def pilab():
+        session.step(*divmod(k["pilab"] % (spe * cfg.epochs), spe))
+        k["pilab"] += 1
+
+    def bare():
+        x, y = loader.batch(*divmod(k["bare"] % spe, spe))
+        opt.zero_grad(set_to_none=False)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        loss.item()
+        k["bare"] += 1
+
+    s = alternate({"bare": bare, "pilab": pilab}, rounds, repeat)
+    session.ranks.close()
+    return {"model": cfg.model, "width": cfg.width, "batch": cfg.batch_size, "threads": cfg.threads,
+            "step_s": {n: summary(v) for n, v in s.items()}, "raw": s,
+            "ratio_bare_over_pilab": summary(ratios(s, "bare", "pilab"))}
+
+
+MODELS = [("mobilenetv2_cifar", 1.0), ("mobilenetv2_cifar", 0.5), ("mobilenetv2_cifar", 0.25),
+          ("mobilenetv2", 1.0), ("mobilenetv2", 0.5), ("mobilenetv2", 0.25), ("squeezenet1_1", 1.0)]
+
+
+def models(batch: int, rounds: int, repeat: int, models=MODELS) -> dict:
+    """Training images/s (forward + backward + SGD step) per model, channels_last on and off."""
+    ds = data_mod.load("embedded")
+    x = data_mod.augment(torch.from_numpy(ds.x_train[:batch].copy()), seed=0, epoch=0, step=0, rank=0)
+    y = torch.from_numpy(ds.y_train[:batch].copy())
+    contenders, rows = {}, []
+    for name, width in models:
+        for cl in (True, False):
+            torch.manual_seed(0)
+            m = build_model(name, num_classes=10, width=width)
+            fmt = torch.channels_last if cl else torch.contiguous_format
+            m = m.to(memory_format=fmt).train()
+            xin = x.contiguous(memory_format=fmt)
+            opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+
+            def step(m=m, opt=opt, xin=xin):
+                opt.zero_grad(set_to_none=False)
+                F.cross_entropy(m(xin), y).backward()
+                opt.step()
+            key = f"{name}@{width}:{'cl' if cl else 'nchw'}"
+            contenders[key] = step
+            rows.append((key, name, width, cl))
+    s = alternate(contenders, rounds, repeat)
+    out = []
+    for key, name, width, cl in rows:
+        ips = [batch / t for t in s[key]]
+        row = {"model": name, "width": width, "channels_last": cl, "images_per_s": summary(ips)}
+        if cl:
+            row["cl_speedup"] = summary(ratios(s, key.replace(":cl", ":nchw"), key))
+        out.append(row)
+    base = "mobilenetv2_cifar@1.0:cl" if "mobilenetv2_cifar@1.0:cl" in s else rows[0][0]
+    for row, (key, *_rest) in zip(out, rows):
+        row["vs_base"] = summary(ratios(s, base, key))  # images/s relative to the base row's
+    return {"batch": batch, "base": base, "rows": out, "raw": s}
+
+
+class PerSampleCIFAR(torch.utils.data.Dataset):
+    """What a user would write instead: one image per ``__getitem__``, the same augmentations (4-pixel
+    reflect pad, random crop, horizontal flip, normalisation) with per-sample torch ops."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, seed: int = 0):
+        self.x, self.y = torch.from_numpy(x), torch.from_numpy(y)
+        self.rng = np.random.default_rng(seed)
+        self.mean = torch.tensor(data_mod.MEAN).view(3, 1, 1)
+        self.std = torch.tensor(data_mod.STD).view(3, 1, 1)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        img = self.x[i].permute(2, 0, 1).float().div_(255)
+        img = F.pad(img[None], (4, 4, 4, 4), mode="reflect")[0]
+        dy, dx = self.rng.integers(0, 9, 2)
+        img = img[:, dy:dy + 32, dx:dx + 32]
+        if self.rng.integers(0, 2):
+            img = img.flip(-1)
+        return (img - self.mean) / self.std, self.y[i]
+
+
+def data_path(batch: int, rounds: int, batches: int) -> dict:
+    """Images/s of pilab's ShardLoader (batched crop + flip + normalise) vs a per-sample Dataset +
+    DataLoader (num_workers=0: on this machine's cores a worker would compete with the ranks)."""
+    ds = data_mod.load("embedded")
+    loader = data_mod.ShardLoader(ds, 1, 0, batch, seed=0)
+    dl = torch.utils.data.DataLoader(PerSampleCIFAR(ds.x_train, ds.y_train), batch_size=batch,
+                                     shuffle=True, num_workers=0, drop_last=True)
+    spe = loader.steps_per_epoch
+    k = {"n": 0}
+
+    def pilab():
+        for _ in range(batches):
+            loader.batch(0, k["n"] % spe)
+            k["n"] += 1
+
+    it = {"it": iter(dl)}
+
+    def dataloader():
+        for _ in range(batches):
+            try:
+                next(it["it"])
+            except StopIteration:
+                it["it"] = iter(dl)
+                next(it["it"])
+
+    s = alternate({"dataloader": dataloader, "pilab": pilab}, rounds)
+    return {"batch": batch, "batches_per_call": batches,
+            "images_per_s": {n: summary([batch * batches / t for t in v]) for n, v in s.items()},
+            "speedup_pilab_over_dataloader": summary(ratios(s, "dataloader", "pilab")), "raw": s}
+
+
+def simulator(cfg: Config, nps, rounds: int) -> dict:
+    """Simulated images/s at each np, exact vs fast mode (one step per call, alternated)."""
+    out = {}
+    for np_ in nps:
+        sessions = {m: engine.Session(replace(cfg, simulate_mode=m), engine.VirtualRanks(np_))
+                    for m in ("exact", "fast")}
+        k = {m: 0 for m in sessions}
+
+        def make(m):
+            def f():
+                s = sessions[m]
+                s.step(*divmod(k[m] % s.steps_per_epoch, s.steps_per_epoch))
+                k[m] += 1
+            return f
+        s = alternate({m: make(m) for m in sessions}, rounds)
+        images = np_ * cfg.batch_size
+        out[str(np_)] = {"images_per_step": images,
+                         "images_per_s": {m: summary([images / t for t in v]) for m, v in s.items()},
+                         "fast_over_exact": summary(ratios(s, "exact", "fast")), "raw": s,
+                         "ranks_per_forward": {m: sessions[m].ranks.chunk for m in sessions}}
+    return {"model": cfg.model, "width": cfg.width, "per_rank_batch": cfg.batch_size,
+            "threads": torch.get_num_threads(), "np": out}
+
+
+def fast_deviation(cfg: Config, np_: int, steps: int) -> dict:
+    """Train ``steps`` steps at ``np_`` virtual ranks in both modes from the same start; how far apart
+    the weights end, relative to how far they moved, and the last losses."""
+    finals, losses, wall = {}, {}, {}
+    init = None
+    for mode in ("exact", "fast"):
+        s = engine.Session(replace(cfg, simulate_mode=mode, max_steps=steps), engine.VirtualRanks(np_))
+        if init is None:
+            init = torch.cat([p.detach().reshape(-1).clone() for p in s.model.parameters()])
+        t, lo = time.perf_counter(), []
+        for g in range(steps):
+            st, _ = s.step(*divmod(g, s.steps_per_epoch))
+            lo.append(st.loss_sum / (np_ * s.batch))
+        wall[mode] = time.perf_counter() - t
+        finals[mode] = torch.cat([p.detach().reshape(-1).clone() for p in s.model.parameters()])
+        losses[mode] = lo
+    diff = (finals["fast"] - finals["exact"])
+    moved = (finals["exact"] - init).norm()
+    return {"np": np_, "steps": steps, "model": cfg.model, "width": cfg.width, "per_rank_batch": cfg.batch_size,
+            "max_abs_param_diff": float(diff.abs().max()),
+            "rel_param_diff": float(diff.norm() / moved),  # |fast - exact| / |exact - init|
+            "loss_last10_exact": float(np.mean(losses["exact"][-10:])),
+            "loss_last10_fast": float(np.mean(losses["fast"][-10:])),
+            "max_step_loss_diff": float(np.max(np.abs(np.subtract(losses["fast"], losses["exact"])))),
+            "wall_s": wall}

@@ -1,0 +1,350 @@
+"""The benchmarks that need real ranks, one MPI job (every rank runs this module)::
+
+    mpiexec -n 2 python -m pilab.bench.ranks OUT.json [--quick]
+
+``pilab.bench.run`` launches it. Sections, all in one job so that every ratio is between contenders
+measured in the same sitting, alternated round by round:
+
+* memory: the default training run for a few steps (first, so the peak RSS is that run's), and that a
+  static-sharded rank's loader holds only its shard;
+* comm: GradSync's effective bandwidth vs one raw Allreduce of the same bytes, the bucket-size sweep with
+  the share of communication hidden behind backward, and the small costs of a step (Testall, copies);
+* e2e: one synchronous step, pilab vs DDP-gloo (loopback) vs the sync-only floor vs the no-exchange
+  ceiling, the pre-issue-12 GradSync and pilab with a busy wait, and one rank alone (strong scaling).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import time
+import warnings
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+from .. import engine, train
+from ..config import Config
+from ..dist import GradSync, broadcast_module_, reduce_sums
+from ..optim import build_optimizer
+from .stats import ratios, summary
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+
+
+def nap_barrier() -> None:
+    """A barrier that sleeps while it waits (a busy one would take CPU from the rank still working)."""
+    req = COMM.Ibarrier()
+    while not req.Test():
+        time.sleep(1e-3)
+
+
+def slowest(seconds: float) -> float:
+    return COMM.allreduce(seconds, op=MPI.MAX)
+
+
+# ----------------------------------------------------------------------------------------------
+def memory(quick: bool) -> dict:
+    steps = 4 if quick else 10
+    cfg = Config(max_steps=steps, threads=1)  # the default run, cut short: its peak is reached in step 1
+    result = train.run(cfg, COMM)
+    sess = engine.Session(replace(cfg, max_steps=1), engine.MPIRanks(COMM))
+    loader = sess.ranks.loader
+    shard = {"rank": RANK, "loader_images": int(loader._x.shape[0]), "shard_size": int(loader.shard_size),
+             "train_images": int(len(sess.ds.y_train)), "loader_mb": loader._x.numel() / 2 ** 20,
+             "full_train_set_mb": sess.ds.x_train.nbytes / 2 ** 20,
+             # the Session still references the whole data set (evaluation reads its test half)
+             "session_keeps_full_train_array": sess.ds.x_train is not None}
+    sess.ranks.close()
+    shards = COMM.gather(shard, root=0)
+    return {"config": "Config() defaults, max_steps=%d, threads=1" % steps,
+            "peak_rss_mb_per_rank": result["peak_mem_mb"], "shards": shards}
+
+
+# ----------------------------------------------------------------------------------------------
+def _model(cfg: Config):
+    m = engine.base_model(cfg, torch.device("cpu"))
+    broadcast_module_(m, COMM)
+    return m.train()
+
+
+def comm_section(cfg: Config, rounds: int, repeat: int, buckets) -> dict:
+    sess = engine.Session(cfg, engine.MPIRanks(COMM))
+    loader = sess.ranks.loader
+    x, y = loader.batch(0, 0)
+    out = {}
+    # 1) bandwidth: GradSync's exchange alone (all buckets posted at once, after backward) vs one raw
+    # Allreduce of a flat buffer with the same bytes. The buffers are refilled (untimed) each time.
+    model = _model(cfg)
+    gs = GradSync(model, COMM, bucket_mb=cfg.bucket_mb)
+    gs.remove()  # no hooks: finish() then posts every bucket itself
+    nbytes = sum(b.flat.numel() * 4 for b in gs.buckets)
+    flat = np.ones(nbytes // 4, dtype=np.float32)
+    samples = {"raw": [], "gradsync": []}
+    for r in range(rounds):
+        for name in (("raw", "gradsync") if r % 2 == 0 else ("gradsync", "raw")):
+            ts = []
+            for _ in range(repeat):
+                flat.fill(1.0)
+                for b in gs.buckets:
+                    b.flat.fill_(1.0)
+                nap_barrier()
+                t = time.perf_counter()
+                if name == "raw":
+                    COMM.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+                else:
+                    gs.finish()
+                ts.append(slowest(time.perf_counter() - t))
+            samples[name].append(float(np.median(ts)))
+    out["bandwidth"] = {"bytes": nbytes, "buckets": len(gs.buckets),
+                        "seconds": {n: summary(v) for n, v in samples.items()},
+                        "raw_gb_per_s": summary([nbytes / t / 1e9 for t in samples["raw"]]),
+                        "gradsync_gb_per_s": summary([nbytes / t / 1e9 for t in samples["gradsync"]]),
+                        "effective_bw_ratio": summary(ratios(samples, "raw", "gradsync")), "raw": samples}
+    # 2) bucket sweep: forward + backward + exchange per bucket size, and the share hidden behind backward
+    variants = {}
+    for mb in buckets:
+        m = _model(cfg)
+        variants[mb] = (m, GradSync(m, COMM, bucket_mb=mb), build_optimizer(m, cfg, 0.01))
+    rec = {mb: {"step": [], "exposed": [], "total": []} for mb in buckets}
+    for r in range(rounds):
+        order = buckets[r % len(buckets):] + buckets[:r % len(buckets)]
+        for mb in order:
+            m, g, opt = variants[mb]
+            st, ex, to = [], [], []
+            nap_barrier()
+            for _ in range(repeat):
+                t = time.perf_counter()
+                opt.zero_grad(set_to_none=False)
+                F.cross_entropy(m(x), y).backward()
+                cs = g.finish()
+                st.append(time.perf_counter() - t)
+                ex.append(cs.exposed)
+                to.append(cs.total)
+            rec[mb]["step"].append(slowest(float(np.median(st))))
+            rec[mb]["exposed"].append(float(np.median(ex)))
+            rec[mb]["total"].append(float(np.median(to)))
+    ref = 1.0 if 1.0 in buckets else buckets[0]
+    out["bucket_sweep"] = {str(mb): {
+        "buckets": len(variants[mb][1].buckets),
+        "step_s": summary(rec[mb]["step"]),
+        "step_vs_%gMiB" % ref: summary([a / b for a, b in zip(rec[mb]["step"], rec[ref]["step"])]),
+        "exposed_s": summary(rec[mb]["exposed"]), "comm_total_s": summary(rec[mb]["total"]),
+        "hidden_share": summary([1 - e / t for e, t in zip(rec[mb]["exposed"], rec[mb]["total"]) if t > 0]),
+    } for mb in buckets}
+    for m, g, _ in variants.values():
+        g.remove()
+    # 3) the small costs of one step, measured directly (rank 0's, seconds)
+    grads = [p.grad for p in model.parameters() if p.grad is not None] or \
+        [torch.ones_like(p) for p in model.parameters()]
+    buf = torch.empty(sum(t.numel() for t in grads))
+    t = time.perf_counter()
+    for _ in range(20):
+        off = 0
+        for gr in grads:  # the copy into the buckets and back that views remove
+            n = gr.numel()
+            buf[off:off + n].copy_(gr.reshape(-1))
+            gr.copy_(buf[off:off + n].view_as(gr))
+            off += n
+    copy_s = (time.perf_counter() - t) / 20
+    req = [COMM.Iallreduce(MPI.IN_PLACE, np.zeros(1), op=MPI.SUM)]
+    MPI.Request.Waitall(req)
+    reqs = [COMM.Iallreduce(MPI.IN_PLACE, np.zeros(1), op=MPI.SUM) for _ in range(8)]
+    t = time.perf_counter()
+    for _ in range(2000):
+        MPI.Request.Testall(reqs)
+    test_s = (time.perf_counter() - t) / 2000
+    MPI.Request.Waitall(reqs)
+    loss = F.cross_entropy(model(x), y)
+    t = time.perf_counter()
+    for _ in range(200):
+        loss.item()
+    item_s = (time.perf_counter() - t) / 200
+    nap_barrier()
+    t = time.perf_counter()
+    for _ in range(200):
+        COMM.Allreduce(MPI.IN_PLACE, np.zeros(6), op=MPI.SUM)
+    tiny_s = (time.perf_counter() - t) / 200
+    out["micro"] = {"copy_in_and_out_s": copy_s, "testall_call_s": test_s, "item_s": item_s,
+                    "tiny_allreduce_s": tiny_s, "gradient_tensors": len(grads),
+                    "testall_calls_per_step_before": len(grads)}
+    sess.ranks.close()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+def e2e(cfg: Config, rounds: int, repeat: int) -> dict:
+    """One synchronous step, every contender on its own copy of the model, the same batches."""
+    import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # DDP over gloo, on loopback only: rank 0 picks a free port on 127.0.0.1 and tells the others.
+    port = None
+    if RANK == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = COMM.bcast(port, root=0)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    tdist.init_process_group("gloo", rank=RANK, world_size=SIZE)
+
+    sess = engine.Session(cfg, engine.MPIRanks(COMM))
+    sess.model.train()
+    loader, spe, b = sess.ranks.loader, sess.steps_per_epoch, sess.batch
+    counter = {"k": 0}
+
+    def batch():
+        k = counter["k"]
+        counter["k"] += 1
+        return loader.batch(*divmod(k % spe, spe))
+
+    def plain(model, opt, after=None, sync=None):
+        def step():
+            x, y = batch()
+            opt.zero_grad(set_to_none=False)
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            if sync is not None:
+                sync.finish()
+            opt.step()
+            correct = (out.argmax(1) == y).sum().item()
+            if after is not None:
+                after(loss.item() * b, correct)
+            return None
+        return step
+
+    contenders, timings, extra = {}, {}, {}
+    m = _model(cfg)
+    contenders["ceiling"] = plain(m, build_optimizer(m, cfg, 0.01))  # no exchange at all
+    m = _model(cfg)
+    tiny = np.zeros(1)
+    contenders["floor"] = plain(m, build_optimizer(m, cfg, 0.01),   # one 8-byte Allreduce per step
+                                after=lambda *_: COMM.Allreduce(MPI.IN_PLACE, tiny, op=MPI.SUM))
+    with warnings.catch_warnings():  # broadcast_buffers=False: BN statistics stay per rank, as in pilab
+        warnings.simplefilter("ignore", FutureWarning)
+        m = DDP(_model(cfg), broadcast_buffers=False)
+    contenders["ddp_gloo"] = plain(m, build_optimizer(m.module, cfg, 0.01))
+    # GradSync as it was before issue 12: copies into the buckets, Testall in every hook, a busy
+    # Waitall, and the metrics in a second blocking Allreduce after the optimizer step.
+    m = _model(cfg)
+    legacy = GradSync(m, COMM, bucket_mb=cfg.bucket_mb, views=False, poll_every=1, wait="spin")
+    contenders["pilab_before"] = plain(m, build_optimizer(m, cfg, 0.01), sync=legacy,
+                                       after=lambda l, c: reduce_sums([l, c, 0.0, 0.0, 0.0], COMM))
+    # pilab today but waiting busily (isolates the wait)
+    spin = engine.Session(cfg, engine.MPIRanks(COMM), data=sess.ds)
+    spin.ranks.gsync.wait = "spin"
+    records = {"pilab": [], "pilab_spin": []}
+
+    def engine_step(session, key):
+        def step():
+            k = counter["k"]
+            counter["k"] += 1
+            st, _ = session.step(*divmod(k % spe, spe))
+            records[key].append(st)
+        return step
+    contenders["pilab_spin"] = engine_step(spin, "pilab_spin")
+    contenders["pilab"] = engine_step(sess, "pilab")
+    # one rank alone (strong scaling, per-rank batch fixed): rank 0 trains, rank 1 sleeps
+    solo = engine.Session(cfg, engine.MPIRanks(None), data=sess.ds) if RANK == 0 else None
+    solo_k = {"k": 0}
+
+    def alone():
+        if solo is not None:
+            solo.step(*divmod(solo_k["k"] % solo.steps_per_epoch, solo.steps_per_epoch))
+            solo_k["k"] += 1
+    contenders["np1"] = alone
+
+    gc_pauses = []
+    gc_t = {}
+
+    def gc_cb(phase, info):
+        if phase == "start":
+            gc_t["t"] = time.perf_counter()
+        elif "t" in gc_t:
+            gc_pauses.append(time.perf_counter() - gc_t.pop("t"))
+    names = list(contenders)
+    for n in names:  # warm-up
+        nap_barrier()
+        contenders[n]()
+    for n in names:
+        timings[n] = []
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            nap_barrier()
+            ts = []
+            if n == "pilab":
+                gc.callbacks.append(gc_cb)
+            for _ in range(repeat):
+                t = time.perf_counter()
+                contenders[n]()
+                ts.append(time.perf_counter() - t)
+            if n == "pilab":
+                gc.callbacks.remove(gc_cb)
+            mine = float(np.median(ts)) if (n != "np1" or RANK == 0) else 0.0
+            timings[n].append(slowest(mine))
+    steps = {n: summary(v) for n, v in timings.items()}
+
+    def parts(key):
+        rs = records[key][1:]  # the first one was the warm-up
+        return {k: summary([getattr(s, k) for s in rs])
+                for k in ("time", "compute", "comm", "comm_exposed", "comm_wait", "data")}
+    extra["pilab_step_parts"] = parts("pilab")
+    extra["pilab_spin_step_parts"] = parts("pilab_spin")
+    extra["gc"] = {"collections": len(gc_pauses), "total_s": float(sum(gc_pauses)),
+                   "max_s": float(max(gc_pauses)) if gc_pauses else 0.0,
+                   "pilab_steps": rounds * repeat}
+    rs = {"pilab_over_floor": ratios(timings, "pilab", "floor"),
+          "pilab_over_ddp": ratios(timings, "pilab", "ddp_gloo"),
+          "pilab_over_ceiling": ratios(timings, "pilab", "ceiling"),
+          "floor_over_ceiling": ratios(timings, "floor", "ceiling"),
+          "ddp_over_ceiling": ratios(timings, "ddp_gloo", "ceiling"),
+          "before_over_floor": ratios(timings, "pilab_before", "floor"),
+          "pilab_over_before": ratios(timings, "pilab", "pilab_before"),
+          "spin_over_pilab": ratios(timings, "pilab_spin", "pilab"),
+          "scaling_efficiency": ratios(timings, "np1", "pilab")}
+    sess.ranks.close()
+    spin.ranks.close()
+    tdist.destroy_process_group()
+    return {"model": cfg.model, "width": cfg.width, "per_rank_batch": b, "threads": cfg.threads,
+            "bucket_mb": cfg.bucket_mb, "rounds": rounds, "steps_per_round": repeat,
+            "step_s": steps, "ratios": {k: summary(v) for k, v in rs.items()}, "raw": timings, **extra}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="pilab benchmarks that need ranks (run under mpiexec)")
+    p.add_argument("out")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--sections", default="memory,comm,e2e")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    sections = a.sections.split(",")
+    q = a.quick
+    cfg = Config(width=0.25 if q else 1.0, batch_size=8 if q else 64, threads=1, bucket_mb=1.0,
+                 train_subset=512 if q else 0)
+    res = {"np": SIZE, "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+           "mpi4py": __import__("mpi4py").__version__, "torch": torch.__version__}
+    t = time.perf_counter()
+    if "memory" in sections:
+        res["memory"] = memory(q)
+    if "comm" in sections:
+        res["comm"] = comm_section(cfg, 5, 2 if q else 3, [0.25, 1.0, 4.0] if q else
+                                   [0.25, 1.0, 4.0, 16.0, 64.0])
+    if "e2e" in sections:
+        res["e2e"] = e2e(cfg, 5 if q else 10, 2)
+    res["wall_s"] = time.perf_counter() - t
+    if RANK == 0:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1, default=float)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

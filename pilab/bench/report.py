@@ -1,0 +1,165 @@
+"""BENCHMARKS.md from a ``pilab.bench.run`` result: one table per section, each ratio with its spread."""
+from __future__ import annotations
+
+
+def _r(s: dict | None, digits: int = 2) -> str:
+    """'median (p10-p90, n)' of a summary."""
+    if not s or s.get("median") is None:
+        return "n/a"
+    f = f"{{:.{digits}f}}"
+    return f"{f.format(s['median'])} ({f.format(s['p10'])}–{f.format(s['p90'])}, n={s['n']})"
+
+
+def _ms(s: dict | None) -> str:
+    if not s or s.get("median") is None:
+        return "n/a"
+    return f"{1e3 * s['median']:.1f} ms ({1e3 * s['p10']:.1f}–{1e3 * s['p90']:.1f})"
+
+
+def _goal(s: dict | None, op: str, target: float) -> str:
+    if not s or s.get("median") is None:
+        return "not measured"
+    ok = s["median"] >= target if op == ">=" else s["median"] <= target
+    return f"{'met' if ok else 'NOT met'} (goal {op} {target:g})"
+
+
+def markdown_report(res: dict) -> str:
+    m = res["machine"]
+    ranks = res.get("ranks", {})
+    out = [
+        "# pilab benchmarks",
+        "",
+        "Written by `python -m pilab bench` (`pilab/bench/`); do not edit by hand — rerun it. Every figure "
+        "is a ratio against a baseline measured in the same run: the contenders alternate round by round "
+        "(order rotated), one ratio per round, shown as **median (p10–p90, n = rounds)**. Timings on a "
+        "shared machine swing by tens of percent between sittings; only the ratios mean anything, and a "
+        "wide p10–p90 says the load dominated.",
+        "",
+        f"- machine: {m['cpu']}, {m['cpu_count']} cores ({m['usable_cores']} usable); {m['platform']}",
+        f"- software: python {m['python']}, torch {m['torch']}"
+        + (f", mpi4py {ranks['mpi4py']}, {ranks['mpi_library']}" if ranks else ""),
+        f"- date: {m['date']}; load average (1/5/15 min) at start {', '.join(f'{x:.1f}' for x in m['loadavg_start'])}, "
+        f"at end {', '.join(f'{x:.1f}' for x in m.get('loadavg_end', []))}",
+        f"- command: `{res['command']}`{' (quick mode: tiny settings, not the recorded figures)' if res['quick'] else ''};"
+        f" wall time {res.get('wall_s', 0):.0f} s"
+        + (f"; the rank job: `{ranks['command']}`" if ranks.get("command") else ""),
+        "",
+    ]
+    if "one_rank" in res:
+        o = res["one_rank"]
+        out += ["## One rank: pilab's step vs a bare PyTorch loop", "",
+                f"{o['model']} width {o['width']}, batch {o['batch']}, {o['threads']} thread; the bare loop is "
+                "zero_grad / forward / loss / backward / SGD step / loss.item() on the same model, optimizer and batches.",
+                "", "| figure | value |", "|---|---|",
+                f"| bare step | {_ms(o['step_s']['bare'])} |", f"| pilab step | {_ms(o['step_s']['pilab'])} |",
+                f"| speed ratio bare time / pilab time | {_r(o['ratio_bare_over_pilab'], 3)} — "
+                f"{_goal(o['ratio_bare_over_pilab'], '>=', 0.98)} |", ""]
+    if "models" in res:
+        mo = res["models"]
+        out += ["## Training images/s per model and memory layout", "",
+                f"Batch {mo['batch']}, one thread, forward + backward + SGD step. Ratios: channels_last speed-up "
+                f"(NCHW time / channels_last time) and each row's images/s relative to {mo['base']}.", "",
+                f"| model | width | layout | images/s | vs {mo['base']} | channels_last speed-up |",
+                "|---|---|---|---|---|---|"]
+        for row in mo["rows"]:
+            out.append(f"| {row['model']} | {row['width']} | {'channels_last' if row['channels_last'] else 'NCHW'} | "
+                       f"{_r(row['images_per_s'], 0)} | {_r(row['vs_base'])} | "
+                       f"{_r(row.get('cl_speedup')) if row['channels_last'] else ''} |")
+        out.append("")
+    if "data" in res:
+        d = res["data"]
+        s = d["speedup_pilab_over_dataloader"]
+        out += ["## Data: batched augmentation vs a per-sample Dataset + DataLoader", "",
+                f"Batches of {d['batch']}: crop (4-px reflect pad) + flip + normalise. DataLoader with num_workers=0.",
+                "", "| figure | value |", "|---|---|",
+                f"| pilab ShardLoader images/s | {_r(d['images_per_s']['pilab'], 0)} |",
+                f"| Dataset + DataLoader images/s | {_r(d['images_per_s']['dataloader'], 0)} |",
+                f"| speed-up | {_r(s, 1)} — {_goal(s, '>=', 3)} |", ""]
+    if ranks.get("comm"):
+        c = ranks["comm"]
+        bw = c["bandwidth"]
+        out += ["## Communication (np=2, shared memory)", "",
+                f"Gradients of the e2e model: {bw['bytes'] / 2 ** 20:.1f} MiB in {bw['buckets']} bucket(s) of 1 MiB.",
+                "", "| figure | value |", "|---|---|",
+                f"| raw Allreduce GB/s | {_r(bw['raw_gb_per_s'])} |",
+                f"| GradSync exchange GB/s (all buckets, no overlap) | {_r(bw['gradsync_gb_per_s'])} |",
+                f"| effective bandwidth ratio GradSync / raw | {_r(bw['effective_bw_ratio'])} — "
+                f"{_goal(bw['effective_bw_ratio'], '>=', 0.9)} |", "",
+                "Bucket sweep (forward + backward + exchange, no optimizer):", "",
+                "| bucket MiB | buckets | step | step vs 1 MiB | exposed | share hidden behind backward |",
+                "|---|---|---|---|---|---|"]
+        for mb, row in c["bucket_sweep"].items():
+            ref = next(k for k in row if k.startswith("step_vs_"))
+            out.append(f"| {mb} | {row['buckets']} | {_ms(row['step_s'])} | {_r(row[ref])} | "
+                       f"{_ms(row['exposed_s'])} | {_r(row['hidden_share'])} |")
+        mi = c["micro"]
+        out += ["", f"Small costs of one step: copying all gradients into buckets and back "
+                f"{1e3 * mi['copy_in_and_out_s']:.2f} ms (what gradient views remove); one Testall "
+                f"{1e6 * mi['testall_call_s']:.1f} µs (× {mi['testall_calls_per_step_before']} per step before, "
+                f"~1 per 8 gradients now); loss.item() on CPU {1e6 * mi['item_s']:.1f} µs; a blocking 6-value "
+                f"Allreduce {1e6 * mi['tiny_allreduce_s']:.0f} µs.", ""]
+    if ranks.get("e2e"):
+        e = ranks["e2e"]
+        r, st = e["ratios"], e["step_s"]
+        out += ["## End to end at np=2: one synchronous step", "",
+                f"{e['model']} width {e['width']}, {e['per_rank_batch']} images per rank, {e['threads']} thread per "
+                f"rank, channels_last, {e['rounds']} rounds × {e['steps_per_round']} steps per contender (median step of "
+                "the slower rank). *ceiling*: no exchange; *floor*: plus one 8-byte Allreduce per step; *DDP-gloo*: "
+                "torch DDP (defaults, broadcast_buffers=False) over gloo on 127.0.0.1; *pilab before*: GradSync as it "
+                "was before issue 12; *pilab spin*: today's pilab with MPI's busy Waitall; *np=1*: rank 0 alone "
+                "(rank 1 asleep).", "",
+                "| contender | step |", "|---|---|"]
+        for k in ("ceiling", "floor", "pilab", "pilab_spin", "pilab_before", "ddp_gloo", "np1"):
+            out.append(f"| {k} | {_ms(st.get(k))} |")
+        out += ["", "| ratio | median (p10–p90) | goal |", "|---|---|---|",
+                f"| pilab / floor | {_r(r['pilab_over_floor'], 3)} | {_goal(r['pilab_over_floor'], '<=', 1.05)} |",
+                f"| pilab / DDP-gloo | {_r(r['pilab_over_ddp'], 3)} | {_goal(r['pilab_over_ddp'], '<=', 0.85)} |",
+                f"| strong-scaling efficiency np=1→2 (t1 / t2) | {_r(r['scaling_efficiency'], 3)} | "
+                f"{_goal(r['scaling_efficiency'], '>=', 0.90)} |",
+                f"| pilab / ceiling | {_r(r['pilab_over_ceiling'], 3)} | |",
+                f"| floor / ceiling (the cost of synchronising at all) | {_r(r['floor_over_ceiling'], 3)} | |",
+                f"| DDP-gloo / ceiling | {_r(r['ddp_over_ceiling'], 3)} | |",
+                f"| pilab before / floor | {_r(r['before_over_floor'], 3)} | |",
+                f"| pilab / pilab before | {_r(r['pilab_over_before'], 3)} | |",
+                f"| pilab spin / pilab | {_r(r['spin_over_pilab'], 3)} | |", ""]
+        p = e["pilab_step_parts"]
+        out += ["pilab's own step timings (StepResult, this run): "
+                + ", ".join(f"{k} {_ms(p[k])}" for k in ("time", "compute", "comm_exposed", "comm_wait", "data"))
+                + f". GC during the pilab steps: {e['gc']['collections']} collections, "
+                f"{1e3 * e['gc']['total_s']:.1f} ms in {e['gc']['pilab_steps']} steps.", ""]
+    if ranks.get("memory"):
+        mem = ranks["memory"]
+        sh = mem["shards"]
+        out += ["## Memory", "",
+                f"Peak RSS per rank of the default run ({mem['config']}, np=2): "
+                + ", ".join(f"{x:.0f} MiB" for x in mem["peak_rss_mb_per_rank"]) + ". "
+                + "Shards: " + "; ".join(f"rank {s['rank']} loader holds {s['loader_images']} of {s['train_images']} "
+                                         f"images ({s['loader_mb']:.1f} of {s['full_train_set_mb']:.1f} MiB)" for s in sh)
+                + (". The Session still references the whole training array (the data set object), so a rank "
+                   "holds its shard *and* the full set." if any(s["session_keeps_full_train_array"] for s in sh) else "."),
+                ""]
+    if "simulator" in res:
+        s = res["simulator"]
+        out += ["## Simulator: exact vs fast", "",
+                f"{s['model']} width {s['width']}, {s['per_rank_batch']} images per virtual rank, {s['threads']} thread.",
+                "", "| np | exact images/s | fast images/s | fast / exact speed |", "|---|---|---|---|"]
+        for np_, row in s["np"].items():
+            out.append(f"| {np_} | {_r(row['images_per_s']['exact'], 0)} | {_r(row['images_per_s']['fast'], 0)} | "
+                       f"{_r(row['fast_over_exact'])} |")
+        out.append("")
+    d = res.get("deviation")
+    if "simulator" in res and not d:
+        out += ["The fast mode's deviation from the exact path after 100 steps at np=48 is measured by "
+                "`python -m pilab bench --sections deviation` (~7 min here) and stated in docs/simulator.md.", ""]
+    if d:
+        out += [f"Deviation of fast from exact after {d['steps']} steps at np={d['np']} ({d['model']} width "
+                    f"{d['width']}, {d['per_rank_batch']} per rank): max |Δw| {d['max_abs_param_diff']:.2e}, "
+                    f"‖Δw‖ / ‖w_exact − w_0‖ {d['rel_param_diff']:.2e}, mean loss of the last 10 steps "
+                    f"{d['loss_last10_exact']:.4f} (exact) vs {d['loss_last10_fast']:.4f} (fast), largest per-step "
+                    f"loss difference {d['max_step_loss_diff']:.2e}."]
+        out.append("")
+    out += ["## GPU", "",
+            "Not measured: no GPU was available in this session. `scripts/gpu_check.py` runs the full-size check "
+            "(10 epochs of mobilenetv2_cifar on the 50,000 images, np=1 at batch 64 and simulated np=48 at 64 per "
+            "rank); its figures are still to be recorded here, with the date.", ""]
+    return "\n".join(out)

@@ -1,0 +1,246 @@
+"""Checkpoints you can trust: written atomically with a checksum of their payload, verified on load,
+the last K kept.
+
+A checkpoint is an ordinary ``torch.save`` dict (``torch.load(path, weights_only=True)`` reads it) with
+``model``, ``optimizer``, ``epoch``, ``step``, ``np``, ``config`` and ``history``, plus ``sha256``: a
+digest of all of those (tensor bytes, dtypes, shapes, the metadata), recomputed on load. Files::
+
+    <out>/checkpoint-e0003.pt     one per checkpointed epoch; the last ``keep`` stay
+    <out>/checkpoint.pt           the newest of them (a hard link, or a copy where links fail)
+
+    from pilab import checkpoint
+    checkpoint.save(out, payload, keep=2)                   # raises WriteError; old files untouched
+    ck = checkpoint.load("runs/x/checkpoint.pt", cfg, np_=2)  # raises CheckpointError naming the fix
+
+A failed write (disk full, read-only directory) leaves every earlier file as it was: the new file is
+written beside them under a temporary name, flushed to disk, and only then renamed into place.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import io
+import os
+import re
+
+import torch
+
+from .config import Config, ConfigError
+
+__all__ = ["CheckpointError", "WriteError", "save", "load", "verify", "digest", "latest", "FORMAT"]
+
+FORMAT = "pilab.checkpoint/1"
+NAME = "checkpoint.pt"
+# Settings that may differ between a run and its resumption: they don't change what is computed.
+RESUMABLE = ("out", "resume", "checkpoint_every", "keep", "max_steps", "eval_every", "threads")
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's (zip) format
+_EPOCH_FILE = re.compile(r"checkpoint-e(\d+)\.pt$")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be resumed from (missing, corrupt, truncated, another run's). One line, with
+    the fix; a ConfigError, so the CLI reports it as bad input (exit 2)."""
+
+
+class WriteError(OSError):
+    """A result or checkpoint could not be written (disk full, no permission). Earlier files are intact."""
+
+
+# ----------------------------------------------------------------------------------------------
+# the checksum
+# ----------------------------------------------------------------------------------------------
+def _feed(h, obj) -> None:
+    """Feed ``obj`` (dicts, lists, tensors, plain values) into ``h`` in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, dict):
+        h.update(b"{")
+        for k in sorted(obj, key=repr):
+            h.update(repr(k).encode() + b":")
+            _feed(h, obj[k])
+        h.update(b"}")
+    elif isinstance(obj, (list, tuple)):
+        h.update(b"[")
+        for v in obj:
+            _feed(h, v)
+        h.update(b"]")
+    else:
+        h.update(repr(obj).encode() + b";")
+
+
+def digest(payload: dict) -> str:
+    """SHA-256 over everything in ``payload`` but its own ``sha256`` entry."""
+    h = hashlib.sha256()
+    _feed(h, {k: v for k, v in payload.items() if k != "sha256"})
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# writing
+# ----------------------------------------------------------------------------------------------
+def _write_synced(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(d: str) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _replace_with(src: str, dst: str) -> None:
+    """Make ``dst`` the same file as ``src`` atomically (hard link + rename; a copy where links fail)."""
+    tmp = f"{dst}.tmp{os.getpid()}"
+    try:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            with open(src, "rb") as f:
+                _write_synced(tmp, f.read())
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def epoch_files(out: str) -> list[tuple[int, str]]:
+    """(epoch, path) of the numbered checkpoints in ``out``, oldest first."""
+    found = []
+    for p in glob.glob(os.path.join(glob.escape(out), "checkpoint-e*.pt")):
+        m = _EPOCH_FILE.search(os.path.basename(p))
+        if m:
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def save(out: str, payload: dict, *, keep: int = 1) -> str:
+    """Write ``payload`` (model/optimizer state dicts, epoch, step, np, config, history) as
+    ``<out>/checkpoint-eNNNN.pt``, point ``<out>/checkpoint.pt`` at it, keep the last ``keep``.
+
+    Raises ``WriteError`` if it cannot be written; the files already there are then untouched."""
+    ck = {"format": FORMAT, **payload}
+    ck["sha256"] = digest(ck)
+    buf = io.BytesIO()
+    torch.save(ck, buf)
+    path = os.path.join(out, f"checkpoint-e{int(ck['epoch']):04d}.pt")
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        os.makedirs(out, exist_ok=True)
+        _write_synced(tmp, buf.getvalue())
+        os.replace(tmp, path)
+        _replace_with(path, os.path.join(out, NAME))
+        _fsync_dir(out)
+    except OSError as e:
+        err = WriteError(f"cannot write the checkpoint of epoch {ck['epoch']} to {out}: "
+                         f"{e.strerror or e}")
+        err.errno = e.errno
+        raise err from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    for _, old in epoch_files(out)[:-max(1, keep)]:
+        try:
+            os.remove(old)
+        except OSError:
+            pass  # one more old checkpoint than asked for is no reason to stop a run
+    return path
+
+
+def latest(out: str) -> str | None:
+    """``<out>/checkpoint.pt`` if it exists (what ``--resume`` is given), else None."""
+    p = os.path.join(out, NAME)
+    return p if os.path.exists(p) else None
+
+
+# ----------------------------------------------------------------------------------------------
+# reading
+# ----------------------------------------------------------------------------------------------
+def _others(path: str) -> str:
+    d = os.path.dirname(os.path.abspath(path))
+    names = [os.path.basename(p) for _, p in epoch_files(d) if os.path.abspath(p) != os.path.abspath(path)]
+    return f"; other checkpoints there: {', '.join(names)}" if names else ""
+
+
+def read(path: str) -> dict:
+    """The checkpoint at ``path``, its checksum verified; CheckpointError if it is not one."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"resume={path!r} does not exist; give the path of a checkpoint.pt "
+                              "(written with --checkpoint-every K)")
+    if os.path.isdir(path):
+        raise CheckpointError(f"resume={path!r} is a directory; give {os.path.join(path, NAME)}")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != _ZIP_MAGIC:
+        raise CheckpointError(f"{path} is not a pilab checkpoint (not a torch.save file){_others(path)}")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged zip, an unpicklable record: say so, no traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} is truncated or corrupt ({first[:120]}); resume from an "
+                              f"earlier checkpoint{_others(path) or ' or start again'}") from None
+    if not isinstance(ck, dict) or not {"model", "optimizer", "epoch", "config"} <= set(ck):
+        raise CheckpointError(f"{path} is a torch file but not a pilab checkpoint "
+                              "(no model/optimizer/epoch/config)")
+    if "sha256" in ck and digest(ck) != ck["sha256"]:
+        raise CheckpointError(f"{path} is corrupt: its checksum does not match its contents; resume "
+                              f"from an earlier checkpoint{_others(path) or ' or start again'}")
+    return ck
+
+
+def _flag(name: str, value) -> str:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else "--no-" + name.replace("_", "-")
+    return f"{flag} {value}"
+
+
+def verify(ck: dict, cfg: Config, np_: int, path: str = "checkpoint") -> Config:
+    """Refuse (CheckpointError) a checkpoint made with other settings or another process count;
+    the message names each difference and the flags that resume it correctly."""
+    try:
+        saved = Config.from_dict({k: v for k, v in ck["config"].items()})
+    except ConfigError as e:
+        raise CheckpointError(f"{path} holds a configuration this pilab cannot read ({e})") from None
+    mine, theirs = cfg.to_dict(), saved.to_dict()
+    diff = sorted(k for k in mine if k not in RESUMABLE and mine[k] != theirs[k])
+    problems = [f"{k}={theirs[k]!r} (this run: {mine[k]!r})" for k in diff]
+    fix = [_flag(k, theirs[k]) for k in diff]
+    ck_np = ck.get("np")
+    if ck_np is not None and ck_np != np_:
+        problems.append(f"np={ck_np} (this run: {np_})")
+        fix.append(f"--np {ck_np} (or mpiexec -n {ck_np})")
+    if problems:
+        names = diff + (["np"] if len(problems) > len(diff) else [])
+        raise CheckpointError(f"{path} was made with different {', '.join(names)}: {', '.join(problems)}; "
+                              f"resume with the same settings ({' '.join(fix)})")
+    return saved
+
+
+def load(path: str, cfg: Config, np_: int) -> dict:
+    """``read`` + ``verify``: the checkpoint, fit to resume ``cfg`` at ``np_`` ranks."""
+    ck = read(path)
+    verify(ck, cfg, np_, path)
+    return ck
+
+
+def apply(ck: dict, model, optimizer, path: str = "checkpoint") -> None:
+    """Load the model and optimizer state; a state that does not fit the model is a CheckpointError."""
+    try:
+        model.load_state_dict(ck["model"])
+        optimizer.load_state_dict(ck["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0]
+        raise CheckpointError(f"{path} does not fit this model ({first[:160]}); resume with the "
+                              "settings it was made with") from None

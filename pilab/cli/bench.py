@@ -1,0 +1,39 @@
+"""``pilab bench``: side-by-side benchmarks of pilab against what a user would pick instead.
+
+    python -m pilab bench                  # everything (<= 15 min on a 2-core machine), BENCHMARKS.md
+    python -m pilab bench --quick          # CI-sized settings (~2-3 min); --markdown '' writes none
+"""
+from __future__ import annotations
+
+from .common import UsageError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: ratios against baselines measured in the same run",
+                       description="One rank vs a bare PyTorch loop, images/s per model, the data path vs "
+                                   "a DataLoader, GradSync vs a raw Allreduce, np=2 vs DDP-gloo and the "
+                                   "sync-only floor, memory, the simulator's fast mode. Writes "
+                                   "<out>/bench.json and a markdown table.")
+    p.add_argument("--quick", action="store_true", help="tiny settings for CI (not the recorded figures)")
+    p.add_argument("--sections", default=None,
+                   help="comma-separated subset of one_rank,models,data,simulator,ranks (default: all of "
+                        "them), or deviation (the simulator's fast mode after 100 steps at np=48, ~7 min)")
+    p.add_argument("--out", default="runs/bench", help="directory for bench.json (default: runs/bench)")
+    p.add_argument("--markdown", default="BENCHMARKS.md",
+                   help="markdown report to write (default: BENCHMARKS.md; '' for none)")
+    p.add_argument("--mpiexec", default=None, help="launcher for the np=2 job (default: pilab.launch's)")
+    p.set_defaults(func=run)
+
+
+def run(args, argv) -> int:
+    from .. import bench
+    sections = tuple(args.sections.split(",")) if args.sections else bench.SECTIONS
+    known = bench.SECTIONS + bench.EXTRA_SECTIONS
+    unknown = sorted(set(sections) - set(known))
+    if unknown:
+        raise UsageError(f"--sections {','.join(unknown)} unknown; choose from {','.join(known)}")
+    command = "python -m pilab bench" + (" " + " ".join(argv) if argv else "")
+    res = bench.run(quick=args.quick, sections=sections, out=args.out, markdown=args.markdown or None,
+                    mpiexec=args.mpiexec, command=command)
+    print(f"bench: {res['wall_s']:.0f} s; {args.out}/bench.json" + (f", {args.markdown}" if args.markdown else ""))
+    return 0
