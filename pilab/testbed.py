@@ -326,6 +326,7 @@ shift
 case "$host" in
 {cases}
     *) echo "ssh: Could not resolve hostname $host: not a host of pilab testbed {name} ({hosts})" >&2
+       sleep 1  # let mpiexec forward this line before it sees the launch fail and exits
        exit 255 ;;
 esac
 # a node slowed by `testbed.throttle` (a CPU-quota cgroup of its own): everything started on it joins
