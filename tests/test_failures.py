@@ -181,6 +181,14 @@ def test_python_entry_points_import_without_mpi(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # 2. an interrupted run keeps what it did
 # ----------------------------------------------------------------------------------------------
+def _ctrl_c(proc) -> tuple[str, float]:
+    """Ctrl-C to ``proc``'s group; its stderr and the seconds until it exited."""
+    t = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    return stderr, round(time.monotonic() - t, 2)
+
+
 def _interrupt(tmp_path, args, out: Path, sig, *, target="group", after="checkpoint-e0001.pt", twice=False):
     proc = start(args, cwd=tmp_path)
     try:
@@ -273,10 +281,7 @@ def test_simulate_interrupted_keeps_its_result(tmp_path):
     try:
         time.sleep(8)  # set up and training (no file to wait for: the simulator writes only at the end)
         assert proc.poll() is None, proc.stderr.read()
-        t = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)
-        seconds = round(time.monotonic() - t, 2)
+        stderr, seconds = _ctrl_c(proc)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -307,10 +312,7 @@ def test_scale_interrupted_keeps_finished_points_and_resume_runs_only_the_missin
     try:
         wait_for(out / "np1" / "result.json", proc, timeout=240)
         _wait_for_child(proc, [MPIEXEC, "-n", "2"])  # np=1 is done and counted, np=2 is running
-        t = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)
-        seconds = round(time.monotonic() - t, 2)
+        stderr, seconds = _ctrl_c(proc)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
