@@ -23,6 +23,8 @@ polled on every rank each step and any rank's True stops all ranks together afte
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import platform
 import resource
@@ -426,6 +428,10 @@ class Session:
         self.accounting = data_mod.epoch_accounting(self.ds.y_train, self.np_, self.batch, cfg.sharding,
                                                     seed=cfg.seed)
         self.model = ranks.build(cfg, self.device, self.ds, self.batch)
+        if data is None and not ranks.simulated and cfg.sharding == "static":
+            # The loader copied this rank's shard; the whole training set stays only where it is shared
+            # (a caller's data, the simulator's ranks, reshuffled shards): a rank holds 1/np of it.
+            self.ds = dataclasses.replace(self.ds, x_train=self.ds.x_train[:0])
         spe = self.steps_per_epoch = ranks.steps_per_epoch
         # The schedule spans all epochs; max_steps only cuts the run short (an interruption), so a run
         # resumed from its checkpoint follows the same learning rates as an uninterrupted one.

@@ -14,11 +14,13 @@ returns a Bokeh figure or layout, so notebooks and the HTML report draw the same
 """
 from __future__ import annotations
 
+import os
 import threading
+from html import escape
 from typing import Any, Mapping, Sequence
 
 from bokeh.layouts import column, gridplot, row
-from bokeh.models import ColumnDataSource, Div, HoverTool, Legend, Range1d
+from bokeh.models import ColumnDataSource, Div, HoverTool, LabelSet, Legend, Range1d
 from bokeh.palettes import Category10
 from bokeh.plotting import figure
 
@@ -55,6 +57,29 @@ def show(obj) -> None:
     from jupyter_bokeh import BokehModel
 
     display(BokehModel(obj))
+
+
+# The committed full-size results live in the source tree (a clone, Binder), not in an installed wheel.
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+
+
+def show_committed(figure_path: str = "fast-but-wrong/compare.png", caption: str = "") -> bool:
+    """Display a committed result's figure (``docs/<figure_path>``) in a notebook, labelled as such, beside
+    the small live run a notebook makes; False (and one line saying where to find it) outside a clone::
+
+        plots.show_committed("fast-but-wrong/compare.png", "the committed study: 15,000 images, 10 epochs")
+    """
+    from IPython.display import HTML, Image, display
+
+    path = os.path.join(DOCS, figure_path)
+    if not os.path.exists(path):
+        print(f"pilab: the committed figure docs/{figure_path} is in pilab's source repository, not in this "
+              "install")
+        return False
+    display(HTML(f"<b>Committed result, not this notebook's run</b>: <code>docs/{escape(figure_path)}</code>"
+                 + (f" — {escape(caption)}" if caption else "")))
+    display(Image(filename=path))
+    return True
 
 
 def _fig(title: str, x_label: str, y_label: str, **kw) -> figure:
@@ -508,8 +533,19 @@ def remedies_figure(res: Mapping):
     timed = [r for r in rows if r.get("epochs_time")]
     if not timed:
         return p
-    q = _fig("accuracy vs predicted time", "predicted training time (s)", "test accuracy")
-    q.scatter([r["epochs_time"] for r in timed], [r["final_test_acc"] for r in timed], size=9,
-              color=["#d62728" if r.get("pareto") else "#4c78a8" for r in timed])
+    where = f" on {res['machine']}" if res.get("machine") else ""
+    q = _fig(f"accuracy vs predicted time{where}", "predicted training time (s)", "test accuracy")
+    src_t = ColumnDataSource({"t": [r["epochs_time"] for r in timed], "acc": [r["final_test_acc"] for r in timed],
+                              "label": [r["label"] for r in timed],
+                              "name": [r["label"] if r.get("pareto") else "" for r in timed],
+                              "color": ["#d62728" if r.get("pareto") else "#4c78a8" for r in timed]})
+    q.scatter("t", "acc", size=9, color="color", source=src_t)
+    # the front's members named on the picture itself (the PNG has no hover)
+    q.add_layout(LabelSet(x="t", y="acc", text="name", source=src_t, x_offset=6, y_offset=-4,
+                          text_font_size="9pt"))
+    if target:
+        q.line([min(src_t.data["t"]), max(src_t.data["t"])], [target, target], color="gray",
+               line_dash="dashed")
+    q.add_tools(HoverTool(tooltips=[("", "@label"), ("time", "@t{0} s"), ("test acc", "@acc{0.000}")]))
     return row(p, q)
 

@@ -143,7 +143,8 @@ def _times(run: dict, pr: dict | None, machine: str) -> dict | None:
 
 def rows_from_runs(runs: dict[int, dict], criteria: Criteria = Criteria(),
                    predicted: dict[int, dict] | None = None, *, target: str | None = None,
-                   target_predicted: dict[int, dict] | None = None) -> tuple[list[dict], dict]:
+                   target_predicted: dict[int, dict] | None = None,
+                   baseline_per_image: float | None = None) -> tuple[list[dict], dict]:
     """One row per np from run results (measured or simulated), judged against the baseline runs.
 
     ``predicted``: performance-model times for this machine (simulated points); ``target`` and
@@ -152,12 +153,14 @@ def rows_from_runs(runs: dict[int, dict], criteria: Criteria = Criteria(),
     machine's; both appear in the row (``here_*`` and ``target_*``). The speed baseline is
     ``criteria.baseline_np`` (default: the smallest measured np); accuracy is judged against the
     smallest np of the study (np=1 where it ran), so the reference run is never itself judged wrong.
+    ``baseline_per_image``: the target's predicted seconds per training image at ``baseline_np`` when
+    that np did not run (a target's speed needs no accuracy run: one Pi node without an np=2 point).
     """
     predicted, target_predicted = predicted or {}, target_predicted or {}
     nps = sorted(runs)
     measured = [p for p in nps if not runs[p].get("simulated")]
     p0 = criteria.baseline_np or (measured[0] if measured else nps[0])
-    if p0 not in runs:
+    if p0 not in runs and not (target and baseline_per_image):
         raise ConfigError(f"baseline np={p0} is not among the runs {nps}; measure it or pick another")
     pa = nps[0]
     base_acc = final_value(runs[pa], "test_acc") or 0.0
@@ -165,17 +168,19 @@ def rows_from_runs(runs: dict[int, dict], criteria: Criteria = Criteria(),
     primary = target or "this machine"
     here = {p: _times(runs[p], predicted.get(p), "this machine") for p in nps}
     there = {p: _times(runs[p], target_predicted.get(p), target) for p in nps} if target else here
-    times0 = there[p0]
+    times0 = there.get(p0)
     # Strong scaling compares the same work: time per training image, since an epoch at larger np
     # drops more leftover images (each rank's shard rounded down to whole batches).
-    t0 = sum(times0["train"]) / len(times0["train"]) / _images_per_epoch(runs[p0]) if times0 else None
+    t0 = sum(times0["train"]) / len(times0["train"]) / _images_per_epoch(runs[p0]) if times0 else \
+        (baseline_per_image if p0 not in runs else None)
     ttt0 = time_to_target(runs[pa], target_acc, there[pa]["train"], there[pa]["eval"]) \
         if there[pa] else None
     rows = [_row(p, runs[p], here[p], there[p], primary, p0, t0, ttt0, base_acc, target_acc, criteria,
                  reference=p == pa) for p in nps]
     for row in rows:
         row.update(run_energy(runs[row["np"]], there[row["np"]], primary, target_acc))
-    meta = {"baseline_np": p0, "accuracy_baseline_np": pa, "baseline_test_acc": base_acc,
+    meta = {"baseline_np": p0, "baseline_predicted_only": p0 not in runs,
+            "accuracy_baseline_np": pa, "baseline_test_acc": base_acc,
             "target_accuracy": target_acc, "machine": primary,
             "reference_learned": base_acc >= criteria.wrong_floor}
     return rows, meta
@@ -345,11 +350,15 @@ def target_name(target) -> str | None:
     return target if isinstance(target, str) else getattr(target, "name", "target")
 
 
-def target_baseline(target, nps) -> int:
-    """The speed baseline a target implies: one node of the Pi cluster (2 ranks) where it ran."""
-    if target == "pi4b_cluster" and perfmodel.PI_BASELINE_NP in nps:
-        return perfmodel.PI_BASELINE_NP
-    return 0
+def target_baseline(target) -> int:
+    """The speed baseline a target implies: one node of the Pi cluster (2 ranks); 0 = none."""
+    return perfmodel.PI_BASELINE_NP if target == "pi4b_cluster" else 0
+
+
+def _baseline_per_image(cfg: Config, p0: int, target) -> float:
+    """The target's predicted training seconds per image at ``p0`` ranks (no run needed)."""
+    pr = perfmodel.predict(replace(cfg, threads=0) if target in perfmodel.PRESETS else cfg, p0, target)
+    return pr["time"] / pr["images"]
 
 
 def _predict_target(cfg: Config, nps, target) -> dict[int, dict]:
@@ -370,17 +379,56 @@ class Interrupted(KeyboardInterrupt):
 def _finished_point(out: str | None, p: int, point_cfg: Config, simulated: bool) -> dict | None:
     """The result of np point ``p`` kept from an earlier run of this study in ``out``: the same
     settings, run to the end (not stopped early); None if there is none to keep."""
-    if not out:
-        return None
+    return finished_run(os.path.join(out, f"np{p}", "result.json"), p, point_cfg, simulated) if out else None
+
+
+def finished_run(path: str, p: int, cfg: Config, simulated: bool) -> dict | None:
+    """The result.json at ``path`` if it is ``cfg``'s training at ``p`` ranks (:func:`same_training`),
+    simulated or measured as asked, and ran to the end; else None (missing, unreadable, other)."""
     try:
-        r = _load_json(os.path.join(out, f"np{p}", "result.json"))
+        r = _load_json(path)
         saved = Config.from_dict(r["config"]).to_dict()
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    mine = point_cfg.to_dict()
-    same = all(saved[k] == mine[k] for k in mine if k not in ("out", "resume"))
     done = not r.get("stopped_early") and r.get("steps_done", r.get("total_steps")) == r.get("total_steps")
-    return r if same and done and bool(r.get("simulated")) == simulated and r.get("np") == p else None
+    ok = done and bool(r.get("simulated")) == simulated and r.get("np") == p
+    return r if ok and same_training(saved, cfg, p) else None
+
+
+_LR_RULE = ("lr", "lr_scaling", "lr_ref_batch")
+
+
+def same_training(saved: dict, cfg: Config, p: int) -> bool:
+    """True if a run saved with settings ``saved`` is the training ``cfg`` asks for at ``p`` ranks:
+    every setting equal, or equal but for an LR rule that gives the same peak LR at ``p`` (at np=1
+    with a reference batch of one rank's batch every rule is the base LR), so four LR-rule studies
+    share their np=1 point::
+
+        same_training(Config(lr_scaling="none").to_dict(), Config(lr_scaling="linear"), 1)   # True
+    """
+    mine = cfg.to_dict()
+    keys = [k for k in mine if k not in ("out", "resume")]
+    if all(saved.get(k) == mine[k] for k in keys):
+        return True
+    if any(saved.get(k) != mine[k] for k in keys if k not in _LR_RULE):
+        return False
+    try:
+        return math.isclose(Config.from_dict(saved).peak_lr(p), cfg.peak_lr(p), rel_tol=1e-12)
+    except (ConfigError, TypeError, ValueError):
+        return False
+
+
+def _reused_point(dirs, p: int, point_cfg: Config, simulated: bool, out: str | None) -> dict | None:
+    """The finished np ``p`` point of another study (``dirs``) that is this point's training, copied
+    into ``out/np<p>`` (marked ``reused_from``) so the study stays self-contained; None if none is."""
+    for d in dirs:
+        r = _finished_point(d, p, point_cfg, simulated)
+        if r is not None:
+            r = {**r, "reused_from": os.path.join(d, f"np{p}")}
+            if out:
+                save_json(r, os.path.join(out, f"np{p}", "result.json"))
+            return r
+    return None
 
 
 def _load_json(path: str):
@@ -422,18 +470,21 @@ def _write_partial(study_: dict, out: str) -> None:
 def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria = Criteria(),
           out: str | None = None, mpiexec: str | None = None, hostfile: str | None = None,
           calibration=None, callbacks=(), command: str | None = None, target=None,
-          resume: bool = False) -> dict:
+          resume: bool = False, reuse=()) -> dict:
     """Run the study; returns {"rows", "runs", "criteria", "config", ...} and writes it under ``out``.
 
     ``target``: the machine speedup and time to target are reported for — None / "this" (measured
     here, simulated points predicted for this machine), "pi4b_cluster" (every point predicted for
-    the 24-node Pi cluster; speed baseline one node = np 2 where it ran), or a calibration/cluster
+    the 24-node Pi cluster; speed baseline one node = np 2, predicted whether or not it ran), or a
+    calibration/cluster
     JSON path. This machine's times stay in every row beside the target's.
     ``callbacks`` receive {"kind": "run", "np", "simulated", "result"} after each run, so a notebook
     can draw the dashboard as it fills. Each point's result is kept under ``out/np<p>`` as it finishes;
     interrupted (KeyboardInterrupt, a failed run), the study writes what it has (``complete`` false,
     ``missing``: the points not run) and raises :class:`Interrupted`. ``resume=True`` keeps the
     finished points of an earlier run with the same settings in ``out`` and runs only the others.
+    ``reuse``: other studies' directories whose finished points are taken where they are the same
+    training (:func:`same_training`: the np=1 point of an LR-rule study is every rule's np=1 point).
     """
     tname = target_name(target)
     nps = sorted(set(int(p) for p in nps))
@@ -448,12 +499,13 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
         cfg = replace(cfg, threads=max(1, cores // max(nps)) if not hostfile else 2)
     t_start = time.time()
     runs: dict[int, dict] = {}
-    kept: list[int] = []  # points taken from an earlier run of this study (resume)
+    kept: list[int] = []  # points taken from an earlier run of this study (resume) or another (reuse)
     sim_cfg = replace(cfg, threads=sim_threads, out="")
     try:
         for p in nps:
             run_out = os.path.join(out, f"np{p}") if out else _tmpdir()
             earlier = _finished_point(out, p, replace(cfg, out=run_out), False) if resume else None
+            earlier = earlier or _reused_point(reuse, p, replace(cfg, out=run_out), False, out)
             if earlier is None:
                 if out:
                     _clear_point(run_out)
@@ -469,6 +521,7 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
             # each run's result.json is written as it completes: a long study keeps what it did
             point_cfg = replace(sim_cfg, out=os.path.join(out, f"np{p}") if out else "")
             earlier = _finished_point(out, p, point_cfg, True) if resume else None
+            earlier = earlier or _reused_point(reuse, p, point_cfg, True, out)
             if earlier is None:
                 if out:
                     _clear_point(point_cfg.out)
@@ -486,10 +539,13 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
     if calibration is None and simulate_nps and nps and nps[0] == 1:
         calibration = calibrate_from(runs[1], mpiexec)
     predicted = _predict(cfg, simulate_nps, calibration)
-    if tname and not criteria.baseline_np and target_baseline(target, runs):
-        criteria = replace(criteria, baseline_np=target_baseline(target, runs))
+    if tname and not criteria.baseline_np and target_baseline(target):
+        criteria = replace(criteria, baseline_np=target_baseline(target))
+    p0 = criteria.baseline_np
     rows, meta = rows_from_runs(runs, criteria, predicted, target=tname,
-                                target_predicted=_predict_target(cfg, sorted(runs), target) if tname else None)
+                                target_predicted=_predict_target(cfg, sorted(runs), target) if tname else None,
+                                baseline_per_image=_baseline_per_image(cfg, p0, target)
+                                if tname and p0 and p0 not in runs else None)
     result = {
         "kind": "pilab.scaling.study", "config": cfg.to_dict(), "criteria": asdict(criteria),
         "nps": nps, "simulate_nps": simulate_nps, **meta, "rows": rows,
@@ -561,8 +617,9 @@ def table(study_: dict) -> str:
     lines = [f"baseline np={pa}  final test acc {study_['baseline_test_acc']:.3f}  "
              f"target {study_['target_accuracy']:.3f}"]
     if two:
-        lines.append(f"times: {machine} (predicted), speed baseline np={study_['baseline_np']}; "
-                     "'here' = this machine")
+        lines.append(f"times: {machine} (predicted), speed baseline np={study_['baseline_np']}"
+                     + (" (predicted only, no run)" if study_.get("baseline_predicted_only") else "")
+                     + "; 'here' = this machine")
     lines.append(f"{'np':>4} {'kind':>9} {'glob.batch':>10} {'s/epoch':>8} "
                  + (f"{'here':>8} " if two else "")
                  + f"{'speedup':>8} {'eff.':>6} {'test acc':>8} {'time→target':>12}  verdict")
@@ -618,7 +675,9 @@ def report_html(study_: dict) -> str:
         f"warmup {cfg['warmup_epochs']} epochs, sharding {cfg['sharding']}, BN {cfg['bn']}, "
         f"threads/rank {cfg['threads']}, data {escape(cfg['data'])} "
         f"(train subset {cfg['train_subset'] or 'all'})</p>"
-        f"<p>Speed baseline np={study_['baseline_np']}; accuracy reference np={pa} (final test accuracy "
+        f"<p>Speed baseline np={study_['baseline_np']}"
+        f"{' (its time predicted; no accuracy run at that np)' if study_.get('baseline_predicted_only') else ''}"
+        f"; accuracy reference np={pa} (final test accuracy "
         f"{study_['baseline_test_acc']:.3f}). Target accuracy {study_['target_accuracy']:.3f} = "
         f"{crit['target_fraction']:.0%} of the reference's, fixed before the other runs; time to target "
         "counts training and every evaluation up to the first that reaches it, and a run that never "

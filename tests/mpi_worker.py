@@ -227,7 +227,14 @@ def case_train(out):
         _, sim_avg = simulate.train(replace(sim_cfg, bn_buffers="average"), SIZE, data=ds)
         res["simulator_average_diff_per_rank"] = [
             max_diff(simulate.virtual_state(sim_avg, r), states_avg[r]) for r in range(SIZE)]
+
+    # 8) a rank that loads the data itself keeps only its static shard of the training images
+    sess = engine.Session(replace(BASE, max_steps=1), engine.MPIRanks(COMM))
+    held = COMM.gather({"session_train_images": len(sess.ds.x_train), "loader_images": len(sess.ranks.loader._x),
+                        "shard_size": sess.ranks.loader.shard_size, "train_labels": len(sess.ds.y_train)}, root=0)
+    sess.ranks.close()
     if RANK == 0:
+        res["held_images"] = held
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
 

@@ -334,6 +334,29 @@ def test_scale_interrupted_keeps_finished_points_and_resume_runs_only_the_missin
     note("scale --resume", exit=0, seconds=p.seconds, kept=files_in(out))
 
 
+def test_scale_reuse_takes_another_rules_np1_point_and_reruns_the_rest(tmp_path):
+    # Two LR-rule studies share their np=1 point (linear x 1 rank = the base lr); the second takes
+    # it from the first instead of training it again, and reruns np=2, where the rules differ.
+    base = ["scale", *SCALE, "--epochs", "1", "--lr-ref-batch", "16", "--nps", "", "--simulate-nps", "1,2",
+            "--target", "this"]
+    p = pilab(*base, "--out", str(tmp_path / "naive"), cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    naive = json.loads((tmp_path / "naive" / "np1" / "result.json").read_text())
+    p = pilab(*base, "--lr-scaling", "linear", "--reuse", str(tmp_path / "naive"),
+              "--out", str(tmp_path / "linear"), cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "reused from" in p.stderr and p.stderr.count("reused from") == 1, p.stderr[-3000:]
+    st = json.loads((tmp_path / "linear" / "study.json").read_text())
+    assert st["kept"] == [1] and st["config"]["lr_scaling"] == "linear"
+    copied = json.loads((tmp_path / "linear" / "np1" / "result.json").read_text())
+    assert copied["reused_from"].endswith("np1") and copied["epochs"] == naive["epochs"]
+    assert st["runs"]["2"]["peak_lr"] == 2 * naive["peak_lr"]  # np=2 ran with the linear rule
+    # A directory with no study in it is refused before anything runs.
+    p = pilab(*base, "--reuse", str(tmp_path / "nothing"), "--out", str(tmp_path / "o"), cwd=tmp_path)
+    one_line_error(p, 2, "--reuse", "no finished study points")
+    assert not (tmp_path / "o").exists()
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. checkpoints you can trust
 # ----------------------------------------------------------------------------------------------

@@ -54,6 +54,17 @@ def test_matches_single_process_average_of_rank_gradients(measured):
     assert r["buffer_diff_vs_reference_rank0"] <= 1e-5
 
 
+def test_a_rank_holds_only_its_shard_of_the_training_images(measured):
+    np_, r = measured
+    held = r["held_images"]
+    assert len(held) == np_
+    n = held[0]["train_labels"]
+    for h in held:
+        assert h["session_train_images"] == 0  # the whole set was dropped once the shard was copied
+        assert h["loader_images"] == h["shard_size"] and h["shard_size"] <= -(-n // np_)
+    assert sum(h["shard_size"] for h in held) == n
+
+
 def test_buffers_identical_after_sync(measured):
     _, r = measured
     assert r["ranks_differ_before_sync"], "per-rank BN statistics should differ before the sync"

@@ -61,6 +61,17 @@ def test_rows_judge_speed_and_accuracy():
     rows2, meta2 = scaling.rows_from_runs(runs, scaling.Criteria(baseline_np=2))
     assert meta2["baseline_np"] == 2
     assert {r["np"]: r for r in rows2}[4]["efficiency"] == pytest.approx(6 / 4 * 2 / 4)
+    # A target's speed baseline needs no accuracy run: one Pi node (np=2) predicted, np 1/4/8 ran.
+    del runs[2]
+    with pytest.raises(scaling.ConfigError, match="baseline np=2"):
+        scaling.rows_from_runs(runs, scaling.Criteria(baseline_np=2))  # this machine: np=2 must run
+    pred = {p: {"epoch_time": t, "eval_time": 0.0} for p, t in ((1, 9.0), (4, 3.0), (8, 1.0))}
+    rows3, meta3 = scaling.rows_from_runs(runs, scaling.Criteria(baseline_np=2), target="pi4b_cluster",
+                                          target_predicted=pred, baseline_per_image=0.5 / 320)
+    by3 = {r["np"]: r for r in rows3}
+    assert meta3["baseline_np"] == 2 and meta3["baseline_predicted_only"] and meta3["accuracy_baseline_np"] == 1
+    assert by3[8]["speedup"] == pytest.approx(0.5 / 1.0) and by3[8]["efficiency"] == pytest.approx(0.5 * 2 / 8)
+    assert by3[1]["speedup"] == pytest.approx(0.5 / 9.0) and not by3[1]["fast_but_wrong"]
 
 
 # One line of `scaling.table`: np, kind, global batch, s/epoch, speedup, efficiency, test acc,
@@ -144,18 +155,18 @@ def test_compare_cli_on_the_committed_study(tmp_path):
     """`pilab compare` on docs/fast-but-wrong's study files, and the shape those files must show."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     docs = os.path.join(repo, "docs", "fast-but-wrong")
-    rules = ["naive", "linear", "linear-warmup"]
-    p = subprocess.run([sys.executable, "-m", "pilab", "compare", *[os.path.join(docs, r) for r in rules],
-                        "--labels", "naive,linear,warmup", "--out", str(tmp_path / "cmp")],
+    rules = {"naive": "naive", "linear": "linear", "linear+warmup": "linear-warmup", "sqrt+warmup": "sqrt-warmup"}
+    p = subprocess.run([sys.executable, "-m", "pilab", "compare", *[os.path.join(docs, r) for r in rules.values()],
+                        "--labels", ",".join(rules), "--out", str(tmp_path / "cmp")],
                        cwd=repo, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     cmp = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     acc = {(r["label"], r["np"]): r for r in cmp["rows"]}
-    assert sorted(acc) == sorted((lab, n) for lab in ("naive", "linear", "warmup") for n in (1, 8, 48))
-    chance, n_epochs = 0.10, len(acc[("naive", 1)]["test_acc_curve"])
+    studies = {lab: json.loads(open(os.path.join(docs, r, "study.json")).read()) for lab, r in rules.items()}
+    assert sorted(acc) == sorted((lab, int(n)) for lab, st in studies.items() for n in st["runs"])
+    assert all((lab, n) in acc for lab in rules for n in (1, 8, 48))
+    n_epochs = len(acc[("naive", 1)]["test_acc_curve"])
     # every row carries its study's numbers: final accuracy, steps and the curve of each np's run
-    studies = {lab: json.loads(open(os.path.join(docs, r, "study.json")).read())
-               for lab, r in zip(("naive", "linear", "warmup"), rules)}
     for (lab, n), row in acc.items():
         st = studies[lab]
         srow = next(r for r in st["rows"] if r["np"] == n)
@@ -168,8 +179,7 @@ def test_compare_cli_on_the_committed_study(tmp_path):
     assert cmp["commands"] == {lab: st["command"] for lab, st in studies.items()}
     # the committed compare.json is what `pilab compare` makes of the committed studies
     committed = json.loads(open(os.path.join(docs, "compare.json")).read())
-    rename = {"linear+warmup": "warmup"}
-    assert [{**r, "label": rename.get(r["label"], r["label"])} for r in committed["rows"]] == cmp["rows"]
+    assert committed["rows"] == cmp["rows"]
     # the HTML's table (a Div inside Bokeh's document JSON) shows one row per (rule, np), with its values
     html = (tmp_path / "cmp" / "compare.html").read_text()
     assert "cdn.bokeh.org" not in html
@@ -179,12 +189,20 @@ def test_compare_cli_on_the_committed_study(tmp_path):
         assert c[5] == str(r["steps"]) and c[6] == f"{r['final_test_acc']:.3f}"
         assert c[7] == f"{r['epochs_near_chance']}/{n_epochs}"
         assert c[8] == ("fast-but-wrong" if r["fast_but_wrong"] else "ok")
-    # the issue's pass criteria, on the committed real-data run
-    assert acc[("warmup", 1)]["final_test_acc"] > 2 * chance
-    assert acc[("warmup", 8)]["final_test_acc"] > 2 * chance
-    assert acc[("linear", 48)]["epochs_near_chance"] >= n_epochs / 2
-    assert (acc[("linear", 48)]["final_test_acc"] < acc[("naive", 48)]["final_test_acc"]
-            < acc[("warmup", 8)]["final_test_acc"])
+    # the issue's pass criteria, on the committed real-data run (accuracies as fractions)
+    def final(lab, n):
+        return acc[(lab, n)]["final_test_acc"]
+    ref = final("naive", 1)  # np=1 at the lr tuned for it (docs/fast-but-wrong/sweep)
+    assert ref >= 0.60 and studies["naive"]["runs"]["1"]["np"] == 1
+    assert not studies["naive"]["runs"]["1"].get("simulated")  # a real run of this machine
+    for n in (2, 8):  # np <= 8: the best rule stays within 5 points of np=1
+        best = max((lab for lab in rules if (lab, n) in acc), key=lambda lab: final(lab, n))
+        assert final(best, n) >= ref - 0.05, (n, best, final(best, n))
+    assert final("naive", 48) <= ref - 0.15  # the fixed per-rank batch: 48x fewer steps
+    assert acc[("linear", 48)]["epochs_near_chance"] >= n_epochs / 2  # lr x 48 without warmup diverges
+    # every rule's np=1 is the same run where the rule gives the same lr (reused, not run twice)
+    assert studies["linear"]["runs"]["1"]["epochs"] == studies["naive"]["runs"]["1"]["epochs"]
+    assert studies["sqrt+warmup"]["runs"]["1"]["epochs"] == studies["linear+warmup"]["runs"]["1"]["epochs"]
     # a study directory that does not exist: one clear line, non-zero exit, nothing written
     bad = subprocess.run([sys.executable, "-m", "pilab", "compare", str(tmp_path / "nope"),
                           "--out", str(tmp_path / "cmp2")], cwd=repo, capture_output=True, text=True,
@@ -348,3 +366,48 @@ def test_models_summary_puts_accuracy_speedup_and_energy_side_by_side():
     text = scaling.models_summary_markdown(rows).splitlines()
     assert len(text) == 4 and text[2].startswith("| a | 0.600 (np=1) | 0.150 (np=8) | 4.0 (vs np=1")
     assert text[3].endswith("| none |")
+
+
+def test_remedies_keep_each_candidate_resume_and_reuse_a_study_point(tmp_path):
+    # Each candidate's run is kept as it finishes; --resume keeps it, --reuse takes a study's point.
+    from dataclasses import replace
+
+    from pilab import perfmodel
+    tiny = ["--width", "0.25", "--train-subset", "256", "--test-subset", "100", "--epochs", "1",
+            "--batch-size", "16", "--lr-ref-batch", "16", "--threads", "1"]
+
+    def remedies_cli(*args):
+        return subprocess.run([sys.executable, "-m", "pilab", "remedies", "--np", "4", *tiny,
+                               "--reference-acc", "0.3", "--target", "pi4b_cluster", *args],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    out = tmp_path / "rem"
+    p = remedies_cli("--only", "baseline,linear lr", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    first = (out / "baseline" / "result.json").read_bytes()
+    assert (out / "linear-lr" / "result.json").exists() and (out / "report.html").exists()
+    res = json.loads((out / "remedies.json").read_text())
+    assert res["speed_baseline_np"] == 2 and res["command"].startswith("python -m pilab remedies --np 4")
+    cfg = Config.from_dict({**res["config"], "threads": 0})
+    base = perfmodel.predict(cfg, 2, "pi4b_cluster")["epoch_time"]
+    for c in res["candidates"]:
+        whole = perfmodel.predict(replace(cfg, **c["changes"]), 4, "pi4b_cluster")["epoch_time"]
+        assert c["speedup"] == pytest.approx(base / whole) and c["kept"] == ""
+    # resumed: the finished baseline is kept (not rerun), the new candidate runs
+    p = remedies_cli("--only", "baseline,sqrt lr", "--out", str(out), "--resume")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "kept from the earlier search" in p.stderr and p.stderr.count("kept from") == 1
+    assert (out / "baseline" / "result.json").read_bytes() == first
+    assert [c["kept"] != "" for c in json.loads((out / "remedies.json").read_text())["candidates"]] == [True, False]
+    # a study's np=4 point of the same training stands in for the baseline candidate
+    study = tmp_path / "study"
+    sim = subprocess.run([sys.executable, "-m", "pilab", "simulate", "--np", "4", *tiny, "--quiet",
+                          "--out", str(study / "np4")], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    p = remedies_cli("--only", "baseline", "--out", str(tmp_path / "rem2"), "--reuse", str(study))
+    assert p.returncode == 0 and "reused from" in p.stderr, p.stderr[-3000:]
+    kept = json.loads((tmp_path / "rem2" / "baseline" / "result.json").read_text())
+    assert kept["epochs"] == json.loads((study / "np4" / "result.json").read_text())["epochs"]
+    p = remedies_cli("--only", "baseline", "--out", str(tmp_path / "rem3"), "--reuse", str(tmp_path / "no"))
+    assert p.returncode == 2 and "--reuse" in p.stderr and not (tmp_path / "rem3").exists()
+

@@ -1,4 +1,8 @@
-"""``pilab remedies --np N``: which settings stay accurate at N ranks, and what they cost in time."""
+"""``pilab remedies --np N``: which settings stay accurate at N ranks, and what they cost in time.
+
+Each candidate's run is kept in ``--out``/<candidate>/result.json as it finishes; ``--resume`` keeps the
+finished ones, so candidates can run as separate processes (``--only``) and one last ``--resume`` puts
+the search together: remedies.json, report.html and report.png (the Pareto front)."""
 from __future__ import annotations
 
 import os
@@ -26,7 +30,12 @@ def add_parser(sub) -> None:
                         "reference run and a short MPI micro-benchmark), pi4b_cluster, a calibration "
                         "or cluster JSON file, or none (default: this)")
     p.add_argument("--mpiexec", default=None, help="launcher for the micro-benchmark")
-    add_config_arguments(p, _defaults())
+    p.add_argument("--resume", dest="resume_search", action="store_true",
+                   help="keep the candidates already finished in --out (same training), run the others")
+    p.add_argument("--reuse", default="",
+                   help="comma-separated study directories (pilab scale --out) whose np point is a "
+                        "candidate's training: taken instead of run again")
+    add_config_arguments(p, _defaults(), skip=("resume",))
     p.set_defaults(func=run)
 
 
@@ -41,10 +50,18 @@ def run(args, argv) -> int:
     if target not in (None, "this", "pi4b_cluster") and not os.path.isfile(target):
         raise ConfigError(f"--target {target!r} is neither this, pi4b_cluster, none nor a JSON file")
     only = [s.strip() for s in args.only.split(",") if s.strip()] or None
+    reuse = [d for d in args.reuse.split(",") if d]
+    for d in reuse:
+        if not os.path.isdir(d):
+            raise ConfigError(f"--reuse {d}: no such study directory; give a pilab scale --out directory")
     res = remedies.search(cfg, args.np, only=only, reference_acc=args.reference_acc, calibration=target,
-                          mpiexec=args.mpiexec, log=lambda s: print(s, file=sys.stderr, flush=True))
+                          mpiexec=args.mpiexec, log=lambda s: print(s, file=sys.stderr, flush=True),
+                          out=cfg.out or None, resume=args.resume_search, reuse=reuse)
+    res["command"] = "python -m pilab remedies " + " ".join(argv)
     print(remedies.table(res))
     if cfg.out:
         save_json(res, os.path.join(cfg.out, "remedies.json"))
-        print(f"result: {os.path.join(cfg.out, 'remedies.json')}")
+        paths = remedies.write_report(res, cfg.out)
+        print(f"result: {os.path.join(cfg.out, 'remedies.json')}"
+              + (f", {paths['png']}" if paths.get("png") else ""))
     return 0

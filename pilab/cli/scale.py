@@ -51,6 +51,9 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", dest="resume_study", action="store_true",
                    help="continue the interrupted study in --out: keep its finished np points, run only "
                         "the missing ones")
+    p.add_argument("--reuse", default="",
+                   help="comma-separated other study directories: take their finished points where "
+                        "they are the same training (e.g. the np=1 point every LR rule shares)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace another study's results in --out (default: refuse)")
     add_config_arguments(p, _defaults(), skip=("resume",))
@@ -109,6 +112,10 @@ def run(args, argv) -> int:
     if baseline and baseline not in nps:
         raise ConfigError(f"--baseline {baseline} is not among --nps {args.nps}; add it")
     check_study_dir(cfg, overwrite=args.overwrite, resume=args.resume_study)
+    for d in (d for d in args.reuse.split(",") if d):
+        if not glob.glob(os.path.join(glob.escape(d), "np*", "result.json")):
+            raise UsageError(f"--reuse {d}: no finished study points (np*/result.json) there; "
+                             "give a study's --out directory")
     if nps:
         from .common import mpi_or_error
         mpi_or_error()
@@ -117,7 +124,8 @@ def run(args, argv) -> int:
     def progress(ev):
         r = ev["result"]
         acc = scaling.final_value(r, "test_acc")
-        took = "kept from the earlier run" if ev.get("kept") else f"{r['wall_time']:.0f}s"
+        took = (f"reused from {r['reused_from']}" if r.get("reused_from") else "kept from the earlier run") \
+            if ev.get("kept") else f"{r['wall_time']:.0f}s"
         print(f"  np={ev['np']:<3} {'simulated' if ev['simulated'] else 'measured '} "
               f"global batch {r['global_batch']:<5} final test acc {acc:.3f}  ({took})",
               file=sys.stderr, flush=True)
@@ -128,7 +136,8 @@ def run(args, argv) -> int:
         with sigterm_as_interrupt():
             res = scaling.study(cfg, nps, simulate_nps=sims, criteria=criteria, out=cfg.out,
                                 mpiexec=args.mpiexec, hostfile=args.hostfile, callbacks=[progress],
-                                command=command.strip(), target=args.target, resume=args.resume_study)
+                                command=command.strip(), target=args.target, resume=args.resume_study,
+                                reuse=[d for d in args.reuse.split(",") if d])
     except scaling.Interrupted as e:
         st, cause = e.study, e.cause
         kept = sorted(int(p) for p in st["runs"])
