@@ -245,6 +245,10 @@ def _dense(p: torch.Tensor) -> bool:
 
 WAITS = ("sleep", "spin")  # how finish() waits: Testall, then Testall + short naps; or MPI's busy Waitall
 SPIN_S = 2e-3  # wait="sleep" polls without napping this long first: a transfer in flight finishes at full speed
+# ... or longer when much was posted at the end: the time those bytes take at this (conservative) rate, so
+# naps never slow a transfer that is still moving (a bucket of 8.5 MB took 2.3 ms here; napping after 2 ms
+# cost GradSync a third of the raw bandwidth in BENCHMARKS.md).
+SPIN_BYTES_PER_S = 1e9
 SLEEP_S = 50e-6  # then one nap between Testall calls (Linux timer slack adds ~50 us)
 
 
@@ -425,7 +429,7 @@ class GradSync:
             if MPI.Request.Testall(self._inflight):
                 self._inflight = []
 
-    def _wait(self):
+    def _wait(self, late_bytes: int = 0):
         reqs = [b.request for b in self.buckets] + [self._meta_request]
         if self.wait == "spin":
             MPI.Request.Waitall(reqs)
@@ -433,7 +437,7 @@ class GradSync:
         # MPICH moves a shared-memory Allreduce only inside MPI calls, so napping between calls slows a
         # transfer in flight (measured: 0.28x the raw bandwidth with naps alone). Poll busily for SPIN_S,
         # then nap: a long wait is a slower rank still computing, and a nap leaves it the CPU.
-        spin_until = time.perf_counter() + SPIN_S
+        spin_until = time.perf_counter() + max(SPIN_S, late_bytes / SPIN_BYTES_PER_S)
         while not MPI.Request.Testall(reqs):
             if time.perf_counter() > spin_until:
                 time.sleep(SLEEP_S)
@@ -453,10 +457,11 @@ class GradSync:
         # Parameters that got no gradient this step (unused branches) still take part, as zeros.
         for i in range(len(self.buckets)):
             self._ready[i] = True
+        sent = stats.bytes_sent
         self._post_ready()
         if self._meta_request is None:  # no buckets at all (nothing trainable): the metrics still travel
             self._post_meta()
-        self._wait()
+        self._wait(stats.bytes_sent - sent)
         for b in self.buckets:
             if self.fp16:
                 b.flat.copy_(b.wire)

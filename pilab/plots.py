@@ -535,14 +535,19 @@ def remedies_figure(res: Mapping):
         return p
     where = f" on {res['machine']}" if res.get("machine") else ""
     q = _fig(f"accuracy vs predicted time{where}", "predicted training time (s)", "test accuracy")
-    src_t = ColumnDataSource({"t": [r["epochs_time"] for r in timed], "acc": [r["final_test_acc"] for r in timed],
+    ts = [r["epochs_time"] for r in timed]
+    mid = (min(ts) + max(ts)) / 2
+    src_t = ColumnDataSource({"t": ts, "acc": [r["final_test_acc"] for r in timed],
                               "label": [r["label"] for r in timed],
                               "name": [r["label"] if r.get("pareto") else "" for r in timed],
+                              # labels of the right half point left, so none runs off the plot
+                              "align": ["right" if t > mid else "left" for t in ts],
+                              "dx": [-8 if t > mid else 8 for t in ts],
                               "color": ["#d62728" if r.get("pareto") else "#4c78a8" for r in timed]})
     q.scatter("t", "acc", size=9, color="color", source=src_t)
     # the front's members named on the picture itself (the PNG has no hover)
-    q.add_layout(LabelSet(x="t", y="acc", text="name", source=src_t, x_offset=6, y_offset=-4,
-                          text_font_size="9pt"))
+    q.add_layout(LabelSet(x="t", y="acc", text="name", source=src_t, x_offset="dx", y_offset=-4,
+                          text_align="align", text_font_size="9pt"))
     if target:
         q.line([min(src_t.data["t"]), max(src_t.data["t"])], [target, target], color="gray",
                line_dash="dashed")

@@ -265,24 +265,25 @@ def ablation_table(res: dict) -> str:
 
 
 def table(res: dict) -> str:
+    w = max([36] + [len(r["label"]) + 2 for r in res["candidates"]])  # the label column
     base = f", speedup vs np={res['speed_baseline_np']} of the baseline" if res.get("speed_baseline_np") else ""
     lines = [f"np={res['np']}  reference accuracy {res['reference_acc']:.3f}  "
              f"target {res['target_accuracy']:.3f}"
              + (f"  times predicted for {res['machine']}{base}" if res.get("machine")
                 else "  (no times: no target)"),
-             f"{'candidate':<36}{'glob.batch':>10}{'peak lr':>9}{'steps':>7}{'test acc':>9}"
-             f"{'time s':>9}{'speedup':>8}{'→target':>10}{'energy kJ':>10}  pareto"]
+             f"{'candidate':<{w}}{'glob.batch':>10}{'peak lr':>9}{'steps':>7}{'test acc':>9}"
+             f"{'time s':>9}{'speedup':>8}{'→target':>13}{'energy kJ':>10}  pareto"]
     for r in res["candidates"]:
         if "skipped" in r:
-            lines.append(f"{r['label']:<36}skipped: {r['skipped']}")
+            lines.append(f"{r['label']:<{w}}skipped: {r['skipped']}")
             continue
         t = f"{r['epochs_time']:.0f}" if r["epochs_time"] else "–"
         sp = f"{r['speedup']:.1f}" if r.get("speedup") else "–"
         ttt = f"{r['time_to_target']:.0f}s" if r["time_to_target"] else (
             "not reached" if not r["reached_target"] else "–")
         kj = f"{r['energy_j'] / 1e3:.2f}" if r.get("energy_j") is not None else "–"
-        lines.append(f"{r['label']:<36}{r['global_batch']:>10}{r['peak_lr']:>9.3g}{r['steps']:>7}"
-                     f"{r['final_test_acc']:>9.3f}{t:>9}{sp:>8}{ttt:>10}{kj:>10}  {'*' if r.get('pareto') else ''}")
+        lines.append(f"{r['label']:<{w}}{r['global_batch']:>10}{r['peak_lr']:>9.3g}{r['steps']:>7}"
+                     f"{r['final_test_acc']:>9.3f}{t:>9}{sp:>8}{ttt:>13}{kj:>10}  {'*' if r.get('pareto') else ''}")
     return "\n".join(lines)
 
 
