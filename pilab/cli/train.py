@@ -90,11 +90,20 @@ def _launch(cfg: Config, args, argv) -> int:
                             stderr=subprocess.PIPE)
     signums = (signal.SIGINT, signal.SIGTERM)
     old = {s: signal.getsignal(s) for s in signums}
+    got: list[int] = []
+
+    def forward(signum, frame):
+        got.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signum)
     for s in signums:
-        signal.signal(s, lambda signum, frame: proc.poll() is None and proc.send_signal(signum))
+        signal.signal(s, forward)
     try:
         from ..watchdog import watch_launcher
-        return watch_launcher(proc)
+        rc = watch_launcher(proc)
+        # A second signal makes mpiexec end the ranks at once, and Hydra may then exit 0 although the
+        # run did not finish: report the signal (128 + it), as a single process does.
+        return exit_code_for(got[-1]) if len(got) >= 2 and rc == 0 else rc
     finally:
         for s, h in old.items():
             signal.signal(s, h)
