@@ -30,9 +30,8 @@ import re
 from . import perfmodel, simulate
 from .config import Config, ConfigError, small_mode
 from .engine import load_data
-from .files import save_json
-from .scaling import (POWER_MODELS, calibrate_from, finished_run, run_energy, target_baseline,
-                      time_to_target)
+from .scaling import (POWER_MODELS, calibrate_from, finished_run, reused_run, run_energy,
+                      target_baseline, time_to_target)
 
 
 def candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
@@ -174,13 +173,9 @@ def _candidate_run(c: Config, np_: int, ds, out, name: str, resume: bool, reuse)
         r = finished_run(os.path.join(d, "result.json"), np_, c, True)
         if r is not None:
             return r, "kept from the earlier search"
-    for study_dir in reuse:
-        r = finished_run(os.path.join(study_dir, f"np{np_}", "result.json"), np_, c, True)
-        if r is not None:
-            r = {**r, "reused_from": os.path.join(study_dir, f"np{np_}")}
-            if d:
-                save_json(r, os.path.join(d, "result.json"))
-            return r, f"reused from {r['reused_from']}"
+    r = reused_run(reuse, np_, c, True, os.path.join(d, "result.json") if d else None)
+    if r is not None:
+        return r, f"reused from {r['reused_from']}"
     res = simulate.run(replace(c, out=d or ""), np_, data=ds)
     return res, ""
 

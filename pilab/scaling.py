@@ -418,15 +418,16 @@ def same_training(saved: dict, cfg: Config, p: int) -> bool:
         return False
 
 
-def _reused_point(dirs, p: int, point_cfg: Config, simulated: bool, out: str | None) -> dict | None:
-    """The finished np ``p`` point of another study (``dirs``) that is this point's training, copied
-    into ``out/np<p>`` (marked ``reused_from``) so the study stays self-contained; None if none is."""
+def reused_run(dirs, p: int, cfg: Config, simulated: bool, dest: str | None) -> dict | None:
+    """The finished np ``p`` point of another study (``dirs``) that is ``cfg``'s training, marked
+    ``reused_from`` and copied to ``dest`` (a result.json path, None: no copy) so the study or search
+    that takes it stays self-contained; None if no study has it."""
     for d in dirs:
-        r = _finished_point(d, p, point_cfg, simulated)
+        r = _finished_point(d, p, cfg, simulated)
         if r is not None:
             r = {**r, "reused_from": os.path.join(d, f"np{p}")}
-            if out:
-                save_json(r, os.path.join(out, f"np{p}", "result.json"))
+            if dest:
+                save_json(r, dest)
             return r
     return None
 
@@ -505,7 +506,8 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
         for p in nps:
             run_out = os.path.join(out, f"np{p}") if out else _tmpdir()
             earlier = _finished_point(out, p, replace(cfg, out=run_out), False) if resume else None
-            earlier = earlier or _reused_point(reuse, p, replace(cfg, out=run_out), False, out)
+            earlier = earlier or reused_run(reuse, p, replace(cfg, out=run_out), False,
+                                            os.path.join(run_out, "result.json") if out else None)
             if earlier is None:
                 if out:
                     _clear_point(run_out)
@@ -521,7 +523,8 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
             # each run's result.json is written as it completes: a long study keeps what it did
             point_cfg = replace(sim_cfg, out=os.path.join(out, f"np{p}") if out else "")
             earlier = _finished_point(out, p, point_cfg, True) if resume else None
-            earlier = earlier or _reused_point(reuse, p, point_cfg, True, out)
+            earlier = earlier or reused_run(reuse, p, point_cfg, True,
+                                            os.path.join(point_cfg.out, "result.json") if out else None)
             if earlier is None:
                 if out:
                     _clear_point(point_cfg.out)
