@@ -73,8 +73,9 @@ case "${1:-}" in
         shift
         export PATH="$venv/bin:$PATH"
         export PILAB_NB_SMALL=1   # notebooks run with tiny settings under nbval
-        # One pytest run: unit tests in-process, MPI tests spawn real mpiexec ranks, notebooks via nbval.
-        exec "$py" -m pytest -q -p no:cacheprovider tests notebooks --nbval-lax \
+        # One pytest run: unit tests in-process, MPI tests spawn real mpiexec ranks, notebooks via nbval;
+        # --durations lists the 15 slowest tests, so a suite drifting past ~15 minutes shows its cause.
+        exec "$py" -m pytest -q -p no:cacheprovider --durations=15 tests notebooks --nbval-lax \
             --nbval-sanitize-with notebooks/sanitize.cfg "$@"
         ;;
     *)
