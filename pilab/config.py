@@ -104,7 +104,7 @@ class Config:
             if not isinstance(value, want) or (want is int and isinstance(value, bool)):
                 raise ConfigError(
                     f"{f.name}={value!r} has the wrong type; give a {want.__name__}")
-        from .models import MODEL_NAMES, check_width  # local: models imports torch
+        from .model_names import MODEL_NAMES, check_width
 
         if self.model not in MODEL_NAMES:
             raise ConfigError(
@@ -221,3 +221,9 @@ def small_mode() -> bool:
     if flag is not None:
         return flag not in ("", "0")
     return os.environ.get("CI") == "true" or "PYTEST_CURRENT_TEST" in os.environ
+
+
+# Defaults of the demo (`python -m pilab scale` with no options): small enough for ~6 minutes on a 2-core
+# laptop, big enough to show the effect. Here, not in the study module, so that `--help` needs no torch.
+DEMO = Config(width=0.25, train_subset=2000, test_subset=1000, epochs=4, batch_size=32, lr=0.05,
+              lr_ref_batch=32)

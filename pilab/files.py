@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any, Callable
 
-import numpy as np
 
 __all__ = ["atomic_write", "atomic_write_text", "save_json", "load_json"]
 
@@ -38,9 +38,11 @@ def atomic_write_text(path: str, text: str) -> None:
 
 def _plain(o):
     """JSON for numpy scalars and arrays (metrics reduced with MPI come back as numpy values)."""
-    if isinstance(o, np.generic):
+    # Looked up, not imported (this module is loaded by `--help`): a numpy value exists only if numpy is.
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(o, np.generic):
         return o.item()
-    if isinstance(o, np.ndarray):
+    if np is not None and isinstance(o, np.ndarray):
         return o.tolist()
     raise TypeError(f"{type(o).__name__} is not JSON serializable")
 

@@ -33,6 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .model_names import (MODEL_NAMES, SNN_INSTALL_HINT, SPIKING_MODELS, SPIKING_WIDTH_RANGE,  # noqa: F401
+                          WIDTH_RANGE, check_width)
+
 # t (expansion), c (output channels), n (blocks), s (stride of the first block), as in the paper.
 _MOBILENETV2_SETTING = (
     (1, 16, 1, 1),
@@ -43,7 +46,6 @@ _MOBILENETV2_SETTING = (
     (6, 160, 3, 2),
     (6, 320, 1, 1),
 )
-WIDTH_RANGE = (0.25, 1.4)  # MobileNetV2 width multipliers accepted (inclusive)
 
 _REGISTRY: Dict[str, Callable[..., nn.Module]] = {}
 _TAKES_TIMESTEPS: set = set()  # spiking models: their builders also take ``timesteps``
@@ -235,8 +237,6 @@ def _squeezenet1_1(num_classes: int, width: float) -> nn.Module:
 # Spiking CNN (leaky integrate-and-fire neurons from snntorch, the optional extra pilab[snn])
 # ----------------------------------------------------------------------------------------------
 DEFAULT_TIMESTEPS = 4  # time steps a spiking model runs per image unless told otherwise
-SPIKING_WIDTH_RANGE = (0.25, 2.0)  # spiking_cnn width multipliers accepted (inclusive)
-SNN_INSTALL_HINT = "pip install 'pilab[snn]'"
 
 
 def _snntorch():
@@ -374,35 +374,15 @@ def _spiking_cnn(num_classes: int, width: float, timesteps: int = DEFAULT_TIMEST
     return SpikingCNN(num_classes, width, timesteps)
 
 
-MODEL_NAMES = tuple(_REGISTRY)  # ("mobilenetv2_cifar", "mobilenetv2", "squeezenet1_1", "spiking_cnn")
-SPIKING_MODELS = tuple(n for n in MODEL_NAMES if n in _TAKES_TIMESTEPS)
+# The names and widths are declared in model_names (torch-free, so that Config validation and `--help`
+# need no torch); the builders registered here must be exactly those.
+assert tuple(_REGISTRY) == MODEL_NAMES and tuple(sorted(_TAKES_TIMESTEPS)) == tuple(sorted(SPIKING_MODELS)), \
+    "pilab/models.py and pilab/model_names.py disagree on the models"
 
 
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
-def check_width(name: str, width: float) -> None:
-    """Raise ValueError (one line: the problem and the fix) unless model ``name`` can be built here at
-    ``width``: a known name, a width it takes, and for a spiking model snntorch installed (looked up,
-    not imported)."""
-    if name not in _REGISTRY:
-        raise ValueError(f"model={name!r} is unknown; choose one of {', '.join(MODEL_NAMES)}")
-    if isinstance(width, bool) or not isinstance(width, (int, float)):
-        raise ValueError(f"width={width!r} is not a number; give a float such as 1.0")
-    if name.startswith("mobilenetv2") or name in _TAKES_TIMESTEPS:
-        lo, hi = WIDTH_RANGE if name.startswith("mobilenetv2") else SPIKING_WIDTH_RANGE
-        if not (lo <= width <= hi):  # also refuses NaN
-            kind = "MobileNetV2" if name.startswith("mobilenetv2") else name
-            raise ValueError(f"width={width} is out of range; {kind} takes {lo}..{hi}")
-    elif width != 1.0:
-        raise ValueError(f"{name} has no width multiplier; use width=1.0")
-    if name in _TAKES_TIMESTEPS:
-        import importlib.util
-
-        if importlib.util.find_spec("snntorch") is None:
-            raise ValueError(f"model={name} needs snntorch, which is not installed: {SNN_INSTALL_HINT}")
-
-
 def build_model(name: str, num_classes: int = 10, width: float = 1.0, *,
                 timesteps: Optional[int] = None) -> nn.Module:
     """A freshly initialised model (train mode, CPU, contiguous weights).

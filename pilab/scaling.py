@@ -38,15 +38,12 @@ from bokeh.plotting import figure
 from bokeh.resources import INLINE
 
 from . import checkpoint, energy, perfmodel, plots, simulate
-from .config import Config, ConfigError, small_mode
+from .config import DEMO, Config, ConfigError, small_mode
 from .files import atomic_write_text, save_json
 from .launch import LaunchError, pilab_command
 from .perfmodel import efficiency, karp_flatt, speedup
 from .plots import html_table
 
-# Defaults of the demo: small enough for ~6 minutes on a 2-core laptop, big enough to show the effect.
-DEMO = Config(width=0.25, train_subset=2000, test_subset=1000, epochs=4, batch_size=32, lr=0.05,
-              lr_ref_batch=32)
 
 
 def notebook_config(**overrides) -> Config:

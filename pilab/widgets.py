@@ -20,7 +20,7 @@ import ipywidgets as W
 
 from . import plots
 from .config import CHOICES, Config, ConfigError, small_mode
-from .models import MODEL_NAMES, WIDTH_RANGE
+from .model_names import MODEL_NAMES, WIDTH_RANGE
 
 __all__ = ["ControlPanel", "quickstart_config", "small_mode"]
 

@@ -42,3 +42,28 @@ def test_one_training_loop():
     # pilab/bench/ holds the contenders the benchmarks measure pilab against (a bare PyTorch loop, DDP);
     # they are not a way to train.
     assert {c for c in callers if not c.startswith("pilab/bench/")} == {"pilab/engine.py"}, callers
+
+
+HEAVY = ("torch", "bokeh", "numpy", "mpi4py")
+
+
+def test_help_and_a_bad_argument_load_no_heavy_library():
+    # `python -m pilab --help` and a one-line usage error must not wait for torch (~2.5 s here),
+    # Bokeh or MPI: the parser is built from torch-free modules, errors are looked up, not imported.
+    probe = ("import sys, contextlib, io\n"
+             "from pilab.cli import main\n"
+             "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:\n"
+             "    for argv in (['--help'], ['train', '--help'], ['scale', '--help'], ['train', '--width', '7'],\n"
+             "                 ['simulate', '--model', 'nope']):\n"
+             "        try:\n"
+             "            code = main(argv)\n"
+             "        except SystemExit as e:\n"
+             "            code = e.code\n"
+             "        assert code in (0, 2), (argv, code)\n"
+             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+             "print(err.getvalue().count('pilab: error:'))\n")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stdout + p.stderr
+    loaded, errors = p.stdout.split("\n")[:2]
+    assert loaded == "[]", f"--help / a usage error imported {loaded}"
+    assert errors == "2", p.stdout  # both bad arguments got their one-line error

@@ -39,10 +39,13 @@ def build_parser() -> Parser:
 
 
 def _library_errors() -> tuple:
-    # The data layer's error type lives beside numpy/torch imports; load it only once a command runs.
-    from ..data import DataError
-    from ..dist import LauncherError
-    return UsageError, ConfigError, LaunchError, DataError, LauncherError
+    # pilab.data and pilab.dist import torch (seconds): an error of theirs can only have been raised once
+    # they were imported, so look their types up instead of importing them for a one-line message.
+    errors = [UsageError, ConfigError, LaunchError]
+    for module, name in (("pilab.data.dataset", "DataError"), ("pilab.dist", "LauncherError")):
+        if module in sys.modules:
+            errors.append(getattr(sys.modules[module], name))
+    return tuple(errors)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from .common import add_config_arguments, config_from_args
 
 
 def _defaults():
-    from ..scaling import DEMO
+    from ..config import DEMO
     return replace(DEMO, out="runs/remedies")
 
 

@@ -18,7 +18,7 @@ from .common import (UsageError, add_config_arguments, config_from_args, exit_co
 
 
 def _defaults():
-    from ..scaling import DEMO  # the study's own defaults; imported when the parser is built
+    from ..config import DEMO  # the study's own defaults
     return replace(DEMO, out="runs/scale")
 
 

@@ -15,8 +15,6 @@ import tempfile
 import time
 from typing import Iterable, Mapping, Sequence
 
-import numpy as np
-
 from ..config import ConfigError
 from ..files import load_json
 from ..launch import pilab_command
@@ -46,6 +44,8 @@ def comm_bench(comm, sizes: Sequence[int] = DEFAULT_SIZES, *, trials: int = 5,
     node.Free()
     hosts = comm.allgather(MPI.Get_processor_name())
     med, best = [], []
+    import numpy as np  # here, not at import: `python -m pilab --help` loads this module
+
     for nbytes in sizes:
         buf = np.zeros(max(1, int(nbytes) // 4), dtype=np.float32)
         for _ in range(2):  # warm up: connections, registration

@@ -1,0 +1,38 @@
+"""The models pilab can build, by name, and the widths each takes -- without importing torch.
+
+``Config`` validation and the command line's ``--help`` need these facts; importing ``pilab.models``
+(torch, ~2.5 s) for them would make every bad-argument error and every ``--help`` wait for torch::
+
+    from pilab.model_names import MODEL_NAMES, check_width
+    check_width("mobilenetv2_cifar", 0.5)        # None, or ValueError naming the fix
+
+``pilab/models.py`` registers one builder per name here and checks at import that the two lists agree.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+MODEL_NAMES = ("mobilenetv2_cifar", "mobilenetv2", "squeezenet1_1", "spiking_cnn")
+SPIKING_MODELS = ("spiking_cnn",)  # their builders also take ``timesteps``
+WIDTH_RANGE = (0.25, 1.4)  # MobileNetV2 width multipliers accepted (inclusive)
+SPIKING_WIDTH_RANGE = (0.25, 2.0)  # spiking_cnn width multipliers accepted (inclusive)
+SNN_INSTALL_HINT = "pip install 'pilab[snn]'"
+
+
+def check_width(name: str, width: float) -> None:
+    """Raise ValueError (one line: the problem and the fix) unless model ``name`` can be built here at
+    ``width``: a known name, a width it takes, and for a spiking model snntorch installed (looked up,
+    not imported)."""
+    if name not in MODEL_NAMES:
+        raise ValueError(f"model={name!r} is unknown; choose one of {', '.join(MODEL_NAMES)}")
+    if isinstance(width, bool) or not isinstance(width, (int, float)):
+        raise ValueError(f"width={width!r} is not a number; give a float such as 1.0")
+    if name.startswith("mobilenetv2") or name in SPIKING_MODELS:
+        lo, hi = WIDTH_RANGE if name.startswith("mobilenetv2") else SPIKING_WIDTH_RANGE
+        if not (lo <= width <= hi):  # also refuses NaN
+            kind = "MobileNetV2" if name.startswith("mobilenetv2") else name
+            raise ValueError(f"width={width} is out of range; {kind} takes {lo}..{hi}")
+    elif width != 1.0:
+        raise ValueError(f"{name} has no width multiplier; use width=1.0")
+    if name in SPIKING_MODELS and importlib.util.find_spec("snntorch") is None:
+        raise ValueError(f"model={name} needs snntorch, which is not installed: {SNN_INSTALL_HINT}")
