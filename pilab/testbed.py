@@ -603,10 +603,33 @@ def _read_overlays(tb: Testbed) -> list[tuple[str, str, str]]:
         return [tuple(x) for x in json.load(f)]
 
 
+def _cgroup_mounts() -> list[str]:
+    """Shell lines that mount this machine's cgroup file systems again inside a node: ``ip netns
+    exec`` mounts a sysfs of the namespace over /sys, hiding /sys/fs/cgroup, where a board's
+    processes (the doctor's probe) read their memory limit and CPU quota. Same hierarchies, so a
+    node's processes see the cgroups `limit_memory` and `throttle` put them in."""
+    lines = []
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [ln.split() for ln in f]
+    except OSError:
+        return lines
+    for dev, where, fstype, opts, *_ in mounts:
+        if not where.startswith("/sys/fs/cgroup"):
+            continue
+        if fstype == "tmpfs":
+            lines.append(f"mount -t tmpfs -o mode=755 cgroup_root {where} 2>/dev/null")
+        elif fstype in ("cgroup", "cgroup2"):
+            lines.append(f"{{ mkdir -p {where} && mount -t {fstype} -o {opts} {fstype} {where}; }} "
+                         "2>/dev/null")
+    return lines
+
+
 def _write_mounts(tb: Testbed, overlays: list) -> None:
     """The shim sources this inside each job's mount namespace on a node (``$1`` = the host)."""
-    lines = [f"# pilab testbed {tb.name}: bind mounts made inside a node's mount namespace "
-             "(testbed.overlay); sourced by the shim with $1 = the node"]
+    lines = [f"# pilab testbed {tb.name}: mounts made inside a node's mount namespace (the cgroup file "
+             "systems, testbed.overlay's binds); sourced by the shim with $1 = the node",
+             *_cgroup_mounts()]
     for host, src, dst in overlays:
         lines.append(f'[ "$1" != {host} ] || mount --bind {shlex.quote(src)} {shlex.quote(dst)} || '
                      f'{{ echo "pilab testbed: cannot bind {src} over {dst} on {host}" >&2; exit 1; }}')

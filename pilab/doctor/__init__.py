@@ -27,7 +27,9 @@ import time
 from dataclasses import replace
 
 from ..launch import LaunchError, find_mpiexec, mpiexec_command
-from .probe import HELLO, MARK
+
+MARK = "PILAB-DOCTOR"  # the probe's result lines on the job's stdout start with this
+HELLO = MARK + "-HELLO"  # its first line, printed before any import: the host answered
 
 __all__ = ["DoctorError", "CHECKS", "run", "read_hostfile", "parse_hosts", "format_table",
            "mpiexec_library", "same_family"]
@@ -187,13 +189,18 @@ class _Job:
             t.start()
 
     def _read_out(self):
+        dec = json.JSONDecoder()
         for line in self.proc.stdout:
-            if line.startswith(HELLO + " "):
-                if self.hello_s is None:
-                    self.hello_s = time.monotonic() - self.t0
-                    self.hello = json.loads(line.split(" ", 1)[1])
-            elif line.startswith(MARK + " "):
-                self.results.append(json.loads(line.split(" ", 1)[1]))
+            # the launcher forwards each rank's output as it comes: lines of two ranks may run together
+            for kind, _, rest in (m.partition(" ") for m in line.split(MARK)[1:]):
+                try:
+                    obj = dec.raw_decode(rest.strip())[0]
+                except ValueError:
+                    continue
+                if kind == "-HELLO" and self.hello_s is None:
+                    self.hello_s, self.hello = time.monotonic() - self.t0, obj
+                elif kind == "":
+                    self.results.append(obj)
 
     def _read_err(self):
         for line in self.proc.stderr:
@@ -227,7 +234,8 @@ class _Job:
         self.proc.wait()
 
     def last_error(self) -> str:
-        lines = [ln for ln in self.err if "PILAB" not in ln]
+        lines = [ln for ln in self.err if "PILAB" not in ln and "Warning" not in ln
+                 and not ln.startswith((" ", "Traceback"))]
         return lines[0][:200] if lines else ""
 
 
@@ -554,8 +562,9 @@ def format_table(report: dict) -> str:
     lines.append("")
     for h in hosts:
         row = report["checks"][h]
-        lines.append(f"{h}: " + "; ".join(f"{k} {row[k]['detail']}" for k in
-                                            ("answers", "link", "memory", "clock") if row[k]["ok"]))
+        if row["answers"]["ok"]:
+            lines.append(f"{h}: " + "; ".join(f"{k} {row[k]['detail']}" for k in
+                                                ("answers", "link", "memory", "clock") if row[k]["ok"]))
     fails = [(h, k, report["checks"][h][k]) for h in hosts for k in CHECKS
              if report["checks"][h][k]["ok"] is False]
     lines.append("")

@@ -26,8 +26,7 @@ import subprocess
 import sys
 import time
 
-MARK = "PILAB-DOCTOR"  # the head reads lines starting with this from the job's stdout
-HELLO = MARK + "-HELLO"
+from . import HELLO, MARK  # the head reads the lines that start with these from the job's stdout
 
 
 def say(kind: str, obj) -> None:
@@ -173,7 +172,11 @@ def memory() -> dict:
         use = _read(os.path.join(d, "memory.current" if v2 else "memory.usage_in_bytes"))
         if not lim or not lim.isdigit() or int(lim) >= (1 << 60):
             continue
-        free = int(lim) - int(use or 0)
+        # page cache the kernel drops before it kills anything is not in use (as in MemAvailable)
+        stat = dict(ln.split() for ln in (_read(os.path.join(d, "memory.stat")) or "").splitlines()
+                    if len(ln.split()) == 2)
+        cache = int(stat.get("inactive_file" if v2 else "total_inactive_file", 0))
+        free = int(lim) - max(0, int(use or 0) - cache)
         if limit is None or free < limit["free"]:
             limit = {"cgroup": d, "limit": int(lim), "usage": int(use or 0), "free": free}
     out["cgroup"] = limit
@@ -338,7 +341,9 @@ def main(argv=None) -> int:
     p.add_argument("--link-bytes", type=int, default=4 << 20)
     p.add_argument("--sizes", type=int, nargs="*", default=[4, 1024, 16384, 262144, 1 << 20, 4 << 20])
     args = p.parse_args(argv)
-    say(HELLO, {"hostname": socket.gethostname(), "time": time.time()})
+    from ..launch import launcher_rank
+    if launcher_rank() == 0:  # one per job: the job has started on its (first) host
+        say(HELLO, {"hostname": socket.gethostname(), "time": time.time()})
     res = host_probe(args) if args.mode == "host" else net_probe(args)
     if res is not None:
         say(MARK, res)
