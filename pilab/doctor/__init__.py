@@ -39,6 +39,7 @@ CHECKS = ("answers", "software", "mpi", "allreduce", "link", "iface", "data", "m
           "clock", "controller")
 CLOCK_LIMIT_S = 0.5  # event timestamps of different hosts are compared; NTP keeps boards within ms
 HOT_C = 80.0  # the Pi 4B's firmware starts throttling at 80-85 °C
+DETAILS = ("answers", "iface", "link", "memory", "cpu", "clock")  # the figures printed per host
 SLOW_LINK = 0.5  # a link under half the median host's bandwidth (a 100 Mbit/s port, a bad cable)
 
 
@@ -154,11 +155,11 @@ class _Listener:
         self.sock.close()
 
 
-def controller_address(hostfile: str | None) -> tuple[str, str]:
+def controller_address(hostfile: str | None, env: dict | None = None) -> tuple[str, str]:
     """(bind, advertised) address of the Pi profile's controller: ``$PILAB_CONTROLLER_IP`` for both,
     else all interfaces and the address that routes to the first host (profiles/profile_pi)."""
     from ..cluster.profiles import lan_address
-    addr = os.environ.get("PILAB_CONTROLLER_IP", "")
+    addr = (os.environ if env is None else env).get("PILAB_CONTROLLER_IP", "")
     return (addr or "0.0.0.0"), (addr or lan_address(hostfile))
 
 
@@ -289,32 +290,44 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
         peak = predicted_peak(cfg)
     except ImportError as e:  # the memory model is another module's; say so in the memory check
         peak_error = f"no memory prediction ({e})"
-    bind, advertised = controller_address(hostfile)
-    listener = _Listener(bind)
+    tmp_dir = tempfile.TemporaryDirectory(prefix="pilab-doctor-")
+    tmp = tmp_dir.name
+    hostfile = hostfile or _hostfile(tmp, "all", hosts)
+    from ..cluster.profiles import lan_address
+    toward = lan_address(hostfile)  # the head's own address on the hosts' network: the route MPI takes
+    bind, advertised = controller_address(hostfile, env)
+    try:
+        listener = _Listener(bind)
+    except OSError as e:
+        tmp_dir.cleanup()
+        raise DoctorError(f"the controller's address {bind} cannot be bound here ({e.strerror}); set "
+                          "PILAB_CONTROLLER_IP to an address of this machine on the hosts' network") from None
     head_arg = f"{advertised}:{listener.port}"
-    opts = ["--data", data, "--head", head_arg] + (["--snn"] if _needs_snn(cfg) else [])
+    opts = ["--data", data, "--head", head_arg, "--toward", toward] + (["--snn"] if _needs_snn(cfg) else [])
     report = {"hosts": [h for h, _ in hosts], "mpiexec": mpx, "mpiexec_library": mpiexec_library(mpx),
               "config": cfg.to_dict(), "ranks_per_node": ranks_per_node, "data_path": data,
               "predicted_peak_bytes": peak, "controller": head_arg, "launcher": _launcher_words(env),
               "ucx_net_devices": env.get("UCX_NET_DEVICES", "")}
     try:
-        with tempfile.TemporaryDirectory(prefix="pilab-doctor-") as tmp:
-            # the head itself, without a launcher: the reference every host is compared with
-            head = _Job(_probe_cmd("host", *opts), {**env, "PILAB_DOCTOR_HEAD": "1"})
-            jobs = {h: _Job(mpiexec_command(1, _probe_cmd("host", *opts), mpiexec=mpx,
-                                            hostfile=_hostfile(tmp, f"h{i}", [(h, 1)])), env)
-                    for i, (h, _) in enumerate(hosts)}
-            head_why = head.wait(timeout_s, timeout_s)
-            if head_why or not head.results:
-                raise DoctorError(f"the probe does not run on the head itself ({head_why or 'no result'}): "
-                                  f"{head.last_error() or 'see python -m pilab.doctor.probe host'}")
-            report["head"] = head.results[0]
-            why = {h: j.wait(answer_s, timeout_s) for h, j in jobs.items()}
-            probes = {h: (j.results[0] if j.results else None) for h, j in jobs.items()}
-            answered = [h for h, _ in hosts if probes[h] is not None]
-            net = _net_job(tmp, answered, mpx, env, answer_s, timeout_s, links) if answered else None
+        # the head itself, without a launcher: the reference every host is compared with
+        head = _Job(_probe_cmd("host", *opts), env)
+        jobs = {h: _Job(mpiexec_command(1, _probe_cmd("host", *opts), mpiexec=mpx,
+                                        hostfile=_hostfile(tmp, f"h{i}", [(h, 1)])), env)
+                for i, (h, _) in enumerate(hosts)}
+        head_why = head.wait(timeout_s, timeout_s)
+        if head_why or not head.results:
+            for j in jobs.values():
+                j.kill()
+            raise DoctorError(f"the probe does not run on the head itself ({head_why or 'no result'}): "
+                              f"{head.last_error() or 'see python -m pilab.doctor.probe host'}")
+        report["head"] = head.results[0]
+        why = {h: j.wait(answer_s, timeout_s) for h, j in jobs.items()}
+        probes = {h: (j.results[0] if j.results else None) for h, j in jobs.items()}
+        answered = [h for h, _ in hosts if probes[h] is not None]
+        net = _net_job(tmp, answered, mpx, env, answer_s, timeout_s, links) if answered else None
     finally:
         listener.close()
+        tmp_dir.cleanup()
     report["probes"] = probes
     report["net"] = net
     if net and net.get("bench"):
@@ -402,11 +415,16 @@ def _checks(host, job, why, p, report, answered, peak, peak_error) -> dict:
     c = {}
     launcher = report["launcher"]
     if p is None:
-        msg = job.last_error() or why or f"the probe exited {job.proc.returncode} without a result"
+        rc = job.proc.returncode
+        msg = job.last_error() or why or f"the probe exited {rc} without a result" + \
+            (" (killed: out of memory?)" if rc in (-9, 137) else "")
         if why and job.hello_s is None and not job.last_error():
             msg = f"{why} through the launcher ({launcher})"
-        c["answers"] = _bad(msg, f"check that {host} is on and on the network, and that `ssh {host} "
-                                 f"true` works without a password from the head (as mpiexec will run it)")
+        fix = f"check that {host} is on and on the network, and that `ssh {host} true` works without " \
+              "a password from the head (as mpiexec will run it)"
+        if job.hello_s is not None:  # it started, then failed: its own output says why
+            fix = f"run `{sys.executable} -m pilab.doctor.probe host` on {host} and read its error"
+        c["answers"] = _bad(msg, fix)
         for k in CHECKS[1:]:
             c[k] = _skip()
         return c
@@ -437,7 +455,7 @@ def _checks(host, job, why, p, report, answered, peak, peak_error) -> dict:
         c["allreduce"] = _ok(f"{net['np']} ranks, one per host, sum correct")
         c["link"] = _link(host, p, net, answered)
     # --- interface
-    iface = p.get("iface", {})
+    iface = p.get("iface", {})  # toward the head's address on the hosts' network
     names = {(report["probes"][h] or {}).get("iface", {}).get("name") for h in answered}
     ucx = report["ucx_net_devices"]
     name = iface.get("name")
@@ -484,7 +502,7 @@ def _checks(host, job, why, p, report, answered, peak, peak_error) -> dict:
     else:
         c["controller"] = _ok(f"{report['controller']} reachable")
         off = talk["offset_s"]
-        text = f"{1e3 * off:+.1f} ms from the head (± {1e3 * talk['rtt_s'] / 2:.1f} ms)"
+        text = f"{1e3 * off:+.2f} ms from the head (± {1e3 * talk['rtt_s'] / 2:.2f} ms)"
         c["clock"] = _ok(text) if abs(off) <= CLOCK_LIMIT_S else _bad(
             text, "synchronise the clocks: sudo timedatectl set-ntp true (or install chrony) on every host")
     return c
@@ -528,15 +546,19 @@ def _data(host, mine, ref, path) -> dict:
 
 def _cpu(cpu: dict, rpn: int, threads: int) -> dict:
     cores = cpu.get("cores") or 0
-    if cpu.get("quota_cores"):
-        cores = min(cores, cpu["quota_cores"])
-    need = rpn * max(1, int(threads or 0))
+    quota = cpu.get("quota_cores")
+    if quota:
+        cores = min(cores, quota)
+    per = max(1, int(threads or 0))
+    need = rpn * per
     freq = f"{cpu['freq_mhz']:.0f}/{cpu['max_mhz'] or 0:.0f} MHz" if cpu.get("freq_mhz") else "freq n/a"
     temp = f", {cpu['temp_c']:.0f} °C" if cpu.get("temp_c") is not None else ""
-    text = f"{cores:g} cores for {rpn} ranks x {max(1, int(threads or 0))} threads, {freq}{temp}"
+    text = f"{cores:g} cores{' (CPU quota)' if quota and quota <= cores else ''} for {rpn} ranks x " \
+           f"{per} threads, {freq}{temp}"
     if cores < need:
-        return _bad(text, f"--ranks-per-node {max(1, int(cores // max(1, threads or 1)))} or --threads "
-                          f"{max(1, int(cores // rpn))}")
+        fix = f"--threads {int(cores // rpn)}" if cores >= rpn else \
+            f"--ranks-per-node {max(1, int(cores))}{', or lift the CPU quota' if quota else ''}"
+        return _bad(text, fix)
     thr = cpu.get("throttled")
     if thr:  # vcgencmd bits: 0 under-voltage, 1 arm frequency capped, 2 throttled, 3 soft temp limit (now)
         return _bad(text + f", vcgencmd get_throttled=0x{thr:x}",
@@ -564,7 +586,7 @@ def format_table(report: dict) -> str:
         row = report["checks"][h]
         if row["answers"]["ok"]:
             lines.append(f"{h}: " + "; ".join(f"{k} {row[k]['detail']}" for k in
-                                                ("answers", "link", "memory", "clock") if row[k]["ok"]))
+                                                DETAILS if row[k]["ok"]))
     fails = [(h, k, report["checks"][h][k]) for h in hosts for k in CHECKS
              if report["checks"][h][k]["ok"] is False]
     lines.append("")

@@ -245,7 +245,7 @@ def talk_to_head(head: str, rounds: int = 5) -> dict:
 def host_probe(args) -> dict:
     out = {"hostname": socket.gethostname(), "pid": os.getpid()}
     sections = (("versions", lambda: versions(args.snn)), ("mpi", mpi_library),
-                ("iface", lambda: interface_toward(args.head.rpartition(":")[0]) if args.head else {}),
+                ("iface", lambda: interface_toward(args.toward) if args.toward else {}),
                 ("data", lambda: fingerprint(args.data)), ("memory", memory), ("cpu", cpu),
                 ("head", lambda: talk_to_head(args.head)))
     for name, fn in sections:
@@ -336,6 +336,7 @@ def main(argv=None) -> int:
     p.add_argument("mode", choices=("host", "net"))
     p.add_argument("--data", default="")
     p.add_argument("--head", default="", help="ADDR:PORT of the head's listener")
+    p.add_argument("--toward", default="", help="the head's address on the hosts' network (interface)")
     p.add_argument("--snn", action="store_true", help="also report snntorch")
     p.add_argument("--links", action="store_true", help="net: measure the links and run comm_bench")
     p.add_argument("--link-bytes", type=int, default=4 << 20)
