@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 LAYERS = {
     "models": 0, "optim": 0, "launch": 0, "files": 0, "plots": 0, "embedded": 0, "buckets": 0,
     "config": 1, "testbed": 1,
+    "memory": 1.5,  # predicted memory per rank: config and the models only (the doctor and train use it)
     "watchdog": 2,
     "dist": 2, "data": 2, "checkpoint": 2,
     "layers": 3,
