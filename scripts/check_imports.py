@@ -24,7 +24,6 @@ LAYERS = {
     "dist": 2, "data": 2, "checkpoint": 2,
     "layers": 3,
     "engine": 4,
-    "memory": 4.5,  # predicted peak memory per rank (models, config); train and doctor use it
     "train": 5, "simulate": 5,
     "bench": 5.5,  # benchmarks: the engine, its building blocks and the launcher; below the study
     "perfmodel": 6, "energy": 6.5,  # energy: uses the perfmodel's Pi facts; the study uses it

@@ -248,10 +248,10 @@ def _needs_snn(cfg) -> bool:
     return "spiking" in cfg.model
 
 
-def predicted_peak(cfg) -> int:
-    """Peak RSS per rank of ``cfg`` in bytes, from pilab.memory (issue 18 item 3)."""
+def predicted_peak(cfg, np_: int) -> int:
+    """Predicted peak RSS of one of ``np_`` ranks training ``cfg``, in bytes (``pilab.memory``)."""
     from ..memory import predict_peak_bytes
-    return int(predict_peak_bytes(cfg))
+    return int(predict_peak_bytes(cfg, np_=np_))
 
 
 def data_path(source: str) -> str:
@@ -285,11 +285,8 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
         raise DoctorError(str(e)) from None
     env = dict(os.environ if env is None else env)
     data = data_path(cfg.data) if cfg.data else ""
-    peak, peak_error = None, None
-    try:
-        peak = predicted_peak(cfg)
-    except ImportError as e:  # the memory model is another module's; say so in the memory check
-        peak_error = f"no memory prediction ({e})"
+    # the run: ranks_per_node ranks on every host (each rank's shard of the training set)
+    peak = predicted_peak(cfg, np_=ranks_per_node * len(hosts))
     tmp_dir = tempfile.TemporaryDirectory(prefix="pilab-doctor-")
     tmp = tmp_dir.name
     hostfile = hostfile or _hostfile(tmp, "all", hosts)
@@ -337,7 +334,7 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
             report["fit"] = fit_alpha_beta(report["runs"])
         except Exception as e:  # noqa: BLE001 - a fit that fails is not a failed check
             report["fit"] = {"error": str(e)}
-    report["checks"] = {h: _checks(h, jobs[h], why[h], probes[h], report, answered, peak, peak_error)
+    report["checks"] = {h: _checks(h, jobs[h], why[h], probes[h], report, answered, peak)
                         for h, _ in hosts}
     report["ok"] = all(c["ok"] for per in report["checks"].values() for c in per.values())
     return report
@@ -411,7 +408,7 @@ def _pins(ref: dict) -> str:
                     if ref.get(k) and "cannot" not in str(ref[k]))
 
 
-def _checks(host, job, why, p, report, answered, peak, peak_error) -> dict:
+def _checks(host, job, why, p, report, answered, peak) -> dict:
     c = {}
     launcher = report["launcher"]
     if p is None:
@@ -477,9 +474,7 @@ def _checks(host, job, why, p, report, answered, peak, peak_error) -> dict:
     mem = p.get("memory", {})
     rpn = report["ranks_per_node"]
     free = mem.get("free")
-    if peak is None:
-        c["memory"] = _bad(f"free {_gb(free or 0)}; {peak_error}", "merge pilab.memory (issue 18 item 3)")
-    elif free is None:
+    if free is None:
         c["memory"] = _bad("cannot read /proc/meminfo", "check the host's /proc")
     else:
         need = rpn * peak
