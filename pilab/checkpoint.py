@@ -32,7 +32,8 @@ __all__ = ["CheckpointError", "WriteError", "save", "load", "verify", "digest", 
 FORMAT = "pilab.checkpoint/1"
 NAME = "checkpoint.pt"
 # Settings that may differ between a run and its resumption: they don't change what is computed.
-RESUMABLE = ("out", "resume", "checkpoint_every", "keep", "max_steps", "eval_every", "threads")
+RESUMABLE = ("out", "resume", "checkpoint_every", "keep", "max_steps", "eval_every", "eval_batch",
+             "threads")
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's (zip) format
 _EPOCH_FILE = re.compile(r"checkpoint-e(\d+)\.pt$")
 

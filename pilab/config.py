@@ -79,6 +79,7 @@ class Config:
     threads: int = 0  # torch threads per rank; 0 = cores per node / ranks per node
     device: str = "cpu"  # cpu | cuda | auto
     simulate_mode: str = "exact"  # simulator only: exact (one forward per virtual rank, MPI's arithmetic) | fast (one forward of the global batch, per-rank BN vectorised; see docs/simulator.md)
+    eval_batch: int = 500  # test images per forward in evaluation; fewer hold less memory (~1.5 MB per image at width 1) but may change test metrics in the last digits
     eval_every: int = 1  # evaluate on the test set every N epochs (and always after the last)
     checkpoint_every: int = 0  # write a checkpoint every K epochs; 0 = never
     keep: int = 1  # checkpoints kept: the last K (checkpoint-eNNNN.pt; checkpoint.pt is the newest)
@@ -115,7 +116,7 @@ class Config:
             raise ConfigError(str(e)) from None
         if self.timesteps < 1:
             raise ConfigError(f"timesteps={self.timesteps} must be >= 1")
-        positive = ("epochs", "batch_size", "lr_ref_batch", "eval_every", "keep")
+        positive = ("epochs", "batch_size", "lr_ref_batch", "eval_every", "eval_batch", "keep")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")

@@ -110,18 +110,19 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, ds, comm, device) -> tuple[float, float]:
+def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH) -> tuple[float, float]:
     """Test loss and accuracy; each test image is evaluated exactly once over the ranks and the
-    sums (not per-rank averages) are reduced, so uneven shards weigh correctly."""
+    sums (not per-rank averages) are reduced, so uneven shards weigh correctly. ``batch`` images per
+    forward (``cfg.eval_batch``): the evaluation's memory grows with it (see ``pilab.memory``)."""
     rank, size = world(comm)
     sl = data_mod.test_shard(len(ds.y_test), size, rank)
     model.eval()
     loss_sum = correct = 0.0
     x_all = torch.from_numpy(ds.x_test[sl])
     y_all = torch.from_numpy(ds.y_test[sl])
-    for i in range(0, len(y_all), EVAL_BATCH):
-        x = data_mod.to_input(x_all[i:i + EVAL_BATCH]).to(device)
-        y = y_all[i:i + EVAL_BATCH].to(device)
+    for i in range(0, len(y_all), batch):
+        x = data_mod.to_input(x_all[i:i + batch]).to(device)
+        y = y_all[i:i + batch].to(device)
         out = model(x)
         loss_sum += F.cross_entropy(out, y, reduction="sum").item()
         correct += (out.argmax(1) == y).sum().item()
@@ -209,7 +210,7 @@ class MPIRanks:
         self.loader = data_mod.ShardLoader(ds, self.np_, self.rank, batch, seed=cfg.seed,
                                            policy=cfg.sharding, augment=cfg.augment)
         self.steps_per_epoch = self.loader.steps_per_epoch
-        self.batch, self.device = batch, device
+        self.batch, self.device, self.eval_batch = batch, device, cfg.eval_batch
         model = base_model(cfg, device)
         if cfg.bn == "sync":
             convert_sync_batchnorm(model, self.comm)
@@ -267,7 +268,7 @@ class MPIRanks:
         sync_buffers_(model, self.comm, policy)
 
     def evaluate(self, model, ds) -> tuple[float, float]:
-        return evaluate(model, ds, self.comm, self.device)
+        return evaluate(model, ds, self.comm, self.device, self.eval_batch)
 
     def per_rank(self, values: list[float]):
         """``values`` of every rank in rank order (rows), on rank 0; None elsewhere."""
@@ -324,7 +325,7 @@ class VirtualRanks:
                                              device=device if device.type == "cuda" else None)
                         for r in range(np_)]
         self.steps_per_epoch = self.loaders[0].steps_per_epoch
-        self.batch, self.device = batch, device
+        self.batch, self.device, self.eval_batch = batch, device, cfg.eval_batch
         # One rank per forward on CPU reproduces an MPI rank's arithmetic exactly (same conv kernels on
         # the same batch). Several ranks per forward are faster on a GPU but sum weight gradients in
         # another order, and BatchNorm's shift invariance amplifies that float noise (~1e-3 after a step).
@@ -394,7 +395,7 @@ class VirtualRanks:
         sync_virtual_buffers_(model, policy)
 
     def evaluate(self, model, ds) -> tuple[float, float]:
-        return evaluate(model, ds, None, self.device)
+        return evaluate(model, ds, None, self.device, self.eval_batch)
 
     def per_rank(self, values: list[float]):
         return None  # one process: there is no per-rank timeline to show
@@ -431,7 +432,9 @@ class Session:
         if data is None and not ranks.simulated and cfg.sharding == "static":
             # The loader copied this rank's shard; the whole training set stays only where it is shared
             # (a caller's data, the simulator's ranks, reshuffled shards): a rank holds 1/np of it.
-            self.ds = dataclasses.replace(self.ds, x_train=self.ds.x_train[:0])
+            # A new empty array, not x_train[:0]: a view would keep the whole array alive.
+            self.ds = dataclasses.replace(self.ds, x_train=np.empty((0, *self.ds.x_train.shape[1:]),
+                                                                    dtype=self.ds.x_train.dtype))
         spe = self.steps_per_epoch = ranks.steps_per_epoch
         # The schedule spans all epochs; max_steps only cuts the run short (an interruption), so a run
         # resumed from its checkpoint follows the same learning rates as an uninterrupted one.

@@ -73,6 +73,38 @@ def _make_divisible(v: float, divisor: int = 8, min_value: Optional[int] = None)
     return new_v
 
 
+class _ReLU6Inplace(torch.autograd.Function):
+    """ReLU6 in place whose backward reads its own output: autograd's in-place hardtanh_ keeps a copy
+    of its input for the backward (one activation per ConvBNReLU6, ~30% of a step's saved tensors).
+    The output is in (0, 6) exactly where the input is, so passing it to the same backward kernel
+    gives bitwise the same gradients."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.nn.functional.hardtanh_(x, 0.0, 6.0)
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return torch.ops.aten.hardtanh_backward(grad, out, 0.0, 6.0)
+
+
+class ReLU6(nn.ReLU6):
+    """``nn.ReLU6(inplace=True)`` that saves no copy for the backward (see ``_ReLU6Inplace``); the
+    same numbers forward and backward. Out of place where autograd is off or the input is a leaf."""
+
+    def __init__(self):
+        super().__init__(inplace=True)
+
+    def forward(self, x):
+        if torch.is_grad_enabled() and x.requires_grad and x.grad_fn is not None:
+            return _ReLU6Inplace.apply(x)
+        return super().forward(x)
+
+
 class ConvBNReLU6(nn.Sequential):
     """Conv (no bias) + BatchNorm + ReLU6; children 0, 1, 2 give torchvision's key names."""
 
@@ -80,7 +112,7 @@ class ConvBNReLU6(nn.Sequential):
         super().__init__(
             nn.Conv2d(inp, oup, kernel_size, stride, (kernel_size - 1) // 2, groups=groups, bias=False),
             nn.BatchNorm2d(oup),
-            nn.ReLU6(inplace=True),
+            ReLU6(),
         )
 
 
@@ -482,6 +514,27 @@ def activation_elements(name: str, width: float = 1.0, num_classes: int = 10,
     _hooked_forward(model, [(m, hook) for m in model.modules() if next(m.children(), None) is None],
                     image_size)
     return total
+
+
+@functools.lru_cache(maxsize=None)
+def largest_output_elements(name: str, width: float = 1.0, num_classes: int = 10,
+                            image_size: int = 32, timesteps: Optional[int] = None) -> int:
+    """Elements of the largest output any leaf layer writes for one image: what an evaluation batch
+    (no autograd) holds at its peak is a few of these per image (``pilab.memory``)::
+
+        largest_output_elements("mobilenetv2_cifar", width=1.0)   # 96 channels x 32 x 32
+    """
+    with torch.device("meta"):
+        model = build_model(name, num_classes=num_classes, width=width, timesteps=timesteps)
+    largest = 0
+
+    def hook(m, inp, out):
+        nonlocal largest
+        largest = max(largest, _numel(out))
+
+    _hooked_forward(model, [(m, hook) for m in model.modules() if next(m.children(), None) is None],
+                    image_size)
+    return largest
 
 
 @functools.lru_cache(maxsize=None)

@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 from .files import save_json
 
 __all__ = ["Testbed", "TestbedError", "up", "down", "load", "status", "available", "parse_rate",
+           "link", "shape", "throttle", "limit_memory", "overlay", "clear_overlays",
            "DEFAULT_SUBNET", "DEFAULT_RATE", "DEFAULT_NAME"]
 
 DEFAULT_NAME = "pilab"
@@ -329,16 +330,21 @@ case "$host" in
        sleep 1  # let mpiexec forward this line before it sees the launch fail and exits
        exit 255 ;;
 esac
-# a node slowed by `testbed.throttle` (a CPU-quota cgroup of its own): everything started on it joins
+# a node slowed by `testbed.throttle` (a CPU-quota cgroup of its own) or made smaller by
+# `testbed.limit_memory` (a memory cgroup): everything started on it joins
 for cg in /sys/fs/cgroup/cpu/{name}-"$name" /sys/fs/cgroup/unified/{name}-"$name"; do
     [ -d "$cg" ] && echo $$ > "$cg/cgroup.procs" 2>/dev/null && break
+done
+for cg in /sys/fs/cgroup/memory/{name}-"$name" /sys/fs/cgroup/{name}-"$name"; do
+    [ -f "$cg/memory.limit_in_bytes" ] || [ -f "$cg/memory.max" ] || continue
+    echo $$ > "$cg/cgroup.procs" 2>/dev/null && break
 done
 [ "$PPID" != 1 ] || {{ echo "pilab testbed: the launcher is gone; not starting on $name" >&2; exit 255; }}
 exec setpriv --pdeathsig KILL sh -c '
     [ "$PPID" = "$1" ] || {{ echo "pilab testbed: the launcher (pid $1) is gone; not starting on $3" >&2; exit 255; }}
     ns=$2; name=$3; shift 3
     exec ip netns exec "$ns" unshare --uts --mount --propagation private --pid --fork --kill-child \\
-        --mount-proc sh -c "hostname \\"\\$1\\" && mount -t tmpfs -o mode=1777,size=50% tmpfs /dev/shm && shift && exec sh -c \\"\\$*\\"" sh "$name" "$@"
+        --mount-proc sh -c "hostname \\"\\$1\\" && mount -t tmpfs -o mode=1777,size=50% tmpfs /dev/shm && . {mounts} && shift && exec sh -c \\"\\$*\\"" sh "$name" "$@"
 ' sh "$PPID" "$ns" "$name" "$@"
 """
 
@@ -346,7 +352,9 @@ exec setpriv --pdeathsig KILL sh -c '
 def _write_files(tb: Testbed) -> None:
     os.makedirs(tb.state_dir, exist_ok=True)
     cases = "\n".join(f"    {h}|{tb.address(h)}) ns={tb.netns(h)}; name={h} ;;" for h in tb.hosts)
-    shim = SHIM.format(name=tb.name, cases=cases, hosts=" ".join(tb.hosts))
+    shim = SHIM.format(name=tb.name, cases=cases, hosts=" ".join(tb.hosts), mounts=_mounts_file(tb))
+    if not os.path.exists(_mounts_file(tb)):
+        _write_mounts(tb, [])
     tmp = tb.shim + ".tmp"
     with open(tmp, "w") as f:
         f.write(shim)
@@ -440,7 +448,7 @@ def down(name: str = DEFAULT_NAME) -> list[str]:
         if link.split("@")[0] == f"{name}-br" or re.fullmatch(rf"{re.escape(name)}-n\d\d", link.split("@")[0]):
             _run("ip", "link", "del", link.split("@")[0], check=False)
             removed.append(f"link {link.split('@')[0]}")
-    for root in ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
+    for root in ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/memory", "/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
         if os.path.isdir(root):
             for entry in os.listdir(root):
                 if re.fullmatch(rf"{re.escape(name)}-node\d\d", entry):
@@ -533,6 +541,126 @@ def throttle(tb: Testbed, host: str, cpus: float) -> None:
             f.write(str(period))
         with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
             f.write(str(int(cpus * period)))
+
+
+def _memory_cgroup(tb_name: str, host: str) -> tuple[str, bool] | None:
+    """The node's memory cgroup directory and whether it is cgroup v2; None without a memory controller."""
+    if os.path.isfile("/sys/fs/cgroup/memory/memory.limit_in_bytes") or \
+            os.path.isdir("/sys/fs/cgroup/memory") and os.path.isfile("/sys/fs/cgroup/memory/cgroup.procs"):
+        return os.path.join("/sys/fs/cgroup/memory", f"{tb_name}-{host}"), False
+    if os.path.isfile("/sys/fs/cgroup/cgroup.controllers"):
+        with open("/sys/fs/cgroup/cgroup.controllers") as f:
+            if "memory" in f.read().split():
+                return os.path.join("/sys/fs/cgroup", f"{tb_name}-{host}"), True
+    return None
+
+
+def limit_memory(tb: Testbed, host: str, nbytes: int) -> None:
+    """Give every process started on ``host`` from now on at most ``nbytes`` of memory in total (a
+    memory cgroup: a board with less RAM); ``nbytes=0`` lifts it. cgroup v1 (``memory.limit_in_bytes``)
+    or v2 (``memory.max``). The shim puts what it starts into the node's cgroup::
+
+        testbed.limit_memory(tb, "node02", 800 * 2**20)   # node02 is now an 800 MiB board
+    """
+    tb.index(host)
+    found = _memory_cgroup(tb.name, host)
+    if found is None:
+        raise TestbedError("no cgroup memory controller at /sys/fs/cgroup: cannot limit a node's memory here")
+    path, v2 = found
+    if nbytes <= 0:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+        return
+    if v2:  # the controller must be enabled for the children of the root
+        with contextlib.suppress(OSError), open("/sys/fs/cgroup/cgroup.subtree_control", "w") as f:
+            f.write("+memory")
+    os.makedirs(path, exist_ok=True)
+    if v2:
+        for knob, value in (("memory.max", str(int(nbytes))), ("memory.swap.max", "0")):
+            with contextlib.suppress(OSError), open(os.path.join(path, knob), "w") as f:
+                f.write(value)
+    else:
+        # a board has no swap to fall back on (where the kernel accounts swap at all); memsw must stay
+        # >= the limit, so it is written on both sides of it (raising and lowering both work)
+        memsw = os.path.join(path, "memory.memsw.limit_in_bytes")
+        for knob in (memsw, os.path.join(path, "memory.limit_in_bytes"), memsw):
+            with contextlib.suppress(OSError), open(knob, "w") as f:
+                f.write(str(int(nbytes)))
+        with open(os.path.join(path, "memory.limit_in_bytes")) as f:
+            if int(f.read()) > nbytes:
+                raise TestbedError(f"cannot set {path}/memory.limit_in_bytes to {nbytes}")
+
+
+def _mounts_file(tb: Testbed) -> str:
+    return os.path.join(tb.state_dir, "mounts.sh")
+
+
+def _read_overlays(tb: Testbed) -> list[tuple[str, str, str]]:
+    path = os.path.join(tb.state_dir, "overlays.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [tuple(x) for x in json.load(f)]
+
+
+def _cgroup_mounts() -> list[str]:
+    """Shell lines that mount this machine's cgroup file systems again inside a node: ``ip netns
+    exec`` mounts a sysfs of the namespace over /sys, hiding /sys/fs/cgroup, where a board's
+    processes (the doctor's probe) read their memory limit and CPU quota. Same hierarchies, so a
+    node's processes see the cgroups `limit_memory` and `throttle` put them in."""
+    lines = []
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [ln.split() for ln in f]
+    except OSError:
+        return lines
+    for dev, where, fstype, opts, *_ in mounts:
+        if not where.startswith("/sys/fs/cgroup"):
+            continue
+        if fstype == "tmpfs":
+            lines.append(f"mount -t tmpfs -o mode=755 cgroup_root {where} 2>/dev/null")
+        elif fstype in ("cgroup", "cgroup2"):
+            lines.append(f"{{ mkdir -p {where} && mount -t {fstype} -o {opts} {fstype} {where}; }} "
+                         "2>/dev/null")
+    return lines
+
+
+def _write_mounts(tb: Testbed, overlays: list) -> None:
+    """The shim sources this inside each job's mount namespace on a node (``$1`` = the host)."""
+    lines = [f"# pilab testbed {tb.name}: mounts made inside a node's mount namespace (the cgroup file "
+             "systems, testbed.overlay's binds); sourced by the shim with $1 = the node",
+             *_cgroup_mounts()]
+    for host, src, dst in overlays:
+        lines.append(f'[ "$1" != {host} ] || mount --bind {shlex.quote(src)} {shlex.quote(dst)} || '
+                     f'{{ echo "pilab testbed: cannot bind {src} over {dst} on {host}" >&2; exit 1; }}')
+    lines.append("true")
+    save_json([list(o) for o in overlays], os.path.join(tb.state_dir, "overlays.json"))
+    tmp = _mounts_file(tb) + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(tmp, _mounts_file(tb))
+
+
+def overlay(tb: Testbed, host: str, src: str, dst: str) -> None:
+    """Make ``src`` appear at ``dst`` for every process started on ``host`` from now on, and only
+    there: a bind mount inside the node's own mount namespace (another package version, a data file
+    changed or missing on one board). ``dst`` must exist and be of the same kind (file or directory)::
+
+        testbed.overlay(tb, "node02", "/tmp/old/version.py", torch.version.__file__)
+        testbed.clear_overlays(tb, "node02")
+    """
+    tb.index(host)
+    for p, what in ((src, "src"), (dst, "dst")):
+        if not os.path.exists(p):
+            raise TestbedError(f"overlay {what} {p} does not exist")
+    if os.path.isdir(src) != os.path.isdir(dst):
+        raise TestbedError(f"overlay {src} over {dst}: both must be files or both directories")
+    _write_mounts(tb, [*_read_overlays(tb), (host, os.path.abspath(src), os.path.abspath(dst))])
+
+
+def clear_overlays(tb: Testbed, host: str | None = None) -> None:
+    """Remove the overlays of ``host`` (all hosts when None); jobs started from now on see the real files."""
+    _write_mounts(tb, [o for o in _read_overlays(tb) if host is not None and o[0] != host])
 
 
 def status(name: str = DEFAULT_NAME) -> dict:

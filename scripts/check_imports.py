@@ -17,18 +17,21 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 # Each top-level part of the package and its layer: a module may import only lower layers (the rule
 # in docs/architecture.md: front-ends -> study -> engine -> {dist, data, models}).
 LAYERS = {
-    "model_names": 0, "optim": 0, "launch": 0, "files": 0, "plots": 0, "embedded": 0, "buckets": 0,
+    "model_names": 0, "optim": 0, "launch": 0, "files": 0, "embedded": 0, "buckets": 0, "verdict": 0,
+    "plots": 0.5,  # draws what pilab.verdict judged
     "models": 1, "config": 1, "testbed": 1,
-    "watchdog": 2,
+    "memory": 1.5,  # predicted memory per rank: config and the models only (the doctor and train use it)
+    "watchdog": 2, "stragglers": 2,
     "dist": 2, "data": 2, "checkpoint": 2,
     "layers": 3,
     "engine": 4,
     "train": 5, "simulate": 5,
     "bench": 5.5,  # benchmarks: the engine, its building blocks and the launcher; below the study
     "perfmodel": 6, "energy": 6.5,  # energy: uses the perfmodel's Pi facts; the study uses it
-    "scaling": 7,
+    "scaling": 7, "paper": 7.5,  # paper: a study beside the published figures; uses the study's rows
     "remedies": 8,
     "cluster": 9,
+    "doctor": 9.5,  # preflight: the launcher, the perfmodel's bench, the Pi profile's address
     "widgets": 10,
     "cli": 11,
     "__main__": 12, "__init__": 12,

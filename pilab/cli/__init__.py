@@ -21,12 +21,12 @@ import sys
 
 from ..config import ConfigError
 from ..launch import LaunchError, launcher_rank
-from . import bench, compare, data, perfmodel, remedies, scale, simulate, testbed, train
+from . import bench, compare, data, doctor, perfmodel, remedies, scale, simulate, testbed, train
 from .common import EXIT_USAGE, EXIT_WRITE, Parser, UsageError
 
 __all__ = ["main", "build_parser", "UsageError", "EXIT_USAGE"]
 
-COMMANDS = (train, simulate, scale, compare, remedies, perfmodel, data, testbed, bench)
+COMMANDS = (train, simulate, scale, compare, remedies, perfmodel, data, testbed, bench, doctor)
 
 
 def build_parser() -> Parser:

@@ -1,0 +1,159 @@
+"""Memory per rank: the predicted peak RSS of one training rank, and the nodes it has to fit in.
+
+    from pilab.memory import predict_peak_bytes, NODE_MEMORY, fit_warning
+    peak = predict_peak_bytes(cfg)                 # bytes, one rank, the whole training set on it
+    peak = predict_peak_bytes(cfg, np_=48)         # this rank's shard only (static sharding)
+    fit_warning(cfg, np_=2, ranks_per_node=2, node_bytes=NODE_MEMORY["pi4b_4gb"])   # None: it fits
+
+The prediction is a sum of parts, each from the model and the data sizes, plus constants measured by
+``python -m pilab bench --sections memory`` (BENCHMARKS.md, "Memory per rank"):
+
+* ``RUNTIME_BYTES``: the interpreter with torch, numpy and mpi4py imported, before any tensor;
+* the data this rank holds: its shard of the training images (uint8) and the whole test set;
+* the model state: parameters, gradients (views into GradSync's buckets), the momentum buffer;
+* the activations at the peak of a training step: ``TRAIN_BYTES_PER_ELEMENT`` per element every leaf
+  layer writes for one image (``models.activation_elements``) times the batch; the factor holds what
+  autograd saves, the backward's gradients in flight and what the allocator keeps between steps;
+* evaluation: ``EVAL_BYTES_PER_ELEMENT`` per element of the largest layer output, times ``eval_batch``;
+  the larger of training and evaluation counts, as they never run at the same time;
+* loading, before training: the whole decoded source and the rank's copy of its shard; the peak is
+  the larger of loading and training.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+from .config import Config, ConfigError
+
+__all__ = ["predict_peak_bytes", "breakdown", "NODE_MEMORY", "NODE_RESERVE_BYTES", "node_bytes",
+           "fit_warning", "MemoryConfigError"]
+
+MiB = 2 ** 20
+GiB = 2 ** 30
+
+# Memory of the boards, as `free -b` reports it on Raspberry Pi OS 64-bit (MemTotal; the firmware and
+# the kernel keep the rest of the 4 / 8 GiB).
+NODE_MEMORY = {"pi4b_4gb": 3_880 * MiB, "pi4b_8gb": 7_810 * MiB}
+# What a node needs besides the ranks: the OS with sshd, Hydra's proxy, and an ipyparallel engine
+# stack (controller client + engine process), measured as ~0.5 GiB on a booted Raspberry Pi OS Lite.
+NODE_RESERVE_BYTES = 512 * MiB
+
+# Measured on this repository's bench machine (x86-64, torch CPU wheel; see BENCHMARKS.md):
+RUNTIME_BYTES = 235 * MiB  # python + torch + numpy + mpi4py imported, no tensors yet
+TRAIN_BYTES_PER_ELEMENT = 8.0  # per activation element of one image, per image of the batch
+EVAL_BYTES_PER_ELEMENT = 16.0  # per element of the largest layer output, per evaluation image
+IMAGE_BYTES = 32 * 32 * 3 + 8  # one CIFAR-10 image (uint8 HWC) and its int64 label
+SOURCE_SIZES = {"embedded": (5_000, 1_000)}  # (train, test) images; every other source: CIFAR-10's
+CIFAR10_SIZES = (50_000, 10_000)
+
+
+class MemoryConfigError(ConfigError):
+    """A node-memory setting is invalid (one line naming it and the fix)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _model_facts(model: str, width: float, timesteps: int) -> tuple[int, int, int]:
+    """(parameters, activation elements of one image, elements of the largest layer output), from a
+    meta-device model: no memory, no compute, the global RNG untouched."""
+    import torch
+
+    from .models import _TAKES_TIMESTEPS, activation_elements, build_model, count_parameters, \
+        largest_output_elements
+    ts = timesteps if model in _TAKES_TIMESTEPS else None
+    with torch.device("meta"):
+        net = build_model(model, num_classes=10, width=width, timesteps=ts)
+    return (count_parameters(net), activation_elements(model, width, timesteps=ts),
+            largest_output_elements(model, width, timesteps=ts))
+
+
+def breakdown(cfg: Config, *, np_: int | None = None) -> dict:
+    """The predicted peak of one rank, itemised (bytes): runtime, data, model, activations, and peak.
+
+        breakdown(Config(width=0.5), np_=2)["activations"]
+
+    ``np_`` None: the rank holds the whole training set (the bound for any np); else static sharding
+    gives it 1/np of the images."""
+    src_train, src_test = SOURCE_SIZES.get(cfg.data, CIFAR10_SIZES)
+    n_train = cfg.train_subset or src_train
+    n_test = cfg.test_subset or src_test
+    ranks = np_ or 1
+    shard = -(-n_train // ranks) if cfg.sharding == "static" else n_train
+    params, act, largest = _model_facts(cfg.model, cfg.width, cfg.timesteps)
+    batch = cfg.per_rank_batch(ranks) if np_ else cfg.batch_size
+    # parameters, their gradients (GradSync's flat buckets), the momentum buffer; fp16's wire copy
+    model = params * 4 * (3 if cfg.momentum else 2) + (params * 2 if cfg.compression == "fp16" else 0)
+    train = TRAIN_BYTES_PER_ELEMENT * act * batch
+    eval_ = EVAL_BYTES_PER_ELEMENT * largest * min(cfg.eval_batch, -(-n_test // ranks))
+    data = (shard + n_test) * IMAGE_BYTES
+    # Loading: the decoded source (and a subset's copy), then the loader's copy of the shard, before
+    # the Session lets go of the rest.
+    subset = (n_train if cfg.train_subset else 0) + (n_test if cfg.test_subset else 0)
+    load = RUNTIME_BYTES + (src_train + src_test + subset + shard) * IMAGE_BYTES
+    steady = RUNTIME_BYTES + data + model + max(train, eval_)
+    parts = {"runtime": RUNTIME_BYTES, "data": data, "model": model, "activations": max(train, eval_),
+             "train_activations": train, "eval_activations": eval_, "load": load, "steady": steady}
+    parts["peak"] = max(load, steady)
+    return {k: int(v) for k, v in parts.items()}
+
+
+def predict_peak_bytes(cfg: Config, *, np_: int | None = None) -> int:
+    """Predicted peak RSS of ONE rank training ``cfg`` (bytes)::
+
+        predict_peak_bytes(Config(width=1.0, batch_size=32))          # ~0.9e9 (see BENCHMARKS.md)
+        2 * predict_peak_bytes(cfg) <= NODE_MEMORY["pi4b_4gb"] - NODE_RESERVE_BYTES
+
+    ``np_`` as in ``breakdown`` (None: the whole training set on this rank, an upper bound)."""
+    return breakdown(cfg, np_=np_)["peak"]
+
+
+def node_bytes(spec: str) -> int:
+    """A node's memory from a preset name (``pi4b_4gb``, ``pi4b_8gb``), ``host`` (this machine's
+    MemTotal) or a size (``3.5GB``, ``900MB``, ``4GiB``, bytes); raises MemoryConfigError otherwise."""
+    s = str(spec).strip()
+    if s in NODE_MEMORY:
+        return NODE_MEMORY[s]
+    if s == "host":
+        return host_memory_bytes()
+    units = {"gib": GiB, "mib": MiB, "gb": 10 ** 9, "mb": 10 ** 6, "g": GiB, "m": MiB, "": 1}
+    low = s.lower()
+    for unit in sorted(units, key=len, reverse=True):
+        if low.endswith(unit):
+            try:
+                value = float(low[:len(low) - len(unit)] if unit else low)
+            except ValueError:
+                break
+            if value > 0:
+                return int(value * units[unit])
+            break
+    raise MemoryConfigError(f"node memory {spec!r} is not understood; give {', '.join(NODE_MEMORY)}, host, "
+                       "or a size such as 4GB or 3500MB")
+
+
+def host_memory_bytes() -> int:
+    """This machine's MemTotal (bytes); 0 where /proc/meminfo does not exist."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def fit_warning(cfg: Config, *, np_: int, ranks_per_node: int, node_bytes: int,
+                reserve: int = NODE_RESERVE_BYTES) -> str | None:
+    """One line when ``ranks_per_node`` ranks of ``cfg`` are predicted not to fit in a node of
+    ``node_bytes`` (less ``reserve`` for the OS and an engine stack); None when they fit::
+
+        msg = fit_warning(cfg, np_=2, ranks_per_node=2, node_bytes=NODE_MEMORY["pi4b_4gb"])
+    """
+    peak = predict_peak_bytes(cfg, np_=np_)
+    need, have = ranks_per_node * peak, node_bytes - reserve
+    if not node_bytes or need <= have:
+        return None
+    return (f"pilab: warning: {ranks_per_node} rank(s) per node x {peak / 1e9:.2f} GB predicted peak = "
+            f"{need / 1e9:.2f} GB exceeds the node's {node_bytes / 1e9:.2f} GB less "
+            f"{reserve / 1e9:.2f} GB for the OS; use fewer ranks per node, a smaller --batch-size or "
+            "--width, or a smaller --eval-batch")

@@ -1,0 +1,222 @@
+"""`python -m pilab doctor` on a real testbed (3 namespaces, 1 Gbit/s links), one real fault at a time:
+all ✔ on the healthy testbed, then another torch version visible on one node only (a bind mount in
+that node's mount namespace), the data file missing or changed on one node, a link taken down, a host
+that does not answer, a node with too little memory (a memory cgroup), each asserted to give ✗ on the
+right host and the right check and ✔ everywhere else; bad input exits 2 with one line.
+
+One testbed serves the module and is always torn down (with its cgroups and mount state). Needs root,
+`ip` and `tc`: skipped with the reason elsewhere, a failure under CI=true.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import mpi_env
+
+from pilab import testbed
+from pilab.cli import main as cli_main
+from pilab.doctor import CHECKS
+
+pytestmark = pytest.mark.mpi
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAME = "pldoc"
+SUBNET = "10.81.0.0/24"
+# the run being checked: small, so that 2 ranks of it fit on a healthy node of this shared machine
+RUN = ["--width", "0.25", "--batch-size", "16", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def tb():
+    why = testbed.available()
+    if why:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI runs as root here and must run the multi-node tests: {why}")
+        pytest.skip(why)
+    testbed.down(NAME)
+    bed = testbed.up(testbed.Testbed(nodes=3, slots=2, rate="1gbit", subnet=SUBNET, name=NAME))
+    try:
+        yield bed
+    finally:
+        testbed.down(NAME)
+        assert not [d for d in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup") if os.path.isdir(d)
+                    for e in os.listdir(d) if e.startswith(f"{NAME}-")]
+
+
+def doctor(tb, tmp_path, *args, data=None, env=None):
+    """Run the CLI as a user would (after `eval "$(pilab testbed env)"`); (exit code, stdout, report)."""
+    out = tmp_path / "doctor.json"
+    cmd = [sys.executable, "-m", "pilab", "doctor", *RUN, "--answer-s", "30", "--json", str(out), *args]
+    if data:
+        cmd += ["--data", str(data)]
+    p = subprocess.run(cmd, env=env or tb.env(mpi_env()), capture_output=True, text=True, timeout=400,
+                       cwd=REPO)
+    report = json.loads(out.read_text()) if out.exists() else None
+    return p.returncode, p.stdout + p.stderr, report
+
+
+def failing(report) -> set:
+    return {(h, k) for h, row in report["checks"].items() for k, c in row.items() if c["ok"] is False}
+
+
+def test_healthy_testbed_passes_and_calibrates(tb, tmp_path, cifar_archive):
+    rc, out, rep = doctor(tb, tmp_path, data=cifar_archive)
+    assert rc == 0, out
+    assert failing(rep) == set()
+    assert rep["hosts"] == [tb.address(h) for h in tb.hosts]
+    for h, node in zip(rep["hosts"], tb.hosts):
+        assert rep["checks"][h]["answers"]["detail"].startswith(node)  # its own hostname
+        assert all(rep["checks"][h][k]["ok"] is True for k in CHECKS)
+    # the table: every host, every check, ✔ only
+    lines = out.splitlines()
+    assert lines[0].split() == ["host", *CHECKS]
+    for h in rep["hosts"]:
+        row = next(ln for ln in lines if ln.startswith(h + " "))
+        assert row.split()[1:] == ["✔"] * len(CHECKS)
+    # one job, one rank per host, over the shaped links: each link's bandwidth both ways is below
+    # 1 Gbit/s (plus the token bucket's burst), so the bytes did cross them
+    net = rep["net"]
+    assert net["np"] == 3 and sorted(r["host"] for r in net["ranks"]) == tb.hosts
+    for link in net["links"].values():
+        assert 1e6 < link["to_peer_Bps"] < 1.6e9 / 8 and 1e6 < link["from_peer_Bps"] < 1.6e9 / 8
+        assert 0 < link["latency_s"] < 0.1
+    # the doctor's JSON is the inter-node calibration `perfmodel calibrate --inter-bench` reads
+    assert rep["runs"][0]["np"] == 3 and rep["runs"][0]["ranks_per_node"] == 1
+    cluster = tmp_path / "cluster.json"
+    assert cli_main(["perfmodel", "calibrate", "--result",
+                     os.path.join(REPO, "docs/fast-but-wrong/naive/np1/result.json"),
+                     "--bench", str(tmp_path / "doctor.json"), "--out", str(tmp_path / "cal.json"),
+                     "--inter-bench", str(tmp_path / "doctor.json"), "--nodes", "3",
+                     "--ranks-per-node", "2", "--cluster-out", str(cluster)]) == 0
+    inter = json.loads(cluster.read_text())["inter"]
+    assert inter["beta"] == pytest.approx(rep["fit"]["beta"]) and inter["beta"] > 0
+
+
+def test_other_torch_on_one_node(tb, tmp_path, cifar_archive):
+    import torch
+    fake = tmp_path / "version.py"
+    text = open(torch.version.__file__).read()
+    fake.write_text(text.replace(f"__version__ = '{torch.__version__}'", "__version__ = '2.0.0+cpu'"))
+    assert fake.read_text() != text
+    testbed.overlay(tb, "node02", str(fake), torch.version.__file__)
+    try:
+        rc, out, rep = doctor(tb, tmp_path, data=cifar_archive)
+    finally:
+        testbed.clear_overlays(tb, "node02")
+    assert rc == 1, out
+    bad = tb.address("node02")
+    assert failing(rep) == {(bad, "software")}, out
+    c = rep["checks"][bad]["software"]
+    assert "torch 2.0.0+cpu" in c["detail"] and torch.__version__ in c["detail"] and "pip install" in c["fix"]
+    assert f"✗ {bad} software: torch 2.0.0+cpu" in out
+
+
+def test_data_missing_or_changed_on_one_node(tb, tmp_path, cifar_archive):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    testbed.overlay(tb, "node03", str(empty), str(cifar_archive.parent))  # the data directory, empty
+    try:
+        rc, out, rep = doctor(tb, tmp_path, data=cifar_archive)
+    finally:
+        testbed.clear_overlays(tb, "node03")
+    bad = tb.address("node03")
+    assert rc == 1 and failing(rep) == {(bad, "data")}, out
+    c = rep["checks"][bad]["data"]
+    assert "missing" in c["detail"] and c["fix"].endswith(f"rsync -a {cifar_archive} {bad}:{cifar_archive}")
+    # one byte changed on node02
+    changed = tmp_path / "changed.tar.gz"
+    shutil.copyfile(cifar_archive, changed)
+    with open(changed, "r+b") as f:
+        f.seek(1000)
+        b = f.read(1)
+        f.seek(1000)
+        f.write(bytes([b[0] ^ 1]))
+    testbed.overlay(tb, "node02", str(changed), str(cifar_archive))
+    try:
+        rc, out, rep = doctor(tb, tmp_path, data=cifar_archive)
+    finally:
+        testbed.clear_overlays(tb, "node02")
+    bad = tb.address("node02")
+    assert rc == 1 and failing(rep) == {(bad, "data")}, out
+    assert "differs" in rep["checks"][bad]["data"]["detail"]
+
+
+def test_link_down(tb, tmp_path):
+    testbed.link(tb, "node02", "down")
+    try:
+        rc, out, rep = doctor(tb, tmp_path)
+    finally:
+        testbed.link(tb, "node02", "up")
+    bad = tb.address("node02")
+    assert rc == 1 and failing(rep) == {(bad, "answers")}, out
+    assert "node02" in rep["checks"][bad]["answers"]["detail"]  # Hydra: unable to connect from node02
+    assert all(c["ok"] is None for k, c in rep["checks"][bad].items() if k != "answers")
+    assert rep["net"]["np"] == 2 and rep["net"]["allreduce_ok"]  # the others still ran their job
+
+
+def test_host_that_does_not_answer(tb, tmp_path):
+    ghost = "10.81.0.99"  # in the hostfile, but no board answers there
+    hosts = ",".join([tb.address("node01"), ghost, tb.address("node03")])
+    rc, out, rep = doctor(tb, tmp_path, "--hosts", hosts)
+    assert rc == 1 and failing(rep) == {(ghost, "answers")}, out
+    assert "Could not resolve hostname" in rep["checks"][ghost]["answers"]["detail"]
+    assert f"ssh {ghost} true" in rep["checks"][ghost]["answers"]["fix"]
+
+
+def test_node_with_too_little_memory(tb, tmp_path):
+    from pilab.config import Config
+    from pilab.memory import predict_peak_bytes
+    need = 2 * predict_peak_bytes(Config(width=0.25, batch_size=16, threads=1), np_=2 * len(tb.hosts))
+    # enough for the probe itself (Python + torch), not for two ranks of the run
+    limit = max(450 * 2 ** 20, int(0.6 * need))
+    assert limit < need
+    testbed.limit_memory(tb, "node03", limit)
+    try:
+        rc, out, rep = doctor(tb, tmp_path)
+    finally:
+        testbed.limit_memory(tb, "node03", 0)
+    bad = tb.address("node03")
+    assert rc == 1 and failing(rep) == {(bad, "memory")}, out
+    c = rep["checks"][bad]["memory"]
+    assert "cgroup limit" in c["detail"] and "will not fit" in c["detail"] and "--ranks-per-node" in c["fix"]
+    assert 0 <= limit - rep["probes"][bad]["memory"]["cgroup"]["limit"] < 4096  # the kernel rounds to a page
+    assert rep["predicted_peak_bytes"] * 2 == need
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--hostfile", "/nonexistent/hosts"], "does not exist"),
+    (["--hosts", ","], "names no host"),
+    (["--hosts", "a:x"], "not host or host:slots"),
+    (["--hosts", "a", "--ranks-per-node", "0"], "must be >= 1"),
+    (["--hosts", "a", "--answer-s", "0"], "must be > 0"),
+    (["--hosts", "a", "--data", "/nonexistent/cifar.tar.gz"], "does not exist"),
+    (["--hosts", "a", "--hostfile", "x"], "not allowed with"),
+])
+def test_bad_input_exits_2_with_one_line(args, words, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert cli_main(["doctor", *args, "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("pilab: error:") and words in err, err
+    assert not out.exists()
+
+
+def test_mpi_library_of_the_launcher():
+    """The "every rank is 0 of 1" check compares these two names (no second MPI is installed here)."""
+    from conftest import MPIEXEC
+    from pilab.doctor import mpiexec_library, same_family
+    launcher = mpiexec_library(MPIEXEC)
+    assert launcher.startswith("MPICH ") and launcher.endswith("(Hydra)")
+    # mpi4py's library, asked in a process of its own (this one must not initialise MPI)
+    lib = subprocess.run([sys.executable, "-c", "from pilab.doctor.probe import mpi_library; "
+                          "print(mpi_library()['library'])"], capture_output=True, text=True,
+                         env=mpi_env(), timeout=120, check=True).stdout.strip()
+    assert lib.startswith("MPICH Version")
+    assert same_family(lib, launcher)
+    assert not same_family("Open MPI v4.1.4, package: Debian OpenMPI", launcher)
+    assert not same_family(lib, "Open MPI 4.1.4")

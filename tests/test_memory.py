@@ -1,0 +1,86 @@
+"""Memory per rank (pilab.memory): what the cuts keep identical, and the prediction against a real rank."""
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pilab import memory, models
+from pilab.config import Config, ConfigError
+
+
+def _three_steps(relu6_forward=None):
+    """Losses and final weights of 3 SGD steps of a small MobileNetV2-CIFAR on fixed random batches."""
+    saved = models.ReLU6.forward
+    if relu6_forward is not None:
+        models.ReLU6.forward = relu6_forward
+    try:
+        torch.manual_seed(0)
+        m = models.build_model("mobilenetv2_cifar", num_classes=10, width=0.25)
+        m = m.to(memory_format=torch.channels_last)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            x = (3 * torch.randn(8, 3, 32, 32, generator=g)).to(memory_format=torch.channels_last)
+            y = torch.randint(0, 10, (8,), generator=g)
+            opt.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, [p.detach().clone() for p in m.parameters()]
+    finally:
+        models.ReLU6.forward = saved
+
+
+def test_relu6_that_saves_no_copy_gives_bitwise_the_same_training():
+    ours = _three_steps()
+    torchs = _three_steps(lambda self, x: nn.ReLU6.forward(self, x))  # autograd's in-place hardtanh_
+    assert ours[0] == torchs[0]
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], torchs[1]))
+
+
+def test_relu6_saves_one_tensor_less_per_layer():
+    m = models.build_model("mobilenetv2_cifar", num_classes=10, width=0.25)
+    x = torch.randn(4, 3, 32, 32)
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(x).sum()
+    elements = models.activation_elements("mobilenetv2_cifar", 0.25) * 4
+    # conv inputs + BN inputs: ~2/3 of every leaf output (nn.ReLU6(inplace=True) kept ~3/3)
+    assert sum(seen.values()) < 0.75 * 4 * elements
+
+
+def test_prediction_grows_with_batch_width_and_data():
+    small = Config(width=0.25, batch_size=32, eval_batch=16)
+    assert memory.predict_peak_bytes(small) < memory.predict_peak_bytes(replace(small, batch_size=128))
+    assert memory.predict_peak_bytes(small) < memory.predict_peak_bytes(replace(small, width=1.0))
+    assert memory.predict_peak_bytes(small) < memory.predict_peak_bytes(replace(small, eval_batch=500))
+    whole = Config(data="cifar10", eval_batch=16)
+    assert memory.predict_peak_bytes(whole, np_=8) < memory.predict_peak_bytes(whole)
+    parts = memory.breakdown(whole, np_=2)
+    assert parts["peak"] == memory.predict_peak_bytes(whole, np_=2)
+
+
+def test_node_memory_specs():
+    assert memory.node_bytes("pi4b_4gb") == memory.NODE_MEMORY["pi4b_4gb"]
+    assert memory.node_bytes("3500MB") == 3_500_000_000
+    assert memory.node_bytes("4GiB") == 4 * 2 ** 30
+    with pytest.raises(ConfigError, match="node memory"):
+        memory.node_bytes("lots")
+    cfg = Config(width=1.0, batch_size=32)
+    assert memory.fit_warning(cfg, np_=2, ranks_per_node=2, node_bytes=memory.NODE_MEMORY["pi4b_8gb"]) is None
+    line = memory.fit_warning(cfg, np_=2, ranks_per_node=2, node_bytes=memory.node_bytes("1GB"))
+    assert line.startswith("pilab: warning: 2 rank(s) per node") and "\n" not in line
+
+
+def test_eval_batch_is_validated():
+    with pytest.raises(ConfigError, match="eval_batch"):
+        Config(eval_batch=0)
+
