@@ -1,0 +1,259 @@
+#!/usr/bin/env bash
+# An aarch64 "Pi" on this x86 machine: a Debian bookworm arm64 root file system (debootstrap +
+# qemu-user-static through binfmt_misc), and inside it what a Raspberry Pi OS user runs, as user `pi`:
+# a clone of this repository, ./lab.sh setup with pip's MPICH and again with the system MPI
+# (PILAB_SYSTEM_MPI=1, Debian's packages), then pilab --help, a 3-step `train --np 2`, a `simulate --np 8`
+# step and `doctor` on localhost (where this checkout has it). Emulation is slow (an hour or more the
+# first time); run it in the background and read the log:
+#
+#   sudo setsid nohup nice -n 10 scripts/arm64_node.sh > /var/tmp/arm64_node.out 2>&1 &
+#   scripts/arm64_node.sh --help
+#
+# The root lives OUTSIDE any git tree (default /var/tmp/pilab-arm64/root) and is reused once finished;
+# the clone inside it is refreshed to this checkout's HEAD (commit first what you want tested). Bind
+# mounts (/proc, /sys, /dev, /dev/pts) are always unmounted on exit, also on failure or Ctrl-C.
+# Every step is timed; the summary at the end of the log is what docs/arm64.md records.
+set -euo pipefail
+
+usage() {
+    cat <<'EOF'
+usage: scripts/arm64_node.sh [--root DIR] [--log FILE] [--only STEPS] [--mirror URL] [--np-sim N] [--help]
+
+Build (or reuse) a Debian bookworm arm64 root with debootstrap + qemu-user-static and run pilab in it
+as a Raspberry Pi OS user would. Run as root.
+
+  --root DIR     where the arm64 root goes (default /var/tmp/pilab-arm64/root); must be outside any
+                 git work tree
+  --log FILE     the log (default DIR/../arm64_node-<UTC time>.log); the summary is at its end
+  --only STEPS   comma-separated subset of: pip,system (default pip,system: both ways of ./lab.sh setup)
+  --mirror URL   Debian mirror for debootstrap (default http://deb.debian.org/debian)
+  --np-sim N     virtual ranks of the simulate step (default 8)
+  -h, --help     this text
+EOF
+}
+
+root=/var/tmp/pilab-arm64/root
+log=""
+only=pip,system
+mirror=http://deb.debian.org/debian
+np_sim=8
+die() { echo "arm64_node.sh: $*" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -h|--help) usage; exit 0 ;;
+        --root) [ $# -ge 2 ] || die "--root needs a directory, e.g. --root /var/tmp/pilab-arm64/root"
+                root=$2; shift 2 ;;
+        --log) [ $# -ge 2 ] || die "--log needs a file name, e.g. --log /var/tmp/arm64.log"; log=$2; shift 2 ;;
+        --only) [ $# -ge 2 ] || die "--only needs a list, e.g. --only pip"; only=$2; shift 2 ;;
+        --mirror) [ $# -ge 2 ] || die "--mirror needs a URL, e.g. --mirror http://deb.debian.org/debian"
+                  mirror=$2; shift 2 ;;
+        --np-sim) [ $# -ge 2 ] || die "--np-sim needs a number, e.g. --np-sim 8"; np_sim=$2; shift 2 ;;
+        *) die "unknown argument '$1'; see --help" ;;
+    esac
+done
+for way in ${only//,/ }; do
+    case "$way" in pip|system) ;; *) die "--only: unknown step '$way'; use pip, system or pip,system" ;; esac
+done
+case "$np_sim" in ''|*[!0-9]*|0) die "--np-sim must be a positive whole number, not '$np_sim'" ;; esac
+case "$root" in /*) ;; *) die "--root must be an absolute path, not '$root'" ;; esac
+root=${root%/}
+[ "$root" != "" ] && [ "$root" != / ] || die "--root must not be /"
+repo=$(cd "$(dirname "$0")/.." && pwd)
+# The root must not sit in a git work tree: git would see a whole Debian system as untracked files.
+probe=$root
+while [ ! -e "$probe" ]; do probe=$(dirname "$probe"); done
+if git -C "$probe" rev-parse --show-toplevel >/dev/null 2>&1; then
+    die "--root $root is inside the git work tree $(git -C "$probe" rev-parse --show-toplevel); use e.g. --root /var/tmp/pilab-arm64/root"
+fi
+[ "$(id -u)" = 0 ] || die "run as root (debootstrap, chroot and mounts need it): sudo $0 $*"
+
+base=$(dirname "$root")
+mkdir -p "$base"
+[ -n "$log" ] || log=$base/arm64_node-$(date -u +%Y%m%dT%H%M%SZ).log
+exec > >(tee -a "$log") 2>&1
+summary=()
+step_start=0
+say() { printf '[arm64 %s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
+
+# ---- always unmount, also on failure ----------------------------------------------------------
+mounted=()
+cleanup() {
+    rc=$?
+    set +e
+    # Processes this script started inside the root (e.g. a hung rank) would keep the mounts busy.
+    for p in /proc/[0-9]*; do
+        if [ "$(readlink "$p/root" 2>/dev/null)" = "$root" ]; then kill -TERM "${p#/proc/}" 2>/dev/null; fi
+    done
+    for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do
+        umount "${mounted[$i]}" 2>/dev/null || umount -l "${mounted[$i]}" || echo "could not unmount ${mounted[$i]}"
+    done
+    left=$(awk -v r="$root/" 'index($2, r) == 1 {print $2}' /proc/mounts)
+    [ -z "$left" ] || echo "WARNING: still mounted under $root: $left"
+    echo
+    echo "==== SUMMARY ($(date -u +%Y-%m-%dT%H:%MZ), exit $rc) ===="
+    for line in "${summary[@]}"; do echo "$line"; done
+    echo "log: $log"
+    exit $rc
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+bind() {  # bind SRC DEST [ro]
+    mkdir -p "$2"
+    mount --bind "$1" "$2"
+    mounted+=("$2")
+    if [ "${3:-}" = ro ]; then mount -o remount,bind,ro "$2"; fi
+}
+
+# step NAME COMMAND...: run, time, record "ok"/"FAILED" in the summary; a failed step stops the run.
+step() {
+    local name=$1; shift
+    say "---- $name"
+    local t0=$SECONDS
+    if "$@"; then
+        summary+=("$(printf '%-34s ok      %6d s' "$name" $((SECONDS - t0)))")
+    else
+        local rc=$?
+        summary+=("$(printf '%-34s FAILED  %6d s (exit %d)' "$name" $((SECONDS - t0)) "$rc")")
+        return "$rc"
+    fi
+}
+# in_pi 'shell command': run as user pi in the clone, with a login-like environment.
+in_pi() {
+    chroot --userspec=1000:1000 --groups=1000 "$root" /usr/bin/env -i HOME=/home/pi USER=pi LANG=C.UTF-8 \
+        PATH=/usr/local/bin:/usr/bin:/bin TERM=dumb /bin/bash -lc "cd /home/pi/pilab && $1"
+}
+in_root() {
+    chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        DEBIAN_FRONTEND=noninteractive /bin/bash -c "$1"
+}
+
+# ---- host tools ---------------------------------------------------------------------------------
+host_tools() {
+    if ! command -v debootstrap >/dev/null || ! command -v update-binfmts >/dev/null || \
+        { [ ! -e /usr/libexec/qemu-binfmt/aarch64-binfmt-P ] && [ ! -e /usr/bin/qemu-aarch64-static ]; }; then
+        apt-get update
+        DEBIAN_FRONTEND=noninteractive apt-get install -y debootstrap qemu-user-static binfmt-support
+    fi
+    # binfmt_misc lets the kernel hand aarch64 binaries to qemu; the F flag (Debian's default) opens
+    # the interpreter now, so it works inside the chroot without a copy of qemu there.
+    [ -e /proc/sys/fs/binfmt_misc/register ] || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
+    [ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] || update-binfmts --enable qemu-aarch64
+    grep -q '^enabled' /proc/sys/fs/binfmt_misc/qemu-aarch64 || update-binfmts --enable qemu-aarch64
+    grep -q '^enabled' /proc/sys/fs/binfmt_misc/qemu-aarch64 || { echo "binfmt qemu-aarch64 is not enabled"; return 1; }
+    say "binfmt: $(tr '\n' ' ' </proc/sys/fs/binfmt_misc/qemu-aarch64)"
+}
+
+# ---- the root file system -----------------------------------------------------------------------
+# Finished = debootstrap's second stage removed /debootstrap and our marker is there.
+rootfs() {
+    if [ -f "$root/.pilab-rootfs-done" ] && [ ! -d "$root/debootstrap" ]; then
+        say "reusing the finished root $root ($(cat "$root/.pilab-rootfs-done"))"
+        return 0
+    fi
+    if [ -e "$root" ]; then
+        say "removing the unfinished root $root"
+        rm -rf --one-file-system "$root"
+    fi
+    # minbase + what Raspberry Pi OS Lite has and pilab needs: python3-venv for ./lab.sh, git for the
+    # clone, procps for ps/free.
+    debootstrap --arch=arm64 --variant=minbase \
+        --include=python3,python3-venv,python3-pip,git,ca-certificates,procps bookworm "$root" "$mirror"
+    date -u +%Y-%m-%dT%H:%MZ >"$root/.pilab-rootfs-done"
+}
+
+mounts() {
+    bind /proc "$root/proc"
+    bind /sys "$root/sys" ro
+    bind /dev "$root/dev"
+    bind /dev/pts "$root/dev/pts"
+    cp -f /etc/resolv.conf "$root/etc/resolv.conf"  # pip and apt inside reach PyPI / the mirror
+}
+
+data_mount() {
+    # The data archive, read-only, where pilab's tests and docs look for it (../shared/data beside the
+    # clone); the runs below use the embedded subset, so a checkout without it still works.
+    if [ -d "$repo/../shared/data" ]; then
+        bind "$(cd "$repo/../shared/data" && pwd)" "$root/home/pi/shared/data" ro
+    fi
+}
+
+user_and_clone() {
+    # uid 1000, as the first user of a freshly flashed Pi; in_pi runs as that uid.
+    in_root 'id pi >/dev/null 2>&1 || useradd -m -u 1000 -U -s /bin/bash pi'
+    # A clone of this checkout's HEAD, made from outside (a worktree's .git points to a path the
+    # chroot cannot see); a reused root gets the clone reset to HEAD.
+    local dest=$root/home/pi/pilab head
+    head=$(git -C "$repo" rev-parse HEAD)
+    if [ ! -d "$dest/.git" ]; then
+        git clone -q --no-local "$repo" "$dest"
+    fi
+    git -C "$dest" fetch -q "$repo" "$head"
+    git -C "$dest" -c advice.detachedHead=false checkout -q --force "$head"
+    git -C "$dest" clean -qfdx -e .venv-pip -e .venv-system
+    chown -R 1000:1000 "$dest"
+    say "clone: $(git -C "$dest" log -1 --format='%h %s')"
+}
+
+versions() {  # versions VENV
+    in_pi "$1/bin/python - <<'EOF'
+import platform, sys
+import torch, numpy, mpi4py
+from mpi4py import MPI
+print('machine', platform.machine(), '| python', platform.python_version(), '| torch', torch.__version__,
+      '| numpy', numpy.__version__, '| mpi4py', mpi4py.__version__, 'from', mpi4py.__file__)
+print('mpi4py library:', MPI.Get_library_version().splitlines()[0].strip())
+print('torch threads', torch.get_num_threads(), '| torch config:', torch.__config__.show().splitlines()[1:4])
+EOF
+echo \"mpiexec: \$(PATH=$1/bin:\$PATH command -v mpiexec) -> \$(readlink -f \$(PATH=$1/bin:\$PATH command -v mpiexec))\"
+cat /etc/debian_version"
+}
+
+# The runs a Pi user makes after set-up, in VENV (PATH first, as `source .venv/bin/activate` would).
+pilab_runs() {  # pilab_runs WAY VENV
+    local way=$1 venv=$2 act="export PATH=$2/bin:\$PATH &&"
+    step "$way: versions" versions "$venv" || return 1
+    step "$way: pilab --help" in_pi "$act python -m pilab --help >/dev/null && python -m pilab train --help | head -3" || return 1
+    step "$way: train --np 2 (3 steps)" in_pi "$act python -m pilab train --np 2 --max-steps 3 --epochs 1 \
+        --train-subset 256 --test-subset 64 --out /tmp/pilab-arm64-$way/train --overwrite \
+        && python -c \"import json; r=json.load(open('/tmp/pilab-arm64-$way/train/result.json')); \
+e=r.get('environment', {}); print('result: np', r.get('np'), 'threads/rank', e.get('threads_per_rank'), \
+'machine', e.get('machine'), 'mpi', e.get('mpi_library'))\"" || return 1
+    step "$way: simulate --np $np_sim (1 step)" in_pi "$act python -m pilab simulate --np $np_sim --max-steps 1 \
+        --epochs 1 --batch-mode global --batch-size $((np_sim * 4)) --train-subset 256 --test-subset 64 \
+        --out /tmp/pilab-arm64-$way/simulate --overwrite" || return 1
+    if in_pi "$act python -m pilab --help" | grep -qw doctor; then
+        step "$way: doctor --hosts localhost" in_pi "$act python -m pilab doctor --hosts localhost" || return 1
+    else
+        summary+=("$(printf '%-34s SKIPPED (no doctor command in this checkout)' "$way: doctor")")
+    fi
+}
+
+way_pip() {
+    step "pip: ./lab.sh setup (pip MPICH)" in_pi "PILAB_VENV=/home/pi/pilab/.venv-pip ./lab.sh setup" || return 1
+    pilab_runs pip /home/pi/pilab/.venv-pip
+}
+
+way_system() {
+    # What a Raspberry Pi OS user installs for "the system MPI": Debian's MPICH and mpi4py.
+    step "system: apt-get install mpich python3-mpi4py" in_root \
+        'apt-get update -qq && apt-get install -y -qq mpich python3-mpi4py >/dev/null && \
+         update-alternatives --display mpi | head -3; update-alternatives --display mpirun | head -3' || return 1
+    step "system: ./lab.sh setup (PILAB_SYSTEM_MPI=1)" in_pi \
+        "PILAB_SYSTEM_MPI=1 PILAB_VENV=/home/pi/pilab/.venv-system ./lab.sh setup" || return 1
+    pilab_runs system /home/pi/pilab/.venv-system
+}
+
+say "pilab arm64 node: root $root, repo $repo ($(git -C "$repo" log -1 --format=%h)), log $log"
+step "host tools + binfmt" host_tools
+step "debootstrap bookworm arm64" rootfs
+mounts
+step "user pi + clone" user_and_clone
+data_mount
+say "inside: $(chroot "$root" uname -m) $(cat "$root/etc/debian_version"), $(chroot "$root" nproc) cores"
+failed=0
+for way in ${only//,/ }; do
+    "way_$way" || failed=1
+done
+exit $failed

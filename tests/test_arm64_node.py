@@ -1,0 +1,37 @@
+"""scripts/arm64_node.sh: only its argument handling (the emulated run itself takes an hour; it is run by
+hand and its summary is in docs/arm64.md). Every refusal happens before anything is mounted or written."""
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "arm64_node.sh"
+
+
+def run(*args):
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_help_names_the_options():
+    r = run("--help")
+    assert r.returncode == 0, r.stderr
+    for opt in ("--root DIR", "--log FILE", "--only STEPS", "--mirror URL", "--np-sim N"):
+        assert opt in r.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--bogus"], "unknown argument '--bogus'"),
+    (["--root"], "--root needs a directory"),
+    (["--root", "relative/dir"], "--root must be an absolute path"),
+    (["--only", "pip,conda"], "unknown step 'conda'"),
+    (["--np-sim", "0"], "--np-sim must be a positive whole number"),
+    # A Debian root inside the repository would be thousands of untracked files.
+    ([ "--root", str(SCRIPT.parent.parent / "arm64-root")], "is inside the git work tree"),
+])
+def test_bad_arguments_exit_2_with_one_line(args, says, tmp_path):
+    r = run(*args)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], r.stderr
+    assert not (SCRIPT.parent.parent / "arm64-root").exists()
