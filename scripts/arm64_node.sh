@@ -17,7 +17,8 @@ set -euo pipefail
 
 usage() {
     cat <<'EOF'
-usage: scripts/arm64_node.sh [--root DIR] [--log FILE] [--only STEPS] [--mirror URL] [--np-sim N] [--help]
+usage: scripts/arm64_node.sh [--root DIR] [--log FILE] [--only STEPS] [--mirror URL] [--np-sim N]
+                             [--doctor-ref REF] [--help]
 
 Build (or reuse) a Debian bookworm arm64 root with debootstrap + qemu-user-static and run pilab in it
 as a Raspberry Pi OS user would. Run as root.
@@ -28,6 +29,8 @@ as a Raspberry Pi OS user would. Run as root.
   --only STEPS   comma-separated subset of: pip,system (default pip,system: both ways of ./lab.sh setup)
   --mirror URL   Debian mirror for debootstrap (default http://deb.debian.org/debian)
   --np-sim N     virtual ranks of the simulate step (default 8)
+  --doctor-ref REF  where this checkout has no `doctor` command, run it from a clone of this git ref
+                 (e.g. the branch that is adding it) with the same venv; without it the step is skipped
   -h, --help     this text
 EOF
 }
@@ -37,6 +40,7 @@ log=""
 only=pip,system
 mirror=http://deb.debian.org/debian
 np_sim=8
+doctor_ref=""
 die() { echo "arm64_node.sh: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -47,6 +51,8 @@ while [ $# -gt 0 ]; do
         --only) [ $# -ge 2 ] || die "--only needs a list, e.g. --only pip"; only=$2; shift 2 ;;
         --mirror) [ $# -ge 2 ] || die "--mirror needs a URL, e.g. --mirror http://deb.debian.org/debian"
                   mirror=$2; shift 2 ;;
+        --doctor-ref) [ $# -ge 2 ] || die "--doctor-ref needs a git ref, e.g. --doctor-ref doctor"
+                      doctor_ref=$2; shift 2 ;;
         --np-sim) [ $# -ge 2 ] || die "--np-sim needs a number, e.g. --np-sim 8"; np_sim=$2; shift 2 ;;
         *) die "unknown argument '$1'; see --help" ;;
     esac
@@ -64,6 +70,9 @@ probe=$root
 while [ ! -e "$probe" ]; do probe=$(dirname "$probe"); done
 if git -C "$probe" rev-parse --show-toplevel >/dev/null 2>&1; then
     die "--root $root is inside the git work tree $(git -C "$probe" rev-parse --show-toplevel); use e.g. --root /var/tmp/pilab-arm64/root"
+fi
+if [ -n "$doctor_ref" ] && ! git -C "$repo" rev-parse -q --verify "$doctor_ref^{commit}" >/dev/null; then
+    die "--doctor-ref $doctor_ref is not a commit of $repo; give a branch or commit that has \`pilab doctor\`"
 fi
 [ "$(id -u)" = 0 ] || die "run as root (debootstrap, chroot and mounts need it): sudo $0 $*"
 
@@ -192,6 +201,15 @@ user_and_clone() {
     git -C "$dest" fetch -q "$repo" "$head"
     git -C "$dest" -c advice.detachedHead=false checkout -q --force "$head"
     git -C "$dest" clean -qfdx -e .venv-pip -e .venv-system
+    if [ -n "$doctor_ref" ]; then
+        local dref
+        dref=$(git -C "$repo" rev-parse "$doctor_ref^{commit}")
+        [ -d "$root/home/pi/pilab-doctor/.git" ] || git clone -q --no-local "$repo" "$root/home/pi/pilab-doctor"
+        git -C "$root/home/pi/pilab-doctor" fetch -q "$repo" "$dref"
+        git -C "$root/home/pi/pilab-doctor" -c advice.detachedHead=false checkout -q --force "$dref"
+        chown -R 1000:1000 "$root/home/pi/pilab-doctor"
+        say "doctor from: $(git -C "$root/home/pi/pilab-doctor" log -1 --format='%h %s' | cut -c1-100)"
+    fi
     chown -R 1000:1000 "$dest"
     say "clone: $(git -C "$dest" log -1 --format='%h %s')"
 }
@@ -225,6 +243,11 @@ e=r.get('environment', {}); print('result: np', r.get('np'), 'threads/rank', e.g
         --out /tmp/pilab-arm64-$way/simulate --overwrite" || return 1
     if in_pi "$act python -m pilab --help" | grep -qw doctor; then
         step "$way: doctor --hosts localhost" in_pi "$act python -m pilab doctor --hosts localhost" || return 1
+    elif [ -n "$doctor_ref" ]; then
+        # `python -m pilab` from the doctor clone's directory imports that clone's pilab (cwd first on
+        # sys.path), with this venv's packages.
+        step "$way: doctor --hosts localhost ($doctor_ref)" in_pi "$act cd /home/pi/pilab-doctor && \
+            python -m pilab doctor --hosts localhost" || return 1
     else
         summary+=("$(printf '%-34s SKIPPED (no doctor command in this checkout)' "$way: doctor")")
     fi

@@ -15,7 +15,7 @@ def run(*args):
 def test_help_names_the_options():
     r = run("--help")
     assert r.returncode == 0, r.stderr
-    for opt in ("--root DIR", "--log FILE", "--only STEPS", "--mirror URL", "--np-sim N"):
+    for opt in ("--root DIR", "--log FILE", "--only STEPS", "--mirror URL", "--np-sim N", "--doctor-ref REF"):
         assert opt in r.stdout
 
 
@@ -25,6 +25,7 @@ def test_help_names_the_options():
     (["--root", "relative/dir"], "--root must be an absolute path"),
     (["--only", "pip,conda"], "unknown step 'conda'"),
     (["--np-sim", "0"], "--np-sim must be a positive whole number"),
+    (["--doctor-ref", "no-such-branch-xyz"], "--doctor-ref no-such-branch-xyz is not a commit"),
     # A Debian root inside the repository would be thousands of untracked files.
     ([ "--root", str(SCRIPT.parent.parent / "arm64-root")], "is inside the git work tree"),
 ])
