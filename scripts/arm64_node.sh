@@ -138,6 +138,9 @@ in_root() {
         DEBIAN_FRONTEND=noninteractive /bin/bash -c "$1"
 }
 
+# The clones inside belong to pi (uid 1000); git run from here as root would refuse them as "dubious".
+hgit() { git -c safe.directory='*' "$@"; }
+
 # ---- host tools ---------------------------------------------------------------------------------
 host_tools() {
     if ! command -v debootstrap >/dev/null || ! command -v update-binfmts >/dev/null || \
@@ -196,22 +199,22 @@ user_and_clone() {
     local dest=$root/home/pi/pilab head
     head=$(git -C "$repo" rev-parse HEAD)
     if [ ! -d "$dest/.git" ]; then
-        git clone -q --no-local "$repo" "$dest"
+        hgit clone -q --no-local "$repo" "$dest"
     fi
-    git -C "$dest" fetch -q "$repo" "$head"
-    git -C "$dest" -c advice.detachedHead=false checkout -q --force "$head"
-    git -C "$dest" clean -qfdx -e .venv-pip -e .venv-system
+    hgit -C "$dest" fetch -q "$repo" "$head"
+    hgit -C "$dest" -c advice.detachedHead=false checkout -q --force "$head"
+    hgit -C "$dest" clean -qfdx -e .venv-pip -e .venv-system -e "*.egg-info"
     if [ -n "$doctor_ref" ]; then
         local dref
         dref=$(git -C "$repo" rev-parse "$doctor_ref^{commit}")
-        [ -d "$root/home/pi/pilab-doctor/.git" ] || git clone -q --no-local "$repo" "$root/home/pi/pilab-doctor"
-        git -C "$root/home/pi/pilab-doctor" fetch -q "$repo" "$dref"
-        git -C "$root/home/pi/pilab-doctor" -c advice.detachedHead=false checkout -q --force "$dref"
+        [ -d "$root/home/pi/pilab-doctor/.git" ] || hgit clone -q --no-local "$repo" "$root/home/pi/pilab-doctor"
+        hgit -C "$root/home/pi/pilab-doctor" fetch -q "$repo" "$dref"
+        hgit -C "$root/home/pi/pilab-doctor" -c advice.detachedHead=false checkout -q --force "$dref"
         chown -R 1000:1000 "$root/home/pi/pilab-doctor"
-        say "doctor from: $(git -C "$root/home/pi/pilab-doctor" log -1 --format='%h %s' | cut -c1-100)"
+        say "doctor from: $(hgit -C "$root/home/pi/pilab-doctor" log -1 --format='%h %s' | cut -c1-100)"
     fi
     chown -R 1000:1000 "$dest"
-    say "clone: $(git -C "$dest" log -1 --format='%h %s')"
+    say "clone: $(hgit -C "$dest" log -1 --format='%h %s')"
 }
 
 versions() {  # versions VENV
