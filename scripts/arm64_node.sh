@@ -131,7 +131,8 @@ step() {
 # in_pi 'shell command': run as user pi in the clone, with a login-like environment.
 in_pi() {
     chroot --userspec=1000:1000 --groups=1000 "$root" /usr/bin/env -i HOME=/home/pi USER=pi LANG=C.UTF-8 \
-        PATH=/usr/local/bin:/usr/bin:/bin TERM=dumb /bin/bash -lc "cd /home/pi/pilab && $1"
+        PATH=/usr/local/bin:/usr/bin:/bin TERM=dumb \
+        PIP_CERT=/etc/ssl/certs/ca-certificates.crt /bin/bash -lc "cd /home/pi/pilab && $1"
 }
 in_root() {
     chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
@@ -181,6 +182,17 @@ mounts() {
     bind /dev "$root/dev"
     bind /dev/pts "$root/dev/pts"
     cp -f /etc/resolv.conf "$root/etc/resolv.conf"  # pip and apt inside reach PyPI / the mirror
+    # Where this machine reaches the internet through a TLS-inspecting proxy, its local CAs
+    # (/usr/local/share/ca-certificates) must be trusted inside too, by the system and by pip (whose
+    # own bundle, certifi, knows only the public CAs; in_pi points PIP_CERT at the system's).
+    if compgen -G "/usr/local/share/ca-certificates/*.crt" >/dev/null; then
+        local crt fresh=0
+        mkdir -p "$root/usr/local/share/ca-certificates"
+        for crt in /usr/local/share/ca-certificates/*.crt; do
+            cmp -s "$crt" "$root$crt" || { cp -f "$crt" "$root$crt"; fresh=1; }
+        done
+        [ "$fresh" = 0 ] || in_root 'update-ca-certificates >/dev/null 2>&1' || return 1
+    fi
 }
 
 data_mount() {
