@@ -18,7 +18,7 @@ set -euo pipefail
 usage() {
     cat <<'EOF'
 usage: scripts/arm64_node.sh [--root DIR] [--log FILE] [--only STEPS] [--mirror URL] [--np-sim N]
-                             [--doctor-ref REF] [--help]
+                             [--doctor-ref REF] [--testbed NAME --subnet CIDR [--head-python PY]] [--help]
 
 Build (or reuse) a Debian bookworm arm64 root with debootstrap + qemu-user-static and run pilab in it
 as a Raspberry Pi OS user would. Run as root.
@@ -31,6 +31,12 @@ as a Raspberry Pi OS user would. Run as root.
   --np-sim N     virtual ranks of the simulate step (default 8)
   --doctor-ref REF  where this checkout has no `doctor` command, run it from a clone of this git ref
                  (e.g. the branch that is adding it) with the same venv; without it the step is skipped
+  --testbed NAME  afterwards, a 2-node testbed NAME (pilab/testbed.py) whose node02 runs its processes
+                 inside the arm64 root, and a synchronous 3-step `train` over x86 node01 + arm64 node02
+                 (pip's MPICH on both); the testbed is taken down on exit
+  --subnet CIDR  the testbed's private range (required with --testbed, e.g. 10.77.0.0/24)
+  --head-python PY  the x86 Python with pilab's stack for node01 and mpiexec (default: the repo's
+                 .venv/bin/python)
   -h, --help     this text
 EOF
 }
@@ -41,6 +47,9 @@ only=pip,system
 mirror=http://deb.debian.org/debian
 np_sim=8
 doctor_ref=""
+tb_name=""
+subnet=""
+head_python=""
 die() { echo "arm64_node.sh: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -53,6 +62,10 @@ while [ $# -gt 0 ]; do
                   mirror=$2; shift 2 ;;
         --doctor-ref) [ $# -ge 2 ] || die "--doctor-ref needs a git ref, e.g. --doctor-ref doctor"
                       doctor_ref=$2; shift 2 ;;
+        --testbed) [ $# -ge 2 ] || die "--testbed needs a testbed name, e.g. --testbed plarm"; tb_name=$2; shift 2 ;;
+        --subnet) [ $# -ge 2 ] || die "--subnet needs a private range, e.g. --subnet 10.77.0.0/24"; subnet=$2; shift 2 ;;
+        --head-python) [ $# -ge 2 ] || die "--head-python needs a path, e.g. --head-python .venv/bin/python"
+                       head_python=$2; shift 2 ;;
         --np-sim) [ $# -ge 2 ] || die "--np-sim needs a number, e.g. --np-sim 8"; np_sim=$2; shift 2 ;;
         *) die "unknown argument '$1'; see --help" ;;
     esac
@@ -60,11 +73,21 @@ done
 for way in ${only//,/ }; do
     case "$way" in pip|system) ;; *) die "--only: unknown step '$way'; use pip, system or pip,system" ;; esac
 done
+if [ -n "$tb_name" ]; then
+    case "$tb_name" in [a-z]*) ;; *) die "--testbed: '$tb_name' is not a testbed name (a-z, 0-9, at most 8)" ;; esac
+    [ -n "$subnet" ] || die "--testbed needs --subnet CIDR (a private range of its own, e.g. 10.77.0.0/24)"
+elif [ -n "$subnet" ] || [ -n "$head_python" ]; then
+    die "--subnet and --head-python go with --testbed NAME"
+fi
 case "$np_sim" in ''|*[!0-9]*|0) die "--np-sim must be a positive whole number, not '$np_sim'" ;; esac
 case "$root" in /*) ;; *) die "--root must be an absolute path, not '$root'" ;; esac
 root=${root%/}
 [ "$root" != "" ] && [ "$root" != / ] || die "--root must not be /"
 repo=$(cd "$(dirname "$0")/.." && pwd)
+if [ -n "$tb_name" ]; then
+    head_python=${head_python:-$repo/.venv/bin/python}
+    [ -x "$head_python" ] || die "--head-python $head_python is not an executable; run ./lab.sh setup or give --head-python PATH"
+fi
 # The root must not sit in a git work tree: git would see a whole Debian system as untracked files.
 probe=$root
 while [ ! -e "$probe" ]; do probe=$(dirname "$probe"); done
@@ -86,6 +109,8 @@ say() { printf '[arm64 %s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
 
 # ---- always unmount, also on failure ----------------------------------------------------------
 mounted=()
+tb_up=""
+tb_link=""
 cleanup() {
     rc=$?
     set +e
@@ -96,6 +121,10 @@ cleanup() {
     for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do
         umount "${mounted[$i]}" 2>/dev/null || umount -l "${mounted[$i]}" || echo "could not unmount ${mounted[$i]}"
     done
+    if [ -n "$tb_up" ]; then
+        PYTHONPATH=$repo "$head_python" -m pilab testbed down --name "$tb_name" >/dev/null || echo "testbed down $tb_name failed"
+    fi
+    [ -z "$tb_link" ] || rm -f "$tb_link"
     left=$(awk -v r="$root/" 'index($2, r) == 1 {print $2}' /proc/mounts)
     [ -z "$left" ] || echo "WARNING: still mounted under $root: $left"
     echo
@@ -283,6 +312,56 @@ way_system() {
     pilab_runs system /home/pi/pilab/.venv-system
 }
 
+# ---- stretch: one testbed node inside the arm64 root, a job over x86 + arm64 ------------------------
+testbed_job() {
+    # Hydra starts the proxy as <mpiexec's directory>/hydra_pmi_proxy and the ranks by the head's
+    # absolute paths; inside the root those paths lead to the arm64 venv (pip's MPICH of the same
+    # version), and the job's working directory exists on both sides.
+    local hvenv wd=/tmp/pilab-arm64-testbed state shim node addr
+    hvenv=$(cd "$(dirname "$head_python")/.." && pwd)
+    if [ -e "$root$hvenv" ] && [ ! -L "$root$hvenv" ]; then
+        echo "$root$hvenv exists and is not our link; remove it"; return 1
+    fi
+    mkdir -p "$(dirname "$root$hvenv")" "$wd" "$root$wd"
+    ln -sfn /home/pi/pilab/.venv-pip "$root$hvenv"
+    tb_link=$root$hvenv
+    chmod 1777 "$root$wd"
+    say "head: $("$head_python" -c 'import platform, torch, mpi4py; print(platform.machine(), platform.python_version(), torch.__version__, mpi4py.__version__)') $("$hvenv/bin/mpichversion" 2>/dev/null | head -1)"
+    tb_up=1
+    PYTHONPATH=$repo "$head_python" -m pilab testbed up --name "$tb_name" --nodes 2 --slots 1 --subnet "$subnet" --rate 1gbit
+    state=$(PYTHONPATH=$repo "$head_python" -c "from pilab import testbed; print(testbed.load('$tb_name').state_dir)")
+    node=$(PYTHONPATH=$repo "$head_python" -c "from pilab import testbed; print(testbed.load('$tb_name').hosts[1])")
+    addr=$(PYTHONPATH=$repo "$head_python" -c "from pilab import testbed; t = testbed.load('$tb_name'); print(t.address(t.hosts[1]))")
+    shim=$state/shim-arm64
+    # node02's commands: the testbed's own shim (namespaces, hostname, pid namespace), then, inside
+    # that node's private mount namespace, /proc /dev /sys for the root and chroot into it. The mounts
+    # die with the node's namespace; nothing is left mounted here.
+    cat >"$shim" <<EOF_SHIM
+#!/bin/sh
+# pilab arm64_node.sh: as $state/shim, but $node ($addr) runs its commands inside $root
+while [ \$# -gt 0 ]; do
+    case "\$1" in -x|-q|-T|-n) shift ;; -o|-p|-l) shift 2 ;; *) break ;; esac
+done
+host=\$1; shift
+case "\$host" in
+    $node|$addr)
+        cmd=\$(printf '%s' "\$*" | sed "s/'/'\\\\\\\\''/g")
+        exec $state/shim -x "\$host" "mount -t proc proc $root/proc && mount --rbind /dev $root/dev && mount --rbind /sys $root/sys && exec chroot $root /bin/sh -c 'cd $wd && \$cmd'" ;;
+    *) exec $state/shim -x "\$host" "\$@" ;;
+esac
+EOF_SHIM
+    chmod 755 "$shim"
+    local mpirun=(timeout 1800 env UCX_TLS=tcp,self UCX_NET_DEVICES=eth0 PYTHONPATH="$repo"
+                  "$hvenv/bin/mpiexec" -f "$state/hosts" -launcher ssh -launcher-exec "$shim" -iface "$tb_name-br")
+    step "testbed: mpi4py on x86 + arm64" bash -c 'cd "$0" && "$@"' "$wd" "${mpirun[@]}" -n 2 "$head_python" -c \
+        "import platform, socket; from mpi4py import MPI; c = MPI.COMM_WORLD; s = c.allreduce(c.rank + 1); print('rank', c.rank, 'of', c.size, socket.gethostname(), platform.machine(), 'allreduce', s, MPI.Get_library_version().splitlines()[0], flush=True)" \
+        || return 1
+    step "testbed: train 3 steps x86 + arm64" bash -c 'cd "$0" && "$@"' "$wd" "${mpirun[@]}" -n 2 "$head_python" \
+        -m pilab train --max-steps 3 --epochs 1 --train-subset 256 --test-subset 64 --threads 2 \
+        --out "$wd/train" --overwrite || return 1
+    "$head_python" -c "import json; r = json.load(open('$wd/train/result.json')); e = r.get('environment', {}); print('result: hosts', e.get('hostnames'), {k: v for k, v in r.items() if isinstance(v, (int, float)) and ('acc' in k or 'loss' in k)})"
+}
+
 say "pilab arm64 node: root $root, repo $repo ($(git -C "$repo" log -1 --format=%h)), log $log"
 step "host tools + binfmt" host_tools
 step "debootstrap bookworm arm64" rootfs
@@ -294,4 +373,7 @@ failed=0
 for way in ${only//,/ }; do
     "way_$way" || failed=1
 done
+if [ -n "$tb_name" ]; then
+    testbed_job || failed=1
+fi
 exit $failed

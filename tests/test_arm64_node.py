@@ -15,7 +15,7 @@ def run(*args):
 def test_help_names_the_options():
     r = run("--help")
     assert r.returncode == 0, r.stderr
-    for opt in ("--root DIR", "--log FILE", "--only STEPS", "--mirror URL", "--np-sim N", "--doctor-ref REF"):
+    for opt in ("--root DIR", "--log FILE", "--only STEPS", "--mirror URL", "--np-sim N", "--doctor-ref REF", "--testbed NAME", "--subnet CIDR"):
         assert opt in r.stdout
 
 
@@ -26,6 +26,11 @@ def test_help_names_the_options():
     (["--only", "pip,conda"], "unknown step 'conda'"),
     (["--np-sim", "0"], "--np-sim must be a positive whole number"),
     (["--doctor-ref", "no-such-branch-xyz"], "--doctor-ref no-such-branch-xyz is not a commit"),
+    (["--testbed", "plarm"], "--testbed needs --subnet CIDR"),
+    (["--subnet", "10.77.0.0/24"], "--subnet and --head-python go with --testbed NAME"),
+    (["--testbed", "Bad"], "is not a testbed name"),
+    (["--testbed", "plarm", "--subnet", "10.77.0.0/24", "--head-python", "/nonexistent/python"],
+     "--head-python /nonexistent/python is not an executable"),
     # A Debian root inside the repository would be thousands of untracked files.
     ([ "--root", str(SCRIPT.parent.parent / "arm64-root")], "is inside the git work tree"),
 ])
