@@ -41,3 +41,21 @@ def test_bad_arguments_exit_2_with_one_line(args, says, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], r.stderr
     assert not (SCRIPT.parent.parent / "arm64-root").exists()
+
+
+# /proc/cpuinfo of a Raspberry Pi 4B under Raspberry Pi OS 64-bit (bookworm): Arm has no "model name".
+PI4B_CPUINFO = "".join(
+    f"processor\t: {i}\nBogoMIPS\t: 108.00\nFeatures\t: fp asimd evtstrm crc32 cpuid\nCPU implementer\t: 0x41\n"
+    f"CPU architecture: 8\nCPU variant\t: 0x0\nCPU part\t: 0xd08\nCPU revision\t: 3\n\n" for i in range(4)
+) + "Revision\t: c03114\nSerial\t\t: 100000002a5b3c4d\nModel\t\t: Raspberry Pi 4 Model B Rev 1.4\n"
+
+
+def test_bench_names_an_arm_board_and_core():
+    from pilab.bench import cpu_name
+    assert cpu_name(PI4B_CPUINFO, "aarch64") == "Raspberry Pi 4 Model B Rev 1.4 (Cortex-A72)"
+    # an Arm server (no board line) and an unknown part
+    assert cpu_name(PI4B_CPUINFO.split("Revision")[0], "aarch64") == "Cortex-A72"
+    assert cpu_name("processor\t: 0\nCPU part\t: 0xfff\n", "aarch64") == "aarch64"
+    # x86 as before
+    assert cpu_name("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\n", "x86_64") == \
+        "Intel(R) Xeon(R) Processor"
