@@ -43,14 +43,22 @@ setup() {
     fi
     say "installing the stack into $venv (torch CPU, MPI, Jupyter, Bokeh, test tools)"
     "$py" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    # Plain PyPI torch on x86-64 Linux is a multi-GB CUDA build: take PyTorch's CPU-only index where it
-    # answers; elsewhere (offline mirrors, local wheels, aarch64 where PyPI's build is CPU-only) use pip's
-    # configured sources as they are.
+    # Plain PyPI torch on Linux is a multi-GB CUDA build, on x86-64 and (since torch 2.9) on aarch64
+    # too: torch 2.13.0 for a Pi pulls cuDNN, cuBLAS, NCCL... (seen in scripts/arm64_node.sh's run).
+    # Take PyTorch's CPU-only index where it answers; elsewhere (offline mirrors, local wheels) use
+    # pip's configured sources as they are. On aarch64 the CPU index is the only one asked: its wheels
+    # carry no "+cpu" tag, so next to PyPI the CUDA build of the same version could win.
     torch_index=()
-    if [ "$(uname -m)" = x86_64 ] && [ "$(uname -s)" = Linux ] && \
-        "$py" -c "import urllib.request as u; u.urlopen('https://download.pytorch.org/whl/cpu/torch/', timeout=5)" >/dev/null 2>&1; then
-        torch_index=(--extra-index-url https://download.pytorch.org/whl/cpu)
-    fi
+    cpu_index=https://download.pytorch.org/whl/cpu
+    case "$(uname -s)/$(uname -m)" in
+        Linux/x86_64|Linux/aarch64)
+            if "$py" -c "import urllib.request as u; u.urlopen('$cpu_index/torch/', timeout=5)" >/dev/null 2>&1; then
+                torch_index=(--extra-index-url "$cpu_index")
+                [ "$(uname -m)" = x86_64 ] || torch_index=(--index-url "$cpu_index")
+            else
+                say "PyTorch's CPU-only index ($cpu_index) did not answer; torch comes from pip's configured sources (where that is PyPI, Linux gets a CUDA build: GBs of unused libraries, on a Pi too)"
+            fi ;;
+    esac
     "$py" -m pip install -q ${torch_index[@]+"${torch_index[@]}"} "$torch_spec"
     "$py" -m pip install -q -e ".[$extras]"
     [ "$sysmpi" = 1 ] && check_system_mpi
