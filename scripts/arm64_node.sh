@@ -259,7 +259,7 @@ user_and_clone() {
 }
 
 versions() {  # versions VENV
-    in_pi "$1/bin/python - <<'EOF'
+    in_pi "set -e; $1/bin/python - <<'EOF'
 import platform, sys
 import torch, numpy, mpi4py
 from mpi4py import MPI
@@ -305,8 +305,9 @@ way_pip() {
 way_system() {
     # What a Raspberry Pi OS user installs for "the system MPI": Debian's MPICH and mpi4py.
     step "system: apt-get install mpich python3-mpi4py" in_root \
-        'apt-get update -qq && apt-get install -y -qq mpich python3-mpi4py >/dev/null && \
-         update-alternatives --display mpi | head -3; update-alternatives --display mpirun | head -3' || return 1
+        'set -e; apt-get update -qq; apt-get install -y -qq mpich python3-mpi4py >/dev/null
+         dpkg-query -W -f="\${Package} \${Version}\n" mpich python3-mpi4py libopenmpi3 openmpi-bin 2>/dev/null || true
+         echo "mpiexec -> $(readlink -f /usr/bin/mpiexec)"; update-alternatives --query mpirun | grep -E "^(Value|Alternative|Priority)" || true' || return 1
     step "system: ./lab.sh setup (PILAB_SYSTEM_MPI=1)" in_pi \
         "PILAB_SYSTEM_MPI=1 PILAB_VENV=/home/pi/pilab/.venv-system ./lab.sh setup" || return 1
     pilab_runs system /home/pi/pilab/.venv-system
