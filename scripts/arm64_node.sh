@@ -210,6 +210,8 @@ mounts() {
     bind /sys "$root/sys" ro
     bind /dev "$root/dev"
     bind /dev/pts "$root/dev/pts"
+    # a mount of its own, not carried by the bind of /dev: MPICH's and UCX's shared memory between ranks
+    bind /dev/shm "$root/dev/shm"
     cp -f /etc/resolv.conf "$root/etc/resolv.conf"  # pip and apt inside reach PyPI / the mirror
     # Where this machine reaches the internet through a TLS-inspecting proxy, its local CAs
     # (/usr/local/share/ca-certificates) must be trusted inside too, by the system and by pip (whose
