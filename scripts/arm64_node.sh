@@ -26,7 +26,8 @@ as a Raspberry Pi OS user would. Run as root.
   --root DIR     where the arm64 root goes (default /var/tmp/pilab-arm64/root); must be outside any
                  git work tree
   --log FILE     the log (default DIR/../arm64_node-<UTC time>.log); the summary is at its end
-  --only STEPS   comma-separated subset of: pip,system (default pip,system: both ways of ./lab.sh setup)
+  --only STEPS   comma-separated subset of: pip,system (default pip,system: both ways of ./lab.sh setup);
+                 none: only the root (and --testbed, which uses the pip way's venv)
   --mirror URL   Debian mirror for debootstrap (default http://deb.debian.org/debian)
   --np-sim N     virtual ranks of the simulate step (default 8)
   --doctor-ref REF  where this checkout has no `doctor` command, run it from a clone of this git ref
@@ -71,7 +72,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 for way in ${only//,/ }; do
-    case "$way" in pip|system) ;; *) die "--only: unknown step '$way'; use pip, system or pip,system" ;; esac
+    case "$way" in pip|system|none) ;; *) die "--only: unknown step '$way'; use pip, system, pip,system or none" ;; esac
 done
 if [ -n "$tb_name" ]; then
     case "$tb_name" in [a-z]*) ;; *) die "--testbed: '$tb_name' is not a testbed name (a-z, 0-9, at most 8)" ;; esac
@@ -374,7 +375,7 @@ data_mount
 say "inside: $(chroot "$root" uname -m) $(cat "$root/etc/debian_version"), $(chroot "$root" nproc) cores"
 failed=0
 for way in ${only//,/ }; do
-    "way_$way" || failed=1
+    [ "$way" = none ] || "way_$way" || failed=1
 done
 if [ -n "$tb_name" ]; then
     testbed_job || failed=1
