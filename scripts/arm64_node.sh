@@ -149,8 +149,12 @@ bind() {  # bind SRC DEST [ro]
 step() {
     local name=$1; shift
     say "---- $name"
-    local t0=$SECONDS
-    if "$@"; then
+    local t0=$SECONDS pid
+    # In the background + wait: bash runs the TERM/INT trap only once a foreground child has ended
+    # (an hour of pip), but interrupts `wait` at once; the trap then ends what runs in the root.
+    "$@" &
+    pid=$!
+    if wait "$pid"; then
         summary+=("$(printf '%-34s ok      %6d s' "$name" $((SECONDS - t0)))")
     else
         local rc=$?
