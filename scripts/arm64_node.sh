@@ -18,7 +18,8 @@ set -euo pipefail
 usage() {
     cat <<'EOF'
 usage: scripts/arm64_node.sh [--root DIR] [--log FILE] [--only STEPS] [--mirror URL] [--np-sim N]
-                             [--doctor-ref REF] [--testbed NAME --subnet CIDR [--head-python PY]] [--help]
+                             [--doctor-ref REF] [--host-cpuinfo] [--testbed NAME --subnet CIDR [--head-python PY]]
+                             [--help]
 
 Build (or reuse) a Debian bookworm arm64 root with debootstrap + qemu-user-static and run pilab in it
 as a Raspberry Pi OS user would. Run as root.
@@ -32,6 +33,9 @@ as a Raspberry Pi OS user would. Run as root.
   --np-sim N     virtual ranks of the simulate step (default 8)
   --doctor-ref REF  where this checkout has no `doctor` command, run it from a clone of this git ref
                  (e.g. the branch that is adding it) with the same venv; without it the step is skipped
+  --host-cpuinfo  leave the host's (x86) /proc/cpuinfo visible inside; by default a Raspberry Pi 4B's
+                 (Cortex-A72, one entry per host core) is bound over it: qemu-user 7.2 passes the host's
+                 through, and torch's cpuinfo library segfaults parsing it (`import torch` dies)
   --testbed NAME  afterwards, a 2-node testbed NAME (pilab/testbed.py) whose node02 runs its processes
                  inside the arm64 root, and a synchronous 3-step `train` over x86 node01 + arm64 node02
                  (pip's MPICH on both); the testbed is taken down on exit
@@ -51,6 +55,7 @@ doctor_ref=""
 tb_name=""
 subnet=""
 head_python=""
+host_cpuinfo=0
 die() { echo "arm64_node.sh: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -67,6 +72,7 @@ while [ $# -gt 0 ]; do
         --subnet) [ $# -ge 2 ] || die "--subnet needs a private range, e.g. --subnet 10.77.0.0/24"; subnet=$2; shift 2 ;;
         --head-python) [ $# -ge 2 ] || die "--head-python needs a path, e.g. --head-python .venv/bin/python"
                        head_python=$2; shift 2 ;;
+        --host-cpuinfo) host_cpuinfo=1; shift ;;
         --np-sim) [ $# -ge 2 ] || die "--np-sim needs a number, e.g. --np-sim 8"; np_sim=$2; shift 2 ;;
         *) die "unknown argument '$1'; see --help" ;;
     esac
@@ -210,8 +216,27 @@ rootfs() {
     date -u +%Y-%m-%dT%H:%MZ >"$root/.pilab-rootfs-done"
 }
 
+# What /proc/cpuinfo says on a Raspberry Pi 4B, one entry per core of this host (what the root sees).
+# qemu-user 7.2 (Debian bookworm's) shows aarch64 programs the host's x86 /proc/cpuinfo, and `import
+# torch` (PyPI's 2.13.0 aarch64 build) dies there with SIGSEGV in `from torch._C import *`; with this
+# Arm text bound over it the same import works (torch's cpuinfo library parses the file at load).
+# qemu 8.1 added an emulated Arm /proc/cpuinfo of its own (not tried here).
+pi_cpuinfo() {
+    local i n
+    n=$(nproc)
+    for ((i = 0; i < n; i++)); do
+        printf 'processor\t: %d\nBogoMIPS\t: 108.00\nFeatures\t: fp asimd evtstrm crc32 cpuid\n' "$i"
+        printf 'CPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x0\nCPU part\t: 0xd08\nCPU revision\t: 3\n\n'
+    done
+    printf 'Hardware\t: BCM2835\nRevision\t: c03114\nModel\t\t: Raspberry Pi 4 Model B Rev 1.4 (emulated: qemu-user)\n'
+}
+
 mounts() {
     bind /proc "$root/proc"
+    if [ "$host_cpuinfo" = 0 ]; then
+        pi_cpuinfo >"$root/etc/pilab-cpuinfo"
+        bind "$root/etc/pilab-cpuinfo" "$root/proc/cpuinfo" ro
+    fi
     bind /sys "$root/sys" ro
     bind /dev "$root/dev"
     bind /dev/pts "$root/dev/pts"
@@ -341,6 +366,9 @@ testbed_job() {
     node=$(PYTHONPATH=$repo "$head_python" -c "from pilab import testbed; print(testbed.load('$tb_name').hosts[1])")
     addr=$(PYTHONPATH=$repo "$head_python" -c "from pilab import testbed; t = testbed.load('$tb_name'); print(t.address(t.hosts[1]))")
     shim=$state/shim-arm64
+    # the Pi's /proc/cpuinfo over that node's own /proc too (see pi_cpuinfo)
+    local cpuinfo_mount=""
+    [ "$host_cpuinfo" = 1 ] || cpuinfo_mount="&& mount --bind $root/etc/pilab-cpuinfo $root/proc/cpuinfo "
     # node02's commands: the testbed's own shim (namespaces, hostname, pid namespace), then, inside
     # that node's private mount namespace, /proc /dev /sys for the root and chroot into it. The mounts
     # die with the node's namespace; nothing is left mounted here.
@@ -354,7 +382,7 @@ host=\$1; shift
 case "\$host" in
     $node|$addr)
         cmd=\$(printf '%s' "\$*" | sed "s/'/'\\\\\\\\''/g")
-        exec $state/shim -x "\$host" "mount -t proc proc $root/proc && mount --rbind /dev $root/dev && mount --rbind /sys $root/sys && exec chroot $root /bin/sh -c 'cd $wd && \$cmd'" ;;
+        exec $state/shim -x "\$host" "mount -t proc proc $root/proc $cpuinfo_mount&& mount --rbind /dev $root/dev && mount --rbind /sys $root/sys && exec chroot $root /bin/sh -c 'cd $wd && \$cmd'" ;;
     *) exec $state/shim -x "\$host" "\$@" ;;
 esac
 EOF_SHIM

@@ -15,7 +15,7 @@ def run(*args):
 def test_help_names_the_options():
     r = run("--help")
     assert r.returncode == 0, r.stderr
-    for opt in ("--root DIR", "--log FILE", "--only STEPS", "--mirror URL", "--np-sim N", "--doctor-ref REF", "--testbed NAME", "--subnet CIDR"):
+    for opt in ("--root DIR", "--log FILE", "--only STEPS", "--mirror URL", "--np-sim N", "--doctor-ref REF", "--host-cpuinfo", "--testbed NAME", "--subnet CIDR"):
         assert opt in r.stdout
 
 
