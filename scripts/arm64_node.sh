@@ -18,7 +18,7 @@ set -euo pipefail
 usage() {
     cat <<'EOF'
 usage: scripts/arm64_node.sh [--root DIR] [--log FILE] [--only STEPS] [--mirror URL] [--np-sim N]
-                             [--doctor-ref REF] [--host-cpuinfo] [--testbed NAME --subnet CIDR [--head-python PY]]
+                             [--doctor-ref REF] [--host-cpuinfo] [--torch SPEC] [--testbed NAME --subnet CIDR [--head-python PY]]
                              [--help]
 
 Build (or reuse) a Debian bookworm arm64 root with debootstrap + qemu-user-static and run pilab in it
@@ -36,6 +36,9 @@ as a Raspberry Pi OS user would. Run as root.
   --host-cpuinfo  leave the host's (x86) /proc/cpuinfo visible inside; by default a Raspberry Pi 4B's
                  (Cortex-A72, one entry per host core) is bound over it: qemu-user 7.2 passes the host's
                  through, and torch's cpuinfo library segfaults parsing it (`import torch` dies)
+  --torch SPEC   the torch ./lab.sh installs (its PILAB_TORCH), e.g. torch==2.8.0: a CPU-only
+                 aarch64 build on PyPI (102 MB), where the default torch==2.13.0 from PyPI is a CUDA build
+                 (5 GB with its nvidia-* libraries) while PyTorch's CPU index is out of reach
   --testbed NAME  afterwards, a 2-node testbed NAME (pilab/testbed.py) whose node02 runs its processes
                  inside the arm64 root, and a synchronous 3-step `train` over x86 node01 + arm64 node02
                  (pip's MPICH on both); the testbed is taken down on exit
@@ -56,6 +59,7 @@ tb_name=""
 subnet=""
 head_python=""
 host_cpuinfo=0
+torch=""
 die() { echo "arm64_node.sh: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -73,6 +77,7 @@ while [ $# -gt 0 ]; do
         --head-python) [ $# -ge 2 ] || die "--head-python needs a path, e.g. --head-python .venv/bin/python"
                        head_python=$2; shift 2 ;;
         --host-cpuinfo) host_cpuinfo=1; shift ;;
+        --torch) [ $# -ge 2 ] || die "--torch needs a requirement, e.g. --torch torch==2.8.0"; torch=$2; shift 2 ;;
         --np-sim) [ $# -ge 2 ] || die "--np-sim needs a number, e.g. --np-sim 8"; np_sim=$2; shift 2 ;;
         *) die "unknown argument '$1'; see --help" ;;
     esac
@@ -86,11 +91,14 @@ if [ -n "$tb_name" ]; then
 elif [ -n "$subnet" ] || [ -n "$head_python" ]; then
     die "--subnet and --head-python go with --testbed NAME"
 fi
+# It goes into a shell command line inside the root: a requirement or a wheel's path, nothing else.
+case "$torch" in *[!A-Za-z0-9._=\<\>!~,+/:-]*) die "--torch: '$torch' is not a requirement like torch==2.8.0 or a wheel's path" ;; esac
 case "$np_sim" in ''|*[!0-9]*|0) die "--np-sim must be a positive whole number, not '$np_sim'" ;; esac
 case "$root" in /*) ;; *) die "--root must be an absolute path, not '$root'" ;; esac
 root=${root%/}
 [ "$root" != "" ] && [ "$root" != / ] || die "--root must not be /"
 repo=$(cd "$(dirname "$0")/.." && pwd)
+torch_env=${torch:+PILAB_TORCH=$torch}
 if [ -n "$tb_name" ]; then
     head_python=${head_python:-$repo/.venv/bin/python}
     [ -x "$head_python" ] || die "--head-python $head_python is not an executable; run ./lab.sh setup or give --head-python PATH"
@@ -334,7 +342,7 @@ e=r.get('environment', {}); print('result: np', r.get('np'), 'threads/rank', e.g
 }
 
 way_pip() {
-    step "pip: ./lab.sh setup (pip MPICH)" in_pi "PILAB_VENV=/home/pi/pilab/.venv-pip ./lab.sh setup" || return 1
+    step "pip: ./lab.sh setup (pip MPICH)" in_pi "$torch_env PILAB_VENV=/home/pi/pilab/.venv-pip ./lab.sh setup" || return 1
     pilab_runs pip /home/pi/pilab/.venv-pip
 }
 
@@ -345,7 +353,7 @@ way_system() {
          dpkg-query -W -f="\${Package} \${Version}\n" mpich python3-mpi4py libopenmpi3 openmpi-bin 2>/dev/null || true
          echo "mpiexec -> $(readlink -f /usr/bin/mpiexec)"; update-alternatives --query mpirun | grep -E "^(Value|Alternative|Priority)" || true' || return 1
     step "system: ./lab.sh setup (PILAB_SYSTEM_MPI=1)" in_pi \
-        "PILAB_SYSTEM_MPI=1 PILAB_VENV=/home/pi/pilab/.venv-system ./lab.sh setup" || return 1
+        "$torch_env PILAB_SYSTEM_MPI=1 PILAB_VENV=/home/pi/pilab/.venv-system ./lab.sh setup" || return 1
     pilab_runs system /home/pi/pilab/.venv-system
 }
 
