@@ -321,7 +321,8 @@ pilab_runs() {  # pilab_runs WAY VENV
     local way=$1 venv=$2 act="export PATH=$2/bin:\$PATH &&"
     step "$way: versions" versions "$venv" || return 1
     step "$way: pilab --help" in_pi "$act python -m pilab --help >/dev/null && python -m pilab train --help | head -3" || return 1
-    step "$way: train --np 2 (3 steps)" in_pi "$act python -m pilab train --np 2 --max-steps 3 --epochs 1 \
+    # --hang-s 1800: a step under emulation takes minutes; the default 120 s watchdog ended run 3's ranks.
+    step "$way: train --np 2 (3 steps)" in_pi "$act python -m pilab train --np 2 --max-steps 3 --epochs 1 --hang-s 1800 \
         --train-subset 256 --test-subset 64 --out /tmp/pilab-arm64-$way/train --overwrite \
         && python -c \"import json; r=json.load(open('/tmp/pilab-arm64-$way/train/result.json')); \
 e=r.get('environment', {}); print('result: np', r.get('np'), 'threads/rank', e.get('threads_per_rank'), \
