@@ -19,13 +19,22 @@ torch_spec=${PILAB_TORCH:-torch==2.13.0}
 say() { printf '[pilab] %s\n' "$*" >&2; }
 
 setup() {
+    sysmpi=${PILAB_SYSTEM_MPI:-0}
     if [ ! -x "$py" ]; then
         command -v python3 >/dev/null || { say "python3 not found; install Python 3.9+ (e.g. apt-get install python3-venv)"; exit 1; }
         say "creating virtual environment $venv"
-        python3 -m venv "$venv" || { say "python3 -m venv failed; on Debian install python3-venv"; exit 1; }
+        # The system MPI's mpi4py is a system package (Debian's python3-mpi4py, built against that MPI):
+        # the venv must see it, or pip installs its own mpi4py wheel, which may load another MPI library.
+        venv_opts=()
+        [ "$sysmpi" = 1 ] && venv_opts=(--system-site-packages)
+        python3 -m venv ${venv_opts[@]+"${venv_opts[@]}"} "$venv" || { say "python3 -m venv failed; on Debian install python3-venv"; exit 1; }
+    fi
+    if [ "$sysmpi" = 1 ] && ! grep -Eqi '^include-system-site-packages *= *true' "$venv/pyvenv.cfg"; then
+        say "PILAB_SYSTEM_MPI=1 needs a venv that sees the system's mpi4py, but $venv was made without it; remove it (rm -rf $venv) and rerun"
+        exit 1
     fi
     extras=test,snn
-    [ "${PILAB_SYSTEM_MPI:-0}" = 1 ] || extras=test,mpich,snn
+    [ "$sysmpi" = 1 ] || extras=test,mpich,snn
     # Re-install only when what we install changed.
     want=$(cat pyproject.toml lab.sh | sha256sum | cut -c1-16)-$extras-$torch_spec
     stamp=$venv/.pilab-stamp
@@ -34,17 +43,44 @@ setup() {
     fi
     say "installing the stack into $venv (torch CPU, MPI, Jupyter, Bokeh, test tools)"
     "$py" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    # Plain PyPI torch on x86-64 Linux is a multi-GB CUDA build: take PyTorch's CPU-only index where it
-    # answers; elsewhere (offline mirrors, local wheels, aarch64 where PyPI's build is CPU-only) use pip's
-    # configured sources as they are.
+    # Plain PyPI torch on Linux is a multi-GB CUDA build, on x86-64 and (since torch 2.9) on aarch64
+    # too: torch 2.13.0 for a Pi pulls cuDNN, cuBLAS, NCCL... (seen in scripts/arm64_node.sh's run).
+    # Take PyTorch's CPU-only index where it answers; elsewhere (offline mirrors, local wheels) use
+    # pip's configured sources as they are. On aarch64 the CPU index is the only one asked: its wheels
+    # carry no "+cpu" tag, so next to PyPI the CUDA build of the same version could win.
     torch_index=()
-    if [ "$(uname -m)" = x86_64 ] && [ "$(uname -s)" = Linux ] && \
-        "$py" -c "import urllib.request as u; u.urlopen('https://download.pytorch.org/whl/cpu/torch/', timeout=5)" >/dev/null 2>&1; then
-        torch_index=(--extra-index-url https://download.pytorch.org/whl/cpu)
-    fi
+    cpu_index=https://download.pytorch.org/whl/cpu
+    case "$(uname -s)/$(uname -m)" in
+        Linux/x86_64|Linux/aarch64)
+            if "$py" -c "import urllib.request as u; u.urlopen('$cpu_index/torch/', timeout=5)" >/dev/null 2>&1; then
+                torch_index=(--extra-index-url "$cpu_index")
+                [ "$(uname -m)" = x86_64 ] || torch_index=(--index-url "$cpu_index")
+            else
+                say "PyTorch's CPU-only index ($cpu_index) did not answer; torch comes from pip's configured sources (where that is PyPI, Linux gets a CUDA build: GBs of unused libraries, on a Pi too)"
+            fi ;;
+    esac
     "$py" -m pip install -q ${torch_index[@]+"${torch_index[@]}"} "$torch_spec"
     "$py" -m pip install -q -e ".[$extras]"
+    [ "$sysmpi" = 1 ] && check_system_mpi
     echo "$want" >"$stamp"
+}
+
+check_system_mpi() {
+    # mpi4py built against one MPI and started by another's mpiexec runs every rank as "0 of 1". With
+    # Debian's packages that is easy: python3-mpi4py is built against Open MPI, while `apt-get install
+    # mpich` adds MPICH's mpiexec beside it and update-alternatives picks one. Two ranks must see 2.
+    local mpiexec lib out
+    mpiexec=$(PATH="$venv/bin:$PATH" command -v mpiexec || true)
+    lib=$("$py" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].strip())' 2>&1) || {
+        say "PILAB_SYSTEM_MPI=1 but mpi4py does not load: $lib; install it with: apt-get install python3-mpi4py"; exit 1; }
+    [ -n "$mpiexec" ] || { say "PILAB_SYSTEM_MPI=1 but no mpiexec on PATH (mpi4py uses $lib); install that MPI's launcher (apt-get install openmpi-bin for Debian's python3-mpi4py)"; exit 1; }
+    out=$(timeout 300 "$mpiexec" -n 2 "$py" -c 'from mpi4py import MPI; print("size", MPI.COMM_WORLD.Get_size())' 2>&1 || true)
+    if [ "$(printf '%s\n' "$out" | grep -c '^size 2$')" != 2 ]; then
+        say "the system MPI does not start mpi4py's ranks: $(readlink -f "$mpiexec") -n 2 gave '$(printf '%s' "$out" | head -2 | tr '\n' ' ')'"
+        say "mpi4py is built against: $lib; use that MPI's mpiexec (e.g. update-alternatives --config mpirun) or PILAB_MPIEXEC=path, or rebuild mpi4py against the other (pip install --no-binary mpi4py mpi4py)"
+        exit 1
+    fi
+    say "system MPI: $(readlink -f "$mpiexec") starts mpi4py's ranks ($lib)"
 }
 
 

@@ -1,0 +1,64 @@
+"""scripts/arm64_node.sh: only its argument handling (the emulated run itself takes an hour; it is run by
+hand and its summary is in docs/arm64.md). Every refusal happens before anything is mounted or written."""
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "arm64_node.sh"
+
+
+def run(*args):
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_help_names_the_options():
+    r = run("--help")
+    assert r.returncode == 0, r.stderr
+    for opt in ("--root DIR", "--log FILE", "--only STEPS", "--mirror URL", "--np-sim N", "--doctor-ref REF", "--host-cpuinfo", "--torch SPEC", "--testbed NAME", "--subnet CIDR"):
+        assert opt in r.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--bogus"], "unknown argument '--bogus'"),
+    (["--root"], "--root needs a directory"),
+    (["--root", "relative/dir"], "--root must be an absolute path"),
+    (["--only", "pip,conda"], "unknown step 'conda'"),
+    (["--np-sim", "0"], "--np-sim must be a positive whole number"),
+    (["--doctor-ref", "no-such-branch-xyz"], "--doctor-ref no-such-branch-xyz is not a commit"),
+    (["--torch"], "--torch needs a requirement"),
+    # it becomes part of a shell command inside the root
+    (["--torch", "torch==2.8.0; rm -rf ~"], "is not a requirement like torch==2.8.0"),
+    (["--testbed", "plarm"], "--testbed needs --subnet CIDR"),
+    (["--subnet", "10.77.0.0/24"], "--subnet and --head-python go with --testbed NAME"),
+    (["--testbed", "Bad"], "is not a testbed name"),
+    (["--testbed", "plarm", "--subnet", "10.77.0.0/24", "--head-python", "/nonexistent/python"],
+     "--head-python /nonexistent/python is not an executable"),
+    # A Debian root inside the repository would be thousands of untracked files.
+    ([ "--root", str(SCRIPT.parent.parent / "arm64-root")], "is inside the git work tree"),
+])
+def test_bad_arguments_exit_2_with_one_line(args, says, tmp_path):
+    r = run(*args)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], r.stderr
+    assert not (SCRIPT.parent.parent / "arm64-root").exists()
+
+
+# /proc/cpuinfo of a Raspberry Pi 4B under Raspberry Pi OS 64-bit (bookworm): Arm has no "model name".
+PI4B_CPUINFO = "".join(
+    f"processor\t: {i}\nBogoMIPS\t: 108.00\nFeatures\t: fp asimd evtstrm crc32 cpuid\nCPU implementer\t: 0x41\n"
+    f"CPU architecture: 8\nCPU variant\t: 0x0\nCPU part\t: 0xd08\nCPU revision\t: 3\n\n" for i in range(4)
+) + "Revision\t: c03114\nSerial\t\t: 100000002a5b3c4d\nModel\t\t: Raspberry Pi 4 Model B Rev 1.4\n"
+
+
+def test_bench_names_an_arm_board_and_core():
+    from pilab.bench import cpu_name
+    assert cpu_name(PI4B_CPUINFO, "aarch64") == "Raspberry Pi 4 Model B Rev 1.4 (Cortex-A72)"
+    # an Arm server (no board line) and an unknown part
+    assert cpu_name(PI4B_CPUINFO.split("Revision")[0], "aarch64") == "Cortex-A72"
+    assert cpu_name("processor\t: 0\nCPU part\t: 0xfff\n", "aarch64") == "aarch64"
+    # x86 as before
+    assert cpu_name("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\n", "x86_64") == \
+        "Intel(R) Xeon(R) Processor"
