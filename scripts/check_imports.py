@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 LAYERS = {
     "models": 0, "optim": 0, "launch": 0, "files": 0, "plots": 0, "embedded": 0, "buckets": 0,
     "config": 1, "testbed": 1,
-    "watchdog": 2,
+    "watchdog": 2, "stragglers": 2,
     "dist": 2, "data": 2, "checkpoint": 2,
     "layers": 3,
     "engine": 4,

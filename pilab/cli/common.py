@@ -86,16 +86,24 @@ def strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
     return out
 
 
+def _print_stragglers(ev) -> None:
+    if ev["kind"] == "straggler":
+        print(ev["line"], file=sys.stderr, flush=True)
+
+
 def progress_callbacks(quiet: bool):
-    """A tqdm bar over all steps and one line per epoch (rank 0 only: callbacks run there)."""
+    """A tqdm bar over all steps and one line per epoch (rank 0 only: callbacks run there); straggler
+    warnings (``pilab.stragglers``) are printed with or without the bar."""
     if quiet:
-        return []
+        return [_print_stragglers]
     from tqdm.auto import tqdm  # only when a bar is wanted: tqdm.auto probes for a notebook
     state = {}
 
     def cb(ev):
         kind = ev["kind"]
-        if kind == "start":
+        if kind == "straggler":
+            state["bar"].write(ev["line"], file=sys.stderr)
+        elif kind == "start":
             done = ev["start_epoch"] * ev["steps_per_epoch"]
             state["bar"] = tqdm(total=ev["total_steps"], initial=done, unit="step",
                                 desc=f"np={ev['np']}", dynamic_ncols=True, file=sys.stderr)

@@ -112,7 +112,8 @@ def _launch(cfg: Config, args, argv) -> int:
 def _train_alone(cfg: Config, quiet: bool, stop=None, data=None) -> dict:
     """One process without mpiexec: no MPI library needed."""
     from .. import train
-    return train.run(cfg, None, callbacks=progress_callbacks(quiet), stop=stop, data=data)
+    from ..engine import Keeper
+    return train.run(cfg, None, callbacks=progress_callbacks(quiet), stop=stop, data=data, keeper=Keeper())
 
 
 def _train_rank(cfg: Config, args) -> int:
@@ -127,7 +128,7 @@ def _train_rank(cfg: Config, args) -> int:
     from .. import train
     from ..data import DataError
     from ..dist import abort_on_error, check_launcher
-    from ..engine import load_data
+    from ..engine import Keeper, failure_reason, load_data
     from ..watchdog import Watchdog, hang_s_from_env
     comm = MPI.COMM_WORLD
     check_launcher(comm)
@@ -157,10 +158,22 @@ def _train_rank(cfg: Config, args) -> int:
     if stale:
         clear_out_dir(cfg.out)
     rank0 = comm.Get_rank() == 0
-    with interruptible(mpi=True, speak=rank0) as stop, abort_on_error(comm), \
-            Watchdog(comm, hang_s) as watchdog:
+    # An abort keeps what was done: rank 0 writes result.json (stopped_early, the reason naming the
+    # rank and host) when its watchdog ends it, when it fails itself, or when another rank tells it
+    # (over the watchdog's side channel) that it failed, before that rank aborts the job.
+    keeper, dog = Keeper(), []
+
+    def on_error(e):
+        reason = failure_reason(comm.Get_rank(), e)
+        if rank0:
+            keeper(reason)
+        elif dog:
+            dog[0].tell(reason)
+    with interruptible(mpi=True, speak=rank0) as stop, abort_on_error(comm, on_error=on_error), \
+            Watchdog(comm, hang_s, on_end=keeper, on_peer_failure=keeper) as watchdog:
+        dog.append(watchdog)
         result = train.run(cfg, comm, callbacks=progress_callbacks(args.quiet), data=ds,
-                           stop=_Polled(watchdog.polled(stop), stop))
+                           stop=_Polled(watchdog.polled(stop), stop), keeper=keeper)
     return _report(result, cfg, stop, speak=rank0)
 
 

@@ -1,0 +1,121 @@
+"""Long runs on the testbed (issue 19): live straggler warnings from a CPU-limited node and from a slow
+link (and none from a healthy run); a lost link that keeps the run's result and resumes on the node
+left at another np; a node's processes killed.
+
+One testbed (2 nodes x 2 slots, 1 Gbit/s, name ``pllong``, 10.82.0.0/24) for the module, always torn
+down. Needs root, ``ip`` and ``tc``: skipped with the reason elsewhere, a failure under CI=true.
+Figures go to test-artifacts/longruns_testbed.json (the README's rows, the closing note).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import mpi_env
+
+from pilab import testbed
+
+pytestmark = pytest.mark.mpi
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARTIFACTS = os.path.join(REPO, "test-artifacts")
+RECORD: dict = {}
+NAME, SUBNET = "pllong", "10.82.0.0/24"
+TINY = ["--width", "0.25", "--train-subset", "256", "--test-subset", "100", "--threads", "1", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def tb():
+    why = testbed.available()
+    if why:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI runs as root here and must run the multi-node tests: {why}")
+        pytest.skip(why)
+    testbed.down(NAME)
+    bed = testbed.up(testbed.Testbed(nodes=2, slots=2, rate="1gbit", subnet=SUBNET, name=NAME))
+    try:
+        yield bed
+    finally:
+        testbed.down(NAME)
+        os.makedirs(ARTIFACTS, exist_ok=True)
+        with open(os.path.join(ARTIFACTS, "longruns_testbed.json"), "w") as f:
+            json.dump(RECORD, f, indent=1)
+
+
+def _one_rank_per_node(tb, out, *extra):
+    """np 2, one rank on each node (each has a core to itself: timings mean what they say), 2 epochs of
+    8 steps, warnings after 4 steps beyond the threshold."""
+    from pilab.launch import find_mpiexec
+    cmd = [find_mpiexec(), *tb.mpiexec_args(), "-hosts", f"{tb.address('node01')}:1,{tb.address('node02')}:1",
+           "-n", "2", sys.executable, "-m", "pilab", "train", *TINY, "--batch-size", "16", "--epochs", "2",
+           "--hang-s", "0", "--straggler-steps", "4", "--out", str(out), *extra]
+    p = subprocess.run(cmd, env=tb.env(mpi_env()), capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [x for x in p.stderr.splitlines() if x.startswith("pilab: straggler")]
+    return lines, json.loads((out / "result.json").read_text())
+
+
+@pytest.mark.parametrize("case", ["healthy", "cpu", "link"])
+def test_straggler_warnings(tb, tmp_path, case):
+    # cpu: node02 gets 0.3 of a core (a hot Pi throttling); link: node02's link at a tenth of the rate
+    if case == "cpu":
+        testbed.throttle(tb, "node02", 0.3)
+    shaped = testbed.shape(tb, "node02", "100mbit") if case == "link" else tb
+    try:
+        lines, r = _one_rank_per_node(shaped, tmp_path / case)
+    finally:
+        if case == "cpu":
+            testbed.throttle(tb, "node02", 0)
+        if case == "link":
+            testbed.shape(shaped, "node02", tb.rate)
+    pr = r["epochs"][-1]["per_rank"]
+    RECORD[f"straggler_{case}"] = {"lines": lines, "stragglers": r["stragglers"],
+                                   "per_rank": {k: [round(v, 3) for v in pr[k]] for k in pr}}
+    if case == "healthy":
+        assert lines == [] and r["stragglers"] == [], RECORD["straggler_healthy"]
+        return
+    assert len(lines) == 1, lines  # rate-limited: one line for the whole run, not one per step
+    kind = "compute" if case == "cpu" else "network"
+    assert lines[0].startswith(f"pilab: straggler ({kind}):"), lines
+    assert {s["kind"] for s in r["stragglers"]} == {kind}, r["stragglers"]
+    if case == "cpu":
+        assert "rank 1 (node02)" in lines[0] and "vcgencmd get_throttled" in lines[0], lines
+        assert [(s["rank"], s["host"]) for s in r["stragglers"]] == [(1, "node02")]
+        assert r["stragglers"][0]["slowdown"] >= 0.2 and r["stragglers"][0]["steps"] >= 1
+    else:  # every rank's exchange crosses the slow link: both are named, with their hosts
+        assert "node02" in lines[0] and "ethtool" in lines[0], lines
+        assert {s["host"] for s in r["stragglers"]} >= {"node02"}
+
+
+def test_the_panel_marks_the_straggler_bar_and_says_why(tb, tmp_path):
+    # the widgets fed with a real run's events: a CPU-limited node02, its start / epoch / straggler
+    # events as rank 0 emitted them (a callback on the run's own events, replayed into the panel)
+    from pilab import plots, widgets
+    testbed.throttle(tb, "node02", 0.3)
+    try:
+        _, r = _one_rank_per_node(tb, tmp_path / "cpu")
+    finally:
+        testbed.throttle(tb, "node02", 0)
+    assert r["straggler_lines"], r["stragglers"]
+    live = plots.LivePlot()
+    panel = widgets.ControlPanel(None, live=live)
+    events = [{"kind": "start", "np": r["np"], "steps_per_epoch": r["steps_per_epoch"], "epochs": 2,
+               "config": r["config"], "total_steps": r["total_steps"]}]
+    events += [{"kind": "epoch", **e} for e in r["epochs"]]
+    events += [{"kind": "straggler", "line": r["straggler_lines"][0], "stragglers": r["stragglers"]}]
+    for ev in events:
+        live(ev)
+        panel._on_event(ev)
+    factors = list(live.timeline.y_range.factors)
+    assert factors[0] == "0" and factors[1].startswith("1 ! compute +"), factors
+    assert list(live.ranks.data["rank"]) == factors  # the bar and its axis label agree
+    assert "node02" in live.note.text and "vcgencmd" in live.note.text
+    assert "straggler (compute)" in panel.status.value and "rank 1 (node02)" in panel.status.value
+    RECORD["panel"] = {"factors": factors, "note": live.note.text, "status": panel.status.value}
