@@ -50,7 +50,7 @@ from .layers import (RankContext, convert_sync_batchnorm, step_seed, sync_virtua
 from .models import build_model
 from .optim import build_optimizer, lr_at, set_lr
 
-__all__ = ["train", "Session", "Keeper", "failure_reason", "MPIRanks", "VirtualRanks", "StepResult", "load_data", "evaluate",
+__all__ = ["train", "Session", "Keeper", "failure_reason", "result_from_checkpoint", "MPIRanks", "VirtualRanks", "StepResult", "load_data", "evaluate",
            "resolve_device", "environment", "peak_mem_mb", "NUM_CLASSES", "EVAL_BATCH"]
 
 NUM_CLASSES = 10
@@ -793,7 +793,7 @@ class Keeper:
 
     def __init__(self):
         import threading
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a signal handler may call it on the thread that holds it
         self._write = None
         self.written: str | None = None  # the path written
 
@@ -822,6 +822,24 @@ def _keep(s: Session, epochs_log: list, steps_log: dict, t_wall: float, started_
     path = os.path.join(s.cfg.out, "result.json")
     save_json(res, path)
     return path
+
+
+def result_from_checkpoint(cfg: Config, np_: int, reason: str) -> dict:
+    """A result for a run whose ranks all died without writing one (what a launcher can still say):
+    ``stopped_early``, ``aborted``, the reason, and the steps and epochs its newest checkpoint in
+    ``cfg.out`` holds (0 without one; every step after it is lost)."""
+    latest = checkpoint.latest(cfg.out) if cfg.out else None
+    ck = None
+    if latest:
+        try:
+            ck = checkpoint.read(latest)
+        except CheckpointError:
+            ck = None
+    history = list(ck["history"]) if ck else []
+    return {"pilab_version": __version__, "config": cfg.to_dict(), "np": np_, "epochs": history,
+            "stopped_early": True, "aborted": True, "stop_reason": reason, "steps_done": int(ck["step"]) if ck else 0,
+            "epochs_done": int(ck["epoch"]) if ck else 0, "last_checkpoint": latest if ck else None,
+            "steps_done_is": "the newest checkpoint's step (steps after it are lost)", "ended_at": time.time()}
 
 
 def _checkpoint_summary(s: Session) -> dict:

@@ -174,11 +174,16 @@ class Watchdog:
                 continue
             out = self._out or sys.stderr
             print(f"{self.report}; ending this rank (exit {EXIT_HANG})", file=out, flush=True)
-            if self.on_end is not None:
-                try:
-                    self.on_end(self.report[len(MARK):].strip())
-                except Exception as e:  # ending the rank is what matters here
-                    print(f"pilab: watchdog: could not keep the result: {e}", file=out, flush=True)
+            # Keep the run's result before ending: rank 0 itself (on_end), or, when another rank's
+            # watchdog fires first (its launcher then ends rank 0 too), that rank tells rank 0 why.
+            reason = self.report[len(MARK):].strip()
+            try:
+                if self.on_end is not None:
+                    self.on_end(reason)
+                if self.rank != 0:
+                    self.tell(reason, root=0, timeout=2 * self.probe_s)
+            except Exception as e:  # ending the rank is what matters here
+                print(f"pilab: watchdog: could not keep the result: {e}", file=out, flush=True)
             if out is not sys.__stderr__ and self._exit is os._exit:
                 # A notebook engine's stderr is a stream that its kernel sends over zmq from another
                 # thread: flush() hands the line to zmq, and os._exit would end the process before
@@ -273,7 +278,7 @@ def diagnose(rank: int, peers: list[dict], answers: dict, *, steps: int, quiet_s
 MARK = "pilab: watchdog:"
 
 
-def watch_launcher(proc, *, grace_s: float = 15.0) -> int:
+def watch_launcher(proc, *, grace_s: float = 15.0, tail: list | None = None) -> int:
     """Wait for a launched ``mpiexec`` (a ``Popen`` with ``stdout=PIPE, stderr=PIPE``), passing its
     output through as it comes; once a rank's watchdog has reported, give mpiexec ``grace_s`` seconds
     to end, then end it and return ``EXIT_HANG``.
@@ -284,14 +289,17 @@ def watch_launcher(proc, *, grace_s: float = 15.0) -> int:
 
         proc = subprocess.Popen(launch.pilab_command(4, ["train"]), stdout=PIPE, stderr=PIPE)
         sys.exit(watch_launcher(proc))
+
+    ``tail``: a list whose first item becomes the last 4 KiB of mpiexec's stderr (what it said last).
     """
     import subprocess
 
     seen = threading.Event()
+    keep = tail
 
     def pump(src, dst):
         # chunks, not lines: a progress bar's carriage returns pass through at once
-        tail = b""
+        last = b""
         fd = src.fileno()
         while True:
             chunk = os.read(fd, 65536)
@@ -299,9 +307,11 @@ def watch_launcher(proc, *, grace_s: float = 15.0) -> int:
                 break
             dst.buffer.write(chunk) if hasattr(dst, "buffer") else dst.write(chunk.decode(errors="replace"))
             dst.flush()
-            tail = (tail + chunk)[-4096:]
-            if MARK.encode() in tail:
+            last = (last + chunk)[-4096:]
+            if MARK.encode() in last:
                 seen.set()
+            if keep is not None and dst is sys.stderr:
+                keep[:1] = [last.decode(errors="replace")]
     pumps = [threading.Thread(target=pump, args=(src, dst), daemon=True, name="pilab-launcher-output")
              for src, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)) if src is not None]
     for t in pumps:

@@ -99,13 +99,16 @@ def test_a_mid_epoch_checkpoint_resumes_bitwise(tmp_path, np_):
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
                 time.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
+            t = time.monotonic()
             _, stderr = proc.communicate(timeout=120)
+            RECORD["sigterm_mid_epoch_np2_exit_s"] = round(time.monotonic() - t, 1)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
         code = proc.returncode
         assert code == 143, stderr[-3000:]
     first = result(part)
+    assert first["checkpoints"]["every_minutes"] == 0.0  # one host: no default time-based checkpoints
     ck = torch.load(part / "checkpoint.pt", weights_only=True)
     stopped_at = first["steps_done"]
     assert ck["step"] == stopped_at and first["last_checkpoint"] == str(part / "checkpoint.pt")
@@ -219,3 +222,47 @@ def test_a_rank_raising_under_mpiexec_keeps_the_result(tmp_path):
     assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 4
     RECORD["abort_rank_raising"] = {"exit": p.returncode, "seconds": seconds, "stop_reason": r["stop_reason"],
                                     "steps_done": r["steps_done"], "last_checkpoint_step": 4}
+
+
+def test_the_bench_reports_the_cost_of_one_checkpoint():
+    from pilab.bench import local
+    from pilab.bench.report import markdown_report
+    c = local.checkpoint_cost(Config(width=0.25, train_subset=256, test_subset=100, batch_size=16, threads=1),
+                              saves=2)
+    assert c["bytes"] > 1e6 and c["save_s"]["n"] == 2 and c["share_of_interval"] > 0
+    text = markdown_report({"quick": True, "command": "x", "machine": {
+        "cpu": "c", "cpu_count": 2, "usable_cores": 2, "platform": "p", "python": "3", "torch": torch.__version__,
+        "date": "d", "loadavg_start": [0, 0, 0]}, "checkpoint": c})
+    assert "## One mid-epoch checkpoint" in text and "MiB" in text
+    RECORD["bench_checkpoint_tiny"] = {"save_s": c["raw"], "bytes": c["bytes"],
+                                       "share_of_10_min": c["share_of_interval"]}
+
+
+@pytest.mark.mpi
+def test_resume_at_another_np_with_sync_bn_matches_to_float_tolerance(tmp_path):
+    # np 2 under mpiexec, stopped mid-epoch at step 6 (--max-steps), resumed at np 1: with BatchNorm over
+    # the whole global batch (bn=sync), no augmentation and a model without dropout (augmentation draws
+    # and dropout masks are per rank, so they regroup), the rest of the run matches the uninterrupted
+    # np 2 run up to the order of float sums.
+    run = ["train", "--model", "spiking_cnn", "--timesteps", "1", *TINY, "--bn", "sync", "--batch-mode", "global",
+           "--no-augment", "--epochs", "1"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    p = pilab(*run, "--np", "2", "--out", str(whole), cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    # --checkpoint-minutes as short as it gets: rank 0's clock asks for a save after every step, and its
+    # vote (riding with the step's last bucket) makes rank 1 save after the same one
+    p = pilab(*run, "--np", "2", "--max-steps", "6", "--checkpoint-minutes", "0.000001", "--out", str(part),
+              cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (part / "checkpoint-e0000-s00006.pt").exists()
+    assert result(part)["checkpoints"]["count"] == 6
+    p = pilab(*run, "--out", str(part), "--resume", str(part / "checkpoint.pt"), cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ref, second = result(whole), result(part)
+    assert second["np"] == 1 and second["resumed_from_np"] == 2 and second["global_batch"] == ref["global_batch"]
+    assert second["steps_done"] == ref["steps_done"] and second["steps"]["lr"] == ref["steps"]["lr"][6:]
+    a, b = ref["steps"]["loss"][6:], second["steps"]["loss"]
+    rel = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    RECORD["resume_np2_to_np1_sync_bn"] = {"steps_compared": len(a), "max_rel_loss_diff": rel,
+                                           "max_abs_loss_diff": loss_diff(a, b)}
+    assert rel <= 1e-4, RECORD["resume_np2_to_np1_sync_bn"]

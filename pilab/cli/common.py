@@ -139,6 +139,10 @@ class Interrupt:
     def __init__(self):
         self.signum: int | None = None
         self.reason: str | None = None
+        # on_signal(reason): at once, on the first signal (rank 0 keeps what was done, engine.Keeper):
+        # a launcher that ends the job (a node lost, a batch system's SIGKILL after SIGTERM) may not
+        # leave the ranks the step it takes to stop; the full result replaces it when they do stop
+        self.on_signal = None
 
     def __call__(self) -> bool:
         return self.signum is not None
@@ -163,6 +167,8 @@ def interruptible(*, mpi: bool, speak: bool = True):
                 print(f"\npilab: {name}: stopping after the current step and writing what is done "
                       f"({'Ctrl-C' if signum == signal.SIGINT else name} again exits at once)",
                       file=sys.stderr, flush=True)
+            if flag.on_signal is not None:
+                flag.on_signal(f"{flag.reason} (during a step; the job ended before that step did)")
             return
         if mpi:
             if speak:

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from ..config import Config, ConfigError
 from ..launch import pilab_command, under_mpi
@@ -100,13 +101,33 @@ def _launch(cfg: Config, args, argv) -> int:
         signal.signal(s, forward)
     try:
         from ..watchdog import watch_launcher
-        rc = watch_launcher(proc)
+        t_launch, tail = time.time(), [""]
+        rc = watch_launcher(proc, tail=tail)
+        if rc != 0 and cfg.out:
+            _keep_after_launcher(cfg, args.np, rc, tail[0], t_launch)
         # A second signal makes mpiexec end the ranks at once, and Hydra may then exit 0 although the
         # run did not finish: report the signal (128 + it), as a single process does.
         return exit_code_for(got[-1]) if len(got) >= 2 and rc == 0 else rc
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _keep_after_launcher(cfg: Config, np_: int, rc: int, said: str, t_launch: float) -> None:
+    """mpiexec failed and no rank wrote result.json (a node's processes killed, a node powered off: the
+    launcher ends the others with SIGKILL): keep what the last checkpoint says was done."""
+    from ..engine import result_from_checkpoint
+    from ..files import save_json
+    path = os.path.join(cfg.out, "result.json")
+    if os.path.exists(path) and os.path.getmtime(path) >= t_launch:
+        return  # rank 0 kept it (watchdog, an exception, a signal): it knows more
+    last = next((x.strip() for x in reversed(said.splitlines()) if x.strip()), "")
+    reason = (f"the job ended (mpiexec exit {rc}) before rank 0 could write its result: a rank was killed "
+              f"or its node went away" + (f"; mpiexec said last: {last[:200]}" if last else ""))
+    try:
+        save_json(result_from_checkpoint(cfg, np_, reason), path)
+    except OSError:
+        pass  # the launcher's exit code still says the job failed
 
 
 def _train_alone(cfg: Config, quiet: bool, stop=None, data=None) -> dict:
@@ -172,6 +193,7 @@ def _train_rank(cfg: Config, args) -> int:
     with interruptible(mpi=True, speak=rank0) as stop, abort_on_error(comm, on_error=on_error), \
             Watchdog(comm, hang_s, on_end=keeper, on_peer_failure=keeper) as watchdog:
         dog.append(watchdog)
+        stop.on_signal = keeper
         result = train.run(cfg, comm, callbacks=progress_callbacks(args.quiet), data=ds,
                            stop=_Polled(watchdog.polled(stop), stop), keeper=keeper)
     return _report(result, cfg, stop, speak=rank0)
