@@ -691,7 +691,8 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
         monitor = Monitor(s.env["hostnames"], threshold=cfg.straggler_threshold, steps=cfg.straggler_steps,
                           window=2 * cfg.straggler_steps)
     if keeper is not None and s.rank == 0 and cfg.out:
-        keeper.attach(lambda reason: _keep(s, epochs_log, steps_log, t_wall, run_started_at, reason))
+        keeper.attach(lambda reason: _keep(s, epochs_log, steps_log, t_wall, run_started_at, reason, monitor),
+                      os.path.join(cfg.out, "result.json"))
     try:
         for epoch in range(s.start_epoch, cfg.epochs):
             if gstep >= s.total_steps:
@@ -797,8 +798,17 @@ class Keeper:
         self._write = None
         self.written: str | None = None  # the path written
 
-    def attach(self, write) -> None:
-        self._write = write
+    def attach(self, write, path: str = "") -> None:
+        self._write, self._path = write, path
+
+    def cleanup(self) -> None:
+        """Remove a temporary file a write cut short left (a process about to ``os._exit``)."""
+        tmp = f"{getattr(self, '_path', '')}.tmp{os.getpid()}"
+        if getattr(self, "_path", "") and os.path.exists(tmp):
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
 
     def __call__(self, reason: str) -> str | None:
         with self._lock:
@@ -812,13 +822,14 @@ class Keeper:
 
 
 def _keep(s: Session, epochs_log: list, steps_log: dict, t_wall: float, started_at: float,
-          reason: str) -> str:
+          reason: str, monitor=None) -> str:
     """The result of a run ended by ``reason`` after what is in the logs (rank 0, no collective)."""
     res = _result(s, list(epochs_log), {k: list(v) for k, v in steps_log.items()}, 0, True,
                   time.perf_counter() - t_wall, collective=False)
     res.update(stop_reason=reason, aborted=True, started_at=started_at, ended_at=time.time(),
                checkpoints=_checkpoint_summary(s))
     res["last_checkpoint"] = res["checkpoints"]["last"]
+    res["stragglers"] = monitor.summary() if monitor is not None else []
     path = os.path.join(s.cfg.out, "result.json")
     save_json(res, path)
     return path

@@ -53,11 +53,12 @@ def tb():
 
 
 def _one_rank_per_node(tb, out, *extra):
-    """np 2, one rank on each node (each has a core to itself: timings mean what they say), 2 epochs of
-    8 steps, warnings after 4 steps beyond the threshold."""
+    """np 2, one rank on each node (each has a core to itself: timings mean what they say), one epoch
+    of 16 steps of 8 images per rank (small steps: the exchange is a visible part of them), warnings
+    after 4 steps beyond the threshold."""
     from pilab.launch import find_mpiexec
     cmd = [find_mpiexec(), *tb.mpiexec_args(), "-hosts", f"{tb.address('node01')}:1,{tb.address('node02')}:1",
-           "-n", "2", sys.executable, "-m", "pilab", "train", *TINY, "--batch-size", "16", "--epochs", "2",
+           "-n", "2", sys.executable, "-m", "pilab", "train", *TINY, "--batch-size", "8", "--epochs", "1",
            "--hang-s", "0", "--straggler-steps", "4", "--out", str(out), *extra]
     p = subprocess.run(cmd, env=tb.env(mpi_env()), capture_output=True, text=True, timeout=400, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -84,7 +85,8 @@ def test_straggler_warnings(tb, tmp_path, case):
     if case == "healthy":
         assert lines == [] and r["stragglers"] == [], RECORD["straggler_healthy"]
         return
-    assert len(lines) == 1, lines  # rate-limited: one line for the whole run, not one per step
+    # rate-limited: one line a minute at most (these runs take about one), never one per step
+    assert 1 <= len(lines) <= 1 + int(r["wall_time"] // 60) < r["total_steps"], lines
     kind = "compute" if case == "cpu" else "network"
     assert lines[0].startswith(f"pilab: straggler ({kind}):"), lines
     assert {s["kind"] for s in r["stragglers"]} == {kind}, r["stragglers"]
@@ -109,7 +111,7 @@ def test_the_panel_marks_the_straggler_bar_and_says_why(tb, tmp_path):
     assert r["straggler_lines"], r["stragglers"]
     live = plots.LivePlot()
     panel = widgets.ControlPanel(None, live=live)
-    events = [{"kind": "start", "np": r["np"], "steps_per_epoch": r["steps_per_epoch"], "epochs": 2,
+    events = [{"kind": "start", "np": r["np"], "steps_per_epoch": r["steps_per_epoch"], "epochs": 1,
                "config": r["config"], "total_steps": r["total_steps"]}]
     events += [{"kind": "epoch", **e} for e in r["epochs"]]
     events += [{"kind": "straggler", "line": r["straggler_lines"][0], "stragglers": r["stragglers"]}]

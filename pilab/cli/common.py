@@ -143,6 +143,7 @@ class Interrupt:
         # a launcher that ends the job (a node lost, a batch system's SIGKILL after SIGTERM) may not
         # leave the ranks the step it takes to stop; the full result replaces it when they do stop
         self.on_signal = None
+        self.on_exit = None  # before a second signal's os._exit: remove what a cut-short write left
 
     def __call__(self) -> bool:
         return self.signum is not None
@@ -173,6 +174,8 @@ def interruptible(*, mpi: bool, speak: bool = True):
         if mpi:
             if speak:
                 print(f"pilab: {name} again: exiting now", file=sys.stderr, flush=True)
+            if flag.on_exit is not None:
+                flag.on_exit()
             os._exit(exit_code_for(signum))
         raise KeyboardInterrupt
 

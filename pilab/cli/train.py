@@ -193,7 +193,7 @@ def _train_rank(cfg: Config, args) -> int:
     with interruptible(mpi=True, speak=rank0) as stop, abort_on_error(comm, on_error=on_error), \
             Watchdog(comm, hang_s, on_end=keeper, on_peer_failure=keeper) as watchdog:
         dog.append(watchdog)
-        stop.on_signal = keeper
+        stop.on_signal, stop.on_exit = keeper, keeper.cleanup
         result = train.run(cfg, comm, callbacks=progress_callbacks(args.quiet), data=ds,
                            stop=_Polled(watchdog.polled(stop), stop), keeper=keeper)
     return _report(result, cfg, stop, speak=rank0)
