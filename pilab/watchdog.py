@@ -146,8 +146,9 @@ class Watchdog:
                        "quiet_s": round(time.monotonic() - self.last, 1)}
                 try:
                     conn.sendall((json.dumps(msg) + "\n").encode())
-                    # a probe closes the connection now (EOF at once); a failing peer says why
-                    conn.settimeout(self.probe_s)
+                    # a probe closes the connection now (EOF at once); a failing peer says why at
+                    # once too: wait briefly, so that probes queued behind this one are answered
+                    conn.settimeout(min(1.0, self.probe_s))
                     line = conn.makefile().readline()
                     if line.strip():
                         reason = json.loads(line).get("failed", "")
