@@ -6,7 +6,12 @@ A checkpoint is an ordinary ``torch.save`` dict (``torch.load(path, weights_only
 digest of all of those (tensor bytes, dtypes, shapes, the metadata), recomputed on load. Files::
 
     <out>/checkpoint-e0003.pt     one per checkpointed epoch; the last ``keep`` stay
+    <out>/checkpoint-e0003-s00040.pt   mid-epoch: 3 epochs and 40 steps of the 4th done (the same
+                                  ``keep`` counts both kinds, in training order)
     <out>/checkpoint.pt           the newest of them (a hard link, or a copy where links fail)
+
+A mid-epoch checkpoint also holds ``step_in_epoch``, the epoch's partial sums, every rank's BatchNorm
+buffers and torch RNG state (``ranks``), and ``order_np`` (the np whose data order the epoch follows).
 
     from pilab import checkpoint
     checkpoint.save(out, payload, keep=2)                   # raises WriteError; old files untouched
@@ -32,10 +37,10 @@ __all__ = ["CheckpointError", "WriteError", "save", "load", "verify", "digest", 
 FORMAT = "pilab.checkpoint/1"
 NAME = "checkpoint.pt"
 # Settings that may differ between a run and its resumption: they don't change what is computed.
-RESUMABLE = ("out", "resume", "checkpoint_every", "keep", "max_steps", "eval_every", "eval_batch",
-             "threads")
+RESUMABLE = ("out", "resume", "checkpoint_every", "keep", "max_steps", "eval_every", "eval_batch", "threads",
+             "checkpoint_minutes", "checkpoint_every_steps", "straggler_threshold", "straggler_steps")
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's (zip) format
-_EPOCH_FILE = re.compile(r"checkpoint-e(\d+)\.pt$")
+_EPOCH_FILE = re.compile(r"checkpoint-e(\d+)(?:-s(\d+))?\.pt$")
 
 
 class CheckpointError(ConfigError):
@@ -117,13 +122,19 @@ def _replace_with(src: str, dst: str) -> None:
 
 
 def epoch_files(out: str) -> list[tuple[int, str]]:
-    """(epoch, path) of the numbered checkpoints in ``out``, oldest first."""
+    """(epochs done, path) of the numbered checkpoints in ``out`` (per epoch and mid-epoch), oldest
+    first in training order."""
     found = []
     for p in glob.glob(os.path.join(glob.escape(out), "checkpoint-e*.pt")):
         m = _EPOCH_FILE.search(os.path.basename(p))
         if m:
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+            found.append(((int(m.group(1)), int(m.group(2) or 0)), p))
+    return [(key[0], p) for key, p in sorted(found)]
+
+
+def file_name(epoch: int, step_in_epoch: int = 0) -> str:
+    """``checkpoint-e0003.pt`` after 3 full epochs; ``checkpoint-e0003-s00040.pt`` 40 steps later."""
+    return f"checkpoint-e{int(epoch):04d}" + (f"-s{int(step_in_epoch):05d}" if step_in_epoch else "") + ".pt"
 
 
 def save(out: str, payload: dict, *, keep: int = 1) -> str:
@@ -135,7 +146,9 @@ def save(out: str, payload: dict, *, keep: int = 1) -> str:
     ck["sha256"] = digest(ck)
     buf = io.BytesIO()
     torch.save(ck, buf)
-    path = os.path.join(out, f"checkpoint-e{int(ck['epoch']):04d}.pt")
+    mid = int(ck.get("step_in_epoch") or 0)
+    path = os.path.join(out, file_name(ck["epoch"], mid))
+    what = f"step {ck['step']} (mid-epoch {int(ck['epoch']) + 1})" if mid else f"epoch {ck['epoch']}"
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         os.makedirs(out, exist_ok=True)
@@ -144,7 +157,7 @@ def save(out: str, payload: dict, *, keep: int = 1) -> str:
         _replace_with(path, os.path.join(out, NAME))
         _fsync_dir(out)
     except OSError as e:
-        err = WriteError(f"cannot write the checkpoint of epoch {ck['epoch']} to {out}: "
+        err = WriteError(f"cannot write the checkpoint of {what} to {out}: "
                          f"{e.strerror or e}")
         err.errno = e.errno
         raise err from None
@@ -219,7 +232,9 @@ def verify(ck: dict, cfg: Config, np_: int, path: str = "checkpoint") -> Config:
     problems = [f"{k}={theirs[k]!r} (this run: {mine[k]!r})" for k in diff]
     fix = [_flag(k, theirs[k]) for k in diff]
     ck_np = ck.get("np")
-    if ck_np is not None and ck_np != np_:
+    # A fixed global batch (batch_mode=global) resumes at another np: the same global batch, schedule
+    # and data order (engine.Session regroups it); per-rank batches would change the run itself.
+    if ck_np is not None and ck_np != np_ and cfg.batch_mode != "global":
         problems.append(f"np={ck_np} (this run: {np_})")
         fix.append(f"--np {ck_np} (or mpiexec -n {ck_np})")
     if problems:

@@ -85,6 +85,11 @@ class Config:
     keep: int = 1  # checkpoints kept: the last K (checkpoint-eNNNN.pt; checkpoint.pt is the newest)
     out: str = ""  # directory for result.json and checkpoints; "" = write nothing
     resume: str = ""  # checkpoint file to resume from
+    # --- long runs: mid-epoch checkpoints, stragglers (issue 19) ---
+    checkpoint_minutes: float = -1.0  # also checkpoint at a step boundary every M minutes (rank 0's clock); -1 = 10 on a multi-node run (ranks on >1 host) with --out, else never; 0 = never
+    checkpoint_every_steps: int = 0  # also checkpoint every K optimizer steps, mid-epoch included; 0 = never
+    straggler_threshold: float = 0.2  # warn when a rank computes this fraction slower than the median rank (or spends this share of it in the exchange); 0 = never
+    straggler_steps: int = 10  # ... for this many consecutive steps (medians over a window of 2x as many)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -116,15 +121,18 @@ class Config:
             raise ConfigError(str(e)) from None
         if self.timesteps < 1:
             raise ConfigError(f"timesteps={self.timesteps} must be >= 1")
-        positive = ("epochs", "batch_size", "lr_ref_batch", "eval_every", "eval_batch", "keep")
+        positive = ("epochs", "batch_size", "lr_ref_batch", "eval_every", "eval_batch", "keep", "straggler_steps")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
         nonneg = ("train_subset", "test_subset", "max_steps", "ghost_batch", "threads",
-                  "checkpoint_every", "warmup_epochs", "weight_decay", "momentum", "seed")
+                  "checkpoint_every", "checkpoint_every_steps", "straggler_threshold", "warmup_epochs", "weight_decay", "momentum", "seed")
         for name in nonneg:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        if not (self.checkpoint_minutes >= 0 or self.checkpoint_minutes == -1):
+            raise ConfigError(f"checkpoint_minutes={self.checkpoint_minutes} must be >= 0 (0: never) or -1 "
+                              "(10 on a multi-node run)")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"lr={self.lr} must be a positive finite number")
         if self.momentum >= 1:

@@ -165,22 +165,29 @@ def gather_floats(values, comm, root: int = 0) -> np.ndarray | None:
 
 
 @contextmanager
-def abort_on_error(comm, code: int = 1):
+def abort_on_error(comm, code: int = 1, *, on_error=None):
     """On an exception in one rank, print it and ``Abort`` the whole job, so no other rank is left
     waiting in a collective forever. Wrap the outermost call on every rank::
 
         with abort_on_error(MPI.COMM_WORLD):
             train.run(cfg, MPI.COMM_WORLD)
+
+    ``on_error(exception)`` runs first (the CLI has rank 0 keep what was done: ``engine.Keeper``).
     """
     try:
         yield
-    except Exception:
+    except Exception as e:
         if comm is None or comm.Get_size() == 1:
             raise
         rank = comm.Get_rank()
         print(f"pilab: rank {rank} failed; aborting all {comm.Get_size()} ranks", file=sys.stderr)
         traceback.print_exc()
         sys.stderr.flush()
+        if on_error is not None:
+            try:
+                on_error(e)
+            except Exception:  # what ends the job must not fail to end it
+                traceback.print_exc()
         comm.Abort(code)
 
 

@@ -42,25 +42,31 @@ from . import __version__, checkpoint
 from . import data as data_mod
 from .checkpoint import RESUMABLE, CheckpointError, WriteError  # noqa: F401  (RESUMABLE: re-exported)
 from .config import Config, ConfigError
-from .dist import (GradSync, broadcast_module_, broadcast_optimizer_state_, gather_floats, reduce_sums,
-                   sync_buffers_, world)
+from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
+                   reduce_sums, sync_buffers_, world)
 from .files import save_json
 from .layers import (RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_,
                      use_ghost_batchnorm, use_rank_dropout)
+from .memory import limit_allocator_caches
 from .models import build_model
 from .optim import build_optimizer, lr_at, set_lr
 
-__all__ = ["train", "Session", "MPIRanks", "VirtualRanks", "StepResult", "load_data", "evaluate",
-           "resolve_device", "environment", "peak_mem_mb", "NUM_CLASSES", "EVAL_BATCH"]
+__all__ = ["train", "Session", "Keeper", "failure_reason", "result_from_checkpoint", "MPIRanks", "VirtualRanks",
+           "StepResult", "load_data", "evaluate", "resolve_device", "environment", "peak_mem_mb", "NUM_CLASSES",
+           "EVAL_BATCH", "Handoff"]
 
 NUM_CLASSES = 10
-EVAL_BATCH = 500
+EVAL_BATCH = Config.eval_batch  # the default; a run uses cfg.eval_batch
 # comm_wait is the part of comm_exposed spent waiting for a slower rank to reach the gradient Allreduce
 # (a straggler); comm_exposed - comm_wait is what the network itself cost (see MPIRanks.step).
 STEP_KEYS = ("loss", "lr", "time", "compute", "comm", "comm_exposed", "data", "comm_wait")
 TIME_KEYS = ("compute", "comm", "comm_exposed", "data", "comm_wait")
 FAST_CHUNK_IMAGES = 512  # simulate_mode=fast: images per forward (memory stays bounded at any np)
-_META = ("loss_sum", "correct", "stop_votes")  # what MPIRanks.step sums over ranks with the last bucket
+# what MPIRanks.step sums over ranks with the last bucket: a stop or a checkpoint asked for by any rank
+# (rank 0's clock decides a --checkpoint-minutes save) happens on every rank after the same step
+_META = ("loss_sum", "correct", "stop_votes", "save_votes")
+# --checkpoint-minutes default (-1) on a run whose ranks are on more than one host
+MULTI_NODE_CHECKPOINT_MINUTES = 10.0
 # A run stopped early evaluates only if that is cheap: at most one evaluation batch per rank.
 EVAL_ON_STOP_MAX = EVAL_BATCH
 
@@ -171,6 +177,10 @@ class StepResult:
     bytes_sent: int = 0
     # of comm_exposed: waiting for the slowest rank to finish its backward (the rest is network time)
     comm_wait: float = 0.0
+    save_votes: float = 0.0  # ranks that asked for a checkpoint after this step
+    # every rank's compute of this step and network time of the step before (s; MPI ranks only)
+    ranks_compute: object = None
+    ranks_network: object = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,10 +232,13 @@ class MPIRanks:
         broadcast_optimizer_state_(optimizer, self.comm)
         # meta: [loss sum, correct, stop votes] ride with the last gradient bucket (plus every rank's
         # ready time, which GradSync adds), so a step has one synchronisation point, not two.
+        # ... and so does each rank's network time of the step before (one slot per rank), which
+        # rank 0's straggler monitor compares live (pilab.stragglers)
         self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, compression=cfg.compression,
-                              meta=len(_META))
+                              meta=len(_META) + self.np_)
+        self._prev_net = 0.0
 
-    def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None) -> StepResult:
+    def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None) -> StepResult:
         sync = self.gsync
         t0 = time.perf_counter()
         sync.begin(t0)
@@ -243,7 +256,11 @@ class MPIRanks:
         want_stop = bool(stop()) if stop is not None else False
         with torch.no_grad():
             correct = (out.argmax(1) == y).sum()
-        sync.meta[:len(_META)] = (loss.item() * self.batch, correct.item(), want_stop)
+        want_save = bool(save()) if save is not None else False
+        sync.meta[:len(_META)] = (loss.item() * self.batch, correct.item(), want_stop, want_save)
+        nets = sync.meta[len(_META):len(_META) + self.np_]
+        nets[:] = 0.0
+        nets[self.rank] = self._prev_net
         loss.backward()
         cstats = sync.finish()
         optimizer.step()
@@ -251,21 +268,52 @@ class MPIRanks:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
         sums = sync.meta
-        loss_sum, correct_sum, votes = map(float, sums[:len(_META)])
+        loss_sum, correct_sum, votes, saves = map(float, sums[:len(_META)])
         # Every step starts together (right after the previous step's exchange), so a rank whose last
         # gradient was ready `max(ready) - ready` before the slowest rank's waited that long for it;
         # the rest of the exposed time is the network's.
-        ready = sums[len(_META):]
+        ready = sums[len(_META) + self.np_:]
         wait = min(cstats.exposed, max(0.0, float(ready.max() - ready[self.rank]))) if self.np_ > 1 else 0.0
+        self._prev_net = cstats.exposed - wait
         # compute: forward + backward + optimizer, the time spent waiting in finish() taken out
         return StepResult(loss_sum, correct_sum, votes, time=t2 - t0,
                           compute=(t2 - t1) - cstats.exposed, comm=cstats.total,
                           comm_exposed=cstats.exposed, data=t1 - t0,
-                          bytes_sent=cstats.bytes_sent, comm_wait=wait)
+                          bytes_sent=cstats.bytes_sent, comm_wait=wait, save_votes=saves,
+                          ranks_compute=ready.copy(), ranks_network=sums[len(_META):len(_META) + self.np_].copy())
 
     def settle(self, model, policy: str) -> None:
         """All ranks must evaluate (and checkpoint) the same model: settle BN statistics first."""
         sync_buffers_(model, self.comm, policy)
+
+    def rank_states(self, model) -> list | None:
+        """Every rank's own state, in rank order on rank 0 (None elsewhere): its BatchNorm running
+        statistics (per rank with bn=local until settled) and its torch RNG state. A collective."""
+        mine = {"bn": [b.detach().cpu().clone() for b in bn_buffers(model)], "rng": torch.get_rng_state()}
+        if self.comm is None or self.np_ == 1:
+            return [mine]
+        return self.comm.gather(mine, root=0)
+
+    def restore_rank_states(self, model, states: list | None) -> None:
+        """The inverse of ``rank_states`` at the same np: rank r gets row r (a collective)."""
+        if self.comm is not None and self.np_ > 1:
+            states = self.comm.scatter(states, root=0)
+        else:
+            states = states[0]
+        with torch.no_grad():
+            for b, v in zip(bn_buffers(model), states["bn"]):
+                b.copy_(v)
+        torch.set_rng_state(states["rng"])
+
+    def hosts(self) -> list[str]:
+        host = socket.gethostname()
+        return self.comm.allgather(host) if self.comm is not None and self.np_ > 1 else [host]
+
+    def carry(self, epoch: int, plan, ds) -> None:
+        """Epoch ``epoch`` follows ``plan`` (steps, global batch) of training indices: this rank takes
+        its contiguous share of every global batch (a resume at another np, see ``Session``)."""
+        b = self.batch
+        self.loader.carry(epoch, plan[:, self.rank * b:(self.rank + 1) * b], ds)
 
     def evaluate(self, model, ds) -> tuple[float, float]:
         return evaluate(model, ds, self.comm, self.device, self.eval_batch)
@@ -314,8 +362,6 @@ class VirtualRanks:
                               "batch); run it under mpiexec, or use bn=local")
         if cfg.compression != "none":
             raise ConfigError("the simulator does not emulate compression=fp16; use compression=none")
-        if cfg.resume or cfg.checkpoint_every:
-            raise ConfigError("the simulator does not checkpoint or resume; drop --resume/--checkpoint-every")
 
     def build(self, cfg: Config, device, ds, batch: int) -> nn.Module:
         np_ = self.np_
@@ -344,7 +390,7 @@ class VirtualRanks:
         # summed in rank order (GradSync pre-divides, then Allreduce sums).
         self.avg = [torch.zeros_like(p) for p in self.params]
 
-    def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None) -> StepResult:
+    def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None) -> StepResult:
         np_, b, device = self.np_, self.batch, self.device
         t0 = time.perf_counter()
         t_data = 0.0
@@ -388,11 +434,27 @@ class VirtualRanks:
             torch.cuda.synchronize()
         total = time.perf_counter() - t0
         want_stop = bool(stop()) if stop is not None else False
+        want_save = bool(save()) if save is not None else False
         return StepResult(loss_sum, correct, float(want_stop), time=total, compute=total - t_data,
-                          comm=0.0, comm_exposed=0.0, data=t_data)
+                          comm=0.0, comm_exposed=0.0, data=t_data, save_votes=float(want_save))
 
     def settle(self, model, policy: str) -> None:
         sync_virtual_buffers_(model, policy)
+
+    def rank_states(self, model) -> list:
+        """The virtual ranks' BatchNorm rows are in the model's state_dict; the RNG is the process's."""
+        return [{"rng": torch.get_rng_state()}]
+
+    def restore_rank_states(self, model, states: list) -> None:
+        torch.set_rng_state(states[0]["rng"])
+
+    def hosts(self) -> list[str]:
+        return [socket.gethostname()]
+
+    def carry(self, epoch: int, plan, ds) -> None:
+        b = self.batch
+        for r, loader in enumerate(self.loaders):
+            loader.carry(epoch, plan[:, r * b:(r + 1) * b], ds)
 
     def evaluate(self, model, ds) -> tuple[float, float]:
         return evaluate(model, ds, None, self.device, self.eval_batch)
@@ -413,11 +475,32 @@ class VirtualRanks:
 # ----------------------------------------------------------------------------------------------
 # the session: set-up once, then steps
 # ----------------------------------------------------------------------------------------------
+class Handoff:
+    """A data set given to the Session for good (``data=Handoff(ds)``, then drop your own ``ds``): like
+    ``data=None`` a static-sharded rank then keeps only its shard of the training images, while a
+    plain ``data=ds`` keeps them all (the caller may still use them; every frame on the way holds it)::
+
+        ds = load_data(cfg, comm); cfg.check_world(comm.Get_size(), len(ds.y_train))
+        train.run(cfg, comm, data=Handoff(ds)); del ds      # the CLI's ranks
+    """
+
+    def __init__(self, ds):
+        self._ds = ds
+
+    def take(self):
+        ds, self._ds = self._ds, None
+        return ds
+
+
 class Session:
     """A run set up on ``ranks``: data, model, optimizer, schedule; ``step`` trains one step."""
 
     def __init__(self, cfg: Config, ranks, *, data=None):
+        owned = data is None or isinstance(data, Handoff)
+        if isinstance(data, Handoff):
+            data = data.take()
         ranks.check(cfg)
+        limit_allocator_caches()  # freed activations go back to the OS: a lower peak, the same numbers
         self.cfg, self.ranks = cfg, ranks
         self.np_, self.rank = ranks.np_, ranks.rank
         self.device = resolve_device(cfg)
@@ -429,12 +512,6 @@ class Session:
         self.accounting = data_mod.epoch_accounting(self.ds.y_train, self.np_, self.batch, cfg.sharding,
                                                     seed=cfg.seed)
         self.model = ranks.build(cfg, self.device, self.ds, self.batch)
-        if data is None and not ranks.simulated and cfg.sharding == "static":
-            # The loader copied this rank's shard; the whole training set stays only where it is shared
-            # (a caller's data, the simulator's ranks, reshuffled shards): a rank holds 1/np of it.
-            # A new empty array, not x_train[:0]: a view would keep the whole array alive.
-            self.ds = dataclasses.replace(self.ds, x_train=np.empty((0, *self.ds.x_train.shape[1:]),
-                                                                    dtype=self.ds.x_train.dtype))
         spe = self.steps_per_epoch = ranks.steps_per_epoch
         # The schedule spans all epochs; max_steps only cuts the run short (an interruption), so a run
         # resumed from its checkpoint follows the same learning rates as an uninterrupted one.
@@ -443,9 +520,36 @@ class Session:
         self.warmup_steps = round(cfg.warmup_epochs * spe)
         self.peak_lr = cfg.peak_lr(self.np_)
         self.optimizer = build_optimizer(self.model, cfg, self.peak_lr)
-        self.start_epoch, self.history = (
-            _load_checkpoint(cfg, ranks.comm, self.np_, self.model, self.optimizer) if cfg.resume else (0, []))
+        ck = _load_checkpoint(cfg, ranks, self.model, self.optimizer) if cfg.resume else {}
+        self.start_epoch, self.history = ck.get("epoch", 0), ck.get("history", [])
+        self.start_step = ck.get("step_in_epoch", 0)  # steps of start_epoch already done
+        self.partial = ck.get("partial")  # that epoch's sums so far
+        self.resumed_np = ck.get("np", self.np_)
+        # the np whose data order the current epoch follows: a resume at another np (batch_mode=global)
+        # finishes the interrupted epoch in the order it began with, regrouped over the new ranks
+        self.order_np = ck.get("order_np", self.np_) if self.start_step else self.np_
+        if self.order_np != self.np_:
+            ranks.carry(self.start_epoch, _epoch_plan(cfg, self.ds, self.order_np, self.start_epoch, spe),
+                        self.ds)
+        if owned and not ranks.simulated and cfg.sharding == "static" and self.order_np == self.np_:
+            # The loader copied this rank's shard; the whole training set stays only where it is shared
+            # (a caller's data, the simulator's ranks, reshuffled shards): a rank holds 1/np of it.
+            # A new empty array, not x_train[:0]: a view would keep the whole array alive.
+            self.ds = dataclasses.replace(self.ds, x_train=np.empty((0, *self.ds.x_train.shape[1:]),
+                                                                    dtype=self.ds.x_train.dtype))
         ranks.start(cfg, self.model, self.optimizer)
+        if ck.get("has_ranks") and self.resumed_np == self.np_:
+            ranks.restore_rank_states(self.model, ck["ranks"] if self.rank == 0 else None)
+        # Mid-epoch checkpoints: every K steps, and/or every M minutes (rank 0's clock, voted with the
+        # step so every rank saves after the same one); -1 minutes means 10 on a multi-node run.
+        minutes = cfg.checkpoint_minutes
+        if minutes < 0:
+            hosts = ranks.hosts()
+            minutes = MULTI_NODE_CHECKPOINT_MINUTES if cfg.out and len(set(hosts)) > 1 else 0.0
+        self.checkpoint_minutes = minutes
+        self.step_checkpoints = bool(cfg.out) and bool(cfg.checkpoint_every_steps or minutes)
+        self.last_save = time.monotonic()
+        self.saves: list[dict] = []  # seconds, bytes, path of each checkpoint written (rank 0)
 
     def lr(self, global_step: int) -> float:
         return lr_at(global_step, peak_lr=self.peak_lr, total_steps=self.schedule_steps,
@@ -454,36 +558,94 @@ class Session:
     def step(self, epoch: int, step: int, *, stop=None) -> tuple[StepResult, float]:
         """Train step ``step`` of ``epoch`` on every rank; returns (the step, its learning rate).
 
-        ``stop()`` is polled once the step's work is done; its vote travels with the step's metrics."""
-        lr = self.lr(epoch * self.steps_per_epoch + step)
+        ``stop()`` is polled once the step's work is done; its vote travels with the step's metrics,
+        and so does the vote for a checkpoint after this step (``StepResult.save_votes``)."""
+        gstep = epoch * self.steps_per_epoch + step
+        lr = self.lr(gstep)
         set_lr(self.optimizer, lr)
-        return self.ranks.step(self.cfg, self.model, self.optimizer, epoch, step, stop), lr
+        return self.ranks.step(self.cfg, self.model, self.optimizer, epoch, step, stop,
+                               lambda: self._save_due(gstep + 1)), lr
 
-    def save_checkpoint(self, epoch: int, global_step: int, history: list) -> str:
-        """``<out>/checkpoint-eNNNN.pt`` (+ ``checkpoint.pt``), checksummed (see ``pilab.checkpoint``);
-        raises ``WriteError`` with the earlier checkpoints intact."""
+    def _save_due(self, steps_done: int) -> bool:
+        k, m = self.cfg.checkpoint_every_steps, self.checkpoint_minutes
+        if not self.cfg.out:
+            return False
+        if k and steps_done % k == 0:
+            return True
+        return bool(m) and self.rank == 0 and time.monotonic() - self.last_save >= m * 60
+
+    def save_checkpoint(self, epoch: int, global_step: int, history: list, *, step_in_epoch: int = 0,
+                        partial: dict | None = None, states: list | None = None) -> str:
+        """``<out>/checkpoint-eNNNN.pt`` (``-sNNNNN`` mid-epoch; + ``checkpoint.pt``), checksummed (see
+        ``pilab.checkpoint``); raises ``WriteError`` with the earlier checkpoints intact. ``epoch`` is
+        the number of full epochs done, ``step_in_epoch`` the steps of the next one done."""
         ck = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
               "epoch": epoch, "step": global_step, "np": self.np_, "config": self.cfg.to_dict(),
-              "history": history, "pilab_version": __version__}
+              "history": history, "pilab_version": __version__, "step_in_epoch": step_in_epoch,
+              "order_np": self.order_np if step_in_epoch else self.np_, "partial": partial,
+              "ranks": states}
         return checkpoint.save(self.cfg.out, ck, keep=self.cfg.keep)
 
 
-def _load_checkpoint(cfg: Config, comm, np_: int, model, optimizer) -> tuple[int, list]:
-    """Rank 0 reads and verifies ``cfg.resume`` (checksum, settings, np); every rank gets the epoch
-    and history, or the same CheckpointError (never one rank failing while the others wait)."""
+def _epoch_plan(cfg: Config, ds, order_np: int, epoch: int, steps: int) -> np.ndarray:
+    """(steps, global batch) training indices of ``epoch`` as a run at ``order_np`` ranks draws them:
+    step s's global batch is rank 0's batch, then rank 1's, ... (what every rank computes alone)."""
+    b = cfg.global_batch(order_np) // order_np
+    plan = np.concatenate([data_mod.epoch_batches(ds.y_train, order_np, r, b, epoch, cfg.seed, cfg.sharding)
+                           for r in range(order_np)], axis=1)
+    if len(plan) != steps:
+        raise CheckpointError(f"{cfg.resume} was made at np={order_np}, whose epochs have {len(plan)} steps; "
+                              f"at this np they have {steps}, so the schedule would change; resume at "
+                              f"np={order_np}, or at an np whose shards give the same steps")
+    return plan
+
+
+def _regroup_(state: dict, model: nn.Module, policy: str) -> None:
+    """Resume at another np in the simulator: per-virtual-rank BatchNorm rows (np_old, C) are settled
+    by ``policy`` (row 0 or the mean) and spread to this run's rows -- per-rank statistics regroup."""
+    mine = model.state_dict()
+    for k, v in state.items():
+        if k in mine and v.shape != mine[k].shape and v.dim() == 2 and v.shape[1:] == mine[k].shape[-1:]:
+            row = v[0] if policy == "broadcast" else v.mean(0)
+            state[k] = row.expand_as(mine[k]).contiguous().clone()
+
+
+def _average_saved_buffers_(model: nn.Module, states: list) -> None:
+    """Resume at another np under MPI with bn_buffers=average: start from the mean of every saved
+    rank's statistics (rank 0's alone under broadcast, which the model already holds)."""
+    with torch.no_grad():
+        for i, b in enumerate(bn_buffers(model)):
+            b.copy_(torch.stack([st["bn"][i] for st in states]).mean(0))
+
+
+def _load_checkpoint(cfg: Config, ranks, model, optimizer) -> dict:
+    """Rank 0 reads and verifies ``cfg.resume`` (checksum, settings, np); every rank gets the position
+    (epoch, step in epoch, history, partial sums, np, order np), rank 0 also the per-rank states (key
+    ``ranks``), or every rank the same CheckpointError (never one rank failing while the others wait)."""
+    comm, np_ = ranks.comm, ranks.np_
     rank, size = world(comm)
-    meta = error = None
+    meta = error = states = None
     if rank == 0:
         try:
             ck = checkpoint.load(cfg.resume, cfg, np_)
+            other_np = int(ck.get("np", np_)) != np_
+            if other_np and ranks.simulated:
+                _regroup_(ck["model"], model, cfg.bn_buffers)
             checkpoint.apply(ck, model, optimizer, cfg.resume)
-            meta = (int(ck["epoch"]), list(ck["history"]))
+            states = ck.get("ranks")
+            if other_np and states and not ranks.simulated and cfg.bn_buffers == "average":
+                _average_saved_buffers_(model, states)
+            meta = {"epoch": int(ck["epoch"]), "history": list(ck["history"]),
+                    "step_in_epoch": int(ck.get("step_in_epoch") or 0), "partial": ck.get("partial"),
+                    "np": int(ck.get("np", np_)), "order_np": int(ck.get("order_np") or ck.get("np", np_)),
+                    "has_ranks": states is not None}
         except CheckpointError as e:
             error = str(e)
     if size > 1:
         meta, error = comm.bcast((meta, error), root=0)
     if error:
         raise CheckpointError(error)
+    meta["ranks"] = states if rank == 0 else None
     return meta
 
 
@@ -498,6 +660,15 @@ class _Epoch:
         self.times = dict.fromkeys(TIME_KEYS, 0.0)
         self.steps = 0
 
+    def state(self) -> dict:
+        """The sums so far (a mid-epoch checkpoint keeps them for the epoch's record)."""
+        return {"loss": self.loss, "correct": self.correct, "images": self.images, "steps": self.steps,
+                "times": dict(self.times)}
+
+    def restore(self, d: dict) -> None:
+        self.loss, self.correct, self.images, self.steps = d["loss"], d["correct"], d["images"], d["steps"]
+        self.times.update(d["times"])
+
     def add(self, st: StepResult, images: int) -> None:
         self.loss += st.loss_sum
         self.correct += st.correct
@@ -507,7 +678,7 @@ class _Epoch:
             self.times[k] += getattr(st, k)
 
 
-def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None) -> tuple[dict, nn.Module]:
+def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None) -> tuple[dict, nn.Module]:
     """Train ``cfg`` on ``ranks`` (``MPIRanks(comm)`` or ``VirtualRanks(np_)``); returns the result (on
     every rank; rank 0 writes ``<out>/result.json``) and the trained model.
 
@@ -515,9 +686,14 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None) -> tuple[di
     evaluated only if cheap (at most one evaluation batch per rank; else ``test_skipped``), and the
     result says ``stopped_early``, ``stop_reason``, ``epochs_done`` and ``steps_done``. A checkpoint
     that cannot be written stops the run the same way after that epoch (the earlier checkpoints stay).
-    A result.json that cannot be written is reported in the returned result's ``write_error``."""
+    A result.json that cannot be written is reported in the returned result's ``write_error``.
+
+    ``keeper`` (a ``Keeper``): on rank 0 it can write what was done so far as result.json at any moment
+    (``stopped_early``, ``aborted``, the reason) -- from the watchdog's thread before it ends the rank,
+    when another rank reports its exception, or on this rank's own exception."""
     t_wall = time.perf_counter()
     s = Session(cfg, ranks, data=data)
+    s.env = ranks.environment(s.threads)  # a collective: now, so that an abort can still write it
     spe, images_per_step = s.steps_per_epoch, s.batch * s.np_
 
     def emit(event):
@@ -526,51 +702,90 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None) -> tuple[di
                 cb(event)
 
     emit({"kind": "start", "np": s.np_, "steps_per_epoch": spe, "epochs": cfg.epochs,
-          "start_epoch": s.start_epoch, "total_steps": s.total_steps, "config": cfg.to_dict(),
+          "start_epoch": s.start_epoch, "start_step": s.start_step, "total_steps": s.total_steps,
+          "config": cfg.to_dict(),
           **({"simulated": True} if ranks.simulated else {})})
     steps_log = {k: [] for k in STEP_KEYS}
     epochs_log = list(s.history)
-    bytes_per_step, stopped, stop_reason, write_error, gstep = 0, False, None, None, s.start_epoch * spe
+    bytes_per_step, stopped, stop_reason, write_error = 0, False, None, None
+    gstep = s.start_epoch * spe + s.start_step
     s.model.train()
     run_started_at = time.time()  # wall clock (and epoch_started_at): joins a power meter's log
-    for epoch in range(s.start_epoch, cfg.epochs):
-        if gstep >= s.total_steps:
-            break
-        acc, t_epoch = _Epoch(), time.perf_counter()
-        epoch_started_at = time.time()
-        for step in range(spe):
+    monitor = None
+    if s.rank == 0 and not ranks.simulated and s.np_ > 1 and cfg.straggler_threshold > 0:
+        from .stragglers import Monitor
+        monitor = Monitor(s.env["hostnames"], threshold=cfg.straggler_threshold, steps=cfg.straggler_steps,
+                          window=2 * cfg.straggler_steps)
+    if keeper is not None and s.rank == 0 and cfg.out:
+        keeper.attach(lambda reason: _keep(s, epochs_log, steps_log, t_wall, run_started_at, reason, monitor),
+                      os.path.join(cfg.out, "result.json"))
+    try:
+        for epoch in range(s.start_epoch, cfg.epochs):
             if gstep >= s.total_steps:
                 break
-            st, lr = s.step(epoch, step, stop=stop)
-            acc.add(st, images_per_step)
-            bytes_per_step = st.bytes_sent
-            mean_loss = st.loss_sum / images_per_step
-            for k, v in zip(STEP_KEYS, (mean_loss, lr, st.time, st.compute, st.comm, st.comm_exposed,
-                                        st.data, st.comm_wait)):
-                steps_log[k].append(v)
-            gstep += 1
-            emit({"kind": "step", "epoch": epoch + 1, "step": step + 1, "global_step": gstep,
-                  "total_steps": s.total_steps, "loss": mean_loss, "lr": lr,
-                  "images_per_s": images_per_step / st.time, "time": st.time,
-                  **{k: getattr(st, k) for k in TIME_KEYS}})
-            if st.stop_votes > 0:
-                stopped = True
-                stop_reason = (getattr(stop, "reason", None) if s.rank == 0 else None) or \
-                    f"stop requested on {int(st.stop_votes)} of {s.np_} rank(s)"
+            acc, t_epoch = _Epoch(), time.perf_counter()
+            first = s.start_step if epoch == s.start_epoch else 0
+            if first and s.partial:
+                acc.restore(s.partial)
+            epoch_started_at = time.time()
+            save_at_end = False
+            for step in range(first, spe):
+                if gstep >= s.total_steps:
+                    break
+                st, lr = s.step(epoch, step, stop=stop)
+                acc.add(st, images_per_step)
+                bytes_per_step = st.bytes_sent
+                mean_loss = st.loss_sum / images_per_step
+                for k, v in zip(STEP_KEYS, (mean_loss, lr, st.time, st.compute, st.comm, st.comm_exposed,
+                                            st.data, st.comm_wait)):
+                    steps_log[k].append(v)
+                gstep += 1
+                emit({"kind": "step", "epoch": epoch + 1, "step": step + 1, "global_step": gstep,
+                      "total_steps": s.total_steps, "loss": mean_loss, "lr": lr,
+                      "images_per_s": images_per_step / st.time, "time": st.time,
+                      **{k: getattr(st, k) for k in TIME_KEYS}})
+                if monitor is not None and st.ranks_compute is not None:
+                    for line in monitor.add(gstep, st.ranks_compute, st.ranks_network):
+                        emit({"kind": "straggler", "line": line, "global_step": gstep,
+                              "stragglers": monitor.summary()})
+                ending = st.stop_votes > 0 or gstep >= s.total_steps
+                # a checkpoint asked for (every K steps, M minutes), or the last step of a stopped run
+                if st.save_votes > 0 or (ending and s.step_checkpoints):
+                    if step + 1 < spe:  # mid-epoch: now, before any BatchNorm buffers are settled
+                        failed = _checkpoint(s, epoch, gstep, epochs_log, step_in_epoch=step + 1, acc=acc)
+                        if failed:
+                            stopped, stop_reason, write_error = True, failed, failed
+                            break
+                    else:  # the epoch's last step: the epoch's own checkpoint
+                        save_at_end = True
+                if st.stop_votes > 0:
+                    stopped = True
+                    stop_reason = (getattr(stop, "reason", None) if s.rank == 0 else None) or \
+                        f"stop requested on {int(st.stop_votes)} of {s.np_} rank(s)"
+                    break
+            record, checkpoint_now = _end_epoch(s, epoch, acc, time.perf_counter() - t_epoch, steps_log,
+                                                stopped, gstep, force=save_at_end)
+            record["started_at"] = epoch_started_at
+            epochs_log.append(record)
+            emit({"kind": "epoch", **record})
+            if checkpoint_now and cfg.out:
+                failed = _checkpoint(s, epoch + 1, gstep, epochs_log)
+                if failed:  # every rank stops here, after this full epoch
+                    stopped, stop_reason, write_error = True, failed, failed
+            if stopped:
                 break
-        record, checkpoint_now = _end_epoch(s, epoch, acc, time.perf_counter() - t_epoch, steps_log,
-                                            stopped, gstep)
-        record["started_at"] = epoch_started_at
-        epochs_log.append(record)
-        emit({"kind": "epoch", **record})
-        if checkpoint_now and cfg.out:
-            failed = _checkpoint(s, epoch + 1, gstep, epochs_log)
-            if failed:  # every rank stops here, after this full epoch
-                stopped, stop_reason, write_error = True, failed, failed
-        if stopped:
-            break
+    except BaseException as e:  # a rank's exception, a second Ctrl-C: keep what was done (rank 0)
+        if keeper is not None and not isinstance(e, SystemExit):
+            keeper("interrupted again: exited at once" if isinstance(e, KeyboardInterrupt) else
+                   failure_reason(s.rank, e))
+        raise
     ranks.close()
     result = _result(s, epochs_log, steps_log, bytes_per_step, stopped, time.perf_counter() - t_wall)
+    if s.rank == 0:
+        result["stragglers"] = monitor.summary() if monitor is not None else []
+        result["straggler_lines"] = monitor.lines if monitor is not None else []
+        result["checkpoints"] = _checkpoint_summary(s)
+        result["last_checkpoint"] = result["checkpoints"]["last"]
     result["stop_reason"] = stop_reason
     result["started_at"], result["ended_at"] = run_started_at, time.time()  # see pilab.energy
     if write_error:
@@ -586,12 +801,110 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None) -> tuple[di
     return result, s.model
 
 
-def _checkpoint(s: Session, epoch: int, gstep: int, epochs_log: list) -> str | None:
-    """Rank 0 writes the checkpoint; every rank learns whether it failed (the reason) or not (None)."""
+def failure_reason(rank: int, e: BaseException) -> str:
+    """One line naming the rank, its host and the exception (a result's ``stop_reason``)."""
+    text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    return f"rank {rank} ({socket.gethostname()}) failed: {type(e).__name__}" + (f": {text}" if text else "")
+
+
+class Keeper:
+    """Keeps what a run did when it cannot finish: ``keeper(reason)`` writes ``<out>/result.json`` with
+    ``stopped_early``, ``aborted``, ``stop_reason`` (naming the rank and host), the steps and epochs
+    done and the last checkpoint, once; a no-op on ranks other than 0 and before the run started.
+    Thread-safe, and no collective: it runs while the other ranks are gone::
+
+        keeper = engine.Keeper()
+        with Watchdog(comm, hang_s, on_end=keeper) as wd:
+            train.run(cfg, comm, stop=wd.polled(), keeper=keeper)
+    """
+
+    def __init__(self):
+        import threading
+        self._lock = threading.RLock()  # a signal handler may call it on the thread that holds it
+        self._write = None
+        self.written: str | None = None  # the path written
+
+    def attach(self, write, path: str = "") -> None:
+        self._write, self._path = write, path
+
+    def cleanup(self) -> None:
+        """Remove a temporary file a write cut short left (a process about to ``os._exit``)."""
+        tmp = f"{getattr(self, '_path', '')}.tmp{os.getpid()}"
+        if getattr(self, "_path", "") and os.path.exists(tmp):
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+
+    def __call__(self, reason: str) -> str | None:
+        with self._lock:
+            if self._write is None or self.written is not None:
+                return self.written
+            try:
+                self.written = self._write(reason)
+            except OSError:
+                pass  # a disk that fails now is no reason to hide the run's own failure
+            return self.written
+
+
+def _keep(s: Session, epochs_log: list, steps_log: dict, t_wall: float, started_at: float,
+          reason: str, monitor=None) -> str:
+    """The result of a run ended by ``reason`` after what is in the logs (rank 0, no collective)."""
+    res = _result(s, list(epochs_log), {k: list(v) for k, v in steps_log.items()}, 0, True,
+                  time.perf_counter() - t_wall, collective=False)
+    res.update(stop_reason=reason, aborted=True, started_at=started_at, ended_at=time.time(),
+               checkpoints=_checkpoint_summary(s))
+    res["last_checkpoint"] = res["checkpoints"]["last"]
+    res["stragglers"] = monitor.summary() if monitor is not None else []
+    path = os.path.join(s.cfg.out, "result.json")
+    save_json(res, path)
+    return path
+
+
+def result_from_checkpoint(cfg: Config, np_: int, reason: str) -> dict:
+    """A result for a run whose ranks all died without writing one (what a launcher can still say):
+    ``stopped_early``, ``aborted``, the reason, and the steps and epochs its newest checkpoint in
+    ``cfg.out`` holds (0 without one; every step after it is lost)."""
+    latest = checkpoint.latest(cfg.out) if cfg.out else None
+    ck = None
+    if latest:
+        try:
+            ck = checkpoint.read(latest)
+        except CheckpointError:
+            ck = None
+    history = list(ck["history"]) if ck else []
+    return {"pilab_version": __version__, "config": cfg.to_dict(), "np": np_, "epochs": history,
+            "stopped_early": True, "aborted": True, "stop_reason": reason, "steps_done": int(ck["step"]) if ck else 0,
+            "epochs_done": int(ck["epoch"]) if ck else 0, "last_checkpoint": latest if ck else None,
+            "steps_done_is": "the newest checkpoint's step (steps after it are lost)", "ended_at": time.time()}
+
+
+def _checkpoint_summary(s: Session) -> dict:
+    """What the run's checkpoints cost (rank 0's seconds, bytes per file) and the newest one's path."""
+    secs = [x["seconds"] for x in s.saves]
+    return {"count": len(s.saves), "every_steps": s.cfg.checkpoint_every_steps,
+            "every_minutes": s.checkpoint_minutes, "seconds": secs,
+            "mean_s": sum(secs) / len(secs) if secs else None,
+            "bytes": s.saves[-1]["bytes"] if s.saves else None,
+            "last": s.saves[-1]["path"] if s.saves else (checkpoint.latest(s.cfg.out) if s.cfg.out else None)}
+
+
+def _checkpoint(s: Session, epoch: int, gstep: int, epochs_log: list, *, step_in_epoch: int = 0,
+                acc: "_Epoch | None" = None) -> str | None:
+    """Rank 0 writes the checkpoint (``epoch`` full epochs and ``step_in_epoch`` steps done); every
+    rank learns whether it failed (the reason) or not (None). A collective: every rank's own state
+    (BatchNorm buffers, RNG) is gathered into it."""
     failed = None
+    t = time.perf_counter()
+    states = s.ranks.rank_states(s.model)
     if s.rank == 0:
         try:
-            s.save_checkpoint(epoch, gstep, epochs_log)
+            path = s.save_checkpoint(epoch, gstep, epochs_log, step_in_epoch=step_in_epoch,
+                                     partial=acc.state() if step_in_epoch and acc is not None else None,
+                                     states=states)
+            s.saves.append({"seconds": time.perf_counter() - t, "bytes": os.path.getsize(path),
+                            "path": os.path.join(s.cfg.out, checkpoint.NAME), "step": gstep})
+            s.last_save = time.monotonic()
         except WriteError as e:
             prev = checkpoint.epoch_files(s.cfg.out)
             failed = f"{e}; " + (f"the previous checkpoint ({os.path.basename(prev[-1][1])}) is intact"
@@ -602,7 +915,7 @@ def _checkpoint(s: Session, epoch: int, gstep: int, epochs_log: list) -> str | N
 
 
 def _end_epoch(s: Session, epoch: int, acc: _Epoch, train_time: float, steps_log: dict,
-               stopped: bool, gstep: int) -> tuple[dict, bool]:
+               stopped: bool, gstep: int, *, force: bool = False) -> tuple[dict, bool]:
     """Evaluate if due, settle buffers for evaluation or checkpoint, and build the epoch record."""
     cfg = s.cfg
     last = stopped or gstep >= s.total_steps or epoch + 1 == cfg.epochs
@@ -613,8 +926,8 @@ def _end_epoch(s: Session, epoch: int, acc: _Epoch, train_time: float, steps_log
     skip_test = stopped and per_rank_test > EVAL_ON_STOP_MAX
     evaluate_now = evaluate_now and not skip_test
     full_epoch = acc.steps == s.steps_per_epoch
-    checkpoint_now = bool(cfg.checkpoint_every) and (epoch + 1) % cfg.checkpoint_every == 0 \
-        and not stopped and full_epoch
+    checkpoint_now = full_epoch and (force or (bool(cfg.checkpoint_every) and (
+        epoch + 1) % cfg.checkpoint_every == 0 and not stopped))
     t_eval = time.perf_counter()
     test_loss = test_acc = None
     if evaluate_now or checkpoint_now or last:  # the last model is the same on every rank
@@ -642,11 +955,11 @@ def _end_epoch(s: Session, epoch: int, acc: _Epoch, train_time: float, steps_log
 
 
 def _result(s: Session, epochs_log: list, steps_log: dict, bytes_per_step: int, stopped: bool,
-            wall: float) -> dict:
+            wall: float, *, collective: bool = True) -> dict:
     """The run's result: the config, environment, per-epoch metrics, per-step timings, peak memory."""
     cfg, ds = s.cfg, s.ds
-    mem = s.ranks.per_rank([peak_mem_mb()])
-    env = s.ranks.environment(s.threads)
+    mem = s.ranks.per_rank([peak_mem_mb()]) if collective else None
+    env = s.env
     new = epochs_log[len(s.history):]
     train_total = sum(e["time"] for e in new)
     images_total = sum(e["images"] for e in new)
@@ -663,6 +976,7 @@ def _result(s: Session, epochs_log: list, steps_log: dict, bytes_per_step: int, 
         "images_per_s": images_total / train_total if train_total else None,
         "peak_mem_mb": (mem[:, 0].tolist() if mem is not None else [peak_mem_mb()]) if s.rank == 0 else None,
         "stopped_early": stopped, "resumed_from_epoch": s.start_epoch,
-        "steps_done": len(steps_log["loss"]) + s.start_epoch * s.steps_per_epoch,
+        "resumed_from_step": s.start_epoch * s.steps_per_epoch + s.start_step, "resumed_from_np": s.resumed_np,
+        "steps_done": len(steps_log["loss"]) + s.start_epoch * s.steps_per_epoch + s.start_step,
         "epochs_done": sum(1 for e in epochs_log if e["steps"] == s.steps_per_epoch),
     }

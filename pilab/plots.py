@@ -14,6 +14,8 @@ returns a Bokeh figure or layout, so notebooks and the HTML report draw the same
 """
 from __future__ import annotations
 
+import html
+
 import os
 import threading
 from html import escape
@@ -143,14 +145,21 @@ def _timeline(src: ColumnDataSource, title: str = "where each rank's time went")
     return p
 
 
-def _rank_columns(per_rank: Mapping[str, list]) -> dict:
-    """Columns for the per-rank stacked bars from an epoch record's ``per_rank`` (or sums of them)."""
+def rank_label(rank: int, marks: Mapping[int, str] | None = None) -> str:
+    """The per-rank bar's label: ``"2"``, or ``"2 ! compute +45%"`` for a straggler (``marks``)."""
+    mark = (marks or {}).get(rank)
+    return f"{rank} ! {mark}" if mark else str(rank)
+
+
+def _rank_columns(per_rank: Mapping[str, list], marks: Mapping[int, str] | None = None) -> dict:
+    """Columns for the per-rank stacked bars from an epoch record's ``per_rank`` (or sums of them);
+    ``marks`` (rank -> short note) marks the stragglers' bars in their labels."""
     compute = list(per_rank.get("compute", []))
     n = len(compute)
     comm = list(per_rank.get("comm", [0.0] * n))
     exposed = list(per_rank.get("comm_exposed", [0.0] * n))
     data = list(per_rank.get("data", [0.0] * n))
-    return {"rank": [str(r) for r in range(n)], "compute": compute, "comm_exposed": exposed,
+    return {"rank": [rank_label(r, marks) for r in range(n)], "compute": compute, "comm_exposed": exposed,
             "comm_hidden": [max(c - e, 0.0) for c, e in zip(comm, exposed)], "data": data}
 
 
@@ -248,12 +257,15 @@ class LivePlot:
         self.ranks = ColumnDataSource(_rank_columns({}), name=RANK_SOURCE)
         self.title = Div(text="<b>waiting for a run</b>", name="pilab_status")
         self.timeline = _timeline(self.ranks)
-        self.layout = column(self.title, gridplot([[_loss(self.steps), _accuracy(self.epochs)],
+        self.note = Div(text="", name="pilab_straggler_note")  # the last straggler warning line
+        self.layout = column(self.title, self.note, gridplot([[_loss(self.steps), _accuracy(self.epochs)],
                                                    [_throughput(self.steps), self.timeline]]))
         self._lock = threading.Lock()
         self._widget = None
         self._per_rank: dict[str, list] = {}
         self._epochs_done = 0
+        self.marks: dict[int, str] = {}  # stragglers: rank -> "compute +45%" (their bars' labels)
+
 
     def widget(self):
         """The jupyter_bokeh widget showing these plots (one per LivePlot)."""
@@ -279,6 +291,8 @@ class LivePlot:
                                    "images_per_s": [event["images_per_s"]]})
             elif kind == "epoch":
                 self._epoch(event)
+            elif kind == "straggler":
+                self._straggler(event)
             elif kind == "end":
                 self.title.text = f"<b>{_summary(event['result'])}</b>"
             elif kind == "error":
@@ -292,6 +306,7 @@ class LivePlot:
                                                                  "data")})
         self.timeline.y_range.factors = [str(r) for r in range(n)]
         self._per_rank = {}
+        self.marks, self.note.text = {}, ""
         cfg = event.get("config") or {}
         self.title.text = (f"<b>running on {n} rank(s): {cfg.get('model', '')} width "
                            f"{cfg.get('width', '')}, {event.get('epochs', '?')} epoch(s) of "
@@ -304,7 +319,19 @@ class LivePlot:
             for k, vals in per_rank.items():
                 prev = self._per_rank.get(k, [0.0] * len(vals))
                 self._per_rank[k] = [a + (b or 0.0) for a, b in zip(prev, vals)]
-            self.ranks.data = _rank_columns(self._per_rank)
+            self.ranks.data = _rank_columns(self._per_rank, self.marks)
+
+    def _straggler(self, event: Mapping) -> None:
+        """Mark each straggler's bar and show the warning line (``pilab.stragglers``)."""
+        for s in event.get("stragglers") or []:
+            self.marks[int(s["rank"])] = f"{s['kind']} +{100 * s['slowdown']:.0f}%"
+        n = len(self.timeline.y_range.factors)
+        self.timeline.y_range.factors = [rank_label(r, self.marks) for r in range(n)]
+        if self._per_rank:
+            self.ranks.data = _rank_columns(self._per_rank, self.marks)
+        else:
+            self.ranks.data = dict(self.ranks.data, rank=[rank_label(r, self.marks) for r in range(n)])
+        self.note.text = f"<span style='color:#b60'>{html.escape(event.get('line', ''))}</span>"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,11 +26,13 @@ from .engine import load_data  # noqa: F401  (part of this module's API: rank 0 
 __all__ = ["run", "train", "load_data"]
 
 
-def run(cfg: Config, comm=None, *, callbacks=(), stop=None, data=None) -> dict:
-    """Train ``cfg`` on all ranks of ``comm`` (None: one process); see the module docstring."""
-    return train(cfg, comm, callbacks=callbacks, stop=stop, data=data)[0]
+def run(cfg: Config, comm=None, *, callbacks=(), stop=None, data=None, keeper=None) -> dict:
+    """Train ``cfg`` on all ranks of ``comm`` (None: one process); see the module docstring.
+    ``keeper`` (``engine.Keeper``) writes what was done when the run cannot finish."""
+    return train(cfg, comm, callbacks=callbacks, stop=stop, data=data, keeper=keeper)[0]
 
 
-def train(cfg: Config, comm=None, *, callbacks=(), stop=None, data=None) -> tuple[dict, nn.Module]:
+def train(cfg: Config, comm=None, *, callbacks=(), stop=None, data=None,
+          keeper=None) -> tuple[dict, nn.Module]:
     """Like ``run`` but also returns the trained model (tests compare weights across ranks)."""
-    return engine.train(cfg, engine.MPIRanks(comm), callbacks=callbacks, stop=stop, data=data)
+    return engine.train(cfg, engine.MPIRanks(comm), callbacks=callbacks, stop=stop, data=data, keeper=keeper)

@@ -69,13 +69,16 @@ class Watchdog:
     own), ``out`` where the one-line report goes (stderr)."""
 
     def __init__(self, comm, hang_s: float = DEFAULT_HANG_S, *, probe_s: float = PROBE_S,
-                 fatal=VERDICTS, exit=os._exit, out=None):
+                 fatal=VERDICTS, exit=os._exit, out=None, on_end=None, on_peer_failure=None):
         self.comm, self.hang_s, self.probe_s = comm, float(hang_s), probe_s
         self.fatal = frozenset(fatal)
         unknown = self.fatal - set(VERDICTS)
         if unknown:
             raise ValueError(f"fatal={sorted(unknown)}: choose from {', '.join(VERDICTS)}")
         self._exit, self._out = exit, out
+        # on_end(report): runs before the watchdog ends this rank (rank 0 keeps the run's result);
+        # on_peer_failure(reason): another rank reported its exception over the side channel
+        self.on_end, self.on_peer_failure = on_end, on_peer_failure
         self.rank = comm.Get_rank() if comm is not None else 0
         self.size = comm.Get_size() if comm is not None else 1
         self.steps = 0
@@ -143,7 +146,16 @@ class Watchdog:
                        "quiet_s": round(time.monotonic() - self.last, 1)}
                 try:
                     conn.sendall((json.dumps(msg) + "\n").encode())
-                except OSError:
+                    # a probe closes the connection now (EOF at once); a failing peer says why at
+                    # once too: wait briefly, so that probes queued behind this one are answered
+                    conn.settimeout(min(1.0, self.probe_s))
+                    line = conn.makefile().readline()
+                    if line.strip():
+                        reason = json.loads(line).get("failed", "")
+                        if self.on_peer_failure is not None and reason:
+                            self.on_peer_failure(reason)
+                        conn.sendall(b"ok\n")
+                except (OSError, ValueError):
                     pass
 
     def _watch(self) -> None:
@@ -163,6 +175,16 @@ class Watchdog:
                 continue
             out = self._out or sys.stderr
             print(f"{self.report}; ending this rank (exit {EXIT_HANG})", file=out, flush=True)
+            # Keep the run's result before ending: rank 0 itself (on_end), or, when another rank's
+            # watchdog fires first (its launcher then ends rank 0 too), that rank tells rank 0 why.
+            reason = self.report[len(MARK):].strip()
+            try:
+                if self.on_end is not None:
+                    self.on_end(reason)
+                if self.rank != 0:
+                    self.tell(reason, root=0, timeout=2 * self.probe_s)
+            except Exception as e:  # ending the rank is what matters here
+                print(f"pilab: watchdog: could not keep the result: {e}", file=out, flush=True)
             if out is not sys.__stderr__ and self._exit is os._exit:
                 # A notebook engine's stderr is a stream that its kernel sends over zmq from another
                 # thread: flush() hands the line to zmq, and os._exit would end the process before
@@ -170,6 +192,25 @@ class Watchdog:
                 time.sleep(EXIT_GRACE_S)
             self._exit(EXIT_HANG)
             return
+
+    def tell(self, reason: str, root: int = 0, timeout: float = 10.0) -> bool:
+        """Tell rank ``root`` that this rank failed (``reason``) and wait until it has acted on it
+        (rank 0 keeps the run's result before the job is aborted); False if it could not be told."""
+        peer = next((p for p in self.peers if p["rank"] == root), None)
+        if peer is None or root == self.rank:
+            return False
+        for addr in peer["addrs"]:
+            try:
+                with socket.create_connection((addr, peer["port"]), timeout=self.probe_s) as s:
+                    s.settimeout(timeout)
+                    f = s.makefile("rw")
+                    f.readline()  # its status line
+                    f.write(json.dumps({"failed": reason}) + "\n")
+                    f.flush()
+                    return f.readline().strip() == "ok"
+            except OSError:
+                continue
+        return False
 
     def probe(self) -> dict[int, dict | str]:
         """Ask every other rank how far it got: rank -> its answer, or why there was none."""
@@ -238,7 +279,7 @@ def diagnose(rank: int, peers: list[dict], answers: dict, *, steps: int, quiet_s
 MARK = "pilab: watchdog:"
 
 
-def watch_launcher(proc, *, grace_s: float = 15.0) -> int:
+def watch_launcher(proc, *, grace_s: float = 15.0, tail: list | None = None) -> int:
     """Wait for a launched ``mpiexec`` (a ``Popen`` with ``stdout=PIPE, stderr=PIPE``), passing its
     output through as it comes; once a rank's watchdog has reported, give mpiexec ``grace_s`` seconds
     to end, then end it and return ``EXIT_HANG``.
@@ -249,14 +290,17 @@ def watch_launcher(proc, *, grace_s: float = 15.0) -> int:
 
         proc = subprocess.Popen(launch.pilab_command(4, ["train"]), stdout=PIPE, stderr=PIPE)
         sys.exit(watch_launcher(proc))
+
+    ``tail``: a list whose first item becomes the last 4 KiB of mpiexec's stderr (what it said last).
     """
     import subprocess
 
     seen = threading.Event()
+    keep = tail
 
     def pump(src, dst):
         # chunks, not lines: a progress bar's carriage returns pass through at once
-        tail = b""
+        last = b""
         fd = src.fileno()
         while True:
             chunk = os.read(fd, 65536)
@@ -264,9 +308,11 @@ def watch_launcher(proc, *, grace_s: float = 15.0) -> int:
                 break
             dst.buffer.write(chunk) if hasattr(dst, "buffer") else dst.write(chunk.decode(errors="replace"))
             dst.flush()
-            tail = (tail + chunk)[-4096:]
-            if MARK.encode() in tail:
+            last = (last + chunk)[-4096:]
+            if MARK.encode() in last:
                 seen.set()
+            if keep is not None and dst is sys.stderr:
+                keep[:1] = [last.decode(errors="replace")]
     pumps = [threading.Thread(target=pump, args=(src, dst), daemon=True, name="pilab-launcher-output")
              for src, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)) if src is not None]
     for t in pumps:

@@ -13,6 +13,8 @@ Every control maps to one ``Config`` field; dropdowns list ``config.CHOICES`` an
 """
 from __future__ import annotations
 
+import html
+
 import dataclasses
 import os
 
@@ -200,6 +202,8 @@ class ControlPanel:
             acc = event.get("test_acc")
             self._say(f"epoch {event['epoch']}: train acc {event['train_acc']:.3f}"
                       + (f", test acc {acc:.3f}" if acc is not None else ""))
+        elif kind == "straggler":  # the live plot marks the rank's bar; the panel says why
+            self._say(html.escape(event.get("line", "").replace("pilab: ", "", 1)))
         elif kind == "end":
             res = event["result"]
             self.progress.bar_style = "warning" if res.get("stopped_early") else "success"

@@ -5,6 +5,8 @@ integrity: for both sharding policies, train 2 epochs with ``engine.train`` and 
 global training indices every rank's loader was asked for, and a digest of every image the model saw in
 evaluation; rank 0 writes them to OUT (JSON) for tests/test_failures.py to check.
 simulate48: the same through ``engine.VirtualRanks(48)`` in one process.
+raise_in_train: ``python -m pilab train ARGS...`` as the CLI runs it on every rank, where rank 1's loader
+raises at its 6th batch (a real exception inside the training loop, not a flag the code checks).
 """
 from __future__ import annotations
 
@@ -118,5 +120,22 @@ def summarise(rows_per_rank, digests_per_rank, ds, result) -> dict:
             "test_seen": len(seen), "test_distinct_expected": len(set(expected))}
 
 
+def case_raise_in_train(out: str) -> None:
+    from mpi4py import MPI
+
+    from pilab.cli import main
+    if MPI.COMM_WORLD.Get_rank() == 1:
+        orig, calls = data_mod.ShardLoader.batch, []
+
+        def batch(self, epoch, step):
+            calls.append(step)
+            if len(calls) == 6:
+                raise RuntimeError("injected failure on rank 1 at its 6th batch")
+            return orig(self, epoch, step)
+        data_mod.ShardLoader.batch = batch
+    sys.exit(main(["train", "--out", out, *sys.argv[3:]]))
+
+
 if __name__ == "__main__":
-    {"integrity": case_integrity, "simulate48": case_simulate48}[sys.argv[1]](sys.argv[2])
+    {"integrity": case_integrity, "simulate48": case_simulate48,
+     "raise_in_train": case_raise_in_train}[sys.argv[1]](sys.argv[2])

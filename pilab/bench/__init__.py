@@ -12,6 +12,7 @@ min-max. The sections that need ranks run as one ``mpiexec -n 2 python -m pilab.
 
 * ``one_rank``: pilab's one-rank step vs a bare PyTorch loop; ``models``: images/s per model and layout;
 * ``data``: ShardLoader vs a per-sample Dataset + DataLoader; ``simulator``: exact vs fast, np 1/8/48;
+* ``checkpoint``: one mid-epoch checkpoint (ms, bytes) and its share of the 10-minute multi-node interval;
   ``deviation`` (only when asked for): the fast mode's deviation after 100 steps at np=48;
 * ``ranks``: memory, communication (bandwidth, bucket sweep, hidden share) and the np=2 step
   (pilab vs DDP-gloo vs the sync-only floor vs the no-exchange ceiling, strong scaling).
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import time
 
-SECTIONS = ("one_rank", "models", "data", "simulator", "ranks")
+SECTIONS = ("one_rank", "models", "data", "simulator", "checkpoint", "ranks")
 EXTRA_SECTIONS = ("deviation",)  # not in the default run (~7 min here): the fast mode's 100-step deviation
 
 
@@ -115,6 +116,9 @@ def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", mark
     if "simulator" in sections:
 
         timed("simulator", lambda: local.simulator(scfg, (1, 8) if q else (1, 8, 48), 5))
+    if "checkpoint" in sections:
+        ccfg = Config(width=0.25 if q else 1.0, batch_size=16, threads=1, train_subset=512)
+        timed("checkpoint", lambda: local.checkpoint_cost(ccfg, 3 if q else 5))
     if "deviation" in sections:
         timed("deviation", lambda: local.fast_deviation(dcfg, 8 if q else 48, 10 if q else 100))
     if "ranks" in sections:

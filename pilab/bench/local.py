@@ -1,5 +1,6 @@
 """The single-process benchmarks: one rank's step vs a bare PyTorch loop, images/s per model and memory
-layout, the data path vs a per-sample Dataset + DataLoader, and the simulator (exact vs fast).
+layout, the data path vs a per-sample Dataset + DataLoader, the simulator (exact vs fast), and the cost of
+one mid-epoch checkpoint.
 
 Each function returns a plain dict of raw per-round numbers and their summaries (``stats.summary``)."""
 from __future__ import annotations
@@ -197,3 +198,29 @@ def fast_deviation(cfg: Config, np_: int, steps: int) -> dict:
             "loss_last10_fast": float(np.mean(losses["fast"][-10:])),
             "max_step_loss_diff": float(np.max(np.abs(np.subtract(losses["fast"], losses["exact"])))),
             "wall_s": wall}
+
+
+def checkpoint_cost(cfg: Config, saves: int, interval_min: float = 10.0) -> dict:
+    """The cost of one mid-epoch checkpoint (``engine._checkpoint``: gather the rank states, checksum,
+    serialise, write, fsync, rename) for ``cfg``'s model, against the multi-node default interval::
+
+        checkpoint_cost(Config(width=0.25), saves=5)   # {'save_s': {...}, 'bytes': ..., 'share_of_interval': ...}
+    """
+    import os
+    import tempfile
+    with tempfile.TemporaryDirectory() as out:
+        session = engine.Session(replace(cfg, out=out, checkpoint_every_steps=1), engine.MPIRanks(None))
+        session.model.train()
+        times, size = [], 0
+        for k in range(saves):
+            session.step(0, k % session.steps_per_epoch)
+            acc = engine._Epoch()
+            t = time.perf_counter()
+            failed = engine._checkpoint(session, 0, k + 1, [], step_in_epoch=k + 1, acc=acc)
+            times.append(time.perf_counter() - t)
+            assert failed is None, failed
+            size = os.path.getsize(os.path.join(out, "checkpoint.pt"))
+        session.ranks.close()
+    med = float(np.median(times))
+    return {"model": cfg.model, "width": cfg.width, "saves": saves, "save_s": summary(times), "raw": times,
+            "bytes": size, "interval_min": interval_min, "share_of_interval": med / (interval_min * 60)}

@@ -86,16 +86,24 @@ def strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
     return out
 
 
+def _print_stragglers(ev) -> None:
+    if ev["kind"] == "straggler":
+        print(ev["line"], file=sys.stderr, flush=True)
+
+
 def progress_callbacks(quiet: bool):
-    """A tqdm bar over all steps and one line per epoch (rank 0 only: callbacks run there)."""
+    """A tqdm bar over all steps and one line per epoch (rank 0 only: callbacks run there); straggler
+    warnings (``pilab.stragglers``) are printed with or without the bar."""
     if quiet:
-        return []
+        return [_print_stragglers]
     from tqdm.auto import tqdm  # only when a bar is wanted: tqdm.auto probes for a notebook
     state = {}
 
     def cb(ev):
         kind = ev["kind"]
-        if kind == "start":
+        if kind == "straggler":
+            state["bar"].write(ev["line"], file=sys.stderr)
+        elif kind == "start":
             done = ev["start_epoch"] * ev["steps_per_epoch"]
             state["bar"] = tqdm(total=ev["total_steps"], initial=done, unit="step",
                                 desc=f"np={ev['np']}", dynamic_ncols=True, file=sys.stderr)
@@ -131,6 +139,11 @@ class Interrupt:
     def __init__(self):
         self.signum: int | None = None
         self.reason: str | None = None
+        # on_signal(reason): at once, on the first signal (rank 0 keeps what was done, engine.Keeper):
+        # a launcher that ends the job (a node lost, a batch system's SIGKILL after SIGTERM) may not
+        # leave the ranks the step it takes to stop; the full result replaces it when they do stop
+        self.on_signal = None
+        self.on_exit = None  # before a second signal's os._exit: remove what a cut-short write left
 
     def __call__(self) -> bool:
         return self.signum is not None
@@ -155,10 +168,14 @@ def interruptible(*, mpi: bool, speak: bool = True):
                 print(f"\npilab: {name}: stopping after the current step and writing what is done "
                       f"({'Ctrl-C' if signum == signal.SIGINT else name} again exits at once)",
                       file=sys.stderr, flush=True)
+            if flag.on_signal is not None:
+                flag.on_signal(f"{flag.reason} (during a step; the job ended before that step did)")
             return
         if mpi:
             if speak:
                 print(f"pilab: {name} again: exiting now", file=sys.stderr, flush=True)
+            if flag.on_exit is not None:
+                flag.on_exit()
             os._exit(exit_code_for(signum))
         raise KeyboardInterrupt
 

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from ..config import Config, ConfigError
 from ..launch import pilab_command, under_mpi
@@ -100,7 +101,10 @@ def _launch(cfg: Config, args, argv) -> int:
         signal.signal(s, forward)
     try:
         from ..watchdog import watch_launcher
-        rc = watch_launcher(proc)
+        t_launch, tail = time.time(), [""]
+        rc = watch_launcher(proc, tail=tail)
+        if rc != 0 and cfg.out:
+            _keep_after_launcher(cfg, args.np, rc, tail[0], t_launch)
         # A second signal makes mpiexec end the ranks at once, and Hydra may then exit 0 although the
         # run did not finish: report the signal (128 + it), as a single process does.
         return exit_code_for(got[-1]) if len(got) >= 2 and rc == 0 else rc
@@ -109,10 +113,28 @@ def _launch(cfg: Config, args, argv) -> int:
             signal.signal(s, h)
 
 
+def _keep_after_launcher(cfg: Config, np_: int, rc: int, said: str, t_launch: float) -> None:
+    """mpiexec failed and no rank wrote result.json (a node's processes killed, a node powered off: the
+    launcher ends the others with SIGKILL): keep what the last checkpoint says was done."""
+    from ..engine import result_from_checkpoint
+    from ..files import save_json
+    path = os.path.join(cfg.out, "result.json")
+    if os.path.exists(path) and os.path.getmtime(path) >= t_launch:
+        return  # rank 0 kept it (watchdog, an exception, a signal): it knows more
+    last = next((x.strip() for x in reversed(said.splitlines()) if x.strip()), "")
+    reason = (f"the job ended (mpiexec exit {rc}) before rank 0 could write its result: a rank was killed "
+              f"or its node went away" + (f"; mpiexec said last: {last[:200]}" if last else ""))
+    try:
+        save_json(result_from_checkpoint(cfg, np_, reason), path)
+    except OSError:
+        pass  # the launcher's exit code still says the job failed
+
+
 def _train_alone(cfg: Config, quiet: bool, stop=None, data=None) -> dict:
     """One process without mpiexec: no MPI library needed."""
     from .. import train
-    return train.run(cfg, None, callbacks=progress_callbacks(quiet), stop=stop, data=data)
+    from ..engine import Keeper
+    return train.run(cfg, None, callbacks=progress_callbacks(quiet), stop=stop, data=data, keeper=Keeper())
 
 
 def _train_rank(cfg: Config, args) -> int:
@@ -127,7 +149,7 @@ def _train_rank(cfg: Config, args) -> int:
     from .. import train
     from ..data import DataError
     from ..dist import abort_on_error, check_launcher
-    from ..engine import load_data
+    from ..engine import Keeper, failure_reason, load_data
     from ..watchdog import Watchdog, hang_s_from_env
     comm = MPI.COMM_WORLD
     check_launcher(comm)
@@ -157,10 +179,23 @@ def _train_rank(cfg: Config, args) -> int:
     if stale:
         clear_out_dir(cfg.out)
     rank0 = comm.Get_rank() == 0
-    with interruptible(mpi=True, speak=rank0) as stop, abort_on_error(comm), \
-            Watchdog(comm, hang_s) as watchdog:
+    # An abort keeps what was done: rank 0 writes result.json (stopped_early, the reason naming the
+    # rank and host) when its watchdog ends it, when it fails itself, or when another rank tells it
+    # (over the watchdog's side channel) that it failed, before that rank aborts the job.
+    keeper, dog = Keeper(), []
+
+    def on_error(e):
+        reason = failure_reason(comm.Get_rank(), e)
+        if rank0:
+            keeper(reason)
+        elif dog:
+            dog[0].tell(reason)
+    with interruptible(mpi=True, speak=rank0) as stop, abort_on_error(comm, on_error=on_error), \
+            Watchdog(comm, hang_s, on_end=keeper, on_peer_failure=keeper) as watchdog:
+        dog.append(watchdog)
+        stop.on_signal, stop.on_exit = keeper, keeper.cleanup
         result = train.run(cfg, comm, callbacks=progress_callbacks(args.quiet), data=ds,
-                           stop=_Polled(watchdog.polled(stop), stop))
+                           stop=_Polled(watchdog.polled(stop), stop), keeper=keeper)
     return _report(result, cfg, stop, speak=rank0)
 
 

@@ -55,6 +55,7 @@ class ShardLoader:
             self._x = torch.from_numpy(ds.x_train)  # shares memory with ds
             self._y = torch.from_numpy(ds.y_train)
         self._cached_epoch, self._cached_rows = None, None
+        self._carried = None  # (epoch, (steps, batch) global indices, x, y): see carry()
         self.device = torch.device(device) if device is not None else None
         if self.device is not None:
             self._x, self._y = _to_device(self._x, self.device), _to_device(self._y, self.device)
@@ -72,8 +73,24 @@ class ShardLoader:
             self._cached_epoch, self._cached_rows = epoch, torch.from_numpy(rows)
         return self._cached_rows
 
+    def carry(self, epoch: int, indices: np.ndarray, ds: CIFAR10) -> None:
+        """Take ``epoch``'s batches from ``indices`` ((steps, batch) indices into ``ds``'s whole
+        training set) instead of this rank's own order: a run resumed at another np finishes the
+        epoch it was stopped in with the images it had not seen yet (the other epochs are unchanged)::
+
+            loader.carry(3, plan[:, r * b:(r + 1) * b], ds)
+        """
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.shape != (self.steps_per_epoch, self.batch_size):
+            raise DataError(f"carried batches of shape {indices.shape}; this loader takes "
+                            f"({self.steps_per_epoch}, {self.batch_size})")
+        self._carried = (epoch, torch.from_numpy(indices), torch.from_numpy(ds.x_train),
+                         torch.from_numpy(ds.y_train))
+
     def global_indices(self, epoch: int) -> np.ndarray:
         """Training-set indices per step for ``epoch``; equals ``epoch_batches(...)``."""
+        if self._carried is not None and self._carried[0] == epoch:
+            return self._carried[1].numpy().copy()
         rows = self._rows(epoch).numpy()
         return self.indices[rows] if self.indices is not None else rows.copy()
 
@@ -81,10 +98,16 @@ class ShardLoader:
         """Batch ``step`` of ``epoch``: x float32 (B,3,32,32) channels_last, y int64 (B,)."""
         if not 0 <= step < self.steps_per_epoch:
             raise DataError(f"step={step} is outside 0..{self.steps_per_epoch - 1} of an epoch")
-        if self.device is not None:
+        if self._carried is not None and self._carried[0] == epoch:
+            _, idx, x_all, y_all = self._carried
+            xb, yb = x_all.index_select(0, idx[step]), y_all.index_select(0, idx[step])
+            if self.device is not None:
+                xb, yb = xb.to(self.device), yb.to(self.device)
+        elif self.device is not None:
             return self._device_batch(epoch, step)
-        rows = self._rows(epoch)[step]
-        xb, yb = self._x.index_select(0, rows), self._y.index_select(0, rows)
+        else:
+            rows = self._rows(epoch)[step]
+            xb, yb = self._x.index_select(0, rows), self._y.index_select(0, rows)
         if self.augment:
             return augment(xb, seed=self.seed, epoch=epoch, step=step, rank=self.rank), yb
         return to_input(xb), yb

@@ -1,0 +1,110 @@
+"""Live straggler warnings: which rank holds the others back, while the run goes, and why.
+
+Every synchronous step ends when the slowest rank's gradients are in, so one slow rank slows all of
+them. ``MPIRanks.step`` already carries every rank's compute time of the step (its gradients' ready
+time) and its network time of the step before (exposed communication minus waiting for a slower
+rank) to every rank with the last gradient bucket; rank 0 feeds them here, step by step::
+
+    mon = Monitor(hosts=["node01", "node01", "node02", "node02"])
+    for line in mon.add(step, compute=[...], network=[...]):   # per-rank seconds of this step
+        print(line)                                              # rate-limited: rarely, never per step
+    mon.summary()          # result.json's "stragglers": rank, host, steps, slowdown, kind
+
+Over a sliding window of ``window`` steps each rank's median compute is compared with the median over
+ranks. A rank ``threshold`` (20%) slower than that for ``steps`` consecutive steps is a *compute*
+straggler: its node is hot or busy (on a Raspberry Pi: ``vcgencmd get_throttled``). A rank whose
+median time in the exchange itself (not waiting for a slower rank) exceeds ``threshold`` of the median
+compute is a *network* straggler: its link is slow (a 100 Mbit/s negotiation, a bad cable, a busy
+switch port). Medians keep one slow step (a page fault, a GC pause) from counting. An Allreduce makes
+every rank wait for the slowest link, so with a slow link all ranks whose exchange crosses it show
+network time: the line names them all, with their hosts.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+
+__all__ = ["Monitor", "THRESHOLD", "WINDOW", "STEPS", "EVERY_S"]
+
+THRESHOLD = 0.2  # slower than the median rank by this fraction (compute), or this share in the network
+WINDOW = 20  # steps in the sliding window
+STEPS = 10  # consecutive steps a rank must stay beyond the threshold before a warning
+EVERY_S = 60.0  # at most one line per kind of straggler in this many seconds
+HINT = {"compute": "its node is hot or busy (on a Raspberry Pi: `vcgencmd get_throttled`; "
+                   "another job on it: `top`)",
+        "network": "its link is slow (`ethtool eth0`: a 100 Mb/s link? a bad cable, a busy switch port)"}
+
+
+def _ranks(rs: list[int], hosts: list[str]) -> str:
+    by: dict[str, list[int]] = {}
+    for r in rs:
+        by.setdefault(hosts[r] if r < len(hosts) else "?", []).append(r)
+    return "; ".join(f"{'rank' if len(v) == 1 else 'ranks'} {', '.join(map(str, v))} ({h})" for h, v in by.items())
+
+
+class Monitor:
+    """See the module docstring. ``clock`` is ``time.monotonic`` (tests may pass their own)."""
+
+    def __init__(self, hosts: list[str], *, threshold: float = THRESHOLD, window: int = WINDOW,
+                 steps: int = STEPS, every_s: float = EVERY_S, clock=time.monotonic):
+        self.hosts, self.n = list(hosts), len(hosts)
+        self.threshold, self.window, self.steps, self.every_s = threshold, window, steps, every_s
+        self.clock = clock
+        self._compute: deque = deque(maxlen=window)
+        self._network: deque = deque(maxlen=window)
+        self._run = {k: np.zeros(self.n, dtype=int) for k in HINT}  # consecutive steps beyond it
+        self._last_line = {k: -np.inf for k in HINT}
+        self.found: dict[tuple[int, str], dict] = {}  # (rank, kind) -> record
+        self.lines: list[str] = []
+
+    def add(self, step: int, compute, network) -> list[str]:
+        """One step's per-rank compute and network seconds; returns the warning lines due now."""
+        if self.threshold <= 0 or self.n < 2:
+            return []
+        self._compute.append(np.asarray(compute, dtype=float)[:self.n])
+        self._network.append(np.asarray(network, dtype=float)[:self.n])
+        if len(self._compute) < min(self.window, self.steps):
+            return []
+        c = np.median(np.stack(self._compute), axis=0)  # each rank's median over the window
+        net = np.median(np.stack(self._network), axis=0)
+        ref = float(np.median(c))
+        if ref <= 0:
+            return []
+        excess = {"compute": c / ref - 1.0, "network": net / ref}
+        out = []
+        for kind, x in excess.items():
+            beyond = x >= self.threshold
+            if kind == "network":
+                beyond &= ~(excess["compute"] >= self.threshold)  # a slow node's own time is compute
+            run = self._run[kind]
+            run[:] = np.where(beyond, run + 1, 0)
+            due = [r for r in range(self.n) if run[r] >= self.steps]
+            for r in due:
+                rec = self.found.setdefault((r, kind), {"rank": r, "host": self.hosts[r], "kind": kind,
+                                                        "first_step": step, "steps": 0, "slowdown": 0.0})
+                rec["steps"] += 1
+                rec["last_step"] = step
+                rec["slowdown"] = round(max(rec["slowdown"], float(x[r])), 3)
+            now = self.clock()
+            if due and now - self._last_line[kind] >= self.every_s:
+                self._last_line[kind] = now
+                out.append(self._line(kind, due, x, step))
+        self.lines += out
+        return out
+
+    def _line(self, kind: str, due: list[int], x: np.ndarray, step: int) -> str:
+        pct = ", ".join(f"{100 * x[r]:.0f}%" for r in due)
+        if kind == "compute":
+            what = f"computes {pct} slower than the median rank"
+        else:
+            what = f"spends {pct} of the median rank's compute time in the exchange itself (not waiting " \
+                   "for a slower rank)"
+        return (f"pilab: straggler ({kind}): {_ranks(due, self.hosts)} {what} over the last "
+                f"{len(self._compute)} steps (step {step}): {HINT[kind]}")
+
+    def summary(self) -> list[dict]:
+        """The stragglers found: rank, host, kind, steps (counted beyond the threshold), slowdown (the
+        largest windowed excess: compute over the median rank - 1, or network share), first/last step."""
+        return [dict(v) for _, v in sorted(self.found.items())]
