@@ -24,6 +24,8 @@ from bokeh.models import ColumnDataSource, Div, HoverTool, LabelSet, Legend, Ran
 from bokeh.palettes import Category10
 from bokeh.plotting import figure
 
+from . import verdict as judging
+
 __all__ = ["setup_notebook", "show", "LivePlot", "loss_figure", "accuracy_figure",
            "throughput_figure", "timeline_figure", "result_layout", "speedup_figure",
            "efficiency_figure", "study_accuracy_figure", "curves_by_np", "scaling_dashboard",
@@ -311,7 +313,8 @@ class LivePlot:
 # scaling studies
 # ----------------------------------------------------------------------------------------------
 def _rows(study: Mapping) -> list[Mapping]:
-    return sorted(study.get("rows") or [], key=lambda r: r["np"])
+    # judged by pilab.verdict (the one logic), so a committed older study.json draws the same verdicts
+    return judging.judge_study(study)["rows"] if study.get("rows") else []
 
 
 def _row_source(study: Mapping) -> ColumnDataSource:
@@ -327,8 +330,8 @@ def _row_source(study: Mapping) -> ColumnDataSource:
     cols["here_speedup"] = [base_here / r["here_time_per_epoch"] if base_here and r.get("here_time_per_epoch")
                             else None for r in rows]
     cols["kind"] = ["simulated" if r.get("simulated") else "measured" for r in rows]
-    cols["verdict"] = ["fast but wrong" if r.get("fast_but_wrong") else "ok" for r in rows]
-    cols["color"] = ["#d62728" if r.get("fast_but_wrong") else "#1f77b4" for r in rows]
+    cols["verdict"] = [judging.cell(r) for r in rows]
+    cols["color"] = [judging.color(r) for r in rows]
     return ColumnDataSource(cols)
 
 
@@ -432,20 +435,21 @@ def _table(study: Mapping) -> Div:
         def f(k, fmt):
             v = r.get(k)
             return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "–"
-        verdict = "fast but wrong" if r.get("fast_but_wrong") else "ok"
-        if r.get("simulated"):
-            verdict += " (simulated)"
+        verdict = judging.cell(r)
         here = f"{f('here_time_per_epoch', '.1f')} ({r.get('here_time_source') or '–'})"
+        missing = "no target" if r.get("target_reached") is None else "not reached"
         ttt = f("time_to_target", ".0f") + " s" if r.get("time_to_target") is not None else \
-            ("not reached" if r.get("time_per_epoch") is not None else "–")
+            (missing if r.get("time_per_epoch") is not None else "–")
         kj = (lambda k: format(r[k] / 1e3, ".2f") if r.get(k) is not None else "–")
         ett = kj("energy_to_target_j") if r.get("energy_to_target_j") is not None else \
-            ("not reached" if r.get("energy_j") is not None else "–")
+            (missing if r.get("energy_j") is not None else "–")
         rows.append((str(r["np"]), f("time_per_epoch", ".1f"), *((here,) if two else ()), f("speedup", ".2f"),
-                     f("efficiency", ".0%"), f("images_per_s", ".0f"),
+                     f("efficiency", ".0%") + ("*" if r.get("efficiency_note") else ""), f("images_per_s", ".0f"),
                      f("comm_exposed_share", ".0%"), f("final_test_acc", ".3f"), ttt,
                      kj("energy_per_epoch_j"), ett, verdict))
-    return Div(text=html_table(head, rows))
+    notes = "".join(f"<p style='font-size:10pt;margin:2px'>{escape(n)}</p>"
+                    for n in judging.footnotes(judging.judge_study(study)))
+    return Div(text=html_table(head, rows) + notes)
 
 
 def html_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -475,7 +479,7 @@ def energy_figure(study: Mapping) -> figure | None:
         "energy_kj": [r["energy_j"] / 1e3 for r in rows],
         "acc": [r["final_test_acc"] for r in rows],
         "label": [f"np={r['np']} ({(r['final_test_acc'] or 0):.0%})" for r in rows],
-        "color": ["#d62728" if r.get("fast_but_wrong") else "#1f77b4" for r in rows],
+        "color": [judging.color(r) for r in rows],
         "source": [r.get("energy_source") for r in rows]})
     machine = study.get("machine", "this machine")
     p = _fig(f"energy vs time vs accuracy ({machine})", "training time, all epochs (s)", "energy (kJ)")

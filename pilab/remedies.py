@@ -28,6 +28,7 @@ from dataclasses import replace
 import re
 
 from . import perfmodel, simulate
+from . import verdict as judging
 from .config import Config, ConfigError, small_mode
 from .engine import load_data
 from .scaling import (POWER_MODELS, calibrate_from, finished_run, reused_run, run_energy,
@@ -120,7 +121,8 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=
             reference_acc = ref["epochs"][-1]["test_acc"]
         if calibration == "this":
             calibration = calibrate_from(ref, mpiexec)
-    target = target_fraction * reference_acc
+    # None where the reference has not learned: no target at chance (pilab.verdict, as in the study)
+    target = judging.target_accuracy(reference_acc, {"target_fraction": target_fraction})
     base = _whole_run_time(cfg, target_baseline(calibration) or 1, calibration) if calibration else None
     rows = []
     for label, changes in cands:
@@ -201,7 +203,8 @@ def _candidate_row(label, changes, c: Config, np_: int, res: dict, calibration, 
            "comm_exposed_share": pred["comm_exposed"] / pred["time"] if pred else None,
            "time_to_target": time_to_target(res, target, times, [pred["eval_time"]] * len(times))
            if times else None,
-           "reached_target": any((e["test_acc"] or 0) >= target for e in res["epochs"]),
+           "reached_target": any((e["test_acc"] or 0) >= target for e in res["epochs"])
+           if target is not None else None,
            "wall_time_here": res.get("wall_time")}
     if epoch_time and calibration in POWER_MODELS:  # energy: the third axis of the front
         row.update(run_energy(res, {"train": times, "eval": [pred["eval_time"]] * len(times),
@@ -262,8 +265,7 @@ def ablation_table(res: dict) -> str:
 def table(res: dict) -> str:
     w = max([36] + [len(r["label"]) + 2 for r in res["candidates"]])  # the label column
     base = f", speedup vs np={res['speed_baseline_np']} of the baseline" if res.get("speed_baseline_np") else ""
-    lines = [f"np={res['np']}  reference accuracy {res['reference_acc']:.3f}  "
-             f"target {res['target_accuracy']:.3f}"
+    lines = [f"np={res['np']}  reference accuracy {res['reference_acc']:.3f}  " + _target_text(res)
              + (f"  times predicted for {res['machine']}{base}" if res.get("machine")
                 else "  (no times: no target)"),
              f"{'candidate':<{w}}{'glob.batch':>10}{'peak lr':>9}{'steps':>7}{'test acc':>9}"
@@ -275,11 +277,16 @@ def table(res: dict) -> str:
         t = f"{r['epochs_time']:.0f}" if r["epochs_time"] else "–"
         sp = f"{r['speedup']:.1f}" if r.get("speedup") else "–"
         ttt = f"{r['time_to_target']:.0f}s" if r["time_to_target"] else (
-            "not reached" if not r["reached_target"] else "–")
+            "no target" if r["reached_target"] is None else "not reached" if not r["reached_target"] else "–")
         kj = f"{r['energy_j'] / 1e3:.2f}" if r.get("energy_j") is not None else "–"
         lines.append(f"{r['label']:<{w}}{r['global_batch']:>10}{r['peak_lr']:>9.3g}{r['steps']:>7}"
                      f"{r['final_test_acc']:>9.3f}{t:>9}{sp:>8}{ttt:>13}{kj:>10}  {'*' if r.get('pareto') else ''}")
     return "\n".join(lines)
+
+
+def _target_text(res: dict) -> str:
+    t = res.get("target_accuracy")
+    return f"target {t:.3f}" if t is not None else "no target (the reference has not learned)"
 
 
 def write_report(res: dict, out: str) -> dict:
@@ -297,7 +304,7 @@ def write_report(res: dict, out: str) -> dict:
     from .scaling import export_png
     head = (f"<h2>pilab remedies at np={res['np']}</h2>"
             f"<p><b>command:</b> <code>{escape(res.get('command') or 'python API')}</code></p>"
-            f"<p>Reference accuracy {res['reference_acc']:.3f}; target {res['target_accuracy']:.3f}. "
+            f"<p>Reference accuracy {res['reference_acc']:.3f}; {_target_text(res)}. "
             + (f"Times, speedup and energy predicted for <b>{escape(str(res['machine']))}</b>; speedup is "
                f"the whole run's against the un-remedied settings at np={res['speed_baseline_np']}. "
                if res.get("machine") else "No times (no target machine). ")

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 # Each top-level part of the package and its layer: a module may import only lower layers (the rule
 # in docs/architecture.md: front-ends -> study -> engine -> {dist, data, models}).
 LAYERS = {
-    "models": 0, "optim": 0, "launch": 0, "files": 0, "plots": 0, "embedded": 0, "buckets": 0,
+    "models": 0, "optim": 0, "launch": 0, "files": 0, "embedded": 0, "buckets": 0, "verdict": 0,
+    "plots": 0.5,  # draws what pilab.verdict judged
     "config": 1, "testbed": 1,
     "watchdog": 2,
     "dist": 2, "data": 2, "checkpoint": 2,
