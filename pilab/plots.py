@@ -88,7 +88,11 @@ def _fig(title: str, x_label: str, y_label: str, **kw) -> figure:
     p = figure(title=title, width=kw.pop("width", W), height=kw.pop("height", H),
                x_axis_label=x_label, y_axis_label=y_label, toolbar_location="right",
                tools="pan,wheel_zoom,box_zoom,reset,save", **kw)
+    p.toolbar.autohide = True  # on hover only: a screenshot (the report's PNG) shows no toolbar
     p.title.text_font_size = "11pt"
+    for axis in (p.xaxis, p.yaxis):  # >= 10 px where the PNG is shown scaled down
+        axis.major_label_text_font_size = "12px"
+        axis.axis_label_text_font_size = "12px"
     return p
 
 
@@ -96,7 +100,7 @@ def _legend_outside(p: figure) -> None:
     if p.legend:
         p.legend.location = "top_left"
         p.legend.click_policy = "hide"
-        p.legend.label_text_font_size = "8pt"
+        p.legend.label_text_font_size = "10pt"
         p.legend.background_fill_alpha = 0.6
 
 
@@ -339,6 +343,12 @@ def _np_axis(p: figure, study: Mapping) -> None:
     nps = [r["np"] for r in _rows(study)]
     if nps:
         p.xaxis.ticker = nps
+        p.xaxis.major_label_overrides = {n: str(n) for n in nps}
+
+
+def _np_fig(title: str, y_label: str) -> figure:
+    """A figure against np on a log axis: np 1, 2, 8, 48 spread out instead of 1 and 2 run together."""
+    return _fig(title, "processes (np, log scale)", y_label, x_axis_type="log")
 
 
 def speedup_figure(study: Mapping) -> figure:
@@ -346,7 +356,7 @@ def speedup_figure(study: Mapping) -> figure:
     src = _row_source(study)
     machine = study.get("machine", "this machine")
     p0 = study.get("baseline_np") or 1
-    p = _fig("speedup vs processes", "processes (np)", f"speedup (time per epoch vs np={p0})")
+    p = _np_fig("speedup vs processes", f"speedup (time per image vs np={p0})")
     p.line("np", "ideal", source=src, color="gray", line_dash="dashed", legend_label="ideal")
     label = "this machine" if machine == "this machine" else f"{machine} (predicted)"
     p.line("np", "speedup", source=src, color="#1f77b4", line_width=2, legend_label=label)
@@ -363,8 +373,18 @@ def speedup_figure(study: Mapping) -> figure:
 def efficiency_figure(study: Mapping) -> figure:
     """Parallel efficiency and the communication share of step time against np."""
     src = _row_source(study)
-    p = _fig("efficiency and communication", "processes (np)", "fraction")
-    p.y_range = Range1d(0, 1.05)
+    p = _np_fig("efficiency and communication", "fraction")
+    rows = _rows(study)
+    # the axis fits the data: np below the speed baseline can read above 100% (pilab.verdict)
+    top = max([r["efficiency"] for r in rows if r.get("efficiency") is not None] + [1.0])
+    p.y_range = Range1d(0, top * 1.12 if top > 1.0 else 1.05)
+    noted = [r for r in rows if r.get("efficiency_note") and r.get("efficiency") is not None]
+    if noted:
+        p0 = study.get("baseline_np")
+        p.add_layout(LabelSet(x="np", y="e", text="t", x_offset=8, y_offset=-5, text_font_size="10pt",
+                              source=ColumnDataSource({"np": [r["np"] for r in noted],
+                                                       "e": [r["efficiency"] for r in noted],
+                                                       "t": [f"{r['efficiency']:.0%}* vs np={p0}" for r in noted]})))
     p.line("np", "efficiency", source=src, color="#1f77b4", line_width=2, legend_label="efficiency")
     p.scatter("np", "efficiency", source=src, color="color", size=8, legend_label="efficiency")
     p.line("np", "comm_exposed_share", source=src, color="#e45756", line_width=2,
@@ -380,7 +400,7 @@ def efficiency_figure(study: Mapping) -> figure:
 def study_accuracy_figure(study: Mapping) -> figure:
     """Final train and test accuracy against np: where faster stops meaning as good."""
     src = _row_source(study)
-    p = _fig("final accuracy vs processes", "processes (np)", "accuracy")
+    p = _np_fig("final accuracy vs processes", "accuracy")
     p.y_range = Range1d(0, 1)
     for key, label, color in (("final_train_acc", "train", Category10[10][0]),
                               ("final_test_acc", "test", Category10[10][1])):
@@ -405,15 +425,20 @@ def curves_by_np(study: Mapping):
     loss = _fig("training loss by np", "fraction of training", "loss")
     runs = _runs(study)
     palette = Category10[10]
-    for i, (np_, res) in enumerate(runs):
+    # Curves that coincide (np=8 and np=48 both at chance) stay apart by dash and marker, the larger np
+    # drawn first and wider, so the smaller one shows on top of it.
+    dashes, markers = ("solid", "dashed", "dotted", "dashdot"), ("circle", "square", "triangle", "diamond")
+    order = sorted(enumerate(runs), key=lambda x: -x[1][0])
+    for i, (np_, res) in order:
         color = palette[i % 10]
         ep = _epoch_columns(res)
         pts = [(e, a) for e, a in zip(ep["epoch"], ep["test_acc"]) if a is not None]
         if pts:
-            acc.line([p[0] for p in pts], [p[1] for p in pts], color=color, line_width=2,
-                     legend_label=f"np={np_}")
-            acc.scatter([p[0] for p in pts], [p[1] for p in pts], color=color, size=5,
-                        legend_label=f"np={np_}")
+            width = 2 + 1.5 * (len(runs) - 1 - i) / max(len(runs) - 1, 1)
+            acc.line([p[0] for p in pts], [p[1] for p in pts], color=color, line_width=width,
+                     line_dash=dashes[i % 4], legend_label=f"np={np_}")
+            acc.scatter([p[0] for p in pts], [p[1] for p in pts], color=color, size=5 + 4 * (len(runs) - 1 - i)
+                        / max(len(runs) - 1, 1), marker=markers[i % 4], legend_label=f"np={np_}")
         losses = list((res.get("steps") or {}).get("loss", []))
         if losses:
             # Steps per epoch shrink as np grows: put every run on the same 0..1 axis.
@@ -456,7 +481,7 @@ def html_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A plain, escaped HTML table for a Bokeh ``Div``: ``Div(text=html_table(["np"], [[1], [2]]))``."""
     import html as _html
 
-    out = "<table style='border-collapse:collapse;font-size:10pt'>"
+    out = "<table style='border-collapse:collapse;font-size:11pt'>"
     out += "<tr>" + "".join(f"<th style='padding:2px 8px;border-bottom:1px solid #999'>"
                             f"{_html.escape(str(h))}</th>" for h in head) + "</tr>"
     for cells in rows:
@@ -483,8 +508,17 @@ def energy_figure(study: Mapping) -> figure | None:
         "source": [r.get("energy_source") for r in rows]})
     machine = study.get("machine", "this machine")
     p = _fig(f"energy vs time vs accuracy ({machine})", "training time, all epochs (s)", "energy (kJ)")
+    ts, es = src.data["time"], src.data["energy_kj"]
+    # room around the points for their labels; labels of the right half point left, so none is clipped
+    pad_t, pad_e = (max(ts) - min(ts)) or max(ts) or 1.0, (max(es) - min(es)) or max(es) or 1.0
+    p.x_range = Range1d(min(ts) - 0.08 * pad_t, max(ts) + 0.08 * pad_t)
+    p.y_range = Range1d(min(es) - 0.12 * pad_e, max(es) + 0.15 * pad_e)
+    mid = (min(ts) + max(ts)) / 2
+    src.data["align"] = ["right" if t > mid else "left" for t in ts]
+    src.data["dx"] = [-8 if t > mid else 8 for t in ts]
     p.scatter("time", "energy_kj", source=src, color="color", size=10)
-    p.text("time", "energy_kj", text="label", source=src, x_offset=6, y_offset=-6, text_font_size="8pt")
+    p.add_layout(LabelSet(x="time", y="energy_kj", text="label", source=src, x_offset="dx", y_offset=-5,
+                          text_align="align", text_font_size="10pt"))
     p.add_tools(HoverTool(tooltips=[("np", "@np"), ("time", "@time{0.0} s"), ("energy", "@energy_kj{0.00} kJ"),
                                     ("test acc", "@acc{0.000}"), ("source", "@source")]))
     return p

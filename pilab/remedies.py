@@ -68,6 +68,11 @@ def candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
     return [(label, ch) for label, ch in out if ch is not None]
 
 
+def candidate_labels(cfg: Config, np_: int) -> list[str]:
+    """The labels ``only=`` (``--only``) accepts at these settings and ``np_``, in search order."""
+    return [label for label, _ in candidates(cfg, np_)]
+
+
 def notebook_candidates() -> list[str] | None:
     """All candidates on a laptop; three under CI / nbval (PILAB_NB_SMALL), to keep it quick."""
     return ["baseline", "linear lr", "linear lr + warmup"] if small_mode() else None
@@ -108,15 +113,19 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=
     machine's speed baseline (one Pi node = 2 ranks; else 1 rank): more epochs cost speedup.
     ``out``/``resume``/``reuse``: see the module docstring.
     """
-    ds = data if data is not None else load_data(cfg)
     cands = candidates(cfg, np_)
     if only:
+        unknown = [o for o in only if o not in {c[0] for c in cands}]
+        if unknown:
+            raise ConfigError(f"{', '.join(map(repr, unknown))} {'is not a candidate' if len(unknown) == 1 else 'are not candidates'}"
+                              f" at np={np_}; the candidates are: {'; '.join(c[0] for c in cands)}")
         cands = [c for c in cands if c[0] in only]
-        if not cands:
-            raise ConfigError(f"none of {only} is a candidate; see remedies.candidates()")
+    ds = data if data is not None else load_data(cfg)  # after the checks: a bad label costs no loading
     sim_cfg = replace(cfg, out="", threads=cfg.threads)
     if reference_acc is None or calibration == "this":
-        ref = simulate.run(sim_cfg, 1, data=ds)
+        if log:  # minutes on a laptop: say what runs, then one line per epoch
+            log(f"  reference: the baseline at np=1, {cfg.epochs} epoch(s), sets the target accuracy")
+        ref = simulate.run(sim_cfg, 1, data=ds, callbacks=[_epoch_log(log, cfg.epochs)] if log else ())
         if reference_acc is None:
             reference_acc = ref["epochs"][-1]["test_acc"]
         if calibration == "this":
@@ -154,6 +163,16 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=
             "reference_acc": reference_acc, "target_accuracy": target,
             "speed_baseline_np": target_baseline(calibration) or 1 if calibration else None,
             "speed_baseline_time": base, "candidates": rows, "best": best[:5]}
+
+
+def _epoch_log(log, epochs: int):
+    """A train callback that logs each finished epoch of the reference run."""
+    def cb(ev):
+        if ev.get("kind") == "epoch":
+            acc = ev.get("test_acc")
+            log(f"  reference np=1: epoch {ev.get('epoch')}/{epochs}"
+                + (f"  test acc {acc:.3f}" if acc is not None else ""))
+    return cb
 
 
 def _on(cfg: Config, calibration) -> Config:

@@ -708,9 +708,40 @@ def export_png(html_path: str, png_path: str) -> str | None:
 # ----------------------------------------------------------------------------------------------
 # comparing studies (e.g. learning-rate rules) side by side
 # ----------------------------------------------------------------------------------------------
+# Settings that belong together when studies differ (one "what varies" in a comparison's title).
+SETTING_GROUPS = {
+    "learning-rate rule": ("lr", "lr_scaling", "lr_ref_batch", "warmup_epochs", "optimizer", "schedule",
+                           "momentum", "nesterov", "lars_eta"),
+    "model": ("model", "width", "timesteps"),
+    "batch": ("batch_mode", "batch_size"),
+    "BatchNorm": ("bn", "bn_buffers", "ghost_batch"),
+    "data": ("data", "train_subset", "test_subset", "augment", "sharding"),
+}
+_NOT_SETTINGS = ("out", "resume", "threads", "checkpoint_every", "keep", "device")  # not the training's
+
+
+def differing_settings(configs: dict[str, dict]) -> dict[str, dict[str, dict]]:
+    """{group: {setting: {label: value}}} for every setting that is not the same in all ``configs``
+    (label -> config dict), grouped as SETTING_GROUPS; a setting outside them is a group of its own::
+
+        differing_settings({"a": {"lr": 0.1, "epochs": 4}, "b": {"lr": 0.2, "epochs": 4}})
+        # {"learning-rate rule": {"lr": {"a": 0.1, "b": 0.2}}}
+    """
+    keys = sorted({k for c in configs.values() for k in c} - set(_NOT_SETTINGS))
+    out: dict[str, dict[str, dict]] = {}
+    for k in keys:
+        values = {label: c.get(k) for label, c in configs.items()}
+        if len({repr(v) for v in values.values()}) > 1:
+            group = next((g for g, ks in SETTING_GROUPS.items() if k in ks), k.replace("_", " "))
+            out.setdefault(group, {})[k] = values
+    return out
+
+
 def compare(studies: dict[str, dict]) -> dict:
     """Put several studies (label -> study dict) side by side: per (label, np) final accuracy, the
-    test-accuracy curve, and how many evaluated epochs sat at chance level (< 15%)."""
+    test-accuracy curve, and how many evaluated epochs sat at chance level (< 15%); ``varies``: the
+    settings that differ (see :func:`differing_settings`), ``warning``: a line when more than one kind
+    of setting differs (the comparison then does not isolate one cause)."""
     table_rows = []
     for label, st in studies.items():
         st = judging.judge_study(st)  # one verdict logic, older study.json files too
@@ -725,9 +756,28 @@ def compare(studies: dict[str, dict]) -> dict:
                 "epochs_near_chance": sum(1 for a in curve if a is not None and a < 0.15),
                 "fast_but_wrong": r["fast_but_wrong"], "verdict": r["verdict"],
                 "verdict_why": r["verdict_why"]})
+    configs = {k: v["config"] for k, v in studies.items()}
+    varies = differing_settings(configs)
+    warning = None
+    if len(varies) > 1:
+        warning = ("these studies differ in more than one kind of setting, so a difference between them "
+                   "has more than one cause: " + "; ".join(
+                       f"{k} ({', '.join(f'{lab} {v}' for lab, v in vals.items())})"
+                       for settings in varies.values() for k, vals in settings.items()))
     return {"kind": "pilab.scaling.compare", "labels": list(studies), "rows": table_rows,
-            "configs": {k: v["config"] for k, v in studies.items()},
-            "commands": {k: v.get("command") for k, v in studies.items()}}
+            "configs": configs, "commands": {k: v.get("command") for k, v in studies.items()},
+            "varies": varies, "warning": warning}
+
+
+def compare_title(cmp: dict) -> str:
+    """What the comparison is by: the kinds of setting that differ ("learning-rate rule", "model")."""
+    varies = cmp.get("varies")
+    if varies is None:  # a compare.json written before `varies`
+        varies = differing_settings(cmp.get("configs") or {})
+    if not varies:
+        return "studies of the same settings"
+    kinds = list(varies)
+    return "by " + (", ".join(kinds[:-1]) + " and " if len(kinds) > 1 else "") + kinds[-1]
 
 
 def models_summary(studies: dict[str, dict]) -> list[dict]:
@@ -774,8 +824,14 @@ def models_summary_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-_COMPARE_HEAD = ("rule", "np", "kind", "global batch", "peak lr", "steps", "final test acc",
+_COMPARE_HEAD = ("study", "np", "kind", "global batch", "peak lr", "steps", "final test acc",
                  "epochs near chance", "verdict")
+
+
+def _compare_head(cmp: dict) -> tuple:
+    """The table's header; its first column named by what varies when one kind of setting does."""
+    varies = cmp.get("varies") if cmp.get("varies") is not None else differing_settings(cmp.get("configs") or {})
+    return ((next(iter(varies)) if len(varies) == 1 else "study"),) + _COMPARE_HEAD[1:]
 
 
 def _compare_cells(r: dict) -> list[str]:
@@ -786,30 +842,43 @@ def _compare_cells(r: dict) -> list[str]:
 
 
 def compare_markdown(cmp: dict) -> str:
-    lines = ["| " + " | ".join(_COMPARE_HEAD) + " |", "|" + "---|" * len(_COMPARE_HEAD)]
+    head = _compare_head(cmp)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(_compare_cells(r)) + " |" for r in cmp["rows"]]
     return "\n".join(lines)
 
 
 def compare_html(cmp: dict) -> str:
     nps = sorted({r["np"] for r in cmp["rows"]})
+    n_epochs = max((len(r["test_acc_curve"]) for r in cmp["rows"]), default=1)
     figs = []
     for p in nps:
-        f = figure(title=f"test accuracy per epoch, np={p}", width=330, height=280,
-                   x_axis_label="epoch", y_axis_label="test accuracy")
+        f = figure(title=f"test accuracy per epoch, np={p}", width=330, height=330,
+                   x_axis_label="epoch", y_axis_label="test accuracy", tools="pan,box_zoom,reset,save")
+        f.toolbar.autohide = True  # shown on hover in the HTML, never baked into its PNG
         f.y_range = Range1d(0, 1)
-        for i, r in enumerate(x for x in cmp["rows"] if x["np"] == p):
+        f.x_range = Range1d(0.5, n_epochs + 0.5)
+        for r in (x for x in cmp["rows"] if x["np"] == p):
             xs = list(range(1, len(r["test_acc_curve"]) + 1))
-            f.line(xs, r["test_acc_curve"], color=Category10[10][cmp["labels"].index(r["label"]) % 10],
-                   line_width=2, legend_label=r["label"])
-        f.line([1, max(1, len(cmp["rows"][0]["test_acc_curve"]))], [0.1, 0.1], color="gray",
-               line_dash="dotted", legend_label="chance")
-        f.legend.location = "top_left"
-        f.legend.label_text_font_size = "8pt"
+            color = Category10[10][cmp["labels"].index(r["label"]) % 10]
+            f.line(xs, r["test_acc_curve"], color=color, line_width=2, legend_label=r["label"])
+            # markers: a study with one evaluation per curve is a point, not an empty plot
+            f.scatter(xs, r["test_acc_curve"], color=color, size=6, legend_label=r["label"])
+        f.line([0.5, n_epochs + 0.5], [0.1, 0.1], color="gray", line_dash="dotted", legend_label="chance")
+        legend = f.legend[0]  # below the plot, off the curves
+        f.add_layout(legend, "below")
+        legend.orientation, legend.ncols, legend.location = "horizontal", 2, "center"
+        legend.label_text_font_size = "10pt"
+        legend.border_line_alpha = 0
+        f.title.text_font_size = "11pt"
         figs.append(f)
-    head = "<h2>pilab: fast-but-wrong, by learning-rate rule</h2>"
+    head = f"<h2>pilab: fast-but-wrong, {escape(compare_title(cmp))}</h2>"
+    if cmp.get("warning"):
+        head += f"<p style='color:#b00'><b>Warning:</b> {escape(cmp['warning'])}</p>"
     for label, cmd in cmp["commands"].items():
-        head += f"<p><b>{escape(label)}:</b> <code>{escape(str(cmd))}</code></p>"
-    table = html_table(_COMPARE_HEAD, [_compare_cells(r) for r in cmp["rows"]])
-    return file_html(column(Div(text=head, width=1000), row(*figs), Div(text=table, width=1000)),
-                     INLINE, "pilab fast-but-wrong")
+        head += f"<p style='font-size:11pt'><b>{escape(label)}:</b> <code>{escape(str(cmd))}</code></p>"
+    table = html_table(_compare_head(cmp), [_compare_cells(r) for r in cmp["rows"]])
+    # three plots a row: the page (and its PNG) stays 1,000 px wide, readable where it is shown
+    grid = [row(*figs[i:i + 3]) for i in range(0, len(figs), 3)]
+    return file_html(column(Div(text=head, width=1000), *grid, Div(text=table, width=1000)),
+                     INLINE, "pilab compare")

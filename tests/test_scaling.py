@@ -5,6 +5,7 @@ import io
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -165,6 +166,8 @@ def test_compare_cli_on_the_committed_study(tmp_path):
                         "--labels", ",".join(rules), "--out", str(tmp_path / "cmp")],
                        cwd=repo, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
+    # four LR rules of one protocol: titled by what varies, no mixed-settings warning
+    assert "compared by learning-rate rule" in p.stdout and "warning" not in p.stderr
     cmp = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     acc = {(r["label"], r["np"]): r for r in cmp["rows"]}
     studies = {lab: json.loads(open(os.path.join(docs, r, "study.json")).read()) for lab, r in rules.items()}
@@ -409,6 +412,7 @@ def test_remedies_keep_each_candidate_resume_and_reuse_a_study_point(tmp_path):
     assert (out / "linear-lr" / "result.json").exists() and (out / "report.html").exists()
     res = json.loads((out / "remedies.json").read_text())
     assert res["speed_baseline_np"] == 2 and res["command"].startswith("python -m pilab remedies --np 4")
+    assert "baseline,linear lr" in shlex.split(res["command"])  # shell-quoted: pastes back as run
     cfg = Config.from_dict({**res["config"], "threads": 0})
     base = perfmodel.predict(cfg, 2, "pi4b_cluster")["epoch_time"]
     for c in res["candidates"]:
