@@ -139,7 +139,7 @@ def _timeline(src: ColumnDataSource, title: str = "where each rank's time went")
     renderers = p.hbar_stack(list(PARTS), y="rank", height=0.7, source=src,
                              color=[PART_COLORS[k] for k in PARTS])
     legend = Legend(items=[(PART_LABELS[k], [r]) for k, r in zip(PARTS, renderers)],
-                    label_text_font_size="8pt", location="center")
+                    label_text_font_size="10pt", location="center")
     p.add_layout(legend, "below")
     p.height = H + 60
     p.add_tools(HoverTool(tooltips=[("rank", "@rank"), ("compute", "@compute{0.00} s"),
@@ -394,6 +394,12 @@ def efficiency_figure(study: Mapping) -> figure:
                                     ("Karp-Flatt", "@karp_flatt{0.000}")]))
     _np_axis(p, study)
     _legend_outside(p)
+    # below the plot: np=1's point (and its label) sits where a top-left legend would be
+    if p.legend:
+        legend = p.legend[0]
+        p.add_layout(legend, "below")
+        legend.orientation, legend.location = "horizontal", "center"
+        p.height = H + 40
     return p
 
 
@@ -446,6 +452,9 @@ def curves_by_np(study: Mapping):
             loss.line(xs, losses, color=color, line_width=1.2, legend_label=f"np={np_}")
     for p in (acc, loss):
         _legend_outside(p)
+        # legend in np order, whatever order the curves were drawn in
+        if p.legend:
+            p.legend[0].items = sorted(p.legend[0].items, key=lambda it: int(it.label.value.split("=")[1]))
     return row(acc, loss)
 
 

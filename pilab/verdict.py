@@ -80,7 +80,7 @@ def judge(rows: Sequence[Mapping], *, reference_np: int, speed_baseline_np: int,
         elif not judged:
             v = "not judged"
             ref = "no accuracy" if reference_acc is None else f"{reference_acc:.1%}"
-            why = f"np={reference_np} ({ref}) has not learned enough to judge"
+            why = f"np={reference_np} at {ref} has not learned enough to judge"
         elif acc is None:
             v, why = "not judged", "no test accuracy"
         else:

@@ -48,7 +48,7 @@ def test_a_reference_at_chance_judges_nothing_and_sets_no_target():
     assert all(r["time_to_target"] is None and r["target_reached"] is None for r in st["rows"])
     text = scaling.table(st)
     assert "FAST-BUT-WRONG" not in text and "not reached" not in text and "no target" in text
-    assert set(_table_verdicts(text).values()) == {"reference", "not judged (np=1 (10.2%) has not learned enough to judge)"}
+    assert set(_table_verdicts(text).values()) == {"reference", "not judged (np=1 at 10.2% has not learned enough to judge)"}
     assert "has not learned enough to judge" in st["verdict"] and "no run is called fast-but-wrong" in st["verdict"]
     summary = scaling.models_summary({"spiking": st})[0]
     assert summary["first_fast_but_wrong_np"] is None and not summary["judged"]
