@@ -26,6 +26,8 @@ from bokeh.models import ColumnDataSource, Div, HoverTool, LabelSet, Legend, Ran
 from bokeh.palettes import Category10
 from bokeh.plotting import figure
 
+from . import verdict as judging
+
 __all__ = ["setup_notebook", "show", "LivePlot", "loss_figure", "accuracy_figure",
            "throughput_figure", "timeline_figure", "result_layout", "speedup_figure",
            "efficiency_figure", "study_accuracy_figure", "curves_by_np", "scaling_dashboard",
@@ -88,7 +90,11 @@ def _fig(title: str, x_label: str, y_label: str, **kw) -> figure:
     p = figure(title=title, width=kw.pop("width", W), height=kw.pop("height", H),
                x_axis_label=x_label, y_axis_label=y_label, toolbar_location="right",
                tools="pan,wheel_zoom,box_zoom,reset,save", **kw)
+    p.toolbar.autohide = True  # on hover only: a screenshot (the report's PNG) shows no toolbar
     p.title.text_font_size = "11pt"
+    for axis in (p.xaxis, p.yaxis):  # >= 10 px where the PNG is shown scaled down
+        axis.major_label_text_font_size = "12px"
+        axis.axis_label_text_font_size = "12px"
     return p
 
 
@@ -96,7 +102,7 @@ def _legend_outside(p: figure) -> None:
     if p.legend:
         p.legend.location = "top_left"
         p.legend.click_policy = "hide"
-        p.legend.label_text_font_size = "8pt"
+        p.legend.label_text_font_size = "10pt"
         p.legend.background_fill_alpha = 0.6
 
 
@@ -135,7 +141,7 @@ def _timeline(src: ColumnDataSource, title: str = "where each rank's time went")
     renderers = p.hbar_stack(list(PARTS), y="rank", height=0.7, source=src,
                              color=[PART_COLORS[k] for k in PARTS])
     legend = Legend(items=[(PART_LABELS[k], [r]) for k, r in zip(PARTS, renderers)],
-                    label_text_font_size="8pt", location="center")
+                    label_text_font_size="10pt", location="center")
     p.add_layout(legend, "below")
     p.height = H + 60
     p.add_tools(HoverTool(tooltips=[("rank", "@rank"), ("compute", "@compute{0.00} s"),
@@ -338,7 +344,8 @@ class LivePlot:
 # scaling studies
 # ----------------------------------------------------------------------------------------------
 def _rows(study: Mapping) -> list[Mapping]:
-    return sorted(study.get("rows") or [], key=lambda r: r["np"])
+    # judged by pilab.verdict (the one logic), so a committed older study.json draws the same verdicts
+    return judging.judge_study(study)["rows"] if study.get("rows") else []
 
 
 def _row_source(study: Mapping) -> ColumnDataSource:
@@ -354,8 +361,8 @@ def _row_source(study: Mapping) -> ColumnDataSource:
     cols["here_speedup"] = [base_here / r["here_time_per_epoch"] if base_here and r.get("here_time_per_epoch")
                             else None for r in rows]
     cols["kind"] = ["simulated" if r.get("simulated") else "measured" for r in rows]
-    cols["verdict"] = ["fast but wrong" if r.get("fast_but_wrong") else "ok" for r in rows]
-    cols["color"] = ["#d62728" if r.get("fast_but_wrong") else "#1f77b4" for r in rows]
+    cols["verdict"] = [judging.cell(r) for r in rows]
+    cols["color"] = [judging.color(r) for r in rows]
     return ColumnDataSource(cols)
 
 
@@ -363,6 +370,12 @@ def _np_axis(p: figure, study: Mapping) -> None:
     nps = [r["np"] for r in _rows(study)]
     if nps:
         p.xaxis.ticker = nps
+        p.xaxis.major_label_overrides = {n: str(n) for n in nps}
+
+
+def _np_fig(title: str, y_label: str) -> figure:
+    """A figure against np on a log axis: np 1, 2, 8, 48 spread out instead of 1 and 2 run together."""
+    return _fig(title, "processes (np, log scale)", y_label, x_axis_type="log")
 
 
 def speedup_figure(study: Mapping) -> figure:
@@ -370,7 +383,7 @@ def speedup_figure(study: Mapping) -> figure:
     src = _row_source(study)
     machine = study.get("machine", "this machine")
     p0 = study.get("baseline_np") or 1
-    p = _fig("speedup vs processes", "processes (np)", f"speedup (time per epoch vs np={p0})")
+    p = _np_fig("speedup vs processes", f"speedup (time per image vs np={p0})")
     p.line("np", "ideal", source=src, color="gray", line_dash="dashed", legend_label="ideal")
     label = "this machine" if machine == "this machine" else f"{machine} (predicted)"
     p.line("np", "speedup", source=src, color="#1f77b4", line_width=2, legend_label=label)
@@ -387,8 +400,18 @@ def speedup_figure(study: Mapping) -> figure:
 def efficiency_figure(study: Mapping) -> figure:
     """Parallel efficiency and the communication share of step time against np."""
     src = _row_source(study)
-    p = _fig("efficiency and communication", "processes (np)", "fraction")
-    p.y_range = Range1d(0, 1.05)
+    p = _np_fig("efficiency and communication", "fraction")
+    rows = _rows(study)
+    # the axis fits the data: np below the speed baseline can read above 100% (pilab.verdict)
+    top = max([r["efficiency"] for r in rows if r.get("efficiency") is not None] + [1.0])
+    p.y_range = Range1d(0, top * 1.12 if top > 1.0 else 1.05)
+    noted = [r for r in rows if r.get("efficiency_note") and r.get("efficiency") is not None]
+    if noted:
+        p0 = study.get("baseline_np")
+        p.add_layout(LabelSet(x="np", y="e", text="t", x_offset=8, y_offset=-5, text_font_size="10pt",
+                              source=ColumnDataSource({"np": [r["np"] for r in noted],
+                                                       "e": [r["efficiency"] for r in noted],
+                                                       "t": [f"{r['efficiency']:.0%}* vs np={p0}" for r in noted]})))
     p.line("np", "efficiency", source=src, color="#1f77b4", line_width=2, legend_label="efficiency")
     p.scatter("np", "efficiency", source=src, color="color", size=8, legend_label="efficiency")
     p.line("np", "comm_exposed_share", source=src, color="#e45756", line_width=2,
@@ -398,13 +421,19 @@ def efficiency_figure(study: Mapping) -> figure:
                                     ("Karp-Flatt", "@karp_flatt{0.000}")]))
     _np_axis(p, study)
     _legend_outside(p)
+    # below the plot: np=1's point (and its label) sits where a top-left legend would be
+    if p.legend:
+        legend = p.legend[0]
+        p.add_layout(legend, "below")
+        legend.orientation, legend.location = "horizontal", "center"
+        p.height = H + 40
     return p
 
 
 def study_accuracy_figure(study: Mapping) -> figure:
     """Final train and test accuracy against np: where faster stops meaning as good."""
     src = _row_source(study)
-    p = _fig("final accuracy vs processes", "processes (np)", "accuracy")
+    p = _np_fig("final accuracy vs processes", "accuracy")
     p.y_range = Range1d(0, 1)
     for key, label, color in (("final_train_acc", "train", Category10[10][0]),
                               ("final_test_acc", "test", Category10[10][1])):
@@ -429,15 +458,20 @@ def curves_by_np(study: Mapping):
     loss = _fig("training loss by np", "fraction of training", "loss")
     runs = _runs(study)
     palette = Category10[10]
-    for i, (np_, res) in enumerate(runs):
+    # Curves that coincide (np=8 and np=48 both at chance) stay apart by dash and marker, the larger np
+    # drawn first and wider, so the smaller one shows on top of it.
+    dashes, markers = ("solid", "dashed", "dotted", "dashdot"), ("circle", "square", "triangle", "diamond")
+    order = sorted(enumerate(runs), key=lambda x: -x[1][0])
+    for i, (np_, res) in order:
         color = palette[i % 10]
         ep = _epoch_columns(res)
         pts = [(e, a) for e, a in zip(ep["epoch"], ep["test_acc"]) if a is not None]
         if pts:
-            acc.line([p[0] for p in pts], [p[1] for p in pts], color=color, line_width=2,
-                     legend_label=f"np={np_}")
-            acc.scatter([p[0] for p in pts], [p[1] for p in pts], color=color, size=5,
-                        legend_label=f"np={np_}")
+            width = 2 + 1.5 * (len(runs) - 1 - i) / max(len(runs) - 1, 1)
+            acc.line([p[0] for p in pts], [p[1] for p in pts], color=color, line_width=width,
+                     line_dash=dashes[i % 4], legend_label=f"np={np_}")
+            acc.scatter([p[0] for p in pts], [p[1] for p in pts], color=color, size=5 + 4 * (len(runs) - 1 - i)
+                        / max(len(runs) - 1, 1), marker=markers[i % 4], legend_label=f"np={np_}")
         losses = list((res.get("steps") or {}).get("loss", []))
         if losses:
             # Steps per epoch shrink as np grows: put every run on the same 0..1 axis.
@@ -445,6 +479,9 @@ def curves_by_np(study: Mapping):
             loss.line(xs, losses, color=color, line_width=1.2, legend_label=f"np={np_}")
     for p in (acc, loss):
         _legend_outside(p)
+        # legend in np order, whatever order the curves were drawn in
+        if p.legend:
+            p.legend[0].items = sorted(p.legend[0].items, key=lambda it: int(it.label.value.split("=")[1]))
     return row(acc, loss)
 
 
@@ -459,27 +496,28 @@ def _table(study: Mapping) -> Div:
         def f(k, fmt):
             v = r.get(k)
             return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "–"
-        verdict = "fast but wrong" if r.get("fast_but_wrong") else "ok"
-        if r.get("simulated"):
-            verdict += " (simulated)"
+        verdict = judging.cell(r)
         here = f"{f('here_time_per_epoch', '.1f')} ({r.get('here_time_source') or '–'})"
+        missing = "no target" if r.get("target_reached") is None else "not reached"
         ttt = f("time_to_target", ".0f") + " s" if r.get("time_to_target") is not None else \
-            ("not reached" if r.get("time_per_epoch") is not None else "–")
+            (missing if r.get("time_per_epoch") is not None else "–")
         kj = (lambda k: format(r[k] / 1e3, ".2f") if r.get(k) is not None else "–")
         ett = kj("energy_to_target_j") if r.get("energy_to_target_j") is not None else \
-            ("not reached" if r.get("energy_j") is not None else "–")
+            (missing if r.get("energy_j") is not None else "–")
         rows.append((str(r["np"]), f("time_per_epoch", ".1f"), *((here,) if two else ()), f("speedup", ".2f"),
-                     f("efficiency", ".0%"), f("images_per_s", ".0f"),
+                     f("efficiency", ".0%") + ("*" if r.get("efficiency_note") else ""), f("images_per_s", ".0f"),
                      f("comm_exposed_share", ".0%"), f("final_test_acc", ".3f"), ttt,
                      kj("energy_per_epoch_j"), ett, verdict))
-    return Div(text=html_table(head, rows))
+    notes = "".join(f"<p style='font-size:10pt;margin:2px'>{escape(n)}</p>"
+                    for n in judging.footnotes(judging.judge_study(study)))
+    return Div(text=html_table(head, rows) + notes)
 
 
 def html_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A plain, escaped HTML table for a Bokeh ``Div``: ``Div(text=html_table(["np"], [[1], [2]]))``."""
     import html as _html
 
-    out = "<table style='border-collapse:collapse;font-size:10pt'>"
+    out = "<table style='border-collapse:collapse;font-size:11pt'>"
     out += "<tr>" + "".join(f"<th style='padding:2px 8px;border-bottom:1px solid #999'>"
                             f"{_html.escape(str(h))}</th>" for h in head) + "</tr>"
     for cells in rows:
@@ -502,12 +540,21 @@ def energy_figure(study: Mapping) -> figure | None:
         "energy_kj": [r["energy_j"] / 1e3 for r in rows],
         "acc": [r["final_test_acc"] for r in rows],
         "label": [f"np={r['np']} ({(r['final_test_acc'] or 0):.0%})" for r in rows],
-        "color": ["#d62728" if r.get("fast_but_wrong") else "#1f77b4" for r in rows],
+        "color": [judging.color(r) for r in rows],
         "source": [r.get("energy_source") for r in rows]})
     machine = study.get("machine", "this machine")
     p = _fig(f"energy vs time vs accuracy ({machine})", "training time, all epochs (s)", "energy (kJ)")
+    ts, es = src.data["time"], src.data["energy_kj"]
+    # room around the points for their labels; labels of the right half point left, so none is clipped
+    pad_t, pad_e = (max(ts) - min(ts)) or max(ts) or 1.0, (max(es) - min(es)) or max(es) or 1.0
+    p.x_range = Range1d(min(ts) - 0.08 * pad_t, max(ts) + 0.08 * pad_t)
+    p.y_range = Range1d(min(es) - 0.12 * pad_e, max(es) + 0.15 * pad_e)
+    mid = (min(ts) + max(ts)) / 2
+    src.data["align"] = ["right" if t > mid else "left" for t in ts]
+    src.data["dx"] = [-8 if t > mid else 8 for t in ts]
     p.scatter("time", "energy_kj", source=src, color="color", size=10)
-    p.text("time", "energy_kj", text="label", source=src, x_offset=6, y_offset=-6, text_font_size="8pt")
+    p.add_layout(LabelSet(x="time", y="energy_kj", text="label", source=src, x_offset="dx", y_offset=-5,
+                          text_align="align", text_font_size="10pt"))
     p.add_tools(HoverTool(tooltips=[("np", "@np"), ("time", "@time{0.0} s"), ("energy", "@energy_kj{0.00} kJ"),
                                     ("test acc", "@acc{0.000}"), ("source", "@source")]))
     return p

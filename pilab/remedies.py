@@ -28,6 +28,7 @@ from dataclasses import replace
 import re
 
 from . import perfmodel, simulate
+from . import verdict as judging
 from .config import Config, ConfigError, small_mode
 from .engine import load_data
 from .scaling import (POWER_MODELS, calibrate_from, finished_run, reused_run, run_energy,
@@ -65,6 +66,11 @@ def candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
          {**eight, **sw, "epochs": big} if eight else None),
     ]
     return [(label, ch) for label, ch in out if ch is not None]
+
+
+def candidate_labels(cfg: Config, np_: int) -> list[str]:
+    """The labels ``only=`` (``--only``) accepts at these settings and ``np_``, in search order."""
+    return [label for label, _ in candidates(cfg, np_)]
 
 
 def notebook_candidates() -> list[str] | None:
@@ -107,20 +113,25 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=
     machine's speed baseline (one Pi node = 2 ranks; else 1 rank): more epochs cost speedup.
     ``out``/``resume``/``reuse``: see the module docstring.
     """
-    ds = data if data is not None else load_data(cfg)
     cands = candidates(cfg, np_)
     if only:
+        unknown = [o for o in only if o not in {c[0] for c in cands}]
+        if unknown:
+            raise ConfigError(f"{', '.join(map(repr, unknown))} {'is not a candidate' if len(unknown) == 1 else 'are not candidates'}"
+                              f" at np={np_}; the candidates are: {'; '.join(c[0] for c in cands)}")
         cands = [c for c in cands if c[0] in only]
-        if not cands:
-            raise ConfigError(f"none of {only} is a candidate; see remedies.candidates()")
+    ds = data if data is not None else load_data(cfg)  # after the checks: a bad label costs no loading
     sim_cfg = replace(cfg, out="", threads=cfg.threads)
     if reference_acc is None or calibration == "this":
-        ref = simulate.run(sim_cfg, 1, data=ds)
+        if log:  # minutes on a laptop: say what runs, then one line per epoch
+            log(f"  reference: the baseline at np=1, {cfg.epochs} epoch(s), sets the target accuracy")
+        ref = simulate.run(sim_cfg, 1, data=ds, callbacks=[_epoch_log(log, cfg.epochs)] if log else ())
         if reference_acc is None:
             reference_acc = ref["epochs"][-1]["test_acc"]
         if calibration == "this":
             calibration = calibrate_from(ref, mpiexec)
-    target = target_fraction * reference_acc
+    # None where the reference has not learned: no target at chance (pilab.verdict, as in the study)
+    target = judging.target_accuracy(reference_acc, {"target_fraction": target_fraction})
     base = _whole_run_time(cfg, target_baseline(calibration) or 1, calibration) if calibration else None
     rows = []
     for label, changes in cands:
@@ -152,6 +163,16 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=
             "reference_acc": reference_acc, "target_accuracy": target,
             "speed_baseline_np": target_baseline(calibration) or 1 if calibration else None,
             "speed_baseline_time": base, "candidates": rows, "best": best[:5]}
+
+
+def _epoch_log(log, epochs: int):
+    """A train callback that logs each finished epoch of the reference run."""
+    def cb(ev):
+        if ev.get("kind") == "epoch":
+            acc = ev.get("test_acc")
+            log(f"  reference np=1: epoch {ev.get('epoch')}/{epochs}"
+                + (f"  test acc {acc:.3f}" if acc is not None else ""))
+    return cb
 
 
 def _on(cfg: Config, calibration) -> Config:
@@ -201,7 +222,8 @@ def _candidate_row(label, changes, c: Config, np_: int, res: dict, calibration, 
            "comm_exposed_share": pred["comm_exposed"] / pred["time"] if pred else None,
            "time_to_target": time_to_target(res, target, times, [pred["eval_time"]] * len(times))
            if times else None,
-           "reached_target": any((e["test_acc"] or 0) >= target for e in res["epochs"]),
+           "reached_target": any((e["test_acc"] or 0) >= target for e in res["epochs"])
+           if target is not None else None,
            "wall_time_here": res.get("wall_time")}
     if epoch_time and calibration in POWER_MODELS:  # energy: the third axis of the front
         row.update(run_energy(res, {"train": times, "eval": [pred["eval_time"]] * len(times),
@@ -262,8 +284,7 @@ def ablation_table(res: dict) -> str:
 def table(res: dict) -> str:
     w = max([36] + [len(r["label"]) + 2 for r in res["candidates"]])  # the label column
     base = f", speedup vs np={res['speed_baseline_np']} of the baseline" if res.get("speed_baseline_np") else ""
-    lines = [f"np={res['np']}  reference accuracy {res['reference_acc']:.3f}  "
-             f"target {res['target_accuracy']:.3f}"
+    lines = [f"np={res['np']}  reference accuracy {res['reference_acc']:.3f}  " + _target_text(res)
              + (f"  times predicted for {res['machine']}{base}" if res.get("machine")
                 else "  (no times: no target)"),
              f"{'candidate':<{w}}{'glob.batch':>10}{'peak lr':>9}{'steps':>7}{'test acc':>9}"
@@ -275,11 +296,16 @@ def table(res: dict) -> str:
         t = f"{r['epochs_time']:.0f}" if r["epochs_time"] else "–"
         sp = f"{r['speedup']:.1f}" if r.get("speedup") else "–"
         ttt = f"{r['time_to_target']:.0f}s" if r["time_to_target"] else (
-            "not reached" if not r["reached_target"] else "–")
+            "no target" if r["reached_target"] is None else "not reached" if not r["reached_target"] else "–")
         kj = f"{r['energy_j'] / 1e3:.2f}" if r.get("energy_j") is not None else "–"
         lines.append(f"{r['label']:<{w}}{r['global_batch']:>10}{r['peak_lr']:>9.3g}{r['steps']:>7}"
                      f"{r['final_test_acc']:>9.3f}{t:>9}{sp:>8}{ttt:>13}{kj:>10}  {'*' if r.get('pareto') else ''}")
     return "\n".join(lines)
+
+
+def _target_text(res: dict) -> str:
+    t = res.get("target_accuracy")
+    return f"target {t:.3f}" if t is not None else "no target (the reference has not learned)"
 
 
 def write_report(res: dict, out: str) -> dict:
@@ -297,7 +323,7 @@ def write_report(res: dict, out: str) -> dict:
     from .scaling import export_png
     head = (f"<h2>pilab remedies at np={res['np']}</h2>"
             f"<p><b>command:</b> <code>{escape(res.get('command') or 'python API')}</code></p>"
-            f"<p>Reference accuracy {res['reference_acc']:.3f}; target {res['target_accuracy']:.3f}. "
+            f"<p>Reference accuracy {res['reference_acc']:.3f}; {_target_text(res)}. "
             + (f"Times, speedup and energy predicted for <b>{escape(str(res['machine']))}</b>; speedup is "
                f"the whole run's against the un-remedied settings at np={res['speed_baseline_np']}. "
                if res.get("machine") else "No times (no target machine). ")

@@ -38,6 +38,7 @@ from bokeh.plotting import figure
 from bokeh.resources import INLINE
 
 from . import checkpoint, energy, perfmodel, plots, simulate
+from . import verdict as judging
 from .config import DEMO, Config, ConfigError, small_mode
 from .files import atomic_write_text, save_json
 from .launch import LaunchError, pilab_command
@@ -75,7 +76,8 @@ class Criteria:
     baseline_np: int = 0  # p0 of S and E; 0 = the smallest measured np
     target_fraction: float = 0.9  # target accuracy = this × the baseline's final test accuracy
     wrong_gap: float = 0.10  # fast-but-wrong: final test accuracy this far below the baseline's...
-    wrong_floor: float = 0.20  # ...or under this (twice chance on CIFAR-10)
+    wrong_floor: float = 0.20  # ...or under this (twice chance on CIFAR-10); a reference under it judges nothing
+    chance: float = judging.CHANCE  # no target accuracy at or below this (ten balanced classes)
 
     def __post_init__(self):
         if not 0 < self.target_fraction <= 1:
@@ -101,6 +103,8 @@ def time_to_target(result: dict, target: float, epoch_times: list[float] | None 
     Training time and the time of every evaluation up to that one count; ``epoch_times`` and
     ``eval_times`` (per epoch) replace the measured ``epochs[].time`` / ``eval_time`` (predicted
     times for another machine). An epoch without an evaluation contributes no evaluation time."""
+    if target is None:  # no target: the reference did not learn (pilab.verdict)
+        return None
     elapsed = 0.0
     train = epoch_times or [e["time"] for e in result["epochs"]]
     evals = eval_times or [e.get("eval_time") or 0.0 for e in result["epochs"]]
@@ -160,8 +164,9 @@ def rows_from_runs(runs: dict[int, dict], criteria: Criteria = Criteria(),
     if p0 not in runs and not (target and baseline_per_image):
         raise ConfigError(f"baseline np={p0} is not among the runs {nps}; measure it or pick another")
     pa = nps[0]
-    base_acc = final_value(runs[pa], "test_acc") or 0.0
-    target_acc = criteria.target_fraction * base_acc
+    base_acc = final_value(runs[pa], "test_acc")
+    # None where the reference did not learn: no target at or below chance (pilab.verdict)
+    target_acc = judging.target_accuracy(base_acc, asdict(criteria))
     primary = target or "this machine"
     here = {p: _times(runs[p], predicted.get(p), "this machine") for p in nps}
     there = {p: _times(runs[p], target_predicted.get(p), target) for p in nps} if target else here
@@ -172,14 +177,16 @@ def rows_from_runs(runs: dict[int, dict], criteria: Criteria = Criteria(),
         (baseline_per_image if p0 not in runs else None)
     ttt0 = time_to_target(runs[pa], target_acc, there[pa]["train"], there[pa]["eval"]) \
         if there[pa] else None
-    rows = [_row(p, runs[p], here[p], there[p], primary, p0, t0, ttt0, base_acc, target_acc, criteria,
-                 reference=p == pa) for p in nps]
+    rows = [_row(p, runs[p], here[p], there[p], primary, p0, t0, ttt0, target_acc) for p in nps]
     for row in rows:
         row.update(run_energy(runs[row["np"]], there[row["np"]], primary, target_acc))
+    # the verdict of every row: pilab.verdict, the one logic the tables, reports and notebooks share
+    rows = judging.judge(rows, reference_np=pa, speed_baseline_np=p0, reference_acc=base_acc,
+                         criteria=asdict(criteria))
     meta = {"baseline_np": p0, "baseline_predicted_only": p0 not in runs,
             "accuracy_baseline_np": pa, "baseline_test_acc": base_acc,
             "target_accuracy": target_acc, "machine": primary,
-            "reference_learned": base_acc >= criteria.wrong_floor}
+            "reference_learned": judging.learned(base_acc, asdict(criteria))}
     return rows, meta
 
 
@@ -187,8 +194,9 @@ def _images_per_epoch(run: dict) -> int:
     return run["per_rank_batch"] * run["np"] * run["steps_per_epoch"]
 
 
-def _row(p, r, here, there, machine, p0, t0, ttt0, base_acc, target_acc, criteria, reference=False) -> dict:
-    """The row of one np: speed on ``machine`` (``there``), this machine's time beside it."""
+def _row(p, r, here, there, machine, p0, t0, ttt0, target_acc) -> dict:
+    """The row of one np: speed on ``machine`` (``there``), this machine's time beside it; its verdict
+    comes after (pilab.verdict.judge)."""
     def mean(t):
         return sum(t["train"]) / len(t["train"]) if t else None
     tpe = mean(there)
@@ -214,10 +222,8 @@ def _row(p, r, here, there, machine, p0, t0, ttt0, base_acc, target_acc, criteri
         "final_train_loss": final_value(r, "train_loss"), "final_test_loss": final_value(r, "test_loss"),
         "time_to_target": ttt,
         "speedup_to_target": (ttt0 / ttt) if (ttt and ttt0) else None,
-        "target_reached": any((e.get("test_acc") or 0) >= target_acc for e in r["epochs"]),
-        # The accuracy reference is what the others are judged against, never judged itself.
-        "fast_but_wrong": bool(not reference and (acc is None or acc < base_acc - criteria.wrong_gap
-                                                  or acc < criteria.wrong_floor)),
+        "target_reached": any((e.get("test_acc") or 0) >= target_acc for e in r["epochs"])
+        if target_acc is not None else None,
     }
 
 
@@ -244,52 +250,14 @@ def run_energy(run: dict, times: dict | None, machine: str, target_acc: float) -
     else:
         return dict(_NO_ENERGY)
     return {"energy_j": e["energy_j"], "energy_per_epoch_j": e["energy_j"] / n if n else None,
-            "energy_to_target_j": energy.energy_to_target(run, target_acc, e["energy_per_epoch_j"]),
+            "energy_to_target_j": energy.energy_to_target(run, target_acc, e["energy_per_epoch_j"])
+            if target_acc is not None else None,
             "energy_source": e["source"]}
 
 
 def verdict(study_: dict, *, within: float = 0.05) -> str:
-    """One plain-language paragraph from the numbers: how fast, up to which np it stays right."""
-    rows = sorted(study_["rows"], key=lambda r: r["np"])
-    base = study_["baseline_test_acc"]
-    pa = study_.get("accuracy_baseline_np", rows[0]["np"])
-    machine = study_.get("machine", "this machine")
-    where = "on this machine" if machine == "this machine" else f"predicted for {machine}"
-    parts = []
-    timed = [r for r in rows if r.get("speedup")]
-    if timed:
-        top = max(timed, key=lambda r: r["np"])
-        parts.append(f"Speedup ({where}, against np={study_['baseline_np']}) reaches {top['speedup']:.1f} "
-                     f"at np={top['np']} ({top['efficiency']:.0%} efficiency).")
-    if base < study_["criteria"]["wrong_floor"]:
-        parts.append(f"The reference run (np={pa}) ends at {base:.1%}, under the {study_['criteria']['wrong_floor']:.0%} "
-                     "floor: it has not learned enough to judge what scale does to accuracy; train it "
-                     "longer (more epochs or images) or tune its learning rate first.")
-        return " ".join(parts)
-    right = [r for r in rows if r["final_test_acc"] is not None and r["final_test_acc"] >= base - within]
-    k = max(right, key=lambda r: r["np"]) if right else None
-    if k is not None:
-        parts.append(f"np={k['np']} is the largest count that keeps test accuracy within {within * 100:.0f} "
-                     f"points of np={pa} ({k['final_test_acc']:.1%} vs {base:.1%}).")
-    wrong = [r for r in rows if r["fast_but_wrong"]]
-    beyond = [r for r in wrong if k is None or r["np"] > k["np"]]
-    if beyond:
-        w = min(beyond, key=lambda r: r["np"])
-        faster = f", although it is {w['speedup']:.1f}x faster" if w.get("speedup") else ""
-        steps = w["steps_per_epoch"] * len(study_["runs"][str(w["np"])]["epochs"])
-        parts.append(f"Beyond it, np={w['np']} ends at {w['final_test_acc']:.1%} "
-                     f"({(base - w['final_test_acc']) * 100:.0f} points below){faster}: fast but wrong — "
-                     f"its global batch is {w['global_batch']} and the whole run is {steps} optimizer steps.")
-    elif wrong:
-        parts.append("Fast-but-wrong at np=" + ", ".join(str(r["np"]) for r in wrong)
-                     + " although a larger count stays right: accuracy is not monotone in np here.")
-    else:
-        parts.append("No process count turned fast-but-wrong.")
-    missed = [r["np"] for r in rows if not r["target_reached"]]
-    parts.append(f"The target accuracy {study_['target_accuracy']:.1%} "
-                 f"({study_['criteria']['target_fraction']:.0%} of np={pa}'s) is "
-                 + (f"not reached at np={', '.join(map(str, missed))}." if missed else "reached at every np."))
-    return " ".join(parts)
+    """One plain-language paragraph from the numbers (:func:`pilab.verdict.summary`, the one logic)."""
+    return judging.summary(judging.judge_study(study_), within=within)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -594,7 +562,7 @@ ROW_KEYS = ("np", "simulated", "machine", "time_source", "per_rank_batch", "glob
             "efficiency", "karp_flatt", "images_per_s", "comm_share", "comm_exposed_share", "peak_mem_mb",
             "final_train_acc", "final_test_acc", "final_train_loss", "final_test_loss", "time_to_target",
             "speedup_to_target", "target_reached", "energy_per_epoch_j", "energy_j", "energy_to_target_j",
-            "energy_source", "fast_but_wrong")
+            "energy_source", "fast_but_wrong", "verdict", "verdict_why", "efficiency_note")
 
 
 def to_csv(rows: list[dict]) -> str:
@@ -602,7 +570,9 @@ def to_csv(rows: list[dict]) -> str:
     w = csv.DictWriter(buf, fieldnames=ROW_KEYS, extrasaction="ignore")
     w.writeheader()
     for r in rows:
-        w.writerow({k: ("not reached" if k in ("time_to_target", "speedup_to_target", "energy_to_target_j")
+        # no number to a target: "not reached", or "no target" where the reference did not learn
+        missing = "no target" if r.get("target_reached") is None else "not reached"
+        w.writerow({k: (missing if k in ("time_to_target", "speedup_to_target", "energy_to_target_j")
                         and r.get(k) is None and (k != "energy_to_target_j" or r.get("energy_j") is not None)
                         else r.get(k)) for k in ROW_KEYS})
     return buf.getvalue()
@@ -610,12 +580,14 @@ def to_csv(rows: list[dict]) -> str:
 
 def table(study_: dict) -> str:
     """A plain-text table of the rows (what the CLI prints); with a target machine, its times first
-    and this machine's beside them."""
+    and this machine's beside them. Verdicts, target and the paragraph under it: :mod:`pilab.verdict`."""
+    study_ = judging.judge_study(study_)
     machine = study_.get("machine", "this machine")
     two = machine != "this machine"
-    pa = study_.get("accuracy_baseline_np", study_["baseline_np"])
-    lines = [f"baseline np={pa}  final test acc {study_['baseline_test_acc']:.3f}  "
-             f"target {study_['target_accuracy']:.3f}"]
+    pa = study_["accuracy_baseline_np"]
+    base, target = study_["baseline_test_acc"], study_["target_accuracy"]
+    lines = [f"baseline np={pa}  final test acc " + (f"{base:.3f}" if base is not None else "–") + "  "
+             + (f"target {target:.3f}" if target is not None else "no target (the reference has not learned)")]
     if two:
         lines.append(f"times: {machine} (predicted), speed baseline np={study_['baseline_np']}"
                      + (" (predicted only, no run)" if study_.get("baseline_predicted_only") else "")
@@ -626,16 +598,15 @@ def table(study_: dict) -> str:
     for r in study_["rows"]:
         def n(v, fmt):
             return format(v, fmt) if isinstance(v, (int, float)) and v is not None else "–"
-        ttt = ("–" if r["time_per_epoch"] is None else "not reached") if r["time_to_target"] is None \
-            else f"{r['time_to_target']:.1f}s"
+        ttt = ("–" if r["time_per_epoch"] is None else "not reached" if target is not None else "no target") \
+            if r["time_to_target"] is None else f"{r['time_to_target']:.1f}s"
         here = f"{n(r.get('here_time_per_epoch'), '8.1f'):>8} " if two else ""
+        eff = n(r["efficiency"], ".0%") + ("*" if r.get("efficiency_note") else "")
         lines.append(f"{r['np']:>4} {'sim' if r['simulated'] else 'measured':>9} {r['global_batch']:>10} "
                      f"{n(r['time_per_epoch'], '8.1f'):>8} {here}{n(r['speedup'], '8.2f'):>8} "
-                     f"{n(r['efficiency'], '6.0%'):>6} {n(r['final_test_acc'], '8.3f'):>8} {ttt:>12}  "
-                     f"{'FAST-BUT-WRONG' if r['fast_but_wrong'] else 'ok'}")
-    if study_.get("verdict"):
-        lines.append("")
-        lines.append(study_["verdict"])
+                     f"{eff:>6} {n(r['final_test_acc'], '8.3f'):>8} {ttt:>12}  {judging.cell(r)}")
+    lines += judging.footnotes(study_)
+    lines += ["", judging.summary(study_)]
     return "\n".join(lines)
 
 
@@ -655,6 +626,7 @@ def write(study_: dict, out: str) -> dict:
 
 
 def report_html(study_: dict) -> str:
+    study_ = judging.judge_study(study_)  # verdicts and target by the one logic (older study.json too)
     crit = study_["criteria"]
     cfg = study_["config"]
     machine = study_.get("machine", "this machine")
@@ -668,7 +640,7 @@ def report_html(study_: dict) -> str:
               "to whole batches, so an epoch drops more leftover images.")
     head = (
         "<h2>pilab strong-scaling study</h2>"
-        f"<p><b>Verdict.</b> {escape(study_.get('verdict') or verdict(study_))}</p>"
+        f"<p><b>Verdict.</b> {escape(judging.summary(study_))}</p>"
         f"<p><b>command:</b> <code>{escape(study_.get('command') or 'python API')}</code></p>"
         f"<p>model {cfg['model']} width {cfg['width']}, {cfg['epochs']} epochs, batch {cfg['batch_size']} "
         f"({cfg['batch_mode']}), lr {cfg['lr']} per {cfg['lr_ref_batch']} scaled {cfg['lr_scaling']}, "
@@ -678,8 +650,12 @@ def report_html(study_: dict) -> str:
         f"<p>Speed baseline np={study_['baseline_np']}"
         f"{' (its time predicted; no accuracy run at that np)' if study_.get('baseline_predicted_only') else ''}"
         f"; accuracy reference np={pa} (final test accuracy "
-        f"{study_['baseline_test_acc']:.3f}). Target accuracy {study_['target_accuracy']:.3f} = "
-        f"{crit['target_fraction']:.0%} of the reference's, fixed before the other runs; time to target "
+        + (f"{study_['baseline_test_acc']:.3f}" if study_['baseline_test_acc'] is not None else "–") + "). "
+        + (f"Target accuracy {study_['target_accuracy']:.3f} = "
+           if study_["target_accuracy"] is not None else
+           "<b>No target accuracy and no verdicts</b>: the reference has not learned (under "
+           f"{crit['wrong_floor']:.0%}), and a target at chance would say nothing. Otherwise the target is ")
+        + f"{crit['target_fraction']:.0%} of the reference's, fixed before the other runs; time to target "
         "counts training and every evaluation up to the first that reaches it, and a run that never "
         "reaches it is <i>not reached</i> (MLPerf / DAWNBench conventions). A run is "
         f"<b>fast-but-wrong</b> when its final test accuracy is more than {crit['wrong_gap'] * 100:.0f} "
@@ -729,11 +705,43 @@ def export_png(html_path: str, png_path: str) -> str | None:
 # ----------------------------------------------------------------------------------------------
 # comparing studies (e.g. learning-rate rules) side by side
 # ----------------------------------------------------------------------------------------------
+# Settings that belong together when studies differ (one "what varies" in a comparison's title).
+SETTING_GROUPS = {
+    "learning-rate rule": ("lr", "lr_scaling", "lr_ref_batch", "warmup_epochs", "optimizer", "schedule",
+                           "momentum", "nesterov", "lars_eta"),
+    "model": ("model", "width", "timesteps"),
+    "batch": ("batch_mode", "batch_size"),
+    "BatchNorm": ("bn", "bn_buffers", "ghost_batch"),
+    "data": ("data", "train_subset", "test_subset", "augment", "sharding"),
+}
+_NOT_SETTINGS = ("out", "resume", "threads", "checkpoint_every", "keep", "device")  # not the training's
+
+
+def differing_settings(configs: dict[str, dict]) -> dict[str, dict[str, dict]]:
+    """{group: {setting: {label: value}}} for every setting that is not the same in all ``configs``
+    (label -> config dict), grouped as SETTING_GROUPS; a setting outside them is a group of its own::
+
+        differing_settings({"a": {"lr": 0.1, "epochs": 4}, "b": {"lr": 0.2, "epochs": 4}})
+        # {"learning-rate rule": {"lr": {"a": 0.1, "b": 0.2}}}
+    """
+    keys = sorted({k for c in configs.values() for k in c} - set(_NOT_SETTINGS))
+    out: dict[str, dict[str, dict]] = {}
+    for k in keys:
+        values = {label: c.get(k) for label, c in configs.items()}
+        if len({repr(v) for v in values.values()}) > 1:
+            group = next((g for g, ks in SETTING_GROUPS.items() if k in ks), k.replace("_", " "))
+            out.setdefault(group, {})[k] = values
+    return out
+
+
 def compare(studies: dict[str, dict]) -> dict:
     """Put several studies (label -> study dict) side by side: per (label, np) final accuracy, the
-    test-accuracy curve, and how many evaluated epochs sat at chance level (< 15%)."""
+    test-accuracy curve, and how many evaluated epochs sat at chance level (< 15%); ``varies``: the
+    settings that differ (see :func:`differing_settings`), ``warning``: a line when more than one kind
+    of setting differs (the comparison then does not isolate one cause)."""
     table_rows = []
     for label, st in studies.items():
+        st = judging.judge_study(st)  # one verdict logic, older study.json files too
         for r in st["rows"]:
             res = st["runs"][str(r["np"])]
             curve = [e["test_acc"] for e in res["epochs"]]
@@ -743,10 +751,30 @@ def compare(studies: dict[str, dict]) -> dict:
                 "steps": res["total_steps"], "final_test_acc": r["final_test_acc"],
                 "test_acc_curve": curve,
                 "epochs_near_chance": sum(1 for a in curve if a is not None and a < 0.15),
-                "fast_but_wrong": r["fast_but_wrong"]})
+                "fast_but_wrong": r["fast_but_wrong"], "verdict": r["verdict"],
+                "verdict_why": r["verdict_why"]})
+    configs = {k: v["config"] for k, v in studies.items()}
+    varies = differing_settings(configs)
+    warning = None
+    if len(varies) > 1:
+        warning = ("these studies differ in more than one kind of setting, so a difference between them "
+                   "has more than one cause: " + "; ".join(
+                       f"{k} ({', '.join(f'{lab} {v}' for lab, v in vals.items())})"
+                       for settings in varies.values() for k, vals in settings.items()))
     return {"kind": "pilab.scaling.compare", "labels": list(studies), "rows": table_rows,
-            "configs": {k: v["config"] for k, v in studies.items()},
-            "commands": {k: v.get("command") for k, v in studies.items()}}
+            "configs": configs, "commands": {k: v.get("command") for k, v in studies.items()},
+            "varies": varies, "warning": warning}
+
+
+def compare_title(cmp: dict) -> str:
+    """What the comparison is by: the kinds of setting that differ ("learning-rate rule", "model")."""
+    varies = cmp.get("varies")
+    if varies is None:  # a compare.json written before `varies`
+        varies = differing_settings(cmp.get("configs") or {})
+    if not varies:
+        return "studies of the same settings"
+    kinds = list(varies)
+    return "by " + (", ".join(kinds[:-1]) + " and " if len(kinds) > 1 else "") + kinds[-1]
 
 
 def models_summary(studies: dict[str, dict]) -> list[dict]:
@@ -758,7 +786,8 @@ def models_summary(studies: dict[str, dict]) -> list[dict]:
     """
     out = []
     for label, st in studies.items():
-        rows = sorted(st["rows"], key=lambda r: r["np"])
+        st = judging.judge_study(st)
+        rows = st["rows"]
         ref = next(r for r in rows if r["np"] == st.get("accuracy_baseline_np", rows[0]["np"]))
         top = rows[-1]
         wrong = [r["np"] for r in rows if r["fast_but_wrong"]]
@@ -769,63 +798,84 @@ def models_summary(studies: dict[str, dict]) -> list[dict]:
                     "energy_to_target_reference_j": ref.get("energy_to_target_j"),
                     "energy_to_target_largest_j": top.get("energy_to_target_j"),
                     "energy_source": top.get("energy_source"),
-                    "first_fast_but_wrong_np": wrong[0] if wrong else None})
+                    "first_fast_but_wrong_np": wrong[0] if wrong else None,
+                    "judged": st["reference_learned"]})
     return out
 
 
 def models_summary_markdown(rows: list[dict]) -> str:
-    def kj(v):
-        return f"{v / 1e3:.2f} kJ" if v is not None else "not reached"
+    def kj(v, r):
+        return f"{v / 1e3:.2f} kJ" if v is not None else ("not reached" if r.get("judged", True) else "no target")
     head = ("model", "test acc (np ref)", "test acc (largest np)", "speedup at largest np",
             "energy to target (np ref)", "energy to target (largest np)", "first fast-but-wrong np")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        fbw = (r["first_fast_but_wrong_np"] or "none") if r.get("judged", True) else \
+            f"not judged (np={r['reference_np']} has not learned)"
         sp = f"{r['speedup_at_largest']:.1f} (vs np={r['baseline_np']}, {r['machine']})" \
             if r["speedup_at_largest"] else "–"
         lines.append(f"| {r['label']} | {r['reference_acc']:.3f} (np={r['reference_np']}) | "
                      f"{r['largest_np_acc']:.3f} (np={r['largest_np']}) | {sp} | "
-                     f"{kj(r['energy_to_target_reference_j'])} | {kj(r['energy_to_target_largest_j'])} | "
-                     f"{r['first_fast_but_wrong_np'] or 'none'} |")
+                     f"{kj(r['energy_to_target_reference_j'], r)} | {kj(r['energy_to_target_largest_j'], r)} | "
+                     f"{fbw} |")
     return "\n".join(lines)
 
 
-_COMPARE_HEAD = ("rule", "np", "kind", "global batch", "peak lr", "steps", "final test acc",
+_COMPARE_HEAD = ("study", "np", "kind", "global batch", "peak lr", "steps", "final test acc",
                  "epochs near chance", "verdict")
+
+
+def _compare_head(cmp: dict) -> tuple:
+    """The table's header; its first column named by what varies when one kind of setting does."""
+    varies = cmp.get("varies") if cmp.get("varies") is not None else differing_settings(cmp.get("configs") or {})
+    return ((next(iter(varies)) if len(varies) == 1 else "study"),) + _COMPARE_HEAD[1:]
 
 
 def _compare_cells(r: dict) -> list[str]:
     """One row of the comparison table, as text (shared by the markdown and HTML forms)."""
     return [r["label"], str(r["np"]), "simulated" if r["simulated"] else "measured",
             str(r["global_batch"]), f"{r['peak_lr']:.3g}", str(r["steps"]), f"{r['final_test_acc']:.3f}",
-            f"{r['epochs_near_chance']}/{len(r['test_acc_curve'])}",
-            "fast-but-wrong" if r["fast_but_wrong"] else "ok"]
+            f"{r['epochs_near_chance']}/{len(r['test_acc_curve'])}", judging.cell(r)]
 
 
 def compare_markdown(cmp: dict) -> str:
-    lines = ["| " + " | ".join(_COMPARE_HEAD) + " |", "|" + "---|" * len(_COMPARE_HEAD)]
+    head = _compare_head(cmp)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(_compare_cells(r)) + " |" for r in cmp["rows"]]
     return "\n".join(lines)
 
 
 def compare_html(cmp: dict) -> str:
     nps = sorted({r["np"] for r in cmp["rows"]})
+    n_epochs = max((len(r["test_acc_curve"]) for r in cmp["rows"]), default=1)
     figs = []
     for p in nps:
-        f = figure(title=f"test accuracy per epoch, np={p}", width=330, height=280,
-                   x_axis_label="epoch", y_axis_label="test accuracy")
+        f = figure(title=f"test accuracy per epoch, np={p}", width=330, height=330,
+                   x_axis_label="epoch", y_axis_label="test accuracy", tools="pan,box_zoom,reset,save")
+        f.toolbar.autohide = True  # shown on hover in the HTML, never baked into its PNG
         f.y_range = Range1d(0, 1)
-        for i, r in enumerate(x for x in cmp["rows"] if x["np"] == p):
+        f.x_range = Range1d(0.5, n_epochs + 0.5)
+        for r in (x for x in cmp["rows"] if x["np"] == p):
             xs = list(range(1, len(r["test_acc_curve"]) + 1))
-            f.line(xs, r["test_acc_curve"], color=Category10[10][cmp["labels"].index(r["label"]) % 10],
-                   line_width=2, legend_label=r["label"])
-        f.line([1, max(1, len(cmp["rows"][0]["test_acc_curve"]))], [0.1, 0.1], color="gray",
-               line_dash="dotted", legend_label="chance")
-        f.legend.location = "top_left"
-        f.legend.label_text_font_size = "8pt"
+            color = Category10[10][cmp["labels"].index(r["label"]) % 10]
+            f.line(xs, r["test_acc_curve"], color=color, line_width=2, legend_label=r["label"])
+            # markers: a study with one evaluation per curve is a point, not an empty plot
+            f.scatter(xs, r["test_acc_curve"], color=color, size=6, legend_label=r["label"])
+        f.line([0.5, n_epochs + 0.5], [0.1, 0.1], color="gray", line_dash="dotted", legend_label="chance")
+        legend = f.legend[0]  # below the plot, off the curves
+        f.add_layout(legend, "below")
+        legend.orientation, legend.ncols, legend.location = "horizontal", 2, "center"
+        legend.label_text_font_size = "10pt"
+        legend.border_line_alpha = 0
+        f.title.text_font_size = "11pt"
         figs.append(f)
-    head = "<h2>pilab: fast-but-wrong, by learning-rate rule</h2>"
+    head = f"<h2>pilab: fast-but-wrong, {escape(compare_title(cmp))}</h2>"
+    if cmp.get("warning"):
+        head += f"<p style='color:#b00'><b>Warning:</b> {escape(cmp['warning'])}</p>"
     for label, cmd in cmp["commands"].items():
-        head += f"<p><b>{escape(label)}:</b> <code>{escape(str(cmd))}</code></p>"
-    table = html_table(_COMPARE_HEAD, [_compare_cells(r) for r in cmp["rows"]])
-    return file_html(column(Div(text=head, width=1000), row(*figs), Div(text=table, width=1000)),
-                     INLINE, "pilab fast-but-wrong")
+        head += f"<p style='font-size:11pt'><b>{escape(label)}:</b> <code>{escape(str(cmd))}</code></p>"
+    table = html_table(_compare_head(cmp), [_compare_cells(r) for r in cmp["rows"]])
+    # three plots a row: the page (and its PNG) stays 1,000 px wide, readable where it is shown
+    grid = [row(*figs[i:i + 3]) for i in range(0, len(figs), 3)]
+    return file_html(column(Div(text=head, width=1000), *grid, Div(text=table, width=1000)),
+                     INLINE, "pilab compare")

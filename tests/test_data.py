@@ -613,7 +613,7 @@ def test_fetch(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torchvision", None)  # as if not installed
     with pytest.raises(DataError) as e:
         data.fetch(str(tmp_path))
-    _check_message(e.value, r"pip install 'pilab\[vision\]'.*cifar-10-python\.tar\.gz.*cifar-10-batches-py")
+    _check_message(e.value, r"`pip install torchvision`.*pip install -e '\.\[vision\]'.*cifar-10-python\.tar\.gz.*cifar-10-batches-py")
 
     calls = []
 

@@ -1,10 +1,15 @@
-"""Command line: ``python -m pilab {train,simulate,scale,compare,remedies,perfmodel,data} ...``.
+"""Command line: python -m pilab COMMAND ... (every command below; `python -m pilab COMMAND --help` for its options).
 
     python -m pilab train --np 2 --epochs 2            # launches mpiexec itself
     mpiexec -n 2 python -m pilab train --epochs 2      # or under your own launcher
     python -m pilab simulate --np 48 --epochs 2        # 48 virtual ranks in one process
     python -m pilab scale --out runs/demo              # the strong-scaling study + report
+    python -m pilab compare runs/a runs/b --out runs/ab  # studies side by side
+    python -m pilab remedies --np 48 --out runs/r      # settings that stay accurate at np=48
+    python -m pilab perfmodel table                    # the performance model's Pi-cluster table
     python -m pilab data fetch                         # official CIFAR-10 (needs torchvision + internet)
+    python -m pilab testbed up --help                  # a Pi cluster on one machine (network namespaces)
+    python -m pilab bench --help                       # benchmarks against baselines of the same run
 
 Bad input gets one line on stderr naming the problem and the fix, and exit code 2. A file that cannot
 be written (disk full, no permission) gets one line and exit code 74; an interrupted command exits 130
@@ -30,7 +35,8 @@ COMMANDS = (train, simulate, scale, compare, remedies, perfmodel, data, testbed,
 
 
 def build_parser() -> Parser:
-    p = Parser(prog="pilab", description=__doc__.split("\n\n")[0],
+    # the examples too: `pilab --help` shows a line for every command (COMMANDS), not only the list
+    p = Parser(prog="pilab", description=__doc__.split("\n\nBad input")[0],
                formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", parser_class=Parser, required=True)
     for command in COMMANDS:

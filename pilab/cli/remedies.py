@@ -5,7 +5,9 @@ finished ones, so candidates can run as separate processes (``--only``) and one 
 the search together: remedies.json, report.html and report.png (the Pareto front)."""
 from __future__ import annotations
 
+import argparse
 import os
+import shlex
 import sys
 from dataclasses import replace
 
@@ -22,13 +24,14 @@ def add_parser(sub) -> None:
                        description="Simulate the baseline and candidate remedies at --np ranks and "
                                    "print accuracy, predicted time and the Pareto front.")
     p.add_argument("--np", type=int, default=48, help="process count to find remedies for (default 48)")
-    p.add_argument("--only", default="", help="comma-separated candidate labels to run (default: all)")
+    p.add_argument("--only", default="", help="comma-separated candidate labels to run (default: all; "
+                                              "the labels at these settings are listed below)")
     p.add_argument("--reference-acc", type=float, default=None,
                    help="accuracy to aim at (default: the baseline simulated at np=1)")
-    p.add_argument("--target", default="this",
-                   help="machine the times are predicted for: this (calibrated here from the np=1 "
-                        "reference run and a short MPI micro-benchmark), pi4b_cluster, a calibration "
-                        "or cluster JSON file, or none (default: this)")
+    p.add_argument("--target", default="pi4b_cluster",
+                   help="machine the times are predicted for: pi4b_cluster (the default, as for scale), "
+                        "this (calibrated here from the np=1 reference run and a short MPI "
+                        "micro-benchmark), a calibration or cluster JSON file, or none")
     p.add_argument("--mpiexec", default=None, help="launcher for the micro-benchmark")
     p.add_argument("--resume", dest="resume_search", action="store_true",
                    help="keep the candidates already finished in --out (same training), run the others")
@@ -37,6 +40,25 @@ def add_parser(sub) -> None:
                         "candidate's training: taken instead of run again")
     add_config_arguments(p, _defaults(), skip=("resume",))
     p.set_defaults(func=run)
+    # The candidate labels depend on the settings and np: worked out only when this command's help is
+    # printed, so building the parsers (`pilab --help`) does not run the remedies module.
+    plain_help = p.format_help
+
+    def format_help():
+        if p.epilog is None:
+            from ..remedies import candidate_labels
+            p.epilog = ("candidates (--only) at the default settings and --np 48; their labels follow --np "
+                        "and the settings (the batch sizes and epochs in them):\n  "
+                        + "\n  ".join(candidate_labels(_defaults(), 48)))
+            p.formatter_class = argparse.RawDescriptionHelpFormatter  # one label a line
+        return plain_help()
+    p.format_help = format_help
+
+
+def command_line(argv: list[str]) -> str:
+    """The command as recorded in remedies.json: shell-quoted, so it pastes back as the same arguments
+    (``--only "sqrt lr + warmup"``)."""
+    return shlex.join(["python", "-m", "pilab", "remedies", *argv])
 
 
 def run(args, argv) -> int:
@@ -57,7 +79,7 @@ def run(args, argv) -> int:
     res = remedies.search(cfg, args.np, only=only, reference_acc=args.reference_acc, calibration=target,
                           mpiexec=args.mpiexec, log=lambda s: print(s, file=sys.stderr, flush=True),
                           out=cfg.out or None, resume=args.resume_search, reuse=reuse)
-    res["command"] = "python -m pilab remedies " + " ".join(argv)
+    res["command"] = command_line(argv)
     print(remedies.table(res))
     if cfg.out:
         save_json(res, os.path.join(cfg.out, "remedies.json"))

@@ -120,8 +120,11 @@ def fetch(root: str | None = None) -> str:
     try:
         import torchvision  # the optional `vision` extra: only this download needs it
     except ImportError:
+        # pilab is not on PyPI, so `pip install 'pilab[vision]'` finds nothing: name what does install
         raise DataError("torchvision is not installed, so pilab cannot download CIFAR-10; run "
-                        f"`pip install 'pilab[vision]'` and retry, or {manual}") from None
+                        "`pip install torchvision` (beside a CPU-only torch: add --index-url "
+                        "https://download.pytorch.org/whl/cpu; from a clone: pip install -e '.[vision]') "
+                        f"and retry, or {manual}") from None
     try:
         os.makedirs(root, exist_ok=True)
         torchvision.datasets.CIFAR10(root, train=True, download=True)

@@ -1,0 +1,121 @@
+"""What a new user sees of the reports and the CLI (issue 24, item 5): figures that fit their data,
+`compare` that says what it compares, `remedies` that names its candidates, `--help` for every command."""
+import shlex
+import subprocess
+import sys
+
+from bokeh.models import LabelSet, LogScale, Range1d, Scatter
+from bokeh.plotting import figure
+
+from pilab import plots, remedies, scaling
+from pilab.cli import COMMANDS, build_parser
+from pilab.config import Config
+
+from test_verdict import _run, _study
+
+
+def _pi_study():
+    """np 1/2 measured, 8/48 simulated, speed predicted for the Pi (baseline np=2): np=1 at 177 %."""
+    runs = {1: _run(1, [0.3, 0.5], 10.0), 2: _run(2, [0.3, 0.49], 6.0), 8: _run(8, [0.1, 0.1], 2.0),
+            48: _run(48, [0.1, 0.1], 1.0, gb=48)}
+    pred = {1: {"epoch_time": 43.7, "eval_time": 1.0}, 2: {"epoch_time": 38.6, "eval_time": 1.0},
+            8: {"epoch_time": 9.0, "eval_time": 0.5}, 48: {"epoch_time": 1.3, "eval_time": 0.2}}
+    crit = scaling.Criteria(baseline_np=2)
+    rows, meta = scaling.rows_from_runs(runs, crit, target="pi4b_cluster", target_predicted=pred)
+    return {"rows": rows, "runs": {str(k): v for k, v in runs.items()}, "criteria": scaling.asdict(crit), **meta}
+
+
+def _figures(layout):
+    return [m for m in layout.references() if isinstance(m, figure)]
+
+
+def test_report_figures_fit_their_data_and_bake_in_no_toolbar():
+    st = _pi_study()
+    figs = {f.title.text: f for f in _figures(plots.report_layout(st))}
+    assert all(f.toolbar.autohide for f in figs.values())  # the PNG is a screenshot: no toolbar in it
+    eff = figs["efficiency and communication"]
+    top = max(r["efficiency"] for r in st["rows"])
+    assert top > 1.7 and isinstance(eff.y_range, Range1d) and eff.y_range.end > top  # np=1's 177 % shows
+    labels = [m for m in eff.references() if isinstance(m, LabelSet)]
+    assert labels and labels[0].source.data["t"] == ["177%* vs np=2"]
+    for title in ("speedup vs processes", "efficiency and communication", "final accuracy vs processes"):
+        assert isinstance(figs[title].x_scale, LogScale), title  # np 1 and 2 do not run together
+        assert list(figs[title].xaxis[0].ticker.ticks) == [1, 2, 8, 48]
+    # np=8 and np=48 both sit at chance: told apart by dash and marker, np=8 drawn over np=48
+    acc = figs["test accuracy per epoch, by np"]
+    dashes = [tuple(r.glyph.line_dash) for r in acc.renderers if not isinstance(r.glyph, Scatter)]
+    assert len(dashes) == len(set(dashes)) == 4
+    markers = [r.glyph.marker for r in acc.renderers if isinstance(r.glyph, Scatter)]
+    assert len(set(markers)) == 4
+    # energy labels: the range leaves room around every point, right-half labels point left
+    en = figs["energy vs time vs accuracy (pi4b_cluster)"]
+    lab = next(m for m in en.references() if isinstance(m, LabelSet))
+    ts = lab.source.data["time"]
+    assert en.x_range.start < min(ts) and en.x_range.end > max(ts)
+    assert [a for t, a in zip(ts, lab.source.data["align"]) if t == max(ts)] == ["right"]
+    assert all(f.xaxis[0].major_label_text_font_size == "12px" for f in figs.values() if f.xaxis)
+
+
+def test_compare_draws_points_titles_by_what_varies_and_warns_on_mixed_settings():
+    a = _study({1: _run(1, [0.5], 10.0), 8: _run(8, [0.3], 2.0)})
+    b = _study({1: _run(1, [0.5], 10.0), 8: _run(8, [0.45], 2.0)})
+    a["config"] = Config(lr_scaling="none", epochs=1).to_dict()
+    b["config"] = Config(lr_scaling="linear", epochs=1).to_dict()
+    cmp = scaling.compare({"naive": a, "linear": b})
+    assert scaling.compare_title(cmp) == "by learning-rate rule" and cmp["warning"] is None
+    assert scaling.compare_markdown(cmp).startswith("| learning-rate rule | np |")
+    html = scaling.compare_html(cmp)
+    assert "fast-but-wrong, by learning-rate rule" in html
+    assert html.count('"name":"Scatter"') >= 4  # one-epoch curves are points with markers, not empty plots
+    # another model and another epoch count as well: said in the title and in a warning naming them
+    c = {**b, "config": Config(lr_scaling="linear", epochs=2, model="squeezenet1_1", width=1.0).to_dict()}
+    mixed = scaling.compare({"naive": a, "squeeze": c})
+    assert scaling.compare_title(mixed) == "by epochs, learning-rate rule and model"
+    assert "more than one kind of setting" in mixed["warning"]
+    for name in ("lr_scaling (naive none, squeeze linear)", "model (naive mobilenetv2_cifar, squeeze squeezenet1_1)",
+                 "epochs (naive 1, squeeze 2)"):
+        assert name in mixed["warning"], mixed["warning"]
+    assert "Warning:" in scaling.compare_html(mixed)
+
+
+def test_remedies_name_their_candidates_and_default_to_the_pi_like_scale(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "pilab", "remedies", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0
+    labels = remedies.candidate_labels(scaling.DEMO, 48)
+    assert all(f"  {lab}\n" in p.stdout for lab in labels) and "fixed global batch 384 + sqrt lr" in p.stdout
+    out = tmp_path / "rem"
+    bad = subprocess.run([sys.executable, "-m", "pilab", "remedies", "--only", "baseline,sqrt lr warmup",
+                          "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "'sqrt lr warmup' is not a candidate at np=48" in bad.stderr and "sqrt lr + warmup;" in bad.stderr
+    assert not out.exists()
+    parser = build_parser()
+    assert parser.parse_args(["remedies"]).target == parser.parse_args(["scale"]).target == "pi4b_cluster"
+
+
+def test_remedies_reference_run_reports_its_progress():
+    cfg = Config(width=0.25, train_subset=128, test_subset=64, epochs=2, batch_size=16, threads=1,
+                 lr_ref_batch=16)
+    lines = []
+    remedies.search(cfg, 2, only=["baseline"], log=lines.append)
+    assert lines[0].startswith("  reference: the baseline at np=1, 2 epoch(s)")
+    assert [ln.split("test acc")[0].strip() for ln in lines[1:3]] == ["reference np=1: epoch 1/2",
+                                                                      "reference np=1: epoch 2/2"]
+    assert lines[3].lstrip().startswith("baseline")
+
+
+def test_help_lists_every_command():
+    p = subprocess.run([sys.executable, "-m", "pilab", "--help"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0
+    head = p.stdout.split("positional arguments")[0]
+    for command in COMMANDS:
+        name = command.__name__.rsplit(".", 1)[-1]
+        assert f"python -m pilab {name}" in head, name
+
+
+def test_remedies_command_is_recorded_shell_quoted():
+    # what `pilab remedies` stores in remedies.json pastes back into a shell as the same arguments
+    from pilab.cli import remedies as cli_remedies
+    argv = ["--np", "4", "--only", "baseline,linear lr", "--out", "runs/r x"]
+    assert shlex.split(cli_remedies.command_line(argv))[4:] == argv
