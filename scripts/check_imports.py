@@ -26,7 +26,7 @@ LAYERS = {
     "train": 5, "simulate": 5,
     "bench": 5.5,  # benchmarks: the engine, its building blocks and the launcher; below the study
     "perfmodel": 6, "energy": 6.5,  # energy: uses the perfmodel's Pi facts; the study uses it
-    "scaling": 7,
+    "scaling": 7, "paper": 7.5,  # paper: a study beside the published figures; uses the study's rows
     "remedies": 8,
     "cluster": 9,
     "widgets": 10,
