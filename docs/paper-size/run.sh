@@ -22,11 +22,13 @@
 #   python -m pilab compare docs/paper-size/naive docs/paper-size/sqrt-warmup docs/fast-but-wrong/naive \
 #       docs/fast-but-wrong/sqrt-warmup --labels "50k naive,50k sqrt+warmup,15k naive,15k sqrt+warmup" \
 #       --paper --out docs/paper-size
-# ~30 minutes per point on idle cores, up to an hour while others work; 16 points plus the sweep: plan
-# several sittings (`setsid nohup nice -n 19 bash docs/paper-size/run.sh > LOG 2>&1 &`).
+# A point is ~10 epochs x 1,562 steps of 32 images of work: ~26 minutes on idle cores, about an hour at
+# load 2-4, and hours at nice 19 on a box at load ~20 (the sweep's first epoch took 40 minutes there);
+# 16 points plus the sweep: plan several sittings (`setsid nohup nice -n 19 bash docs/paper-size/run.sh >
+# LOG 2>&1 &`).
 set -euo pipefail
-# The whole script is one function, read before it starts: editing this file while a long run is under
-# way cannot change what that run does next.
+# The whole script is one function, read before it starts, and its call ends the script on the same line:
+# editing this file while a long run is under way cannot change what that run does next.
 main() {
 cd "$(dirname "$0")/../.."
 here=${PAPER_SIZE_DIR:-docs/paper-size}
@@ -114,5 +116,4 @@ python -m pilab compare "$here/naive" "$here/sqrt-warmup" docs/fast-but-wrong/na
     docs/fast-but-wrong/sqrt-warmup --labels "50k naive,50k sqrt+warmup,15k naive,15k sqrt+warmup" \
     --paper --out "$here"
 }
-main "$@"
-exit
+main "$@"; exit
