@@ -18,10 +18,12 @@ time to a target accuracy and the speedup measured on it::
 from __future__ import annotations
 
 import csv
+import glob
 import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -361,6 +363,7 @@ def finished_run(path: str, p: int, cfg: Config, simulated: bool) -> dict | None
 
 
 _LR_RULE = ("lr", "lr_scaling", "lr_ref_batch")
+_NOT_TRAINING = ("out", "resume", "checkpoint_every", "keep")
 
 
 def same_training(saved: dict, cfg: Config, p: int) -> bool:
@@ -370,9 +373,12 @@ def same_training(saved: dict, cfg: Config, p: int) -> bool:
     share their np=1 point::
 
         same_training(Config(lr_scaling="none").to_dict(), Config(lr_scaling="linear"), 1)   # True
+        same_training(Config(checkpoint_every=1).to_dict(), Config(), 1)                     # True
     """
     mine = cfg.to_dict()
-    keys = [k for k in mine if k not in ("out", "resume")]
+    # Where a run writes and how often it checkpoints do not change what it trains (the simulator cannot
+    # checkpoint, so a study's real np=1 point with checkpoints is still its simulated points' kin).
+    keys = [k for k in mine if k not in _NOT_TRAINING]
     if all(saved.get(k) == mine[k] for k in keys):
         return True
     if any(saved.get(k) != mine[k] for k in keys if k not in _LR_RULE):
@@ -506,13 +512,15 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
         raise Interrupted(partial, e) from None
     if calibration is None and simulate_nps and nps and nps[0] == 1:
         calibration = calibrate_from(runs[1], mpiexec)
-    predicted = _predict(cfg, simulate_nps, calibration)
+    model_cfg = sized_for_model(cfg, runs)
+    predicted = _predict(model_cfg, simulate_nps, calibration)
     if tname and not criteria.baseline_np and target_baseline(target):
         criteria = replace(criteria, baseline_np=target_baseline(target))
     p0 = criteria.baseline_np
     rows, meta = rows_from_runs(runs, criteria, predicted, target=tname,
-                                target_predicted=_predict_target(cfg, sorted(runs), target) if tname else None,
-                                baseline_per_image=_baseline_per_image(cfg, p0, target)
+                                target_predicted=_predict_target(model_cfg, sorted(runs), target)
+                                if tname else None,
+                                baseline_per_image=_baseline_per_image(model_cfg, p0, target)
                                 if tname and p0 and p0 not in runs else None)
     result = {
         "kind": "pilab.scaling.study", "config": cfg.to_dict(), "criteria": asdict(criteria),
@@ -525,6 +533,87 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
     if out:
         write(result, out)
     return result
+
+
+def sized_for_model(cfg: Config, runs: dict) -> Config:
+    """``cfg`` with its image counts spelled out for the performance model, taken from the runs' data
+    (an archive or folder of the whole set has ``train_subset=0``, and the model cannot know its size)::
+
+        sized_for_model(Config(data="../shared/data/cifar10-jpeg.tar.gz"), {1: result})  # train_subset=50000
+    """
+    if cfg.train_subset and cfg.test_subset:
+        return cfg
+    sizes = next((r["data"] for r in runs.values() if r.get("data", {}).get("n_train")), None)
+    if sizes is None:
+        return cfg
+    return replace(cfg, train_subset=cfg.train_subset or sizes["n_train"],
+                   test_subset=cfg.test_subset or sizes["n_test"])
+
+
+def study_from_points(out: str, *, target="pi4b_cluster", criteria: Criteria | None = None,
+                      planned=()) -> dict:
+    """A study made of the points that have finished under ``out`` (``np*/result.json`` of one
+    training, real or simulated, as ``docs/paper-size/run.sh`` writes them one job at a time), before
+    ``pilab scale --resume`` puts them into study.json; ``planned`` np counts that have no finished
+    point are listed as ``missing`` (``complete`` false). Times are predicted for ``target`` as in
+    :func:`study`; the accuracy reference is the smallest finished np::
+
+        st = scaling.study_from_points("docs/paper-size/naive", planned=(1, 2, 4, 8, 16, 24, 32, 48))
+        st["rows"], st["missing"]
+    """
+    found = {}
+    for path in glob.glob(os.path.join(glob.escape(out), "np*", "result.json")):
+        m = re.search(r"np(\d+)$", os.path.dirname(path))
+        try:
+            r = _load_json(path)
+            cfg = Config.from_dict({**r["config"], "out": out, "resume": ""})
+        except (OSError, ValueError, KeyError, TypeError, ConfigError):
+            continue
+        if m and finished_run(path, int(m.group(1)), cfg, bool(r.get("simulated"))) is not None:
+            found[int(m.group(1))] = (r, cfg)
+    tname = target_name(target)
+    criteria = criteria or Criteria()
+    if tname and not criteria.baseline_np and target_baseline(target):
+        criteria = replace(criteria, baseline_np=target_baseline(target))
+    missing = sorted(set(int(p) for p in planned) - set(found))
+    if not found:
+        return {"kind": "pilab.scaling.study", "config": None, "criteria": asdict(criteria), "rows": [],
+                "runs": {}, "target": tname, "complete": False, "missing": missing,
+                "command": f"no finished point in {out} yet"}
+    runs = {p: r for p, (r, _) in sorted(found.items())}
+    cfg = replace(found[min(found)][1], checkpoint_every=0, keep=1)
+    others = [p for p, (r, c) in found.items() if not same_training(c.to_dict(), cfg, p)]
+    if others:
+        raise ConfigError(f"{out}: np {others} are another training than np={min(found)}'s; "
+                          "keep one study's points per directory")
+    model_cfg = sized_for_model(cfg, runs)
+    p0 = criteria.baseline_np
+    rows, meta = rows_from_runs(runs, criteria, target=tname,
+                                target_predicted=_predict_target(model_cfg, sorted(runs), target)
+                                if tname else None,
+                                baseline_per_image=_baseline_per_image(model_cfg, p0, target)
+                                if tname and p0 and p0 not in runs else None)
+    result = {"kind": "pilab.scaling.study", "config": cfg.to_dict(), "criteria": asdict(criteria),
+              "nps": sorted(p for p in runs if not runs[p].get("simulated")),
+              "simulate_nps": sorted(p for p in runs if runs[p].get("simulated")), **meta, "rows": rows,
+              "runs": {str(p): r for p, r in runs.items()}, "target": tname,
+              "complete": not missing, "missing": missing,
+              "command": f"the finished points in {out} (np*/result.json; no study.json yet)"}
+    result["verdict"] = verdict(result)
+    return result
+
+
+def load_study(path: str, *, target="pi4b_cluster", planned=()) -> dict:
+    """A study directory's study.json, or, where ``pilab scale`` has not written one yet, the study
+    its finished points make (:func:`study_from_points`). ``ConfigError`` if there is neither, unless
+    ``planned`` names the points a long study will have: then a directory with none finished yet (or
+    not made yet) is a study whose every point is pending."""
+    js = os.path.join(path, "study.json") if os.path.isdir(path) else path
+    if os.path.exists(js):
+        return _load_json(js)
+    if planned or (os.path.isdir(path) and glob.glob(os.path.join(glob.escape(path), "np*", "result.json"))):
+        return study_from_points(path, target=target, planned=planned)
+    raise ConfigError(f"{js} does not exist; run `python -m pilab scale --out {path}` first")
 
 
 def _tmpdir() -> str:
@@ -846,6 +935,11 @@ def compare_markdown(cmp: dict) -> str:
 
 
 def compare_html(cmp: dict) -> str:
+    return file_html(compare_layout(cmp), INLINE, "pilab fast-but-wrong")
+
+
+def compare_layout(cmp: dict):
+    """The comparison as one Bokeh layout: accuracy per epoch for each np and rule, then the table."""
     nps = sorted({r["np"] for r in cmp["rows"]})
     n_epochs = max((len(r["test_acc_curve"]) for r in cmp["rows"]), default=1)
     figs = []
@@ -877,5 +971,4 @@ def compare_html(cmp: dict) -> str:
     table = html_table(_compare_head(cmp), [_compare_cells(r) for r in cmp["rows"]])
     # three plots a row: the page (and its PNG) stays 1,000 px wide, readable where it is shown
     grid = [row(*figs[i:i + 3]) for i in range(0, len(figs), 3)]
-    return file_html(column(Div(text=head, width=1000), *grid, Div(text=table, width=1000)),
-                     INLINE, "pilab compare")
+    return column(Div(text=head, width=1000), *grid, Div(text=table, width=1000))

@@ -1,4 +1,5 @@
-"""``pilab compare DIR…``: several scaling studies side by side (e.g. one per learning-rate rule)."""
+"""``pilab compare DIR…``: several scaling studies side by side (e.g. one per learning-rate rule), and with
+``--paper`` beside the published Pi-cluster figures (``pilab.paper``)."""
 from __future__ import annotations
 
 import os
@@ -9,37 +10,53 @@ from ..config import ConfigError
 
 def add_parser(sub) -> None:
     c = sub.add_parser("compare", help="put several scaling studies side by side",
-                       description="Read study.json from each directory and write compare.json, "
-                                   "compare.html (and .png) with accuracy curves per np, titled by the "
-                                   "settings that differ between the studies (a warning when more than "
-                                   "one kind differs).")
+                       description="Read study.json from each directory (or, where `pilab scale` has not "
+                                   "written one yet, its finished np*/result.json points) and write "
+                                   "compare.json, compare.html (and .png) with accuracy curves per np, titled "
+                                   "by the settings that differ between the studies (a warning when more "
+                                   "than one kind differs). --paper adds the published speedups, the "
+                                   "predicted Pi speedups and a paragraph on what reproduces.")
     c.add_argument("studies", nargs="+", help="study directories (or study.json files)")
     c.add_argument("--labels", default="", help="comma-separated labels, one per study")
+    c.add_argument("--paper", action="store_true",
+                   help="set the studies beside the published figures (np 1, 2, 4 ... 48; points not "
+                        "finished are pending); the first study's settings are the ones predicted")
     c.add_argument("--out", required=True, help="output directory")
     c.set_defaults(func=run)
 
 
 def run(args, argv) -> int:
     from .. import scaling
-    from ..files import atomic_write_text, load_json, save_json
+    from ..files import atomic_write_text, save_json
     labels = [s.strip() for s in args.labels.split(",")] if args.labels else \
         [os.path.basename(os.path.normpath(d)) for d in args.studies]
     if len(labels) != len(args.studies):
         raise ConfigError(f"{len(labels)} labels for {len(args.studies)} studies; give one label each")
-    studies = {}
-    for label, d in zip(labels, args.studies):
-        path = os.path.join(d, "study.json") if os.path.isdir(d) else d
-        if not os.path.exists(path):
-            raise ConfigError(f"{path} does not exist; run `python -m pilab scale --out {d}` first")
-        studies[label] = load_json(path)
+    planned = ()
+    if args.paper:
+        from .. import paper
+        planned = paper.PAPER_NPS
+    studies = {label: scaling.load_study(d, planned=planned) for label, d in zip(labels, args.studies)}
     cmp = scaling.compare(studies)
     if cmp["warning"]:
         print(f"pilab compare: warning: {cmp['warning']}", file=sys.stderr)
-    save_json(cmp, os.path.join(args.out, "compare.json"))
     html_path = os.path.join(args.out, "compare.html")
-    atomic_write_text(html_path, scaling.compare_html(cmp))
+    if args.paper:
+        side = paper.beside_paper(studies)
+        cmp["paper"] = side
+        cmp["pending"] = side["pending"]
+        html = paper.report_html(side, cmp)
+    else:
+        html = scaling.compare_html(cmp)
+    save_json(cmp, os.path.join(args.out, "compare.json"))
+    atomic_write_text(html_path, html)
     scaling.export_png(html_path, os.path.join(args.out, "compare.png"))
     print(f"compared {scaling.compare_title(cmp)}")
+    if args.paper:
+        print(paper.markdown(side))
+        print()
+        print(side["verdict"])
+        print()
     print(scaling.compare_markdown(cmp))
     print(f"report: {html_path}")
     return 0

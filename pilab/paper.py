@@ -1,0 +1,265 @@
+"""The study beside the paper it reproduces: the published speedups on the 24-node Raspberry Pi 4B cluster,
+what pilab's performance model predicts for the same points (the naive code the paper likely ran, and
+pilab's own), and the accuracy each study measured — one table, one figure and a paragraph generated
+from the numbers (issue 21)::
+
+    from pilab import paper, scaling
+    studies = {"50k naive": scaling.load_study("docs/paper-size/naive", planned=paper.PAPER_NPS),
+               "15k naive": scaling.load_study("docs/fast-but-wrong/naive")}
+    side = paper.beside_paper(studies)
+    print(paper.markdown(side)); print(side["verdict"])
+
+    python -m pilab compare docs/paper-size/naive docs/fast-but-wrong/naive --labels 50k,15k --paper --out runs/p
+
+A point that has not finished is *pending* (None in the dicts), never a number. Published: speedup 9.99 at
+np=48 (41.6% efficiency against one node of 2 processes), efficiency 90.9% at np=4 and 52.3% at np=8,
+and test accuracy collapsing toward chance (10%) at large np (``perfmodel.PUBLISHED``; the accuracy was
+described, not tabulated).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from html import escape
+
+from bokeh.embed import file_html
+from bokeh.layouts import column, row
+from bokeh.models import Div, Range1d
+from bokeh.palettes import Category10
+from bokeh.plotting import figure
+from bokeh.resources import INLINE
+
+from . import perfmodel, scaling
+from .config import Config
+from .plots import html_table
+
+PAPER_NPS = (1, 2, 4, 8, 16, 24, 32, 48)  # the paper's process counts (2..48), and np=1 as the reference
+CHANCE = 0.10  # ten classes
+NEAR_CHANCE = 0.15  # an accuracy under this is "at chance" (as scaling.compare counts epochs)
+SPEED_CLOSE = 0.10  # a predicted efficiency within 10 points of the published one reproduces it
+ACC_WRONG = 0.10  # 10 points below the reference: accuracy has fallen (scaling.Criteria.wrong_gap)
+
+
+# What the paper-size study trains (docs/paper-size/run.sh) when none of its points has finished yet: the
+# Pi predictions need a configuration before any run exists.
+PAPER_SIZE = Config(data="cifar10", model="mobilenetv2_cifar", width=0.25, train_subset=50000,
+                    test_subset=10000, epochs=10, batch_size=32, lr_ref_batch=32)
+
+
+def _model_config(studies: dict[str, dict]) -> Config:
+    """The configuration the Pi predictions are for: the first study's (the paper-size study, given
+    first), with its image counts spelled out for the model; PAPER_SIZE while it has no finished point."""
+    st = next(iter(studies.values()))
+    if not st.get("config"):
+        return replace(PAPER_SIZE, threads=0)
+    cfg = Config.from_dict(st["config"])
+    runs = {int(p): r for p, r in st.get("runs", {}).items()}
+    return replace(scaling.sized_for_model(cfg, runs), threads=0)  # the Pi places its threads
+
+
+def _reference(st: dict):
+    """(np, final test accuracy) of a study's accuracy reference: its np=1 point, None if pending."""
+    r = st.get("runs", {}).get("1")
+    return (1, scaling.final_value(r, "test_acc")) if r else (None, None)
+
+
+def beside_paper(studies: dict[str, dict], *, nps=PAPER_NPS, cluster="pi4b_cluster") -> dict:
+    """One row per np: the published speedup/efficiency, the predicted Pi speedup/efficiency of the
+    naive and the pilab profile (against one node, np=2), and per study (label -> study dict, e.g.
+    from :func:`pilab.scaling.load_study`) the final test accuracy, epochs at chance, optimizer steps
+    and this machine's wall time (None: pending). ``verdict`` is the paragraph :func:`verdict` writes."""
+    cfg = _model_config(studies)
+    p0 = perfmodel.PUBLISHED["baseline_np"]
+    published = {r["np"]: r for r in perfmodel.published_table()}
+    rows = []
+    for p in nps:
+        nai = perfmodel.predict(cfg, p, cluster, "naive", baseline_np=p0)
+        pil = perfmodel.predict(cfg, p, cluster, "pilab", baseline_np=p0)
+        pub = published.get(p, {})
+        per = {}
+        for label, st in studies.items():
+            r = st.get("runs", {}).get(str(p))
+            # pending: planned and not finished yet; a finished study without the np did not run it
+            missing = set(st.get("missing") or ())
+            curve = [e.get("test_acc") for e in r["epochs"]] if r else []
+            per[label] = {
+                "final_test_acc": scaling.final_value(r, "test_acc") if r else None,
+                "epochs_near_chance": sum(1 for a in curve if a is not None and a < NEAR_CHANCE) if r else None,
+                "epochs": len(curve) if r else None,
+                "steps": r["total_steps"] if r else None,
+                "simulated": bool(r.get("simulated")) if r else None,
+                "wall_time_here": r.get("wall_time") if r else None,
+                "pending": r is None and p in missing,
+                "not_run": r is None and p not in missing,
+            }
+        rows.append({
+            "np": p, "nodes": nai["nodes"], "global_batch": nai["global_batch"],
+            "steps_per_epoch": nai["steps_per_epoch"],
+            "published_speedup": pub.get("speedup"), "published_efficiency": pub.get("efficiency"),
+            "published_speedup_given": pub.get("speedup_published"),
+            "naive_speedup": nai["speedup"], "naive_efficiency": nai["efficiency"],
+            "pilab_speedup": pil["speedup"], "pilab_efficiency": pil["efficiency"],
+            "studies": per})
+    refs = {label: _reference(st)[1] for label, st in studies.items()}
+    out = {"kind": "pilab.paper.beside", "labels": list(studies), "baseline_np": p0, "cluster": cluster,
+           "model_config": cfg.to_dict(), "reference_acc": refs, "rows": rows,
+           "published_accuracy": "test accuracy collapsing toward 10% (chance) at large np",
+           "pending": {label: [r["np"] for r in rows if r["studies"][label]["pending"]] for label in studies}}
+    out["verdict"] = verdict(out)
+    return out
+
+
+def _pct(v) -> str:
+    return f"{v * 100:.1f}%"
+
+
+def _speed_sentences(side: dict) -> list[str]:
+    pub = [r for r in side["rows"] if r["published_efficiency"] is not None]
+    if not pub:
+        return []
+    figures = ", ".join(f"{_pct(r['published_efficiency'])} at np={r['np']}" for r in pub)
+    top = max(pub, key=lambda r: r["np"])
+    out = [f"Speed: the paper's efficiency against one node (np={side['baseline_np']}) is {figures} "
+           f"(speedup {top['published_speedup']:.2f} at np={top['np']})."]
+    for prof, what in (("naive", "the naive code (one blocking Allreduce per tensor after backward, every "
+                                 "rank evaluating the whole test set), as the paper's likely was"),
+                       ("pilab", "pilab's own (fused buckets overlapped with backward, sharded evaluation)")):
+        close = [r["np"] for r in pub if abs(r[f"{prof}_efficiency"] - r["published_efficiency"]) <= SPEED_CLOSE]
+        off = [r for r in pub if r["np"] not in close]
+        pred = ", ".join(_pct(r[f"{prof}_efficiency"]) for r in pub)
+        s = (f"The performance model predicts {pred} for {what}, speedup {top[f'{prof}_speedup']:.2f} at "
+             f"np={top['np']}: ")
+        if not off:
+            s += f"within {SPEED_CLOSE * 100:.0f} points of every published figure."
+        else:
+            s += ((f"within {SPEED_CLOSE * 100:.0f} points at np {', '.join(map(str, close))}; " if close else "")
+                  + "off by " + ", ".join(f"{(r[f'{prof}_efficiency'] - r['published_efficiency']) * 100:+.0f} "
+                                           f"points at np={r['np']}" for r in off) + ".")
+        out.append(s)
+    return out
+
+
+def _accuracy_sentence(label: str, side: dict) -> str:
+    ref = side["reference_acc"].get(label)
+    done = [r for r in side["rows"] if r["studies"][label]["final_test_acc"] is not None and r["np"] > 1]
+    pending = [p for p in side["pending"][label]]
+    tail = f" (pending: np {', '.join(map(str, pending))})" if pending else ""
+    if ref is None:
+        return (f"{label}: its np=1 reference is pending, so its accuracy cannot be judged yet"
+                + (f"; finished: " + ", ".join(f"np={r['np']} {_pct(r['studies'][label]['final_test_acc'])}"
+                                               for r in done) if done else "") + f"{tail}.")
+    if not done:
+        return f"{label}: np=1 ends at {_pct(ref)}; no larger np has finished yet{tail}."
+    top = max(done, key=lambda r: r["np"])
+    a = top["studies"][label]
+    acc = a["final_test_acc"]
+    if acc < NEAR_CHANCE:
+        how = (f"collapses to chance: {_pct(acc)} at np={top['np']} against {_pct(ref)} at np=1 — the paper's "
+               "collapse reproduces")
+    elif acc < ref - ACC_WRONG:
+        how = (f"falls to {_pct(acc)} at np={top['np']}, {(ref - acc) * 100:.0f} points below np=1's {_pct(ref)}, "
+               "but stays above chance — the paper's collapse reproduces only in part")
+    else:
+        how = (f"holds: {_pct(acc)} at np={top['np']} against {_pct(ref)} at np=1 — the paper's collapse does "
+               "not reproduce")
+    first_wrong = next((r["np"] for r in sorted(done, key=lambda r: r["np"])
+                        if r["studies"][label]["final_test_acc"] < ref - ACC_WRONG), None)
+    extra = f"; accuracy first falls more than {ACC_WRONG * 100:.0f} points at np={first_wrong}" \
+        if first_wrong and first_wrong != top["np"] else ""
+    return (f"{label}: accuracy {how} ({a['steps']} optimizer steps, {a['epochs_near_chance']}/{a['epochs']} "
+            f"epochs near chance){extra}{tail}.")
+
+
+def verdict(side: dict) -> str:
+    """What reproduces and what does not, from the numbers: the speed figures against both profiles,
+    then each study's accuracy at its largest finished np against its np=1 reference."""
+    parts = _speed_sentences(side)
+    parts.append(f"Accuracy: the paper reports {side['published_accuracy']}.")
+    parts += [_accuracy_sentence(label, side) for label in side["labels"]]
+    return " ".join(parts)
+
+
+_HEAD_FIXED = ("np", "nodes", "global batch", "published speedup (eff.)", "predicted Pi, naive code",
+               "predicted Pi, pilab")
+
+
+def _speed(s, e) -> str:
+    return f"{s:.2f} ({e * 100:.1f}%)" if s is not None and e is not None else "–"
+
+
+def cells(side: dict) -> tuple[list[str], list[list[str]]]:
+    """The table as text: head and one row per np (shared by the Markdown and HTML forms)."""
+    head = list(_HEAD_FIXED) + [f"{label} test acc" for label in side["labels"]]
+    out = []
+    for r in side["rows"]:
+        pub = _speed(r["published_speedup"], r["published_efficiency"])
+        if r["published_speedup"] is not None and not r["published_speedup_given"]:
+            pub += " *"
+        accs = []
+        for label in side["labels"]:
+            a = r["studies"][label]
+            wall = f", {a['wall_time_here'] / 60:.0f} min here" if a.get("wall_time_here") else ""
+            accs.append("pending" if a["pending"] else "–" if a["not_run"] else
+                        f"{a['final_test_acc']:.3f}" + (" at chance" if a["final_test_acc"] < NEAR_CHANCE else "")
+                        + f" ({'sim' if a['simulated'] else 'real'}{wall})")
+        out.append([str(r["np"]), str(r["nodes"]), str(r["global_batch"]), pub if r["published_efficiency"]
+                    is not None else "–", _speed(r["naive_speedup"], r["naive_efficiency"]),
+                    _speed(r["pilab_speedup"], r["pilab_efficiency"])] + accs)
+    return head, out
+
+
+def markdown(side: dict) -> str:
+    head, rows = cells(side)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(c) + " |" for c in rows]
+    lines.append("")
+    lines.append(f"Speedup and efficiency against one node (np={side['baseline_np']}, 2 processes); pending: "
+                 "planned, not finished yet; –: not part of that study; * published "
+                 "as an efficiency only (speedup = efficiency × np / 2). Predictions: pilab's performance model "
+                 f"of the 24-node Raspberry Pi 4B cluster, {side['model_config']['model']} width "
+                 f"{side['model_config']['width']}, {side['model_config']['train_subset']} training images.")
+    return "\n".join(lines)
+
+
+def figure_layout(side: dict):
+    """Two panels: speedup vs np (published, both predicted profiles, ideal) and final test accuracy vs
+    np per study (finished points only, chance dotted)."""
+    nps = [r["np"] for r in side["rows"]]
+    p0 = side["baseline_np"]
+    sp = figure(title=f"speedup vs one Pi node (np={p0}): published and predicted", width=480, height=360,
+                x_axis_label="np (MPI processes)", y_axis_label="speedup")
+    sp.line(nps, [p / p0 for p in nps], color="gray", line_dash="dashed", legend_label="ideal")
+    for prof, color in (("naive", "#e45756"), ("pilab", "#4c78a8")):
+        ys = [r[f"{prof}_speedup"] for r in side["rows"]]
+        sp.line(nps, ys, color=color, line_width=2, legend_label=f"predicted, {prof} code")
+        sp.scatter(nps, ys, color=color, size=5)
+    pub = [r for r in side["rows"] if r["published_speedup"] is not None]
+    sp.scatter([r["np"] for r in pub], [r["published_speedup"] for r in pub], color="black", size=11,
+               marker="diamond", legend_label="published")
+    sp.legend.location = "top_left"
+    acc = figure(title="final test accuracy vs np (pending points absent)", width=480, height=360,
+                 x_axis_label="np (MPI processes)", y_axis_label="final test accuracy")
+    acc.y_range = Range1d(0, 1)
+    for i, label in enumerate(side["labels"]):
+        pts = [(r["np"], r["studies"][label]["final_test_acc"]) for r in side["rows"]
+               if r["studies"][label]["final_test_acc"] is not None]
+        color = Category10[10][i % 10]
+        if pts:
+            acc.line([x for x, _ in pts], [y for _, y in pts], color=color, line_width=2, legend_label=label)
+            acc.scatter([x for x, _ in pts], [y for _, y in pts], color=color, size=6, legend_label=label)
+    acc.line([min(nps), max(nps)], [CHANCE, CHANCE], color="gray", line_dash="dotted", legend_label="chance")
+    acc.legend.location = "top_right"
+    acc.legend.label_text_font_size = "8pt"
+    head, rows = cells(side)
+    text = (f"<h2>pilab beside the paper</h2><p>{escape(side['verdict'])}</p>"
+            + html_table(head, rows)
+            + f"<p>{escape(markdown(side).splitlines()[-1])}</p>")
+    return column(Div(text=text, width=1000), row(sp, acc))
+
+
+def report_html(side: dict, cmp: dict | None = None) -> str:
+    """The paper comparison, then (given ``cmp``, from :func:`pilab.scaling.compare`) the studies' accuracy
+    curves side by side; self-contained (BokehJS inline)."""
+    parts = [figure_layout(side)]
+    if cmp is not None:
+        parts.append(scaling.compare_layout(cmp))
+    return file_html(column(*parts), INLINE, "pilab beside the paper")
