@@ -47,14 +47,15 @@ from .dist import (GradSync, broadcast_module_, broadcast_optimizer_state_, gath
 from .files import save_json
 from .layers import (RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_,
                      use_ghost_batchnorm, use_rank_dropout)
+from .memory import limit_allocator_caches
 from .models import build_model
 from .optim import build_optimizer, lr_at, set_lr
 
 __all__ = ["train", "Session", "MPIRanks", "VirtualRanks", "StepResult", "load_data", "evaluate",
-           "resolve_device", "environment", "peak_mem_mb", "NUM_CLASSES", "EVAL_BATCH"]
+           "resolve_device", "environment", "peak_mem_mb", "NUM_CLASSES", "EVAL_BATCH", "Handoff"]
 
 NUM_CLASSES = 10
-EVAL_BATCH = 500
+EVAL_BATCH = Config.eval_batch  # the default; a run uses cfg.eval_batch
 # comm_wait is the part of comm_exposed spent waiting for a slower rank to reach the gradient Allreduce
 # (a straggler); comm_exposed - comm_wait is what the network itself cost (see MPIRanks.step).
 STEP_KEYS = ("loss", "lr", "time", "compute", "comm", "comm_exposed", "data", "comm_wait")
@@ -413,11 +414,32 @@ class VirtualRanks:
 # ----------------------------------------------------------------------------------------------
 # the session: set-up once, then steps
 # ----------------------------------------------------------------------------------------------
+class Handoff:
+    """A data set given to the Session for good (``data=Handoff(ds)``, then drop your own ``ds``): like
+    ``data=None`` a static-sharded rank then keeps only its shard of the training images, while a
+    plain ``data=ds`` keeps them all (the caller may still use them; every frame on the way holds it)::
+
+        ds = load_data(cfg, comm); cfg.check_world(comm.Get_size(), len(ds.y_train))
+        train.run(cfg, comm, data=Handoff(ds)); del ds      # the CLI's ranks
+    """
+
+    def __init__(self, ds):
+        self._ds = ds
+
+    def take(self):
+        ds, self._ds = self._ds, None
+        return ds
+
+
 class Session:
     """A run set up on ``ranks``: data, model, optimizer, schedule; ``step`` trains one step."""
 
     def __init__(self, cfg: Config, ranks, *, data=None):
+        owned = data is None or isinstance(data, Handoff)
+        if isinstance(data, Handoff):
+            data = data.take()
         ranks.check(cfg)
+        limit_allocator_caches()  # freed activations go back to the OS: a lower peak, the same numbers
         self.cfg, self.ranks = cfg, ranks
         self.np_, self.rank = ranks.np_, ranks.rank
         self.device = resolve_device(cfg)
@@ -429,7 +451,7 @@ class Session:
         self.accounting = data_mod.epoch_accounting(self.ds.y_train, self.np_, self.batch, cfg.sharding,
                                                     seed=cfg.seed)
         self.model = ranks.build(cfg, self.device, self.ds, self.batch)
-        if data is None and not ranks.simulated and cfg.sharding == "static":
+        if owned and not ranks.simulated and cfg.sharding == "static":
             # The loader copied this rank's shard; the whole training set stays only where it is shared
             # (a caller's data, the simulator's ranks, reshuffled shards): a rank holds 1/np of it.
             # A new empty array, not x_train[:0]: a view would keep the whole array alive.

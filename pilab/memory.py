@@ -23,25 +23,27 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 from .config import Config, ConfigError
 
 __all__ = ["predict_peak_bytes", "breakdown", "NODE_MEMORY", "NODE_RESERVE_BYTES", "node_bytes",
-           "fit_warning", "MemoryConfigError"]
+           "fit_warning", "limit_allocator_caches", "MemoryConfigError"]
 
 MiB = 2 ** 20
 GiB = 2 ** 30
 
-# Memory of the boards, as `free -b` reports it on Raspberry Pi OS 64-bit (MemTotal; the firmware and
-# the kernel keep the rest of the 4 / 8 GiB).
+# Memory of the boards as the OS sees it (MemTotal; the firmware and the kernel keep the rest of the
+# 4 / 8 GiB). Assumed, not measured here: no Pi was at hand; `free -b` on a node gives the real figure
+# (pass it as --node-memory).
 NODE_MEMORY = {"pi4b_4gb": 3_880 * MiB, "pi4b_8gb": 7_810 * MiB}
-# What a node needs besides the ranks: the OS with sshd, Hydra's proxy, and an ipyparallel engine
-# stack (controller client + engine process), measured as ~0.5 GiB on a booted Raspberry Pi OS Lite.
+# What a node needs besides the ranks: the OS with sshd, Hydra's proxy and an ipyparallel engine stack
+# (controller client + engine process). An assumption (~0.5 GiB), not a measurement.
 NODE_RESERVE_BYTES = 512 * MiB
 
 # Measured on this repository's bench machine (x86-64, torch CPU wheel; see BENCHMARKS.md):
 RUNTIME_BYTES = 235 * MiB  # python + torch + numpy + mpi4py imported, no tensors yet
-TRAIN_BYTES_PER_ELEMENT = 8.0  # per activation element of one image, per image of the batch
+TRAIN_BYTES_PER_ELEMENT = 3.5  # per activation element of one image, per image of the batch
 EVAL_BYTES_PER_ELEMENT = 16.0  # per element of the largest layer output, per evaluation image
 IMAGE_BYTES = 32 * 32 * 3 + 8  # one CIFAR-10 image (uint8 HWC) and its int64 label
 SOURCE_SIZES = {"embedded": (5_000, 1_000)}  # (train, test) images; every other source: CIFAR-10's
@@ -105,6 +107,30 @@ def predict_peak_bytes(cfg: Config, *, np_: int | None = None) -> int:
 
     ``np_`` as in ``breakdown`` (None: the whole training set on this rank, an upper bound)."""
     return breakdown(cfg, np_=np_)["peak"]
+
+
+# glibc serves allocations from this size up with their own mmap and returns them on free; its default
+# moves the threshold up to 32 MiB as the program frees large blocks, and the activations of a step
+# (1-13 MB each) then stay on the heap's free lists between steps and fragment it (~100 MB at the
+# study's setting, see BENCHMARKS.md). 1 MiB keeps the peak at what the tensors need.
+MMAP_THRESHOLD_BYTES = 1 * MiB
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers (malloc.h)
+
+
+def limit_allocator_caches() -> bool:
+    """Make glibc give large freed blocks back at once (``MMAP_THRESHOLD_BYTES``); True if set.
+
+        memory.limit_allocator_caches()   # engine.Session calls it; the numbers computed are the same
+
+    Not on other C libraries, and not when ``MALLOC_MMAP_THRESHOLD_`` is set (the user's choice wins)."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):  # musl and others: no mallopt
+        return False
 
 
 def node_bytes(spec: str) -> int:
