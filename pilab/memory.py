@@ -8,7 +8,8 @@
 The prediction is a sum of parts, each from the model and the data sizes, plus constants measured by
 ``python -m pilab bench --sections memory`` (BENCHMARKS.md, "Memory per rank"):
 
-* ``RUNTIME_BYTES``: the interpreter with torch, numpy and mpi4py imported, before any tensor;
+* ``RUNTIME_BYTES``: the interpreter with torch, numpy and mpi4py imported, before any tensor, and
+  ``WARM_BYTES`` that torch adds once it has run a step (thread pool, oneDNN's kernels and caches);
 * the data this rank holds: its shard of the training images (uint8) and the whole test set;
 * the model state: parameters, gradients (views into GradSync's buckets), the momentum buffer;
 * the activations at the peak of a training step: ``TRAIN_BYTES_PER_ELEMENT`` per element every leaf
@@ -16,8 +17,8 @@ The prediction is a sum of parts, each from the model and the data sizes, plus c
   autograd saves, the backward's gradients in flight and what the allocator keeps between steps;
 * evaluation: ``EVAL_BYTES_PER_ELEMENT`` per element of the largest layer output, times ``eval_batch``;
   the larger of training and evaluation counts, as they never run at the same time;
-* loading, before training: the whole decoded source and the rank's copy of its shard; the peak is
-  the larger of loading and training.
+* loading, before training: the whole decoded source and the rank's copy of its shard (plus
+  ``SETUP_BYTES`` for building the model meanwhile); the peak is the larger of loading and training.
 """
 from __future__ import annotations
 
@@ -43,8 +44,10 @@ NODE_RESERVE_BYTES = 512 * MiB
 
 # Measured on this repository's bench machine (x86-64, torch CPU wheel; see BENCHMARKS.md):
 RUNTIME_BYTES = 235 * MiB  # python + torch + numpy + mpi4py imported, no tensors yet
-TRAIN_BYTES_PER_ELEMENT = 3.5  # per activation element of one image, per image of the batch
-EVAL_BYTES_PER_ELEMENT = 16.0  # per element of the largest layer output, per evaluation image
+WARM_BYTES = 115 * MiB  # once a step has run: torch's thread pool, oneDNN's kernels and primitive cache
+SETUP_BYTES = 57 * MiB  # building the model and the first collectives, while the whole source is held
+TRAIN_BYTES_PER_ELEMENT = 2.8  # per activation element of one image, per image of the batch
+EVAL_BYTES_PER_ELEMENT = 12.8  # per element of the largest layer output, per evaluation image
 IMAGE_BYTES = 32 * 32 * 3 + 8  # one CIFAR-10 image (uint8 HWC) and its int64 label
 SOURCE_SIZES = {"embedded": (5_000, 1_000)}  # (train, test) images; every other source: CIFAR-10's
 CIFAR10_SIZES = (50_000, 10_000)
@@ -91,9 +94,9 @@ def breakdown(cfg: Config, *, np_: int | None = None) -> dict:
     # Loading: the decoded source (and a subset's copy), then the loader's copy of the shard, before
     # the Session lets go of the rest.
     subset = (n_train if cfg.train_subset else 0) + (n_test if cfg.test_subset else 0)
-    load = RUNTIME_BYTES + (src_train + src_test + subset + shard) * IMAGE_BYTES
-    steady = RUNTIME_BYTES + data + model + max(train, eval_)
-    parts = {"runtime": RUNTIME_BYTES, "data": data, "model": model, "activations": max(train, eval_),
+    load = RUNTIME_BYTES + SETUP_BYTES + (src_train + src_test + subset + shard) * IMAGE_BYTES
+    steady = RUNTIME_BYTES + WARM_BYTES + data + model + max(train, eval_)
+    parts = {"runtime": RUNTIME_BYTES + WARM_BYTES, "data": data, "model": model, "activations": max(train, eval_),
              "train_activations": train, "eval_activations": eval_, "load": load, "steady": steady}
     parts["peak"] = max(load, steady)
     return {k: int(v) for k, v in parts.items()}
