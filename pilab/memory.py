@@ -8,7 +8,8 @@
 The prediction is a sum of parts, each from the model and the data sizes, plus constants measured by
 ``python -m pilab bench --sections memory`` (BENCHMARKS.md, "Memory per rank"):
 
-* ``RUNTIME_BYTES``: the interpreter with torch, numpy and mpi4py imported, before any tensor;
+* ``RUNTIME_BYTES``: the interpreter with torch, numpy and mpi4py imported, before any tensor, and
+  ``WARM_BYTES`` that torch adds once it has run a step (thread pool, oneDNN's kernels and caches);
 * the data this rank holds: its shard of the training images (uint8) and the whole test set;
 * the model state: parameters, gradients (views into GradSync's buckets), the momentum buffer;
 * the activations at the peak of a training step: ``TRAIN_BYTES_PER_ELEMENT`` per element every leaf
@@ -16,33 +17,37 @@ The prediction is a sum of parts, each from the model and the data sizes, plus c
   autograd saves, the backward's gradients in flight and what the allocator keeps between steps;
 * evaluation: ``EVAL_BYTES_PER_ELEMENT`` per element of the largest layer output, times ``eval_batch``;
   the larger of training and evaluation counts, as they never run at the same time;
-* loading, before training: the whole decoded source and the rank's copy of its shard; the peak is
-  the larger of loading and training.
+* loading, before training: the whole decoded source and the rank's copy of its shard (plus
+  ``SETUP_BYTES`` for building the model meanwhile); the peak is the larger of loading and training.
 """
 from __future__ import annotations
 
 import functools
 import os
+import sys
 
 from .config import Config, ConfigError
 
 __all__ = ["predict_peak_bytes", "breakdown", "NODE_MEMORY", "NODE_RESERVE_BYTES", "node_bytes",
-           "fit_warning", "MemoryConfigError"]
+           "fit_warning", "limit_allocator_caches", "MemoryConfigError"]
 
 MiB = 2 ** 20
 GiB = 2 ** 30
 
-# Memory of the boards, as `free -b` reports it on Raspberry Pi OS 64-bit (MemTotal; the firmware and
-# the kernel keep the rest of the 4 / 8 GiB).
+# Memory of the boards as the OS sees it (MemTotal; the firmware and the kernel keep the rest of the
+# 4 / 8 GiB). Assumed, not measured here: no Pi was at hand; `free -b` on a node gives the real figure
+# (pass it as --node-memory).
 NODE_MEMORY = {"pi4b_4gb": 3_880 * MiB, "pi4b_8gb": 7_810 * MiB}
-# What a node needs besides the ranks: the OS with sshd, Hydra's proxy, and an ipyparallel engine
-# stack (controller client + engine process), measured as ~0.5 GiB on a booted Raspberry Pi OS Lite.
+# What a node needs besides the ranks: the OS with sshd, Hydra's proxy and an ipyparallel engine stack
+# (controller client + engine process). An assumption (~0.5 GiB), not a measurement.
 NODE_RESERVE_BYTES = 512 * MiB
 
 # Measured on this repository's bench machine (x86-64, torch CPU wheel; see BENCHMARKS.md):
 RUNTIME_BYTES = 235 * MiB  # python + torch + numpy + mpi4py imported, no tensors yet
-TRAIN_BYTES_PER_ELEMENT = 8.0  # per activation element of one image, per image of the batch
-EVAL_BYTES_PER_ELEMENT = 16.0  # per element of the largest layer output, per evaluation image
+WARM_BYTES = 115 * MiB  # once a step has run: torch's thread pool, oneDNN's kernels and primitive cache
+SETUP_BYTES = 57 * MiB  # building the model and the first collectives, while the whole source is held
+TRAIN_BYTES_PER_ELEMENT = 2.8  # per activation element of one image, per image of the batch
+EVAL_BYTES_PER_ELEMENT = 12.8  # per element of the largest layer output, per evaluation image
 IMAGE_BYTES = 32 * 32 * 3 + 8  # one CIFAR-10 image (uint8 HWC) and its int64 label
 SOURCE_SIZES = {"embedded": (5_000, 1_000)}  # (train, test) images; every other source: CIFAR-10's
 CIFAR10_SIZES = (50_000, 10_000)
@@ -89,9 +94,9 @@ def breakdown(cfg: Config, *, np_: int | None = None) -> dict:
     # Loading: the decoded source (and a subset's copy), then the loader's copy of the shard, before
     # the Session lets go of the rest.
     subset = (n_train if cfg.train_subset else 0) + (n_test if cfg.test_subset else 0)
-    load = RUNTIME_BYTES + (src_train + src_test + subset + shard) * IMAGE_BYTES
-    steady = RUNTIME_BYTES + data + model + max(train, eval_)
-    parts = {"runtime": RUNTIME_BYTES, "data": data, "model": model, "activations": max(train, eval_),
+    load = RUNTIME_BYTES + SETUP_BYTES + (src_train + src_test + subset + shard) * IMAGE_BYTES
+    steady = RUNTIME_BYTES + WARM_BYTES + data + model + max(train, eval_)
+    parts = {"runtime": RUNTIME_BYTES + WARM_BYTES, "data": data, "model": model, "activations": max(train, eval_),
              "train_activations": train, "eval_activations": eval_, "load": load, "steady": steady}
     parts["peak"] = max(load, steady)
     return {k: int(v) for k, v in parts.items()}
@@ -105,6 +110,30 @@ def predict_peak_bytes(cfg: Config, *, np_: int | None = None) -> int:
 
     ``np_`` as in ``breakdown`` (None: the whole training set on this rank, an upper bound)."""
     return breakdown(cfg, np_=np_)["peak"]
+
+
+# glibc serves allocations from this size up with their own mmap and returns them on free; its default
+# moves the threshold up to 32 MiB as the program frees large blocks, and the activations of a step
+# (1-13 MB each) then stay on the heap's free lists between steps and fragment it (~100 MB at the
+# study's setting, see BENCHMARKS.md). 1 MiB keeps the peak at what the tensors need.
+MMAP_THRESHOLD_BYTES = 1 * MiB
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers (malloc.h)
+
+
+def limit_allocator_caches() -> bool:
+    """Make glibc give large freed blocks back at once (``MMAP_THRESHOLD_BYTES``); True if set.
+
+        memory.limit_allocator_caches()   # engine.Session calls it; the numbers computed are the same
+
+    Not on other C libraries, and not when ``MALLOC_MMAP_THRESHOLD_`` is set (the user's choice wins)."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):  # musl and others: no mallopt
+        return False
 
 
 def node_bytes(spec: str) -> int:

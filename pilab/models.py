@@ -522,7 +522,7 @@ def largest_output_elements(name: str, width: float = 1.0, num_classes: int = 10
     """Elements of the largest output any leaf layer writes for one image: what an evaluation batch
     (no autograd) holds at its peak is a few of these per image (``pilab.memory``)::
 
-        largest_output_elements("mobilenetv2_cifar", width=1.0)   # 96 channels x 32 x 32
+        largest_output_elements("mobilenetv2_cifar", width=1.0)   # 144 channels x 32 x 32
     """
     with torch.device("meta"):
         model = build_model(name, num_classes=num_classes, width=width, timesteps=timesteps)

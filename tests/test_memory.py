@@ -1,4 +1,7 @@
 """Memory per rank (pilab.memory): what the cuts keep identical, and the prediction against a real rank."""
+import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -7,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pilab import memory, models
+from conftest import MPIEXEC, mpi_env
 from pilab.config import Config, ConfigError
 
 
@@ -84,3 +88,47 @@ def test_eval_batch_is_validated():
     with pytest.raises(ConfigError, match="eval_batch"):
         Config(eval_batch=0)
 
+
+TINY = ["--width", "0.25", "--train-subset", "256", "--test-subset", "100", "--batch-size", "16",
+        "--threads", "1", "--max-steps", "2"]
+
+
+@pytest.mark.mpi
+def test_prediction_within_15_percent_of_a_real_rank(tmp_path):
+    """Two real ranks, a few steps and an evaluation; every rank's measured peak RSS (VmHWM) against
+    predict_peak_bytes for the same setting."""
+    out = tmp_path / "mem.json"
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "pilab.bench.memory", str(out), "--width", "0.5",
+           "--batch-size", "32", "--eval-batch", "50", "--threads", "1", "--steps", "2",
+           "--train-subset", "512", "--test-subset", "200"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=mpi_env(), cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    predicted = r["predicted"]["peak"]
+    assert predicted == memory.predict_peak_bytes(Config.from_dict(r["config"]), np_=2)
+    for rank in r["ranks"]:
+        assert abs(predicted - rank["peak"]) <= 0.15 * rank["peak"], (predicted, rank)
+        parts = ("runtime", "data", "model", "activations", "allocator")
+        assert sum(rank[k] for k in parts) == rank["peak"]
+        assert rank["activations"] > 0 and rank["model"] > 0 and rank["data"] > 256 // 2 * 3072
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("how", ["--np", "mpiexec"])
+def test_train_warns_before_launch_when_ranks_do_not_fit(tmp_path, how):
+    args = [sys.executable, "-m", "pilab", "train", *TINY, "--quiet", "--node-memory", "0.5GB"]
+    cmd = args + ["--np", "2"] if how == "--np" else [MPIEXEC, "-n", "2", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=mpi_env(), cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]  # a warning: the run still goes
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("pilab: warning: 2 rank(s) per node")]
+    assert len(lines) == 1, p.stderr  # once, from rank 0 (or the launcher), not from every rank
+    assert "exceeds the node's 0.50 GB" in lines[0]
+    if how == "--np":  # before launch: the warning comes before the launch line
+        assert p.stderr.index(lines[0]) < p.stderr.index("launching: ")
+
+
+def test_train_refuses_a_bad_node_memory(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "pilab", "train", "--node-memory", "lots"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 2 and "node memory 'lots' is not understood" in p.stderr
+    assert "Traceback" not in p.stderr

@@ -15,7 +15,12 @@ min-max. The sections that need ranks run as one ``mpiexec -n 2 python -m pilab.
 * ``checkpoint``: one mid-epoch checkpoint (ms, bytes) and its share of the 10-minute multi-node interval;
   ``deviation`` (only when asked for): the fast mode's deviation after 100 steps at np=48;
 * ``ranks``: memory, communication (bandwidth, bucket sweep, hidden share) and the np=2 step
-  (pilab vs DDP-gloo vs the sync-only floor vs the no-exchange ceiling, strong scaling).
+  (pilab vs DDP-gloo vs the sync-only floor vs the no-exchange ceiling, strong scaling);
+* ``memory``: peak RSS per rank itemised at the study's setting (``pilab.bench.memory``, real ranks),
+  and ``pilab.memory``'s prediction against it over 3 widths x 2 batch sizes.
+
+Running some sections only (``--sections memory``) replaces those sections in an existing BENCHMARKS.md
+and keeps the others.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import sys
 import tempfile
 import time
 
-SECTIONS = ("one_rank", "models", "data", "simulator", "checkpoint", "ranks")
+SECTIONS = ("one_rank", "models", "data", "simulator", "checkpoint", "ranks", "memory")
 EXTRA_SECTIONS = ("deviation",)  # not in the default run (~7 min here): the fast mode's 100-step deviation
 
 
@@ -123,14 +128,68 @@ def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", mark
         timed("deviation", lambda: local.fast_deviation(dcfg, 8 if q else 48, 10 if q else 100))
     if "ranks" in sections:
         timed("ranks", lambda: _ranks_job(quick, mpiexec))
+    if "memory" in sections:
+        timed("memory", lambda: memory_section(quick, mpiexec, log=log))
     res["machine"]["loadavg_end"] = list(os.getloadavg())
     res["wall_s"] = time.perf_counter() - t_all
     if out:
         save_json(res, os.path.join(out, "bench.json"))
     if markdown:
         from ..files import atomic_write_text
-        atomic_write_text(markdown, markdown_report(res))
+        from .report import splice_sections
+        text = markdown_report(res)
+        if set(sections) < set(SECTIONS) and os.path.isfile(markdown):
+            # some sections only: replace theirs in the existing report, keep the others' figures
+            with open(markdown) as f:
+                text = splice_sections(f.read(), text)
+        atomic_write_text(markdown, text)
     return res
+
+
+# The memory section: the study's setting (full CIFAR-10, MobileNetV2-CIFAR 1.0, 32 per rank, 2 threads),
+# then the prediction against the measured peak over 3 widths x 2 batch sizes.
+MEMORY_DATA = os.path.join("..", "shared", "data", "cifar10-jpeg.tar.gz")
+MEMORY_STUDY = {"width": 1.0, "batch_size": 32, "threads": 2, "steps": 3}
+MEMORY_TABLE = [(w, b) for w in (0.25, 0.5, 1.0) for b in (16, 32)]
+MEMORY_TABLE_EVAL_BATCH = 50
+
+
+def memory_job(out_json: str, setting: dict, mpiexec: str | None = None, env=None) -> dict:
+    """One ``mpiexec -n 2 python -m pilab.bench.memory`` job for ``setting`` (its flags); its JSON."""
+    from ..launch import mpiexec_command
+    flags = [x for k, v in setting.items() for x in ("--" + k.replace("_", "-"), str(v))]
+    cmd = mpiexec_command(2, [sys.executable, "-m", "pilab.bench.memory", out_json, *flags], mpiexec=mpiexec)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **(env or {})))
+    if p.returncode != 0 or not os.path.exists(out_json):
+        raise BenchError(f"the memory job failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-2000:]}")
+    with open(out_json) as f:
+        out = json.load(f)
+    out["command"] = " ".join(f"{k}={v}" for k, v in (env or {}).items()) + \
+        (" " if env else "") + "mpiexec -n 2 python -m pilab.bench.memory OUT.json " + " ".join(flags)
+    return out
+
+
+def memory_section(quick: bool, mpiexec: str | None = None, log=print) -> dict:
+    """Itemised peak RSS per rank at the study's setting (default eval batch, and eval_batch 50), and
+    the prediction vs the measurement over ``MEMORY_TABLE`` (quick: one tiny row on the embedded set)."""
+    data = "embedded" if quick or not os.path.isfile(MEMORY_DATA) else MEMORY_DATA
+    out = {"data": data, "rows": [], "table": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        if quick:
+            settings = [dict(data=data, width=0.25, batch_size=16, threads=1, steps=2, train_subset=512,
+                             test_subset=200, eval_batch=MEMORY_TABLE_EVAL_BATCH)]
+        else:
+            settings = [dict(data=data, **MEMORY_STUDY, eval_batch=MEMORY_TABLE_EVAL_BATCH),
+                        dict(data=data, **MEMORY_STUDY)]
+        for i, st in enumerate(settings):
+            log(f"bench: memory at {st}")
+            out["rows"].append(memory_job(os.path.join(tmp, f"row{i}.json"), st, mpiexec))
+        table = [] if quick else [dict(data=data, width=w, batch_size=b, threads=2, steps=2, test_subset=1000,
+                                       eval_batch=MEMORY_TABLE_EVAL_BATCH) for w, b in MEMORY_TABLE]
+        for i, st in enumerate(table):
+            log(f"bench: memory prediction at {st}")
+            out["table"].append(memory_job(os.path.join(tmp, f"table{i}.json"), st, mpiexec))
+    return out
 
 
 def ranks_command(out_json: str, quick: bool, mpiexec: str | None = None) -> list[str]:

@@ -46,7 +46,7 @@ def markdown_report(res: dict) -> str:
         "",
     ]
     for part in (_one_rank(res), _models(res), _data(res), _comm(ranks), _e2e(ranks), _memory(ranks),
-                 _simulator(res), _checkpoint(res), _gpu(res)):
+                 _memory_per_rank(res), _simulator(res), _checkpoint(res), _gpu(res)):
         out += part
     return "\n".join(out)
 
@@ -181,6 +181,79 @@ def _memory(ranks: dict) -> list[str]:
                    "its loader has copied the shard; tests/test_mpi.py checks it)."),
                 ""]
     return out
+
+
+def _mb(x: float) -> str:
+    return f"{x / 1e6:.0f}"
+
+
+def _memory_per_rank(res: dict) -> list[str]:
+    mem = res.get("memory")
+    if not mem:
+        return []
+    m = res["machine"]
+    out = ["## Memory per rank", "",
+           f"Peak RSS of each rank (VmHWM, MB = 10^6 bytes), itemised, two real ranks (`mpiexec -n 2`) on "
+           f"{mem['data']}; measured {m['date']} on {m['cpu']}. Runtime: python + torch + mpi4py imported; data: "
+           "the rank's shard (uint8) and the test set; model: parameters, gradient buckets, momentum; "
+           "activations: what autograd saved in a step's forward; allocator: the rest of the peak (gradients "
+           "in flight, glibc's free lists, oneDNN's caches). Goal: peak <= 900 MB per rank at the study's "
+           "setting.", "",
+           "| setting | runtime | data | model | activations | allocator | peak (load / train / eval) | "
+           "predicted | goal |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in mem["rows"]:
+        c = row["config"]
+        r = max(row["ranks"], key=lambda x: x["peak"])
+        ph = r["phases"]
+        out.append(f"| width {c['width']}, {c['batch_size']} per rank, {c['threads']} threads, eval batch "
+                   f"{c['eval_batch']} | {_mb(r['runtime'])} | {_mb(r['data'])} | {_mb(r['model'])} | "
+                   f"{_mb(r['activations'])} | {_mb(r['allocator'])} | **{_mb(r['peak'])}** ({_mb(ph['load'])} / "
+                   f"{_mb(ph['train'])} / {_mb(ph['eval'])}) | {_mb(row['predicted']['peak'])} | "
+                   f"{'met' if r['peak'] <= 900e6 else 'NOT met'} |")
+    out += [""] + [f"- `{row['command']}`" for row in mem["rows"]] + [""]
+    if mem["table"]:
+        out += ["The prediction (`pilab.memory.predict_peak_bytes`) against the measured peak, 3 widths x 2 "
+                "batch sizes (full training set, 1,000 test images, eval batch 50, 2 threads, 2 steps; the "
+                "larger rank's peak):", "", "| width | per rank | measured MB | predicted MB | error |",
+                "|---|---|---|---|---|"]
+        worst = 0.0
+        for row in mem["table"]:
+            c = row["config"]
+            meas = max(r["peak"] for r in row["ranks"])
+            err = row["predicted"]["peak"] / meas - 1
+            worst = max(worst, abs(err))
+            out.append(f"| {c['width']} | {c['batch_size']} | {_mb(meas)} | {_mb(row['predicted']['peak'])} | "
+                       f"{100 * err:+.1f}% |")
+        out += ["", f"Largest error {100 * worst:.1f}% — {'within' if worst <= 0.15 else 'NOT within'} the 15% goal. "
+                f"Each row: `{mem['table'][0]['command']}` with its width and batch size.", ""]
+    return out
+
+
+def splice_sections(old: str, new: str) -> str:
+    """``old`` with every ``## `` section that ``new`` has replaced by ``new``'s (new ones go before
+    ``## GPU``, or at the end); the header and the other sections of ``old`` stay."""
+    def split(text):
+        head, parts, cur = [], {}, None
+        order = []
+        for line in text.splitlines():
+            if line.startswith("## "):
+                cur = line
+                order.append(cur)
+                parts[cur] = [line]
+            elif cur is None:
+                head.append(line)
+            else:
+                parts[cur].append(line)
+        return head, order, parts
+    head, order, parts = split(old)
+    _, new_order, new_parts = split(new)
+    for title in new_order:
+        if title == "## GPU" and title in parts:
+            continue
+        if title not in parts:
+            order.insert(order.index("## GPU") if "## GPU" in order else len(order), title)
+        parts[title] = new_parts[title]
+    return "\n".join(head + [line for t in order for line in parts[t]]) + "\n"
 
 
 def _simulator(res: dict) -> list[str]:

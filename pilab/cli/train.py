@@ -42,18 +42,46 @@ def add_parser(sub) -> None:
                    help="end the job, naming the unreachable or stuck rank, after this many seconds "
                         "without a step on a rank (default: $PILAB_HANG_S or 120; 0: never; see "
                         "pilab.watchdog)")
+    t.add_argument("--node-memory", default="host",
+                   help="memory of one node, for the warning before launch when ranks per node x the "
+                        "predicted peak per rank (pilab.memory) exceed it: pi4b_4gb, pi4b_8gb, host "
+                        "(this machine's MemTotal; the default) or a size such as 4GB")
+    t.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks that share one node's memory, for that warning (default: with --np all "
+                        "of them, as they run on this machine; under mpiexec the ranks MPI puts on "
+                        "rank 0's node)")
     add_config_arguments(t, DEFAULTS)
     t.set_defaults(func=run)
 
 
+def _check_memory_flags(args) -> None:
+    from ..memory import node_bytes
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        raise ConfigError(f"--ranks-per-node {args.ranks_per_node} must be >= 1")
+    node_bytes(args.node_memory)
+
+
+def _memory_warning(cfg: Config, args, np_: int, ranks_per_node: int) -> None:
+    """One line on stderr when ``ranks_per_node`` ranks of ``cfg`` are predicted not to fit in
+    ``--node-memory``; the run goes on (the prediction is within ~15%, see pilab.memory)."""
+    from .. import memory
+    line = memory.fit_warning(cfg, np_=np_, ranks_per_node=ranks_per_node,
+                              node_bytes=memory.node_bytes(args.node_memory))
+    if line:
+        print(line, file=sys.stderr, flush=True)
+
+
 def run(args, argv) -> int:
     cfg = config_from_args(args, DEFAULTS)
+    if not under_mpi():
+        _check_memory_flags(args)
     if args.np is not None and not under_mpi():
         return _launch(cfg, args, argv)
     if not under_mpi():
         from ..engine import load_data
         ds = load_data(cfg)
         cfg.check_world(1, len(ds.y_train))
+        _memory_warning(cfg, args, 1, args.ranks_per_node or 1)
         if _check_output(cfg, args, 1):
             clear_out_dir(cfg.out)
         with interruptible(mpi=False) as stop:
@@ -83,12 +111,14 @@ def _launch(cfg: Config, args, argv) -> int:
     cfg.check_world(args.np, len(load_data(cfg).y_train))
     mpi_or_error()
     _check_output(cfg, args, args.np)
+    _memory_warning(cfg, args, args.np, args.ranks_per_node or args.np)
     cmd = pilab_command(args.np, ["train", *strip_flags(argv, ("--np", "--mpiexec"))], mpiexec=args.mpiexec)
     print("launching: " + " ".join(cmd), file=sys.stderr, flush=True)
     # stdin from /dev/null: a launcher outside the terminal's foreground group must not read it
     # stdout/stderr through the watchdog's pump: it ends an mpiexec left waiting for a lost node
+    # the ranks need not check the memory again (PILAB_MEMORY_CHECKED): it was done here, before launch
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, process_group=0, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, env=dict(os.environ, PILAB_MEMORY_CHECKED="1"))
     signums = (signal.SIGINT, signal.SIGTERM)
     old = {s: signal.getsignal(s) for s in signums}
     got: list[int] = []
@@ -149,7 +179,7 @@ def _train_rank(cfg: Config, args) -> int:
     from .. import train
     from ..data import DataError
     from ..dist import abort_on_error, check_launcher
-    from ..engine import Keeper, failure_reason, load_data
+    from ..engine import Handoff, Keeper, failure_reason, load_data
     from ..watchdog import Watchdog, hang_s_from_env
     comm = MPI.COMM_WORLD
     check_launcher(comm)
@@ -167,6 +197,7 @@ def _train_rank(cfg: Config, args) -> int:
             raise ConfigError(f"--hang-s {args.hang_s} must be >= 0 (0: no watchdog)")
         if comm.Get_rank() == 0:  # only rank 0 writes: its view of --out and of the checkpoint counts
             stale = _check_output(cfg, args, comm.Get_size())
+        _check_memory_flags(args)  # a bad --node-memory fails here, on every rank, before the vote
     except (ConfigError, DataError, UsageError, ValueError) as e:
         error = e
     first = comm.allreduce(comm.Get_rank() if error is not None else comm.Get_size(), op=MPI.MIN)
@@ -174,6 +205,9 @@ def _train_rank(cfg: Config, args) -> int:
         if comm.Get_rank() == first:  # the lowest failing rank speaks for all
             print(f"pilab: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    local = _ranks_on_my_node(comm)  # collective, after the vote: every rank takes part
+    if comm.Get_rank() == 0 and not os.environ.get("PILAB_MEMORY_CHECKED"):
+        _memory_warning(cfg, args, comm.Get_size(), args.ranks_per_node or local)
     # The watchdog ends every rank, naming the unreachable or stuck one, when a collective never
     # completes (a node off the network): MPI over TCP would wait for TCP's timeouts.
     if stale:
@@ -194,9 +228,21 @@ def _train_rank(cfg: Config, args) -> int:
             Watchdog(comm, hang_s, on_end=keeper, on_peer_failure=keeper) as watchdog:
         dog.append(watchdog)
         stop.on_signal, stop.on_exit = keeper, keeper.cleanup
-        result = train.run(cfg, comm, callbacks=progress_callbacks(args.quiet), data=ds,
+        # handed over: the rank keeps its shard, not the whole training set (~150 MB of CIFAR-10)
+        data, ds = Handoff(ds), None
+        result = train.run(cfg, comm, callbacks=progress_callbacks(args.quiet), data=data,
                            stop=_Polled(watchdog.polled(stop), stop), keeper=keeper)
     return _report(result, cfg, stop, speak=rank0)
+
+
+def _ranks_on_my_node(comm) -> int:
+    """Ranks of ``comm`` sharing this rank's node (MPI's shared-memory split; collective)."""
+    from mpi4py import MPI
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size()
+    finally:
+        node.Free()
 
 
 class _Polled:
