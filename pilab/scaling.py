@@ -842,7 +842,8 @@ def compare(studies: dict[str, dict]) -> dict:
                 "epochs_near_chance": sum(1 for a in curve if a is not None and a < 0.15),
                 "fast_but_wrong": r["fast_but_wrong"], "verdict": r["verdict"],
                 "verdict_why": r["verdict_why"]})
-    configs = {k: v["config"] for k, v in studies.items()}
+    # a study with no finished point yet (one being run, see load_study) has no settings to compare
+    configs = {k: v["config"] for k, v in studies.items() if v.get("config") is not None}
     varies = differing_settings(configs)
     warning = None
     if len(varies) > 1:
