@@ -10,6 +10,7 @@
     python -m pilab data fetch                         # official CIFAR-10 (needs torchvision + internet)
     python -m pilab testbed up --help                  # a Pi cluster on one machine (network namespaces)
     python -m pilab bench --help                       # benchmarks against baselines of the same run
+    python -m pilab doctor --hostfile hosts            # preflight: every host checked before a cluster run
 
 Bad input gets one line on stderr naming the problem and the fix, and exit code 2. A file that cannot
 be written (disk full, no permission) gets one line and exit code 74; an interrupted command exits 130
