@@ -27,6 +27,7 @@ pytestmark = pytest.mark.mpi
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARTIFACTS = os.path.join(REPO, "test-artifacts")
 RECORD: dict = {}
+CPU_RUN: list = []  # the CPU-limited run of test_straggler_warnings[cpu], for the panel test
 NAME, SUBNET = "pllong", "10.82.0.0/24"
 TINY = ["--width", "0.25", "--train-subset", "256", "--test-subset", "100", "--threads", "1", "--quiet"]
 
@@ -85,15 +86,21 @@ def test_straggler_warnings(tb, tmp_path, case):
     if case == "healthy":
         assert lines == [] and r["stragglers"] == [], RECORD["straggler_healthy"]
         return
-    # rate-limited: one line a minute at most (these runs take about one), never one per step
-    assert 1 <= len(lines) <= 1 + int(r["wall_time"] // 60) < r["total_steps"], lines
+    # rate-limited: one line of each kind a minute at most (these runs take about one), never one per
+    # step. A node slowed to 0.1 of a core is also slow in its exchange (MPI's copies run on that core),
+    # so its compute line may be followed by a network one: each kind is counted on its own.
+    for k in ("compute", "network"):
+        assert len([x for x in lines if x.startswith(f"pilab: straggler ({k}):")]) <= \
+            1 + int(r["wall_time"] // 60) < r["total_steps"], lines
     kind = "compute" if case == "cpu" else "network"
-    assert lines[0].startswith(f"pilab: straggler ({kind}):"), lines
-    assert {s["kind"] for s in r["stragglers"]} == {kind}, r["stragglers"]
+    assert lines and lines[0].startswith(f"pilab: straggler ({kind}):"), lines
+    mine = [s for s in r["stragglers"] if s["kind"] == kind]
+    assert mine and r["stragglers"][0]["kind"] == kind, r["stragglers"]
     if case == "cpu":
         assert "rank 1 (node02)" in lines[0] and "vcgencmd get_throttled" in lines[0], lines
-        assert [(s["rank"], s["host"]) for s in r["stragglers"]] == [(1, "node02")]
-        assert r["stragglers"][0]["slowdown"] >= 0.2 and r["stragglers"][0]["steps"] >= 1
+        assert [(s["rank"], s["host"]) for s in mine] == [(1, "node02")]
+        assert mine[0]["slowdown"] >= 0.2 and mine[0]["steps"] >= 1
+        CPU_RUN.append(r)  # the panel test replays this run's events
     else:  # every rank's exchange crosses the slow link: both are named, with their hosts
         assert "node02" in lines[0] and "ethtool" in lines[0], lines
         assert {s["host"] for s in r["stragglers"]} >= {"node02"}
@@ -103,11 +110,14 @@ def test_the_panel_marks_the_straggler_bar_and_says_why(tb, tmp_path):
     # the widgets fed with a real run's events: a CPU-limited node02, its start / epoch / straggler
     # events as rank 0 emitted them (a callback on the run's own events, replayed into the panel)
     from pilab import plots, widgets
-    testbed.throttle(tb, "node02", 0.1)
-    try:
-        _, r = _one_rank_per_node(tb, tmp_path / "cpu")
-    finally:
-        testbed.throttle(tb, "node02", 0)
+    if CPU_RUN:  # the same CPU-limited run: one run, not two, on this shared machine
+        r = CPU_RUN[0]
+    else:
+        testbed.throttle(tb, "node02", 0.1)
+        try:
+            _, r = _one_rank_per_node(tb, tmp_path / "cpu")
+        finally:
+            testbed.throttle(tb, "node02", 0)
     assert r["straggler_lines"], r["stragglers"]
     live = plots.LivePlot()
     panel = widgets.ControlPanel(None, live=live)
