@@ -12,10 +12,11 @@
 #   rules       naive (the same lr at every np, as the original study) and sqrt + 2-epoch warmup (the
 #               committed 15,000-image study's best rule)
 #
-# ONE point at a time (the machine is shared), each written to <rule>/np<N>/result.json as it finishes: a
-# point already finished is skipped, a real run interrupted part-way goes on from its last epoch's
-# checkpoint (`--resume`; a simulated one starts over), so `bash docs/paper-size/run.sh` again continues
-# where it stopped.
+# Each point is written to <rule>/np<N>/result.json as it finishes: a point already finished is skipped,
+# one interrupted part-way goes on from its last checkpoint (`--resume`; every point, real or simulated,
+# checkpoints every 10 minutes, mid-epoch), so `bash docs/paper-size/run.sh` again continues where it
+# stopped. Two copies may run at once (one per core): each point is claimed (<out>.lock, holding the
+# claimer's pid; a lock whose process is gone is taken over), so they share the points without doubling any.
 # When every point is there, `pilab scale --resume` puts each rule's points into a study and `pilab
 # compare --paper` sets them beside the published figures and the 15,000-image study. Until then the same
 # compare command renders the finished points and marks the rest pending:
@@ -39,8 +40,10 @@ read -r -a extra <<<"${PAPER_SIZE_ARGS:-}"
 data=${PILAB_CIFAR_ARCHIVE:-../shared/data/cifar10-jpeg.tar.gz}
 base=(--data "$data" --model mobilenetv2_cifar --width 0.25 --train-subset 0 --test-subset 0
       --batch-size 32 --lr-ref-batch 32 --threads 1)
-# real runs checkpoint every epoch (the simulator cannot; an interrupted simulated point starts over)
-real=(train --hang-s 900 --checkpoint-every 1 --keep 1)
+# every point checkpoints each epoch and every 10 minutes inside one (real and simulated alike)
+keep=(--checkpoint-every 1 --checkpoint-minutes 10 --keep 1)
+real=(train --hang-s 900 "${keep[@]}")
+sim=(simulate "${keep[@]}")
 sweep_lrs=(0.025 0.05 0.1)
 
 finished() {  # a result.json that ran to its end
@@ -51,13 +54,32 @@ sys.exit(0 if not r.get("stopped_early") and r.get("steps_done") == r.get("total
 EOF
 }
 
+mine=()  # the locks this copy holds, released however it ends
+trap 'for l in "${mine[@]}"; do rm -rf "$l"; done' EXIT
+
+claim() {  # take point $1 for this copy; false when another living copy works on it
+    local lock=$1.lock
+    mkdir -p "$(dirname "$lock")"
+    if ! mkdir "$lock" 2>/dev/null; then
+        local pid; pid=$(cat "$lock/pid" 2>/dev/null || true)
+        if [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null; then return 1; fi
+        echo "run.sh: $1: lock of a copy that is gone (pid ${pid:-?}), taken over" >&2
+    fi
+    echo $$ >"$lock/pid"
+    mine+=("$lock")
+}
+
+release() { rm -rf "$1.lock"; }
+
 train() {  # train into $out ($1), continuing its checkpoint when an earlier try stopped part-way
     local out=$1; shift
     if finished "$out/result.json"; then echo "run.sh: $out finished earlier, kept" >&2; return; fi
+    if ! claim "$out"; then echo "run.sh: $out: another copy runs it, skipped" >&2; return; fi
     local from=(--overwrite)
     [[ -f $out/checkpoint.pt ]] && from=(--resume "$out/checkpoint.pt")
     echo "run.sh: $(date -u +%FT%TZ) start $out" >&2
     python -m pilab "$@" "${extra[@]}" --quiet --out "$out" "${from[@]}"
+    release "$out"
     echo "run.sh: $(date -u +%FT%TZ) done $out" >&2
 }
 
@@ -65,6 +87,12 @@ train() {  # train into $out ($1), continuing its checkpoint when an earlier try
 python -m pilab data info --data "$data" >/dev/null  # decode + cache once
 for lr in "${sweep_lrs[@]}"; do
     train "$here/sweep/lr$lr" "${real[@]}" "${base[@]}" --epochs 2 --lr "$lr"
+done
+for lr in "${sweep_lrs[@]}"; do  # the other copy may still run one of them
+    until finished "$here/sweep/lr$lr/result.json"; do
+        [[ -d $here/sweep/lr$lr.lock ]] || { echo "run.sh: sweep lr $lr did not finish" >&2; exit 1; }
+        sleep 60
+    done
 done
 lr=$(python - "$here/sweep" "${sweep_lrs[@]}" <<'EOF'
 import json, sys
@@ -92,7 +120,7 @@ point() {  # one (rule, np) point
         # evaluation can hold a rank's next step longer than that
         1) train "$here/$r/np$n" "${real[@]}" "${proto[@]}" $(rule "$r") ;;
         2) train "$here/$r/np$n" "${real[@]}" --np 2 "${proto[@]}" $(rule "$r") ;;
-        *) train "$here/$r/np$n" simulate --np "$n" "${proto[@]}" $(rule "$r") ;;
+        *) train "$here/$r/np$n" "${sim[@]}" --np "$n" "${proto[@]}" $(rule "$r") ;;
     esac
 }
 
@@ -105,8 +133,15 @@ for p in "${order[@]}"; do
     # shellcheck disable=SC2086
     point $p
 done
+for p in "${order[@]}"; do
+    read -r r n <<<"$p"
+    if ! finished "$here/$r/np$n/result.json"; then
+        echo "run.sh: $r np=$n is not finished (another copy runs it): that copy makes the studies" >&2
+        exit 0
+    fi
+done
 
-# 3. every point is there: the two studies, then the comparison beside the paper and the 15k study
+# 3. every point is there (the other copy may still run its last one): the two studies, then the comparison beside the paper and the 15k study
 for r in naive sqrt-warmup; do
     # shellcheck disable=SC2046
     python -m pilab scale "${proto[@]}" $(rule "$r") --nps 1,2 --simulate-nps 4,8,16,24,32,48 \
