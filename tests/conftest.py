@@ -47,5 +47,25 @@ def mpi_env(**extra) -> dict:
     return env
 
 
+def run_on_testbed(tb, cmd, *, timeout, **kw):
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)`` for a job on a
+    testbed; a job that does not end in time fails the test with what every node still ran at that
+    moment (state, wait channel, CPU time: ``pilab.testbed.ps``) and its output so far, instead of a
+    bare timeout, then is killed."""
+    import subprocess
+
+    from pilab import testbed
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            left = testbed.ps(tb)  # before the kill: afterwards the nodes' pid namespaces are gone
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"the job did not end within {timeout} s; on the nodes then:\n{left}\n"
+                        f"-- stdout:\n{out[-2000:]}\n-- stderr:\n{err[-2000:]}")
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_CACHE, ignore_errors=True)

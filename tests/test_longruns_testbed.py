@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import mpi_env
+from conftest import mpi_env, run_on_testbed
 
 from pilab import testbed
 
@@ -61,7 +61,7 @@ def _one_rank_per_node(tb, out, *extra):
     cmd = [find_mpiexec(), *tb.mpiexec_args(), "-hosts", f"{tb.address('node01')}:1,{tb.address('node02')}:1",
            "-n", "2", sys.executable, "-m", "pilab", "train", *TINY, "--batch-size", "8", "--epochs", "1",
            "--hang-s", "0", "--straggler-steps", "4", "--out", str(out), *extra]
-    p = subprocess.run(cmd, env=tb.env(mpi_env()), capture_output=True, text=True, timeout=400, cwd=REPO)
+    p = run_on_testbed(tb, cmd, env=tb.env(mpi_env()), timeout=400, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [x for x in p.stderr.splitlines() if x.startswith("pilab: straggler")]
     return lines, json.loads((out / "result.json").read_text())
@@ -181,8 +181,8 @@ def test_a_lost_link_keeps_the_result_and_the_run_resumes_on_the_node_left(tb, t
     hosts.write_text(f"{tb.address('node01')}:2\n")
     env = dict(tb.env(mpi_env()), HYDRA_HOST_FILE=str(hosts), PILAB_HOSTFILE=str(hosts))
     t = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "pilab", *run, "--np", "2", "--resume", str(out / "checkpoint.pt")],
-                       env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
+    p = run_on_testbed(tb, [sys.executable, "-m", "pilab", *run, "--np", "2", "--resume", str(out / "checkpoint.pt")],
+                       env=env, timeout=400, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     r2 = json.loads((out / "result.json").read_text())
     RECORD["resume_on_node01_np2"] = {"seconds": round(time.monotonic() - t, 1), "from_step": ck["step"],

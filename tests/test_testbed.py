@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import mpi_env
+from conftest import mpi_env, run_on_testbed
 
 from pilab import testbed
 
@@ -67,7 +67,7 @@ def _train(tb, out, *extra, np_=4, env=None, timeout=300, popen=False):
     if popen:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 cwd=REPO)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return run_on_testbed(tb, cmd, env=env, timeout=timeout, cwd=REPO)
 
 
 def _no_processes_left(tb, within=15.0):
@@ -270,7 +270,7 @@ def test_a_slow_node_shows_as_waiting_not_network(tb, tmp_path):
         cmd = [find_mpiexec(), *tb.mpiexec_args(), "-hosts",
                f"{tb.address('node01')}:1,{tb.address('node02')}:1",
                "-n", "1", "taskset", "-c", "0", *rank, ":", "-n", "1", "taskset", "-c", "1", *rank]
-        p = subprocess.run(cmd, env=tb.env(mpi_env()), capture_output=True, text=True, timeout=300)
+        p = run_on_testbed(tb, cmd, env=tb.env(mpi_env()), timeout=300)
     finally:
         testbed.throttle(tb, "node02", 0)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -295,8 +295,8 @@ def _per_rank_network(tmp_path, tb, out, hosts):
     from pilab.launch import find_mpiexec
     rank = [sys.executable, "-m", "pilab", "train", *TINY, "--epochs", "1", "--hang-s", "0",
             "--out", str(tmp_path / out)]
-    p = subprocess.run([find_mpiexec(), *tb.mpiexec_args(), "-hosts", hosts, "-n", "2", *rank],
-                       env=tb.env(mpi_env()), capture_output=True, text=True, timeout=300)
+    p = run_on_testbed(tb, [find_mpiexec(), *tb.mpiexec_args(), "-hosts", hosts, "-n", "2", *rank],
+                       env=tb.env(mpi_env()), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     pr = json.loads((tmp_path / out / "result.json").read_text())["epochs"][-1]["per_rank"]
     net = [e - w for e, w in zip(pr["comm_exposed"], pr["comm_wait"])]
