@@ -32,6 +32,10 @@ set -euo pipefail
 # editing this file while a long run is under way cannot change what that run does next.
 main() {
 cd "$(dirname "$0")/../.."
+# `setsid nice -n 19 bash run.sh` alone does not yield to other work where the kernel groups processes
+# by session (sched_autogroup, on by default on desktop/server kernels): the new session's group gets an
+# equal share whatever its nice. Give the group this process's nice, so nice means what it says.
+if [[ $(nice) -gt 0 && -w /proc/self/autogroup ]]; then echo "$(nice)" >/proc/self/autogroup 2>/dev/null || true; fi
 here=${PAPER_SIZE_DIR:-docs/paper-size}
 # PAPER_SIZE_ARGS: flags appended to every command (they win over the protocol's), for a quick check of
 # this script on a tiny protocol, e.g. PAPER_SIZE_DIR=runs/ps PAPER_SIZE_ARGS="--train-subset 480
