@@ -42,6 +42,7 @@ from . import __version__, checkpoint
 from . import data as data_mod
 from .checkpoint import RESUMABLE, CheckpointError, WriteError  # noqa: F401  (RESUMABLE: re-exported)
 from .config import Config, ConfigError
+from .launch import mpi, mpi_versions
 from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
                    reduce_sums, sync_buffers_, world)
 from .files import save_json
@@ -146,10 +147,8 @@ def environment(comm, threads: int, device) -> dict:
     }
     host = socket.gethostname()
     if comm is not None:
-        import mpi4py  # only with a communicator: a single process needs no MPI library
-        from mpi4py import MPI
-        env["mpi4py"] = mpi4py.__version__
-        env["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
+        # only with a communicator: a single process needs no MPI library
+        env.update(mpi_versions())
         env["hostnames"] = comm.gather(host, root=0) if comm.Get_size() > 1 else [host]
     else:
         env["mpi_library"] = None
@@ -202,8 +201,7 @@ class MPIRanks:
             return cfg.threads
         local = 1
         if self.comm is not None and self.np_ > 1:
-            from mpi4py import MPI  # a communicator exists, so MPI is loaded already
-            node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+            node = self.comm.Split_type(mpi().COMM_TYPE_SHARED)  # a communicator: MPI is loaded
             local = node.Get_size()
             node.Free()
         # Under mpiexec a rank may be bound to one core; the node's core count is what we divide.

@@ -15,7 +15,7 @@ import sys
 from typing import Sequence
 
 __all__ = ["LaunchError", "find_mpiexec", "mpiexec_command", "pilab_command", "launcher_size",
-           "launcher_rank", "under_mpi"]
+           "launcher_rank", "under_mpi", "mpi", "mpi_versions"]
 
 MPI_HINT = "`pip install 'pilab[mpich]'` (or the system's MPICH: apt-get install mpich)"
 
@@ -91,3 +91,29 @@ def launcher_rank() -> int:
 def under_mpi() -> bool:
     """True in a rank started by mpiexec (any size, also ``mpiexec -n 1``)."""
     return launcher_size() > 0
+
+
+def mpi():
+    """The ``mpi4py.MPI`` module: the one place pilab imports mpi4py (``pilab.dist`` aside, which
+    holds the communication itself). Only ranks call it -- importing mpi4py initialises MPI, which a
+    process that only predicts, plots or launches must not do::
+
+        MPI = launch.mpi()
+        comm = MPI.COMM_WORLD
+
+    Raises ``LaunchError`` naming the fix when mpi4py or the MPI library it needs is missing."""
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError) as e:  # RuntimeError: mpi4py cannot load its MPI library
+        raise LaunchError(f"mpi4py cannot load an MPI library ({str(e).splitlines()[0]}); install one "
+                          f"with {MPI_HINT}") from None
+    return MPI
+
+
+def mpi_versions() -> dict:
+    """``{"mpi4py": version, "mpi_library": first line of the library's own version string}`` (what a
+    result's environment records; loads MPI like :func:`mpi`)."""
+    MPI = mpi()
+    return {"mpi4py": sys.modules["mpi4py"].__version__,
+            "mpi_library": MPI.Get_library_version().splitlines()[0].strip()}
+

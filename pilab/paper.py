@@ -145,7 +145,7 @@ def _accuracy_sentence(label: str, side: dict) -> str:
     tail = f" (pending: np {', '.join(map(str, pending))})" if pending else ""
     if ref is None:
         return (f"{label}: its np=1 reference is pending, so its accuracy cannot be judged yet"
-                + (f"; finished: " + ", ".join(f"np={r['np']} {_pct(r['studies'][label]['final_test_acc'])}"
+                + ("; finished: " + ", ".join(f"np={r['np']} {_pct(r['studies'][label]['final_test_acc'])}"
                                                for r in done) if done else "") + f"{tail}.")
     if not done:
         return f"{label}: np=1 ends at {_pct(ref)}; no larger np has finished yet{tail}."

@@ -22,7 +22,6 @@ baseline at np=48 is the naive rule's np=48 point).
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import replace
 
 import re

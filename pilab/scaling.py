@@ -180,8 +180,8 @@ def rows_from_runs(runs: dict[int, dict], criteria: Criteria = Criteria(),
     ttt0 = time_to_target(runs[pa], target_acc, there[pa]["train"], there[pa]["eval"]) \
         if there[pa] else None
     rows = [_row(p, runs[p], here[p], there[p], primary, p0, t0, ttt0, target_acc) for p in nps]
-    for row in rows:
-        row.update(run_energy(runs[row["np"]], there[row["np"]], primary, target_acc))
+    for r in rows:
+        r.update(run_energy(runs[r["np"]], there[r["np"]], primary, target_acc))
     # the verdict of every row: pilab.verdict, the one logic the tables, reports and notebooks share
     rows = judging.judge(rows, reference_np=pa, speed_baseline_np=p0, reference_acc=base_acc,
                          criteria=asdict(criteria))

@@ -1,4 +1,5 @@
-"""Check pilab's import structure: layers point down, nothing below the CLI imports it, no circles.
+"""Check pilab's import structure: layers point down, nothing below the CLI imports it, no circles
+between parts nor between modules, and the heavy third-party libraries stay behind their fences.
 
     python scripts/check_imports.py            # prints the module graph; exit 1 on a violation
     python scripts/check_imports.py --stats    # also lines per module and the longest functions
@@ -36,7 +37,13 @@ LAYERS = {
     "cli": 11,
     "__main__": 12, "__init__": 12,
 }
-FRONT_END_ONLY = {"ipywidgets": {"widgets"}}  # third-party modules only these parts may import
+# Third-party modules only these parts may import (anywhere in them): ipywidgets is the notebook
+# panel's; mpi4py is loaded through pilab.launch.mpi() (importing it initialises MPI, which a process
+# that only plots, predicts or launches must not do) and used directly only by the communication layer.
+ONLY_IN = {"ipywidgets": {"widgets"}, "mpi4py": {"dist", "launch"}}
+# Third-party modules that only the study and view layers (and above) may import at module level:
+# Bokeh costs ~1 s to import, and a rank, the engine or a benchmark never draws.
+MODULE_LEVEL_FROM = {"bokeh": ("plots", "scaling")}  # plots (the view), or the study layer and above
 
 
 def module_name(path: Path) -> str:
@@ -45,6 +52,11 @@ def module_name(path: Path) -> str:
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
+
+
+def _allowed_at_module_level(top: str, mine: str) -> bool:
+    view, lowest = MODULE_LEVEL_FROM[top]
+    return mine == view or LAYERS[mine] >= LAYERS[lowest]
 
 
 def imports_of(path: Path) -> list[tuple[str, int, bool]]:
@@ -88,7 +100,7 @@ def part(module: str) -> str | None:
 
 
 def check() -> tuple[list[str], dict, int]:
-    problems, graph, local_imports = [], {}, 0
+    problems, graph, modules, local_imports = [], {}, {}, 0
     for path in sorted(ROOT.rglob("*.py")):
         me = module_name(path)
         mine = part(me) if me != "pilab" else "__init__"
@@ -100,8 +112,15 @@ def check() -> tuple[list[str], dict, int]:
         for target, line, in_func in imports_of(path):
             local_imports += in_func and target.startswith("pilab")
             top = target.split(".")[0]
-            if top in FRONT_END_ONLY and mine not in FRONT_END_ONLY[top]:
-                problems.append(f"{me}:{line} imports {top}, which only {sorted(FRONT_END_ONLY[top])} may")
+            if top in ONLY_IN and mine not in ONLY_IN[top]:
+                problems.append(f"{me}:{line} imports {top}, which only {sorted(ONLY_IN[top])} may"
+                                + (" (use pilab.launch.mpi())" if top == "mpi4py" else ""))
+            if top in MODULE_LEVEL_FROM and not in_func and not _allowed_at_module_level(top, mine):
+                problems.append(f"{me}:{line} imports {top} at module level; below the study and view "
+                                f"layers import it inside the function that draws")
+            target_module = _module_of(target)
+            if target_module and target_module != me:
+                modules.setdefault(me, set()).add(target_module)
             theirs = part(target)
             if theirs is None or theirs == mine or theirs == "__init__":
                 continue
@@ -115,7 +134,23 @@ def check() -> tuple[list[str], dict, int]:
                 problems.append(f"{me}:{line} imports {target}: layer {LAYERS[theirs]} from layer "
                                 f"{LAYERS[mine]} (imports must point down)")
     problems += [f"import circle: {' -> '.join(c)}" for c in cycles(graph)]
+    # module by module too: two modules of one part importing each other pass the part-level check
+    problems += [f"import circle between modules: {' -> '.join(c)}" for c in cycles(modules)
+                 if len({part(m) for m in c}) == 1]
     return problems, graph, local_imports
+
+
+def _module_of(target: str) -> str | None:
+    """The pilab module (a file or a package's __init__) that ``import target`` loads, or None."""
+    if not target.startswith("pilab"):
+        return None
+    bits = target.split(".")
+    while bits:
+        path = ROOT.parent.joinpath(*bits)
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+            return ".".join(bits)
+        bits = bits[:-1]  # "pilab.cluster.client.Engines" -> the module pilab.cluster.client
+    return None
 
 
 def cycles(graph: dict) -> list[list[str]]:

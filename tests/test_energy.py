@@ -5,7 +5,6 @@ estimate. Plain pytest, one process.
     python -m pytest -q tests/test_energy.py
 """
 import json
-import os
 
 import pytest
 import torch

@@ -45,7 +45,7 @@ def _reset_peak() -> None:
 RUNTIME = _status()["VmRSS"] if sys.platform.startswith("linux") else 0
 
 import torch  # noqa: E402  (after the first reading: the runtime includes torch)
-from mpi4py import MPI  # noqa: E402
+from ..launch import mpi  # noqa: E402
 
 from .. import engine  # noqa: E402
 from ..config import Config  # noqa: E402
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--train-subset", type=int, default=0)
     p.add_argument("--test-subset", type=int, default=0)
     a = p.parse_args(argv)
-    comm = MPI.COMM_WORLD
+    comm = mpi().COMM_WORLD
     cfg = Config(data=a.data, width=a.width, batch_size=a.batch_size, eval_batch=a.eval_batch,
                  threads=a.threads, max_steps=a.steps, train_subset=a.train_subset,
                  test_subset=a.test_subset)

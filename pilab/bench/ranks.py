@@ -26,14 +26,14 @@ from dataclasses import replace
 import numpy as np
 import torch
 import torch.nn.functional as F
-from mpi4py import MPI
-
 from .. import engine, train
 from ..config import Config
 from ..dist import GradSync, broadcast_module_, reduce_sums
+from ..launch import mpi
 from ..optim import build_optimizer
 from .stats import ratios, summary
 
+MPI = mpi()  # this module runs on the ranks of a launched job only
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 

@@ -200,7 +200,8 @@ def _profiles(args) -> tuple[str, ...]:
 # ----------------------------------------------------------------------------------------------
 def run_bench(args, argv) -> int:
     if under_mpi():  # a launched rank (run_comm_bench started it): benchmark, rank 0 writes its part
-        from mpi4py import MPI  # only on the ranks: importing mpi4py initialises MPI
+        from ..launch import mpi
+        MPI = mpi()  # only on the ranks: importing mpi4py initialises MPI
         res = pm.comm_bench(MPI.COMM_WORLD, args.sizes)
         if MPI.COMM_WORLD.Get_rank() == 0 and args.part_out:
             save_json(res, args.part_out)

@@ -169,12 +169,8 @@ def _train_alone(cfg: Config, quiet: bool, stop=None, data=None) -> dict:
 
 def _train_rank(cfg: Config, args) -> int:
     """One rank of an mpiexec job."""
-    try:
-        from mpi4py import MPI
-    except (ImportError, RuntimeError) as e:  # RuntimeError: cannot load MPI library
-        from ..launch import MPI_HINT, LaunchError
-        raise LaunchError(f"mpi4py cannot load an MPI library ({str(e).splitlines()[0]}); install one "
-                          f"with {MPI_HINT}") from None
+    from ..launch import mpi
+    MPI = mpi()  # LaunchError naming the fix without an MPI library
 
     from .. import train
     from ..data import DataError
@@ -237,8 +233,8 @@ def _train_rank(cfg: Config, args) -> int:
 
 def _ranks_on_my_node(comm) -> int:
     """Ranks of ``comm`` sharing this rank's node (MPI's shared-memory split; collective)."""
-    from mpi4py import MPI
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    from ..launch import mpi
+    node = comm.Split_type(mpi().COMM_TYPE_SHARED)
     try:
         return node.Get_size()
     finally:

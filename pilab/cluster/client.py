@@ -34,10 +34,14 @@ class Engines:
     ``%%px`` cells run on every rank. ``ranks`` lists ``{"rank", "engine", "host", "pid"}``.
     """
 
-    def __init__(self, client, ipp_cluster=None, *, owned: bool = False, timeout: float = 60):
+    def __init__(self, client, ipp_cluster=None, *, owned: bool = False, timeout: float = 60,
+                 on_stop=None):
         self.client = client
         self.ipp_cluster = ipp_cluster
         self.owned = owned
+        # on_stop(cluster_id): told when an owned cluster has stopped (profiles.start keeps the ids of
+        # the clusters this process started; passed in, so that this module need not import it)
+        self._on_stop = on_stop
         self._run: Run | None = None
         ids = list(client.ids)
         infos = client[ids].apply_async(whoami).get(timeout=timeout)
@@ -144,8 +148,8 @@ class Engines:
             with contextlib.suppress(Exception):
                 self.client.close()
             self.ipp_cluster.stop_cluster_sync()
-            from . import profiles  # the registry of clusters started here
-            profiles._STARTED_HERE.discard(self.ipp_cluster.cluster_id)
+            if self._on_stop is not None:
+                self._on_stop(self.ipp_cluster.cluster_id)
             print(f"stopped {self.size} engines and their controller")
         else:
             with contextlib.suppress(Exception):

@@ -146,7 +146,7 @@ def start(n: int | None = None, profile: str = "mpi", *, timeout: float | None =
         raise ClusterError(f"the engines did not all register within {ipc.engine_timeout} s "
                            f"({type(e).__name__}: {e}); mpiexec said:\n{output}") from None
     try:
-        lab = Engines(client, ipc, owned=True)
+        lab = Engines(client, ipc, owned=True, on_stop=_STARTED_HERE.discard)
         _STARTED_HERE.add(ipc.cluster_id)
         return lab
     except Exception:

@@ -27,7 +27,8 @@ from .scatter import load_scattered
 
 def whoami() -> dict:
     """This engine's MPI rank, world size, host and pid."""
-    from mpi4py import MPI  # on the engines only (see the module docstring)
+    from ..launch import mpi
+    MPI = mpi()  # on the engines only (see the module docstring)
 
     return {"rank": MPI.COMM_WORLD.Get_rank(), "size": MPI.COMM_WORLD.Get_size(),
             "host": socket.gethostname(), "pid": os.getpid()}
@@ -89,9 +90,9 @@ def engine_train(cfg, np_: int | None = None, *, stream: bool = True, scatter: b
 
         lab.view.apply_async(cluster.engine_train, cfg, 2)     # what Engines.train does
     """
-    from mpi4py import MPI  # these two on the engines only (see the module docstring)
-
-    from .. import train
+    from .. import train  # these two on the engines only (see the module docstring)
+    from ..launch import mpi
+    MPI = mpi()
 
     world = MPI.COMM_WORLD
     np_ = world.Get_size() if np_ is None else int(np_)

@@ -23,9 +23,9 @@ def scatter_shards(ds, comm, *, seed: int = 0, root: int = 0):
     """
     # Imported here: mpi4py initialises MPI and pilab.data loads torch; the notebook client imports
     # pilab.cluster without either.
-    from mpi4py import MPI
-
     from .. import data as data_mod
+    from ..launch import mpi
+    MPI = mpi()
 
     rank, size = comm.Get_rank(), comm.Get_size()
     meta = None

@@ -24,7 +24,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import replace
 
 from ..launch import LaunchError, find_mpiexec, mpiexec_command
 

@@ -82,11 +82,11 @@ def versions(snn: bool) -> dict:
 
 def mpi_library() -> dict:
     """The MPI library mpi4py loaded, and the world it sees (under ``mpiexec -n 1``: 1)."""
-    from ..launch import launcher_size
+    from ..launch import launcher_size, mpi
     try:
-        from mpi4py import MPI
-    except Exception as e:  # noqa: BLE001
-        return {"error": f"mpi4py cannot load an MPI library: {e}"}
+        MPI = mpi()
+    except Exception as e:  # noqa: BLE001  (a broken MPI library may raise anything: report it)
+        return {"error": str(e)}
     return {"library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split()),
             "size": MPI.COMM_WORLD.Get_size(), "launcher_size": launcher_size(),
             "processor": MPI.Get_processor_name()}
@@ -302,10 +302,10 @@ def _pair(comm, peer: int, nbytes: int, reps: int) -> dict:
 
 def net_probe(args) -> dict | None:
     import numpy as np
-    from mpi4py import MPI
 
-    from ..launch import launcher_size
+    from ..launch import launcher_size, mpi
     from ..perfmodel.bench import comm_bench
+    MPI = mpi()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     me = {"rank": rank, "size": size, "launcher_size": launcher_size(), "host": socket.gethostname(),

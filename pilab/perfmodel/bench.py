@@ -34,11 +34,12 @@ def comm_bench(comm, sizes: Sequence[int] = DEFAULT_SIZES, *, trials: int = 5,
     keeps the slowest rank's time per call; the median over ``trials`` is reported. Returns the same
     dict on every rank.
     """
-    # mpi4py only here, on the ranks of a launched job: importing it initialises MPI, which a
-    # process that only predicts or launches must not do
-    from mpi4py import MPI
+    # on the ranks of a launched job only: importing mpi4py initialises MPI, which a process that only
+    # predicts or launches must not do
+    from ..launch import mpi
+    MPI = mpi()
 
-    rank, size = comm.Get_rank(), comm.Get_size()
+    size = comm.Get_size()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local = node.Get_size()
     node.Free()
