@@ -9,6 +9,7 @@ from .common import UsageError
 
 
 def add_parser(sub) -> None:
+    from ..bench import EXTRA_SECTIONS, SECTIONS  # names only: pilab.bench loads no torch at import
     p = sub.add_parser("bench", help="benchmarks: ratios against baselines measured in the same run",
                        description="One rank vs a bare PyTorch loop, images/s per model, the data path vs "
                                    "a DataLoader, GradSync vs a raw Allreduce, np=2 vs DDP-gloo and the "
@@ -16,8 +17,9 @@ def add_parser(sub) -> None:
                                    "<out>/bench.json and a markdown table.")
     p.add_argument("--quick", action="store_true", help="tiny settings for CI (not the recorded figures)")
     p.add_argument("--sections", default=None,
-                   help="comma-separated subset of one_rank,models,data,simulator,ranks (default: all of "
-                        "them), or deviation (the simulator's fast mode after 100 steps at np=48, ~7 min)")
+                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all of them), or "
+                        f"{','.join(EXTRA_SECTIONS)} (the simulator's fast mode after 100 steps at np=48, "
+                        "~7 min; only when named)")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json (default: runs/bench)")
     p.add_argument("--markdown", default="BENCHMARKS.md",
                    help="markdown report to write (default: BENCHMARKS.md; '' for none)")
