@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pilab import memory, models
+from pilab import memory, models, optim
 from conftest import MPIEXEC, mpi_env
 from pilab.config import Config, ConfigError
 
@@ -59,6 +59,55 @@ def test_relu6_saves_one_tensor_less_per_layer():
     elements = models.activation_elements("mobilenetv2_cifar", 0.25) * 4
     # conv inputs + BN inputs: ~2/3 of every leaf output (nn.ReLU6(inplace=True) kept ~3/3)
     assert sum(seen.values()) < 0.75 * 4 * elements
+
+
+def _sgd_steps(opt_class, **kw):
+    """Parameters and optimizer state after 3 steps of ``opt_class`` on a fixed small model."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+    opt = opt_class([{"params": list(m[0].parameters()) + list(m[3].parameters()), "weight_decay": 5e-4},
+                     {"params": list(m[1].parameters()), "weight_decay": 0.0}], lr=0.1, **kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=False)
+        F.cross_entropy(m(torch.randn(4, 3, 8, 8, generator=g)), torch.randint(0, 10, (4,), generator=g)).backward()
+        opt.step()
+    return [p.detach().clone() for p in m.parameters()], opt
+
+
+@pytest.mark.parametrize("kw", [dict(momentum=0.9), dict(momentum=0.9, nesterov=True), dict(momentum=0.0)])
+def test_pilab_sgd_is_torchs_sgd_bitwise(kw):
+    ours, ours_opt = _sgd_steps(optim.SGD, **kw)
+    torchs, torch_opt = _sgd_steps(torch.optim.SGD, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(ours, torchs))
+    a, b = ours_opt.state_dict(), torch_opt.state_dict()
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        assert all(torch.equal(a["state"][k][n], b["state"][k][n]) for n in a["state"][k] if a["state"][k][n] is not None)
+    ours_opt.load_state_dict(b)  # checkpoints written with torch's SGD load as they are
+    torch_opt.load_state_dict(a)
+
+
+def test_training_never_imports_torch_dynamo(tmp_path):
+    """torch's optimizer guards import torch._dynamo (and sympy, torch._inductor: ~70 MB per rank); a run
+    that trains, checkpoints, resumes and evaluates with either optimizer, or simulates, imports neither."""
+    code = f"""
+import sys
+from dataclasses import replace
+from pilab import engine
+from pilab.config import Config
+for opt in ("sgd", "lars"):
+    out = {str(tmp_path)!r} + "/" + opt
+    cfg = Config(width=0.25, batch_size=16, threads=1, epochs=2, max_steps=4, train_subset=128, test_subset=32,
+                 out=out, optimizer=opt, checkpoint_every_steps=2)
+    engine.train(cfg, engine.MPIRanks(None))
+    engine.train(replace(cfg, max_steps=0, resume=out + "/checkpoint.pt"), engine.MPIRanks(None))
+    engine.train(replace(cfg, out=""), engine.VirtualRanks(2))
+print(sorted(m for m in ("torch._dynamo", "torch._inductor", "sympy") if m in sys.modules))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_prediction_grows_with_batch_width_and_data():
