@@ -4,12 +4,13 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pilab import memory, models, optim
+from pilab import data, engine, memory, models, optim
 from conftest import MPIEXEC, mpi_env
 from pilab.config import Config, ConfigError
 
@@ -108,6 +109,38 @@ print(sorted(m for m in ("torch._dynamo", "torch._inductor", "sympy") if m in sy
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_data_set_with_test_rows_holds_only_those_rows():
+    n = 8_000  # 24.6 MB of test images
+    g = np.random.default_rng(0)
+    ds = data.CIFAR10.from_arrays(np.zeros((10, 32, 32, 3), np.uint8), np.zeros(10, np.int64),
+                                  g.integers(1, 256, (n, 32, 32, 3), dtype=np.uint8), np.zeros(n, np.int64),
+                                  source="random")
+    rows = data.test_shard(n, 4, 1)
+    before = _rss_bytes()
+    share = ds.with_test_rows(rows)
+    grown = _rss_bytes() - before
+    quarter = ds.x_test[rows].nbytes
+    assert grown < quarter + 8 * 2 ** 20, (grown, quarter)  # its rows (and a page or two around them)
+    assert share.test_rows == rows and share.checksum == ds.checksum and len(share.y_test) == n
+    assert np.array_equal(share.x_test[rows], ds.x_test[rows]) and not share.x_test[rows.stop:].any()
+
+
+def test_evaluation_refuses_rows_a_data_set_does_not_hold():
+    ds = data.load("embedded", train_subset=64, test_subset=40)
+    model = models.build_model("mobilenetv2_cifar", num_classes=10, width=0.25)
+    whole = engine.evaluate(model, ds, None, torch.device("cpu"), batch=20)
+    held = ds.with_test_rows(slice(0, 40))
+    assert engine.evaluate(model, held, None, torch.device("cpu"), batch=20) == whole
+    with pytest.raises(data.DataError, match="holds test images 0..19 only"):
+        engine.evaluate(model, ds.with_test_rows(slice(0, 20)), None, torch.device("cpu"), batch=20)
 
 
 def test_prediction_grows_with_batch_width_and_data():
