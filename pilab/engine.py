@@ -513,7 +513,13 @@ class Session:
         self.threads = ranks.threads(cfg)
         torch.set_num_threads(self.threads)
         self.ds = data if data is not None else ranks.load(cfg)
+        data = None  # no second reference here: what the Session drops below (data it owns) is freed at once
         cfg.check_world(self.np_, len(self.ds.y_train))
+        if owned and not ranks.simulated and self.np_ > 1:
+            # Evaluation reads only this rank's test_shard (see evaluate): the other ranks' test images
+            # need no memory here (15 MB of the 31 MB test set at np=2). Before the loader copies the
+            # training shard, so that the two copies of the test rows are never held beside it.
+            self.ds = self.ds.with_test_rows(data_mod.test_shard(len(self.ds.y_test), self.np_, self.rank))
         self.batch = cfg.per_rank_batch(self.np_)
         self.accounting = data_mod.epoch_accounting(self.ds.y_train, self.np_, self.batch, cfg.sharding,
                                                     seed=cfg.seed)
@@ -543,10 +549,6 @@ class Session:
             # A new empty array, not x_train[:0]: a view would keep the whole array alive.
             self.ds = dataclasses.replace(self.ds, x_train=np.empty((0, *self.ds.x_train.shape[1:]),
                                                                     dtype=self.ds.x_train.dtype))
-        if owned and not ranks.simulated and self.np_ > 1:
-            # Evaluation reads only this rank's test_shard (see evaluate): the other ranks' test images
-            # need no memory here (15 MB of the 31 MB test set at np=2).
-            self.ds = self.ds.with_test_rows(data_mod.test_shard(len(self.ds.y_test), self.np_, self.rank))
         ranks.start(cfg, self.model, self.optimizer)
         if ck.get("has_ranks") and self.resumed_np == self.np_:
             ranks.restore_rank_states(self.model, ck["ranks"] if self.rank == 0 else None)
