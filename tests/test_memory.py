@@ -83,8 +83,8 @@ def test_pilab_sgd_is_torchs_sgd_bitwise(kw):
     assert all(torch.equal(a, b) for a, b in zip(ours, torchs))
     a, b = ours_opt.state_dict(), torch_opt.state_dict()
     assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
-    for k in a["state"]:
-        assert all(torch.equal(a["state"][k][n], b["state"][k][n]) for n in a["state"][k] if a["state"][k][n] is not None)
+    for k, ours_state in a["state"].items():
+        assert all(torch.equal(v, b["state"][k][n]) for n, v in ours_state.items() if v is not None)
     ours_opt.load_state_dict(b)  # checkpoints written with torch's SGD load as they are
     torch_opt.load_state_dict(a)
 
@@ -214,3 +214,34 @@ def test_train_refuses_a_bad_node_memory(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 2 and "node memory 'lots' is not understood" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def _memory_run(peak: float, eval_batch: int = 50) -> dict:
+    """A pilab.bench.memory JSON in miniature: one rank's itemised peak at the study's setting."""
+    items = {"runtime": 250e6, "data": 93e6, "model": 27e6, "activations": 430e6}
+    rank = dict(items, allocator=peak - sum(items.values()), peak=peak,
+                phases={"load": 400e6, "setup": 500e6, "train": peak, "eval": 600e6})
+    cfg = Config(data="x.tar.gz", width=1.0, batch_size=32, threads=2, eval_batch=eval_batch, max_steps=3)
+    return {"config": cfg.to_dict(), "np": 2, "steps": 3, "ranks": [rank], "predicted": {"peak": 860e6},
+            "command": "mpiexec -n 2 python -m pilab.bench.memory OUT.json ..."}
+
+
+def test_memory_report_shows_the_before_peak_beside_the_same_setting():
+    from pilab.bench.report import _memory_per_rank
+    res = {"machine": {"date": "d", "cpu": "c"},
+           "memory": {"data": "x.tar.gz", "rows": [_memory_run(860e6), _memory_run(1380e6, eval_batch=500)],
+                      "table": [], "before": [dict(_memory_run(940e6), file="before-eval50.json")]}}
+    lines = _memory_per_rank(res)
+    rows = [ln for ln in lines if ln.startswith("| width")]
+    assert rows[0].endswith("| **860** (400 / 500 / 860 / 600) | 860 | met | 250 / 93 / 27 / 430 / 140: **940** |")
+    assert rows[1].endswith("| NOT met | — |")  # no earlier run of eval batch 500 given
+    assert any("`before-eval50.json`" in ln for ln in lines)
+    res["memory"]["before"] = []
+    assert all(ln.endswith("| met |") or ln.endswith("| NOT met |") for ln in _memory_per_rank(res)
+               if ln.startswith("| width"))
+
+
+def test_bench_refuses_a_before_file_that_does_not_exist(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "pilab", "bench", "--sections", "memory", "--before", "nope.json"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 2 and "--before nope.json: no such file" in p.stderr and "Traceback" not in p.stderr
