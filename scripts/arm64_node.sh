@@ -116,6 +116,7 @@ say() { printf '[arm64 %s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
 
 # ---- always unmount, also on failure ----------------------------------------------------------
 mounted=()
+binfmt_was=enabled  # until the script has looked (an early exit leaves binfmt_misc alone)
 tb_up=""
 tb_link=""
 cleanup() {
@@ -132,6 +133,15 @@ cleanup() {
         PYTHONPATH=$repo "$head_python" -m pilab testbed down --name "$tb_name" >/dev/null || echo "testbed down $tb_name failed"
     fi
     [ -z "$tb_link" ] || rm -f "$tb_link"
+    # binfmt_misc is the kernel's (the whole machine's, not this script's): what host_tools turned on
+    # is turned off again, so no aarch64 program runs through qemu here once the script has ended.
+    if [ "$binfmt_was" != enabled ] && [ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ]; then
+        update-binfmts --disable qemu-aarch64 2>/dev/null || echo -1 >/proc/sys/fs/binfmt_misc/qemu-aarch64 \
+            || echo "could not unregister binfmt qemu-aarch64"
+    fi
+    if [ "$binfmt_was" = unmounted ] && [ -e /proc/sys/fs/binfmt_misc/register ]; then
+        umount /proc/sys/fs/binfmt_misc || echo "could not unmount /proc/sys/fs/binfmt_misc"
+    fi
     left=$(awk -v r="$root/" 'index($2, r) == 1 {print $2}' /proc/mounts)
     [ -z "$left" ] || echo "WARNING: still mounted under $root: $left"
     echo
@@ -401,6 +411,12 @@ EOF_SHIM
 }
 
 say "pilab arm64 node: root $root, repo $repo ($(git -C "$repo" log -1 --format=%h)), log $log"
+# What binfmt_misc was before host_tools (run by step in a subshell, so it is noted here): cleanup
+# leaves it so.
+if [ ! -e /proc/sys/fs/binfmt_misc/register ]; then binfmt_was=unmounted
+elif grep -qs '^enabled' /proc/sys/fs/binfmt_misc/qemu-aarch64; then binfmt_was=enabled
+else binfmt_was=disabled
+fi
 step "host tools + binfmt" host_tools
 step "debootstrap bookworm arm64" rootfs
 mounts
