@@ -154,8 +154,8 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-bind() {  # bind SRC DEST [ro]
-    mkdir -p "$2"
+bind() {  # bind SRC DEST [ro]; a file (the Pi's cpuinfo) is bound over a file
+    if [ -d "$1" ]; then mkdir -p "$2"; elif [ ! -e "$2" ]; then mkdir -p "$(dirname "$2")" && : >"$2"; fi
     mount --bind "$1" "$2"
     mounted+=("$2")
     if [ "${3:-}" = ro ]; then mount -o remount,bind,ro "$2"; fi
