@@ -318,6 +318,11 @@ small="--width 0.25 --batch-size 4 --threads 1 --train-subset 256 --test-subset 
 # Each run is bounded: a step that hangs (in MPI, under emulation) ends with its limit instead of
 # holding the script for ever; the limits are hours, far above what the runs took (docs/arm64.md).
 limit="timeout -k 60"
+# A train's result.json in one line (no single quotes: it goes into in_pi's command line in them).
+result_py='import json, sys; r = json.load(open(sys.argv[1])); e = r["env"]; print("result: np", r["np"],
+    "steps", r["steps_done"], "step s", [round(t, 1) for t in r["steps"]["time"]], "test acc",
+    r["epochs"][-1]["test_acc"], "| machine", e["machine"], "hosts", e["hostnames"], "threads/rank",
+    e["threads_per_rank"], "torch", e["torch"], "|", e["mpi_library"])'
 
 # The runs a Pi user makes after set-up, in VENV (PATH first, as `source .venv/bin/activate` would).
 # versions and --help must work for anything else to; train, simulate and doctor are independent, so
@@ -329,9 +334,7 @@ pilab_runs() {  # pilab_runs WAY VENV
     # --hang-s 1800: a step under emulation takes minutes; the default 120 s watchdog ended run 3's ranks.
     step "$way: train --np 2 (3 steps)" in_pi "$act $limit 5400 python -m pilab train --np 2 --max-steps 3 --epochs 1 \
         --hang-s 1800 $small --out /tmp/pilab-arm64-$way/train --overwrite \
-        && python -c \"import json; r=json.load(open('/tmp/pilab-arm64-$way/train/result.json')); \
-e=r.get('environment', {}); print('result: np', r.get('np'), 'threads/rank', e.get('threads_per_rank'), \
-'machine', e.get('machine'), 'mpi', e.get('mpi_library'), 'hosts', e.get('hostnames'))\"" || rc=1
+        && python -c '$result_py' /tmp/pilab-arm64-$way/train/result.json" || rc=1
     step "$way: simulate --np $np_sim (1 step)" in_pi "$act $limit 5400 python -m pilab simulate --np $np_sim \
         --max-steps 1 --epochs 1 $small --out /tmp/pilab-arm64-$way/simulate --overwrite" || rc=1
     # The doctor's own limits: its defaults (a host answers in 30 s, a probe ends in 300 s) are a Pi's;
@@ -407,7 +410,7 @@ EOF_SHIM
         || return 1
     step "testbed: train 3 steps x86 + arm64" bash -c 'cd "$0" && "$@"' "$wd" "${mpirun[@]}" -n 2 "$head_python" \
         -m pilab train --max-steps 3 --epochs 1 --hang-s 1800 $small --out "$wd/train" --overwrite || return 1
-    "$head_python" -c "import json; r = json.load(open('$wd/train/result.json')); e = r.get('environment', {}); print('result: hosts', e.get('hostnames'), {k: v for k, v in r.items() if isinstance(v, (int, float)) and ('acc' in k or 'loss' in k)})"
+    "$head_python" -c "$result_py" "$wd/train/result.json"
 }
 
 say "pilab arm64 node: root $root, repo $repo ($(git -C "$repo" log -1 --format=%h)), log $log"

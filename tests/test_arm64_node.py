@@ -63,3 +63,18 @@ def test_bench_names_an_arm_board_and_core():
     # x86 as before
     assert cpu_name("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\n", "x86_64") == \
         "Intel(R) Xeon(R) Processor"
+
+
+def test_result_line_reads_a_real_result_json():
+    # The script prints each train's result.json in one line; run 5 printed "threads/rank None machine
+    # None" because it read r["environment"] (the file says "env"). Same snippet, a committed result.
+    import re
+    import sys
+    text = SCRIPT.read_text()
+    code = re.search(r"^result_py='(.*?)'$", text, re.S | re.M).group(1)
+    assert "'" not in code  # it goes into in_pi's command line in single quotes
+    result = SCRIPT.parent.parent / "docs" / "testbed-scale" / "np2" / "result.json"
+    r = subprocess.run([sys.executable, "-c", code, str(result)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("result: np 2 steps 32 ")
+    assert "machine x86_64 hosts ['node01', 'node01'] threads/rank 1 torch 2.13.0+cpu | MPICH" in r.stdout
