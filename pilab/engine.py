@@ -45,6 +45,7 @@ from .config import Config, ConfigError
 from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
                    reduce_sums, sync_buffers_, world)
 from .files import save_json
+from .launch import mpi_library
 from .layers import (RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_,
                      use_ghost_batchnorm, use_rank_dropout)
 from .memory import limit_allocator_caches
@@ -149,7 +150,7 @@ def environment(comm, threads: int, device) -> dict:
         import mpi4py  # only with a communicator: a single process needs no MPI library
         from mpi4py import MPI
         env["mpi4py"] = mpi4py.__version__
-        env["mpi_library"] = MPI.Get_library_version().splitlines()[0].strip()
+        env["mpi_library"] = mpi_library(MPI)
         env["hostnames"] = comm.gather(host, root=0) if comm.Get_size() > 1 else [host]
     else:
         env["mpi_library"] = None

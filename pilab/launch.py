@@ -15,7 +15,7 @@ import sys
 from typing import Sequence
 
 __all__ = ["LaunchError", "find_mpiexec", "mpiexec_command", "pilab_command", "launcher_size",
-           "launcher_rank", "under_mpi"]
+           "launcher_rank", "under_mpi", "mpi_library"]
 
 MPI_HINT = "`pip install 'pilab[mpich]'` (or the system's MPICH: apt-get install mpich)"
 
@@ -91,3 +91,16 @@ def launcher_rank() -> int:
 def under_mpi() -> bool:
     """True in a rank started by mpiexec (any size, also ``mpiexec -n 1``)."""
     return launcher_size() > 0
+
+
+def mpi_library(mpi=None) -> str:
+    """The MPI library mpi4py loaded, as one line: "MPICH Version:      5.0.2", "Open MPI v4.1.4, package:
+    Debian OpenMPI, …" (the first line of ``MPI.Get_library_version()``).
+
+    ``mpi``: the ``mpi4py.MPI`` module (default: import it, which loads the library). Debian bookworm's
+    mpi4py 3.1.4 (python3-mpi4py, Open MPI) ends the string with a NUL byte, which reached result.json
+    as "\\u0000" on the emulated Pi (docs/arm64.md); it is dropped here."""
+    if mpi is None:
+        from mpi4py import MPI as mpi
+    lines = mpi.Get_library_version().replace("\x00", "").strip().splitlines()
+    return lines[0].strip() if lines else ""

@@ -304,7 +304,7 @@ import torch, numpy, mpi4py
 from mpi4py import MPI
 print('machine', platform.machine(), '| python', platform.python_version(), '| torch', torch.__version__,
       '| numpy', numpy.__version__, '| mpi4py', mpi4py.__version__, 'from', mpi4py.__file__)
-print('mpi4py library:', MPI.Get_library_version().splitlines()[0].strip())
+print('mpi4py library:', MPI.Get_library_version().replace(chr(0), '').strip().splitlines()[0])
 print('torch threads', torch.get_num_threads(), '| torch config:', torch.__config__.show().splitlines()[1:4])
 EOF
 echo \"mpiexec: \$(PATH=$1/bin:\$PATH command -v mpiexec) -> \$(readlink -f \$(PATH=$1/bin:\$PATH command -v mpiexec))\"

@@ -78,3 +78,16 @@ def test_result_line_reads_a_real_result_json():
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("result: np 2 steps 32 ")
     assert "machine x86_64 hosts ['node01', 'node01'] threads/rank 1 torch 2.13.0+cpu | MPICH" in r.stdout
+
+
+def test_mpi_library_drops_the_nul_of_debians_mpi4py():
+    # Debian bookworm's python3-mpi4py 3.1.4 (Open MPI 4.1.4) on the emulated Pi: the version string
+    # ends with a NUL byte, which reached result.json and the doctor's table.
+    from types import SimpleNamespace
+
+    from pilab.launch import mpi_library
+    debian = "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4, May 26, 2022\x00"
+    assert mpi_library(SimpleNamespace(Get_library_version=lambda: debian)) == debian[:-1]
+    mpich = "MPICH Version:      5.0.2\nMPICH Release date: Fri Sep 25 20:45:26 UTC 2026\n"
+    assert mpi_library(SimpleNamespace(Get_library_version=lambda: mpich)) == "MPICH Version:      5.0.2"
+    assert mpi_library(SimpleNamespace(Get_library_version=lambda: "\x00")) == ""

@@ -83,11 +83,12 @@ def versions(snn: bool) -> dict:
 def mpi_library() -> dict:
     """The MPI library mpi4py loaded, and the world it sees (under ``mpiexec -n 1``: 1)."""
     from ..launch import launcher_size
+    from ..launch import mpi_library as library_name
     try:
         from mpi4py import MPI
     except Exception as e:  # noqa: BLE001
         return {"error": f"mpi4py cannot load an MPI library: {e}"}
-    return {"library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split()),
+    return {"library": " ".join(library_name(MPI).split()),
             "size": MPI.COMM_WORLD.Get_size(), "launcher_size": launcher_size(),
             "processor": MPI.Get_processor_name()}
 
@@ -305,11 +306,12 @@ def net_probe(args) -> dict | None:
     from mpi4py import MPI
 
     from ..launch import launcher_size
+    from ..launch import mpi_library as library_name
     from ..perfmodel.bench import comm_bench
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     me = {"rank": rank, "size": size, "launcher_size": launcher_size(), "host": socket.gethostname(),
-          "library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split())}
+          "library": " ".join(library_name(MPI).split())}
     if size < 2:  # "0 of 1": this process does not see the others; say so from every one of them
         return {"ranks": [me], "allreduce_ok": False}
     ranks = comm.gather(me, root=0)
