@@ -65,6 +65,7 @@ def run_job(args) -> dict | None:
     from mpi4py import MPI
 
     from pilab.dist import GradSync, broadcast_module_
+    from pilab.launch import mpi_library
     from pilab.models import build_model
 
     torch.set_num_threads(1)
@@ -103,7 +104,7 @@ def run_job(args) -> dict | None:
         return sync
 
     out = {"np": size, "thread_level": thread_level, "async_progress": async_progress,
-           "mpi_library": MPI.Get_library_version().splitlines()[0].strip(), "widths": {}}
+           "mpi_library": mpi_library(MPI), "widths": {}}
     for width in args.widths:
         variants = []  # (key, label, bucket_mb, model, sync, gradsync)
 
