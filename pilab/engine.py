@@ -41,7 +41,7 @@ from torch import nn
 from . import __version__, checkpoint
 from . import data as data_mod
 from .checkpoint import RESUMABLE, CheckpointError, WriteError  # noqa: F401  (RESUMABLE: re-exported)
-from .config import Config, ConfigError
+from .config import EVAL_CHUNK, Config, ConfigError
 from .launch import mpi, mpi_versions
 from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
                    reduce_sums, sync_buffers_, world)
@@ -119,8 +119,10 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
 @torch.no_grad()
 def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH) -> tuple[float, float]:
     """Test loss and accuracy; each test image is evaluated exactly once over the ranks and the
-    sums (not per-rank averages) are reduced, so uneven shards weigh correctly. ``batch`` images per
-    forward (``cfg.eval_batch``): the evaluation's memory grows with it (see ``pilab.memory``)."""
+    sums (not per-rank averages) are reduced, so uneven shards weigh correctly. The loss is summed per
+    ``batch`` images (``cfg.eval_batch``); the model sees at most ``EVAL_CHUNK`` of them per forward,
+    so the evaluation's memory does not grow with ``batch`` (the logits are the same: see
+    ``pilab.config.EVAL_CHUNK``)."""
     rank, size = world(comm)
     sl = data_mod.test_shard(len(ds.y_test), size, rank)
     held = ds.test_rows
@@ -135,7 +137,7 @@ def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH) -> tup
     for i in range(0, len(y_all), batch):
         x = data_mod.to_input(x_all[i:i + batch]).to(device)
         y = y_all[i:i + batch].to(device)
-        out = model(x)
+        out = torch.cat([model(piece) for piece in torch.tensor_split(x, -(-len(x) // EVAL_CHUNK))])
         loss_sum += F.cross_entropy(out, y, reduction="sum").item()
         correct += (out.argmax(1) == y).sum().item()
     model.train()

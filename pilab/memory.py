@@ -17,7 +17,8 @@ The prediction is a sum of parts, each from the model and the data sizes, plus c
 * the activations at the peak of a training step: ``TRAIN_BYTES_PER_ELEMENT`` per element every leaf
   layer writes for one image (``models.activation_elements``) times the batch; the factor holds what
   autograd saves, the backward's gradients in flight and what the allocator keeps between steps;
-* evaluation: ``EVAL_BYTES_PER_ELEMENT`` per element of the largest layer output, times ``eval_batch``;
+* evaluation: ``EVAL_BYTES_PER_ELEMENT`` per element of the largest layer output, times the images of
+  one forward (``eval_batch``, at most ``config.EVAL_CHUNK``);
   the larger of training and evaluation counts, as they never run at the same time;
 * loading: the whole decoded source and a subset's copy of it;
 * set-up: the training images and, beside them, the loader's copy of the shard, the rank's test
@@ -30,7 +31,7 @@ import functools
 import os
 import sys
 
-from .config import Config, ConfigError
+from .config import EVAL_CHUNK, Config, ConfigError
 
 __all__ = ["predict_peak_bytes", "breakdown", "NODE_MEMORY", "NODE_RESERVE_BYTES", "node_bytes",
            "fit_warning", "limit_allocator_caches", "MemoryConfigError"]
@@ -96,7 +97,7 @@ def breakdown(cfg: Config, *, np_: int | None = None) -> dict:
     train = TRAIN_BYTES_PER_ELEMENT * act * batch
     # each rank evaluates its test_shard, and keeps only its pixels (engine.Session; all the labels)
     test_share = -(-n_test // ranks)
-    eval_ = EVAL_BYTES_PER_ELEMENT * largest * min(cfg.eval_batch, test_share)
+    eval_ = EVAL_BYTES_PER_ELEMENT * largest * min(cfg.eval_batch, EVAL_CHUNK, test_share)
     data = shard * IMAGE_BYTES + test_share * PIXEL_BYTES + n_test * LABEL_BYTES
     # Loading: the decoded source and a subset's copy of it.
     subset = (n_train if cfg.train_subset else 0) + (n_test if cfg.test_subset else 0)

@@ -143,11 +143,56 @@ def test_evaluation_refuses_rows_a_data_set_does_not_hold():
         engine.evaluate(model, ds.with_test_rows(slice(0, 20)), None, torch.device("cpu"), batch=20)
 
 
+@pytest.mark.parametrize("name", ["mobilenetv2_cifar", "mobilenetv2", "squeezenet1_1", "spiking_cnn"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_evaluation_in_pieces_gives_bitwise_the_same_result(name, threads):
+    # engine.evaluate runs an evaluation batch in pieces of at most EVAL_CHUNK images, so that its memory
+    # does not grow with eval_batch: allowed only because the loss and accuracy stay bitwise those of one
+    # forward per batch -- here on every model, with BatchNorm statistics that are not the initial ones,
+    # for batches of 157 (4 pieces of 39-40), 1,000 (20 x 50) and a last batch of 7 (one piece).
+    from pilab.config import EVAL_CHUNK
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        model = models.build_model(name, width=1.0 if name == "squeezenet1_1" else 0.25, timesteps=2)
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 1.5)
+        model = model.to(memory_format=torch.channels_last)
+        ds = data.load("embedded", train_subset=10, test_subset=1000)
+        cpu = torch.device("cpu")
+        for batch in (157, 1000):
+            got = engine.evaluate(model, ds, None, cpu, batch=batch)
+            # the reference: one forward per evaluation batch, as engine.evaluate did before the pieces
+            model.eval()
+            loss = correct = 0.0
+            with torch.no_grad():
+                for i in range(0, len(ds.y_test), batch):
+                    x = data.to_input(torch.from_numpy(ds.x_test[i:i + batch]))
+                    y = torch.from_numpy(ds.y_test[i:i + batch])
+                    out = model(x)
+                    loss += F.cross_entropy(out, y, reduction="sum").item()
+                    correct += (out.argmax(1) == y).sum().item()
+            model.train()
+            assert got == (loss / len(ds.y_test), correct / len(ds.y_test)), (batch, got)
+            assert batch > EVAL_CHUNK  # what is being tested: a batch the evaluation cuts into pieces
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_prediction_grows_with_batch_width_and_data():
     small = Config(width=0.25, batch_size=32, eval_batch=16)
     assert memory.predict_peak_bytes(small) < memory.predict_peak_bytes(replace(small, batch_size=128))
     assert memory.predict_peak_bytes(small) < memory.predict_peak_bytes(replace(small, width=1.0))
-    assert memory.predict_peak_bytes(small) < memory.predict_peak_bytes(replace(small, eval_batch=500))
+    # an evaluation batch runs in pieces of at most EVAL_CHUNK images: up to it the evaluation holds
+    # more (with training's batch small enough not to be the peak), beyond it no more
+    from pilab.config import EVAL_CHUNK
+    tiny = replace(small, batch_size=2)
+    assert memory.predict_peak_bytes(tiny) < memory.predict_peak_bytes(replace(tiny, eval_batch=EVAL_CHUNK))
+    assert memory.predict_peak_bytes(replace(tiny, eval_batch=EVAL_CHUNK)) == \
+        memory.predict_peak_bytes(replace(tiny, eval_batch=500))
     whole = Config(data="cifar10", eval_batch=16)
     assert memory.predict_peak_bytes(whole, np_=8) < memory.predict_peak_bytes(whole)
     parts = memory.breakdown(whole, np_=2)
