@@ -65,16 +65,12 @@ class MemoryConfigError(ConfigError):
 
 @functools.lru_cache(maxsize=None)
 def _model_facts(model: str, width: float, timesteps: int) -> tuple[int, int, int]:
-    """(parameters, activation elements of one image, elements of the largest layer output), from a
-    meta-device model: no memory, no compute, the global RNG untouched."""
-    import torch
-
-    from .models import _TAKES_TIMESTEPS, activation_elements, build_model, count_parameters, \
-        largest_output_elements
+    """(parameters, activation elements of one image, elements of the largest layer output), measured
+    on ``models.probe_model`` (the global RNG untouched)."""
+    from .models import _TAKES_TIMESTEPS, activation_elements, count_parameters, largest_output_elements, \
+        probe_model
     ts = timesteps if model in _TAKES_TIMESTEPS else None
-    with torch.device("meta"):
-        net = build_model(model, num_classes=10, width=width, timesteps=ts)
-    return (count_parameters(net), activation_elements(model, width, timesteps=ts),
+    return (count_parameters(probe_model(model, width=width, timesteps=ts)), activation_elements(model, width, timesteps=ts),
             largest_output_elements(model, width, timesteps=ts))
 
 

@@ -307,7 +307,7 @@ class LIFLayer(nn.Module):
     def __init__(self, beta: float):
         super().__init__()
         snn, surrogate = _snntorch()
-        device = torch.empty(0).device  # where the model is being built (meta for FLOP counts)
+        device = torch.empty(0).device  # where the model is being built (the default device's context)
         with torch.device("cpu"):  # Leaky's constructor reads a buffer back (.item()): not on meta
             self.neuron = snn.Leaky(beta=beta, threshold=1.0, spike_grad=surrogate.atan(),
                                     reset_mechanism="subtract")
@@ -439,6 +439,25 @@ def build_model(name: str, num_classes: int = 10, width: float = 1.0, *,
     return _REGISTRY[name](num_classes, float(width), timesteps)
 
 
+@functools.lru_cache(maxsize=8)
+def probe_model(name: str, num_classes: int = 10, width: float = 1.0, *,
+                timesteps: Optional[int] = None) -> nn.Module:
+    """A model built only to be measured -- its parameter count, its layers' output shapes -- shared by
+    every caller (eval mode, parameters as built; do not train it or leave hooks on it)::
+
+        count_parameters(probe_model("mobilenetv2_cifar", width=0.5))
+
+    Built on the CPU under a forked RNG, so the global RNG is untouched: calling it on some ranks only
+    cannot make their weights diverge. Not on the meta device: there, initialisation, BatchNorm and
+    ReLU6 run through torch._refs, whose wrapper imports torch._dynamo -- 2 s of CPU and 50 MB in
+    `train --np`'s launcher at every launch (it predicts memory), against 0.25 s for a real one-image
+    forward here.
+    """
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(name, num_classes=num_classes, width=width, timesteps=timesteps)
+    return model.eval()
+
+
 def count_parameters(model: nn.Module) -> int:
     """Number of parameter elements (shared parameters counted once; buffers not counted)."""
     return sum(p.numel() for p in model.parameters())
@@ -492,6 +511,23 @@ def forward_macs(model: nn.Module, image_size: int = 32) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _leaf_outputs(name: str, width: float, num_classes: int, image_size: int,
+                  timesteps: Optional[int]) -> tuple:
+    """(elements all leaf layers write, elements of the largest leaf output) for one image: one
+    hooked forward of ``probe_model`` serves both counts."""
+    model = probe_model(name, num_classes=num_classes, width=width, timesteps=timesteps)
+    total = largest = 0
+
+    def hook(m, inp, out):
+        nonlocal total, largest
+        total += _numel(out)
+        largest = max(largest, _numel(out))
+
+    _hooked_forward(model, [(m, hook) for m in model.modules() if next(m.children(), None) is None],
+                    image_size)
+    return total, largest
+
+
 def activation_elements(name: str, width: float = 1.0, num_classes: int = 10,
                         image_size: int = 32, timesteps: Optional[int] = None) -> int:
     """Elements written by every leaf layer (conv, BN, ReLU6, pooling, linear) for one image.
@@ -500,23 +536,11 @@ def activation_elements(name: str, width: float = 1.0, num_classes: int = 10,
 
     On a CPU the training step of these small-image networks is bound by memory traffic more than
     by FLOPs: per-image time tracks this count (x1.75 from width 0.25 to 0.5) better than the FLOPs
-    (x2.95). A spiking model's neurons count once per time step. Built on the meta device, like
-    ``train_flops_per_image``.
+    (x2.95). A spiking model's neurons count once per time step. Measured on ``probe_model``.
     """
-    with torch.device("meta"):
-        model = build_model(name, num_classes=num_classes, width=width, timesteps=timesteps)
-    total = 0
-
-    def hook(m, inp, out):
-        nonlocal total
-        total += _numel(out)
-
-    _hooked_forward(model, [(m, hook) for m in model.modules() if next(m.children(), None) is None],
-                    image_size)
-    return total
+    return _leaf_outputs(name, width, num_classes, image_size, timesteps)[0]
 
 
-@functools.lru_cache(maxsize=None)
 def largest_output_elements(name: str, width: float = 1.0, num_classes: int = 10,
                             image_size: int = 32, timesteps: Optional[int] = None) -> int:
     """Elements of the largest output any leaf layer writes for one image: what an evaluation batch
@@ -524,17 +548,7 @@ def largest_output_elements(name: str, width: float = 1.0, num_classes: int = 10
 
         largest_output_elements("mobilenetv2_cifar", width=1.0)   # 144 channels x 32 x 32
     """
-    with torch.device("meta"):
-        model = build_model(name, num_classes=num_classes, width=width, timesteps=timesteps)
-    largest = 0
-
-    def hook(m, inp, out):
-        nonlocal largest
-        largest = max(largest, _numel(out))
-
-    _hooked_forward(model, [(m, hook) for m in model.modules() if next(m.children(), None) is None],
-                    image_size)
-    return largest
+    return _leaf_outputs(name, width, num_classes, image_size, timesteps)[1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -545,11 +559,10 @@ def train_flops_per_image(name: str, width: float = 1.0, num_classes: int = 10,
         train_flops_per_image("mobilenetv2_cifar", width=0.5)   # used by pilab.perfmodel
         train_flops_per_image("spiking_cnn", 1.0, timesteps=8)  # every step as dense work (BPTT)
 
-    The model is built on the meta device: no memory, no compute, and the global RNG is untouched,
-    so calling this on some ranks only cannot make their weights diverge.
+    Measured on ``probe_model``: the global RNG is untouched, so calling this on some ranks only
+    cannot make their weights diverge.
     """
-    with torch.device("meta"):
-        model = build_model(name, num_classes=num_classes, width=width, timesteps=timesteps)
+    model = probe_model(name, num_classes=num_classes, width=width, timesteps=timesteps)
     return 3.0 * 2.0 * forward_macs(model, image_size)
 
 

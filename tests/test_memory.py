@@ -91,7 +91,9 @@ def test_pilab_sgd_is_torchs_sgd_bitwise(kw):
 
 def test_training_never_imports_torch_dynamo(tmp_path):
     """torch's optimizer guards import torch._dynamo (and sympy, torch._inductor: ~70 MB per rank); a run
-    that trains, checkpoints, resumes and evaluates with either optimizer, or simulates, imports neither."""
+    that trains, checkpoints, resumes and evaluates with either optimizer, or simulates, imports neither;
+    nor does the memory prediction `train --np`'s launcher makes, nor the performance model's layout
+    (a meta-device model would: its initialisation and BatchNorm run through torch._refs)."""
     code = f"""
 import sys
 from dataclasses import replace
@@ -104,6 +106,10 @@ for opt in ("sgd", "lars"):
     engine.train(cfg, engine.MPIRanks(None))
     engine.train(replace(cfg, max_steps=0, resume=out + "/checkpoint.pt"), engine.MPIRanks(None))
     engine.train(replace(cfg, out=""), engine.VirtualRanks(2))
+from pilab import memory, perfmodel
+for model, width in (("mobilenetv2_cifar", 1.0), ("mobilenetv2", 0.5), ("squeezenet1_1", 1.0)):
+    assert memory.predict_peak_bytes(Config(model=model, width=width), np_=2) > 0
+    assert perfmodel.gradient_layout(model, width) and perfmodel.bn_bytes(model, width) >= 0
 print(sorted(m for m in ("torch._dynamo", "torch._inductor", "sympy") if m in sys.modules))
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)

@@ -53,7 +53,7 @@ def test_dense_work_grows_with_time_steps_except_the_encoder():
     per_step = m[1] - once
     assert m[2] == once + 2 * per_step and m[4] == once + 4 * per_step
     assert per_step == 9 * (16 * 16 * 32 * 64 + 8 * 8 * 64 * 128 + 8 * 8 * 128 * 128)
-    # the performance model's per-image work: default T, and T passed through; the meta device
+    # the performance model's per-image work: default T, and T passed through (measured on probe_model)
     assert train_flops_per_image("spiking_cnn") == 6.0 * m[DEFAULT_TIMESTEPS]
     assert train_flops_per_image("spiking_cnn", 1.0, timesteps=2) == 6.0 * m[2]
     assert activation_elements("spiking_cnn", 1.0, timesteps=8) > activation_elements("spiking_cnn", 1.0)

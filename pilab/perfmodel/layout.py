@@ -21,15 +21,14 @@ def gradient_layout(model: str, width: float) -> tuple[tuple[int, float], ...]:
 
     ``ready`` is the fraction of backward compute done when that tensor's gradient is complete,
     taking each module's backward to cost in proportion to its forward multiply-accumulates.
-    Built on the meta device (no memory, no compute).
+    Measured on ``models.probe_model`` (one real one-image forward).
     """
     import torch  # here, not at the top: see the module docstring
     from torch import nn
 
-    from ..models import build_model
+    from ..models import probe_model
 
-    with torch.device("meta"):
-        net = build_model(model, num_classes=10, width=width)
+    net = probe_model(model, width=width)
     order: list[nn.Module] = []
     macs: dict[int, float] = {}
 
@@ -46,7 +45,7 @@ def gradient_layout(model: str, width: float) -> tuple[tuple[int, float], ...]:
     try:
         net.eval()
         with torch.no_grad():
-            net(torch.zeros(1, 3, 32, 32, device="meta"))
+            net(torch.zeros(1, 3, 32, 32))
     finally:
         for h in handles:
             h.remove()
@@ -91,11 +90,9 @@ def work_per_image(model: str, width: float, flops_per_activation: float = 0.0,
 @functools.lru_cache(maxsize=None)
 def bn_bytes(model: str, width: float) -> int:
     """Bytes of BatchNorm running mean + var (what sync_buffers_ broadcasts before evaluation)."""
-    import torch  # here, not at the top: see the module docstring
-    from torch import nn
+    from torch import nn  # here, not at the top: see the module docstring
 
-    from ..models import build_model
+    from ..models import probe_model
 
-    with torch.device("meta"):
-        net = build_model(model, num_classes=10, width=width)
-    return sum(2 * m.num_features * 4 for m in net.modules() if isinstance(m, nn.BatchNorm2d))
+    return sum(2 * m.num_features * 4 for m in probe_model(model, width=width).modules()
+               if isinstance(m, nn.BatchNorm2d))
