@@ -296,6 +296,36 @@ def test_subsets_after_cache(small, tmp_path):
     assert other.checksum != ds.checksum
 
 
+def test_train_size_reads_the_labels_of_a_cache_and_agrees_with_load(small, tmp_path):
+    cache = str(tmp_path / "c")
+    # not cached yet: it goes through load, which decodes and writes the cache
+    n = data.train_size(small["path"], cache_dir=cache)
+    assert n == len(data.load(small["path"], cache_dir=cache).y_train)
+    [entry] = data.cache_entries(cache)
+    for sub in (0, 50):
+        assert data.train_size(small["path"], cache_dir=cache, train_subset=sub, test_subset=20) == \
+            len(data.load(small["path"], cache_dir=cache, train_subset=sub, test_subset=20).y_train)
+    # a subset larger than the source raises load's own error, as before
+    for kw in ({"train_subset": 10 ** 6}, {"test_subset": 10 ** 6}):
+        with pytest.raises(data.DataError, match="exceeds the"):
+            data.train_size(small["path"], cache_dir=cache, **kw)
+    with pytest.raises(data.DataError, match="must be an integer >= 0"):
+        data.train_size(small["path"], cache_dir=cache, train_subset=-1)
+    # cached: only the labels are read -- with the training images made unreadable the count still
+    # comes from the file, which stays as it was (load would warn and decode again)
+    import zipfile
+    with zipfile.ZipFile(entry["path"]) as z:
+        members = {name: z.read(name) for name in z.namelist()}
+    members["x_train.npy"] = members["x_train.npy"][:100]
+    with zipfile.ZipFile(entry["path"], "w") as z:
+        for name, payload in members.items():
+            z.writestr(name, payload)
+    damaged = open(entry["path"], "rb").read()
+    assert data.train_size(small["path"], cache_dir=cache, train_subset=50) == 50
+    assert data.train_size(small["path"], cache_dir=cache) == n
+    assert open(entry["path"], "rb").read() == damaged
+
+
 def test_stratified_subset():
     labels = np.repeat(np.arange(10), [7, 50, 50, 50, 50, 50, 50, 50, 50, 50])
     idx = data.stratified_subset(labels, 95, seed=1)

@@ -105,10 +105,12 @@ def _launch(cfg: Config, args, argv) -> int:
 
     mpiexec runs in its own process group, so a Ctrl-C reaches it once, from here: the first asks the
     ranks to stop after their step, a second makes mpiexec end them at once."""
-    from ..engine import load_data
+    from .. import data
     if args.np < 1:
         raise ConfigError(f"--np {args.np} must be >= 1")
-    cfg.check_world(args.np, len(load_data(cfg).y_train))
+    # the count alone (the cache's labels): the ranks load the images themselves
+    cfg.check_world(args.np, data.train_size(cfg.data, train_subset=cfg.train_subset,
+                                             test_subset=cfg.test_subset, seed=cfg.seed))
     mpi_or_error()
     _check_output(cfg, args, args.np)
     _memory_warning(cfg, args, args.np, args.ranks_per_node or args.np)

@@ -37,10 +37,10 @@ from .dataset import CIFAR10, CLASSES, DataError
 from .decode import BATCHES_DIR, OFFICIAL_URL
 from .loader import ShardLoader
 from .shards import POLICIES, epoch_accounting, epoch_batches, static_shards, stratified_subset, test_shard
-from .sources import fetch, load
+from .sources import fetch, load, train_size
 
 __all__ = [
-    "CIFAR10", "CLASSES", "DataError", "load", "fetch", "default_cache_dir", "cache_entries", "clear_cache",
+    "CIFAR10", "CLASSES", "DataError", "load", "train_size", "fetch", "default_cache_dir", "cache_entries", "clear_cache",
     "BATCHES_DIR", "OFFICIAL_URL", "POLICIES", "stratified_subset", "static_shards", "epoch_accounting",
     "epoch_batches", "test_shard", "MEAN", "STD", "PAD", "to_input", "augment", "ShardLoader",
 ]

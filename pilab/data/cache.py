@@ -117,6 +117,19 @@ def read_cache(path: str) -> CIFAR10 | None:
     return CIFAR10(*arrays, classes=CLASSES, source=source, checksum=checksum)
 
 
+def cached_sizes(path: str) -> tuple[int, int] | None:
+    """(training, test) image counts of a cache file, from its two label arrays alone -- not the 185 MB
+    of images (None when absent or unreadable). ``read_cache`` still verifies the whole file when the
+    images are loaded."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
+            return len(z["y_train"]), len(z["y_test"])
+    except Exception:  # a truncated or corrupt file: load() rebuilds it
+        return None
+
+
 def write_cache(path: str, ds: CIFAR10) -> None:
     """Write atomically: a temp file in the same directory, then os.replace (no half-written cache)."""
     d = os.path.dirname(path)

@@ -14,7 +14,7 @@ from importlib.resources import files
 
 import numpy as np
 
-from .cache import cache_path, read_cache, resolve_cache_dir, write_cache
+from .cache import cache_path, cached_sizes, read_cache, resolve_cache_dir, write_cache
 from .dataset import CIFAR10, DataError
 from .decode import BATCHES_DIR, LAYOUTS, OFFICIAL_URL, decode_source
 from .shards import stratified_subset
@@ -34,10 +34,7 @@ def load(source: str = "embedded", *, cache_dir: str | None = None,
         ds = load("/data/cifar10-jpeg.tar.gz", train_subset=10_000)
         ds = load("cifar10")          # after `python -m pilab data fetch`
     """
-    for name, value in (("train_subset", train_subset), ("test_subset", test_subset), ("seed", seed)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-            fix = "pass 0 for all images" if name.endswith("subset") else "pass a non-negative integer"
-            raise DataError(f"{name}={value!r} must be an integer >= 0; {fix}")
+    _check_counts(train_subset, test_subset, seed)
     cache = resolve_cache_dir(cache_dir)
     kind, path = _resolve(source, cache)
     cache_file = cache_path(cache, kind, path)
@@ -46,6 +43,31 @@ def load(source: str = "embedded", *, cache_dir: str | None = None,
         ds = decode_source(kind, path)
         write_cache(cache_file, ds)
     return _subset(ds, train_subset, test_subset, seed)
+
+
+def train_size(source: str = "embedded", *, cache_dir: str | None = None,
+               train_subset: int = 0, test_subset: int = 0, seed: int = 0) -> int:
+    """How many training images ``load`` with the same arguments gives, reading only the labels of an
+    already cached source: a launcher checks ``--np`` against it without holding the images::
+
+        train_size("/data/cifar10-jpeg.tar.gz", train_subset=10_000)   # 10000
+
+    A source not cached yet, or a subset larger than the source, goes through ``load`` itself: it is
+    decoded and cached (the ranks then read the cache), and ``load``'s errors are raised."""
+    _check_counts(train_subset, test_subset, seed)
+    cache = resolve_cache_dir(cache_dir)
+    sizes = cached_sizes(cache_path(cache, *_resolve(source, cache)))
+    if sizes is None or train_subset > sizes[0] or test_subset > sizes[1]:
+        return len(load(source, cache_dir=cache_dir, train_subset=train_subset, test_subset=test_subset,
+                        seed=seed).y_train)
+    return train_subset or sizes[0]
+
+
+def _check_counts(train_subset, test_subset, seed) -> None:
+    for name, value in (("train_subset", train_subset), ("test_subset", test_subset), ("seed", seed)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            fix = "pass 0 for all images" if name.endswith("subset") else "pass a non-negative integer"
+            raise DataError(f"{name}={value!r} must be an integer >= 0; {fix}")
 
 
 def _resolve(source: str, cache: str) -> tuple[str, str]:
