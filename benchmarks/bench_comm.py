@@ -28,9 +28,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +48,8 @@ def parse(argv):
     p.add_argument("--no-async", action="store_true", help="skip the MPIR_CVAR_ASYNC_PROGRESS job (e)")
     p.add_argument("--mpiexec", default=None, help="launcher (default: next to this Python)")
     p.add_argument("--out", default=None, help="write all numbers as JSON here")
-    p.add_argument("--part-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("answer", nargs="?", default=None,
+                   help="under mpiexec: where rank 0 writes the numbers (JSON) instead of printing them")
     p.add_argument("--job", default="main", choices=("main", "async"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -184,20 +183,11 @@ def run_job(args) -> dict | None:
 # the launcher side
 # ----------------------------------------------------------------------------------------------
 def launch(args, job: str, env_extra: dict) -> dict:
-    from pilab.launch import find_mpiexec
-    mpiexec = find_mpiexec(args.mpiexec)
-    with tempfile.TemporaryDirectory(prefix="pilab-bench-comm-") as tmp:
-        part = os.path.join(tmp, "part.json")
-        cmd = [mpiexec, "-n", str(args.np), sys.executable, os.path.abspath(__file__),
-               "--part-out", part, "--job", job, "--batch", str(args.batch),
-               "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--widths", *map(str, args.widths), "--buckets", *map(str, args.buckets)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0 or not os.path.exists(part):
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-        with open(part) as f:
-            return json.load(f)
+    from pilab.launch import run_job
+    payload = {"job": job, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+               "widths": args.widths, "buckets": args.buckets}
+    return run_job(args.np, "benchmarks.bench_comm", payload, name=f"the bench_comm {job} job",
+                   mpiexec=args.mpiexec, env=dict(os.environ, OMP_NUM_THREADS="1", **env_extra), cwd=REPO)
 
 
 def report(main: dict, extra: dict | None) -> dict:
@@ -246,8 +236,8 @@ def main(argv=None) -> int:
     if launcher_size() > 0:  # a rank of an mpiexec job
         res = run_job(args)
         if res is not None:
-            if args.part_out:
-                with open(args.part_out, "w") as f:
+            if args.answer:
+                with open(args.answer, "w") as f:
                     json.dump(res, f)
             else:
                 report(res, None)

@@ -38,8 +38,8 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
-import subprocess
 import sys
 import time
 
@@ -88,22 +88,21 @@ def bench(tb, np_: int, nodes: int, log) -> dict:
     return run
 
 
-def train(tb, np_: int, nodes: int, out: str, log) -> dict:
-    from pilab.launch import find_mpiexec
-    cmd = [find_mpiexec(), *tb.mpiexec_args(), "-hosts", hosts_arg(tb, np_, nodes), "-n", str(np_),
-           sys.executable, "-m", "pilab", "train", "--quiet", "--overwrite", "--hang-s", "120",
-           "--out", out]
-    for k, v in TRAIN.items():
-        cmd += ["--" + k.replace("_", "-"), str(v)]
+def train_run(tb, np_: int, hosts: str, out: str) -> tuple[dict, float, float]:
+    """One training run (``pilab.harness``, as ``pilab train`` runs it) on ``hosts`` of the testbed;
+    (result, wall seconds, cores the job got on average)."""
+    from pilab.launch import run_job
+    shutil.rmtree(out, ignore_errors=True)  # a run of its own in out (what train --overwrite gave)
     cpu0, t0 = cpu_seconds(), time.perf_counter()
-    p = subprocess.run(cmd, env=base_env(tb), capture_output=True, text=True, cwd=REPO, timeout=900)
+    r = run_job(np_, "pilab.harness", {"config": Config(out=out, **TRAIN).to_dict(), "hang_s": 120},
+                name=f"train np={np_} on {hosts}", extra=[*tb.mpiexec_args(), "-hosts", hosts],
+                env=base_env(tb), cwd=REPO, timeout=900)
     wall = time.perf_counter() - t0
-    cores = (cpu_seconds() - cpu0) / wall
-    if p.returncode != 0:
-        raise RuntimeError(f"train np={np_} nodes={nodes} failed (exit {p.returncode}):\n"
-                           f"{(p.stderr or p.stdout)[-2500:]}")
-    with open(os.path.join(out, "result.json")) as f:
-        r = json.load(f)
+    return r, wall, (cpu_seconds() - cpu0) / wall
+
+
+def train(tb, np_: int, nodes: int, out: str, log) -> dict:
+    r, wall, cores = train_run(tb, np_, hosts_arg(tb, np_, nodes), out)
     st = r["steps"]
     net = [e - w for e, w in zip(st["comm_exposed"], st["comm_wait"])][1:]
     comp = st["compute"][1:]
@@ -282,17 +281,8 @@ def measure(args, log) -> dict:
                     run = bench(tb, np_, nodes, log)
                     run["rate"] = rate
                     data["bench"].append(run)
-        out = os.path.join(args.work, "np1")
-        from pilab.launch import find_mpiexec
-        cmd = [find_mpiexec(), *tb.mpiexec_args(), "-hosts", f"{tb.address('node01')}:1", "-n", "1",
-               sys.executable, "-m", "pilab", "train", "--quiet", "--overwrite", "--out", out]
-        for k, v in TRAIN.items():
-            cmd += ["--" + k.replace("_", "-"), str(v)]
-        cpu0, t0 = cpu_seconds(), time.perf_counter()
-        subprocess.run(cmd, env=base_env(tb), check=True, capture_output=True, cwd=REPO, timeout=900)
-        wall = time.perf_counter() - t0
-        with open(os.path.join(out, "result.json")) as f:
-            data["np1"] = {"result": json.load(f), "cores_got": (cpu_seconds() - cpu0) / wall}
+        r, _, cores = train_run(tb, 1, f"{tb.address('node01')}:1", os.path.join(args.work, "np1"))
+        data["np1"] = {"result": r, "cores_got": cores}
         log(f"np=1: epoch {data['np1']['result']['epochs'][0]['time']:.2f} s, "
             f"cores got {data['np1']['cores_got']:.2f}")
         for rep in range(1, args.repeat + 1):

@@ -30,7 +30,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,22 +55,14 @@ def cpu_seconds() -> float:
 
 
 def train(np_: int, settings: dict, out: str, mpiexec: str | None) -> tuple[dict, float]:
-    """One real run through the CLI; returns (result, cores the job got on average)."""
-    cmd = [sys.executable, "-m", "pilab", "train", "--quiet", "--out", out]
-    if np_ > 1:
-        cmd += ["--np", str(np_)]
-        if mpiexec:
-            cmd += ["--mpiexec", mpiexec]
-    for k, v in settings.items():
-        cmd += ["--" + k.replace("_", "-"), str(v)]
+    """One real run (``pilab.harness`` on np ranks, as ``pilab train`` runs them; np=1 under
+    ``mpiexec -n 1`` too, like the study's np=1 point); returns (result, cores the job got on average)."""
+    from pilab.launch import run_job
     env = dict(os.environ, OMP_NUM_THREADS=str(settings.get("threads", 1)))
     cpu0, t0 = cpu_seconds(), time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    result = run_job(np_, "pilab.harness", {"config": Config(out=out, **settings).to_dict()},
+                     name=f"train np={np_}", mpiexec=mpiexec, env=env, cwd=REPO)
     cores = (cpu_seconds() - cpu0) / (time.perf_counter() - t0)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    with open(os.path.join(out, "result.json")) as f:
-        result = json.load(f)
     return result, cores
 
 

@@ -5,6 +5,8 @@ badly (a bad setting on one rank, an exception, a signal, a peer gone off the ne
     outcome = harness.guarded_run(cfg, comm, data=Handoff(ds), hang_s=120)
     outcome.result, outcome.model, outcome.signum
 
+    mpiexec -n 2 python -m pilab.harness ANSWER.json --config '{"epochs": 1, ...}'   # the study's points
+
 Two ways a rank lives, one function (``where``):
 
 * ``"job"``, a process of an ``mpiexec`` job (``pilab train``, the study's measured points): SIGINT and
@@ -18,6 +20,8 @@ Imports torch and MPI inside the functions only: the CLI imports this module to 
 """
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -28,6 +32,7 @@ from .signals import exit_code_for, interruptible
 __all__ = ["guarded_run", "Outcome", "vote", "Refused", "exit_code", "EXIT_WRITE", "print_stragglers"]
 
 EXIT_WRITE = 74  # a result or checkpoint could not be written (sysexits' EX_IOERR)
+EXIT_REFUSED = 2  # a rank refused the settings (the CLI's exit code for bad input)
 
 
 class Refused(Exception):
@@ -154,3 +159,47 @@ def print_stragglers(ev) -> None:
 def _mpi():
     from .launch import mpi
     return mpi()
+
+
+# ----------------------------------------------------------------------------------------------
+# the job: one guarded run launched by pilab.launch.run_job (the study's measured points)
+# ----------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    """Every rank of ``mpiexec -n N python -m pilab.harness ANSWER.json --config JSON [--hang-s S]``:
+    the run ``pilab train`` makes under mpiexec (the vote, the guards, result.json in the config's
+    ``out``), without the CLI; rank 0 writes the result to ANSWER.json as well."""
+    p = argparse.ArgumentParser(description="one guarded training run on the ranks of this job")
+    p.add_argument("answer", help="where rank 0 writes the result (JSON)")
+    p.add_argument("--config", required=True, help="the Config as JSON (its to_dict())")
+    p.add_argument("--hang-s", type=float, default=None, help="watchdog (default: $PILAB_HANG_S or 120)")
+    a = p.parse_args(argv)
+    from .dist import check_launcher
+    from .engine import Handoff, load_data
+    from .files import save_json
+    from .watchdog import hang_s_from_env
+    comm = _mpi().COMM_WORLD
+    check_launcher(comm)
+
+    def check():
+        cfg = Config(**json.loads(a.config))
+        ds = load_data(cfg)
+        cfg.check_world(comm.Get_size(), len(ds.y_train))
+        hang_s = a.hang_s if a.hang_s is not None else hang_s_from_env()
+        if hang_s < 0:
+            raise ConfigError(f"--hang-s {a.hang_s} must be >= 0 (0: no watchdog)")
+        return cfg, ds, hang_s
+    try:
+        cfg, ds, hang_s = vote(comm, check)
+    except Refused as e:
+        if e.speaks:
+            print(f"pilab: error: {e.error}", file=sys.stderr)
+        return EXIT_REFUSED
+    data, ds = Handoff(ds), None  # handed over: the rank keeps its shard, not the whole training set
+    out = guarded_run(cfg, comm, data=data, callbacks=[print_stragglers], hang_s=hang_s)
+    if comm.Get_rank() == 0:
+        save_json(out.result, a.answer)
+    return exit_code(out.result, out.signum)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -24,12 +24,11 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from html import escape
 
 from bokeh.embed import file_html
@@ -43,7 +42,7 @@ from . import checkpoint, energy, perfmodel, plots, simulate
 from . import verdict as judging
 from .config import DEMO, Config, ConfigError, small_mode
 from .files import atomic_write_text, save_json
-from .launch import LaunchError, pilab_command
+from .launch import LaunchError, run_job
 from .perfmodel import efficiency, karp_flatt, speedup
 from .plots import html_table
 
@@ -265,30 +264,12 @@ def verdict(study_: dict, *, within: float = 0.05) -> str:
 # ----------------------------------------------------------------------------------------------
 # running
 # ----------------------------------------------------------------------------------------------
-def config_to_argv(cfg: Config) -> list[str]:
-    """CLI flags that reproduce ``cfg`` (every field, so the command line is self-contained)."""
-    argv = []
-    for f in fields(Config):
-        v = getattr(cfg, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
-            argv.append(flag if v else "--no-" + f.name.replace("_", "-"))
-        elif v != "" or f.name not in ("out", "resume"):
-            argv += [flag, str(v)]
-    return argv
-
-
 def run_measured(cfg: Config, np_: int, out: str, *, mpiexec: str | None = None,
                  hostfile: str | None = None, timeout: float | None = None) -> dict:
-    """One real MPI job; returns its result.json. Raises RuntimeError with the job's last lines."""
-    cmd = pilab_command(np_, ["train", "--quiet", *config_to_argv(replace(cfg, out=out))],
-                        mpiexec=mpiexec, hostfile=hostfile)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"np={np_} run failed (exit {p.returncode}):\n{tail}")
-    with open(os.path.join(out, "result.json")) as f:
-        return json.load(f)
+    """One real MPI job (``pilab.harness`` on np ranks, as ``pilab train`` runs them); returns its
+    result.json. Raises ``launch.JobError`` (a RuntimeError) with the job's exit code and last lines."""
+    return run_job(np_, "pilab.harness", {"config": replace(cfg, out=out).to_dict()}, name=f"np={np_} run",
+                   mpiexec=mpiexec, hostfile=hostfile, timeout=timeout, answer_dir=out)
 
 
 def _predict(cfg: Config, nps, calibration) -> dict[int, dict]:
@@ -505,7 +486,7 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
             runs[p] = earlier
             for cb in callbacks:
                 cb({"kind": "run", "np": p, "simulated": True, "result": runs[p], "kept": p in kept})
-    except (KeyboardInterrupt, RuntimeError, subprocess.TimeoutExpired) as e:
+    except (KeyboardInterrupt, RuntimeError) as e:  # RuntimeError: a failed run (launch.JobError)
         partial = _partial_study(cfg, criteria, nps, simulate_nps, runs, kept, t_start, command, e)
         if out:
             _write_partial(partial, out)
@@ -636,7 +617,7 @@ def calibrate_from(np1_result: dict, mpiexec: str | None = None):
     mpiexec); None, with a one-line note, when the micro-benchmark cannot run here."""
     try:
         bench = perfmodel.run_comm_bench(nps=(2,), mpiexec=mpiexec)
-    except (RuntimeError, OSError, LaunchError, subprocess.TimeoutExpired) as e:
+    except (RuntimeError, OSError, LaunchError) as e:  # RuntimeError: the job failed (launch.JobError)
         print(f"pilab: comm micro-benchmark failed ({e}); simulated rows get no predicted times",
               file=sys.stderr)
         return None

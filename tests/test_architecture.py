@@ -84,6 +84,19 @@ def test_one_training_loop():
     assert set(BACKWARD_ALLOWED) <= callers, "an allowed file no longer calls backward: drop it from the list"
 
 
+def test_the_library_never_launches_its_own_cli():
+    # Library code starts ranks through launch.run_job over a rank-side entry module; only the CLI
+    # may start `python -m pilab ...` (train --np re-launching itself under mpiexec).
+    callers = set()
+    for path in sorted((REPO / "pilab").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and "pilab_command" in (getattr(node.func, "attr", None),
+                                                                   getattr(node.func, "id", None)):
+                callers.add(rel)
+    assert {c for c in callers if not c.startswith("pilab/cli/")} == set(), callers
+
+
 HEAVY = ("torch", "bokeh", "numpy", "mpi4py")
 
 

@@ -8,7 +8,8 @@ A library package, not scripts under ``benchmarks/``, so that the command works 
 pilab and its pieces are importable (tests call them on tiny settings); ``benchmarks/`` keeps the older
 stand-alone studies. Every figure is a ratio against a baseline measured in the same run: contenders
 alternate round by round (the order rotated), one ratio per round, reported as median and p10-p90 /
-min-max. The sections that need ranks run as one ``mpiexec -n 2 python -m pilab.bench.ranks`` job.
+min-max. The sections that need ranks run as one ``mpiexec -n 2 python -m pilab.bench.ranks`` job
+(``pilab.launch.run_job``; a failed job raises ``launch.JobError``).
 
 * ``one_rank``: pilab's one-rank step vs a bare PyTorch loop; ``models``: images/s per model and layout;
 * ``data``: ShardLoader vs a per-sample Dataset + DataLoader; ``simulator``: exact vs fast, np 1/8/48;
@@ -25,20 +26,12 @@ and keeps the others.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
-import subprocess
-import sys
-import tempfile
 import time
 
 SECTIONS = ("one_rank", "models", "data", "simulator", "checkpoint", "ranks", "memory")
 EXTRA_SECTIONS = ("deviation",)  # not in the default run (~7 min here): the fast mode's 100-step deviation
-
-
-class BenchError(RuntimeError):
-    """A benchmark job failed; the message says which and how."""
 
 
 # Arm's part numbers (/proc/cpuinfo "CPU part") of the cores in Raspberry Pi boards and their kin.
@@ -154,18 +147,13 @@ MEMORY_TABLE = [(w, b) for w in (0.25, 0.5, 1.0) for b in (16, 32)]
 MEMORY_TABLE_EVAL_BATCH = 50
 
 
-def memory_job(out_json: str, setting: dict, mpiexec: str | None = None, env=None) -> dict:
+def memory_job(setting: dict, mpiexec: str | None = None, env=None) -> dict:
     """One ``mpiexec -n 2 python -m pilab.bench.memory`` job for ``setting`` (its flags); its JSON."""
-    from ..launch import mpiexec_command
-    flags = [x for k, v in setting.items() for x in ("--" + k.replace("_", "-"), str(v))]
-    cmd = mpiexec_command(2, [sys.executable, "-m", "pilab.bench.memory", out_json, *flags], mpiexec=mpiexec)
-    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **(env or {})))
-    if p.returncode != 0 or not os.path.exists(out_json):
-        raise BenchError(f"the memory job failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-2000:]}")
-    with open(out_json) as f:
-        out = json.load(f)
+    from ..launch import job_argv, run_job
+    out = run_job(2, "pilab.bench.memory", setting, name="the memory job", mpiexec=mpiexec,
+                  env=dict(os.environ, **(env or {})))
     out["command"] = " ".join(f"{k}={v}" for k, v in (env or {}).items()) + \
-        (" " if env else "") + "mpiexec -n 2 python -m pilab.bench.memory OUT.json " + " ".join(flags)
+        (" " if env else "") + "mpiexec -n 2 python -m pilab.bench.memory OUT.json " + " ".join(job_argv(setting))
     return out
 
 
@@ -174,40 +162,27 @@ def memory_section(quick: bool, mpiexec: str | None = None, log=print) -> dict:
     the prediction vs the measurement over ``MEMORY_TABLE`` (quick: one tiny row on the embedded set)."""
     data = "embedded" if quick or not os.path.isfile(MEMORY_DATA) else MEMORY_DATA
     out = {"data": data, "rows": [], "table": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        if quick:
-            settings = [dict(data=data, width=0.25, batch_size=16, threads=1, steps=2, train_subset=512,
-                             test_subset=200, eval_batch=MEMORY_TABLE_EVAL_BATCH)]
-        else:
-            settings = [dict(data=data, **MEMORY_STUDY, eval_batch=MEMORY_TABLE_EVAL_BATCH),
-                        dict(data=data, **MEMORY_STUDY)]
-        for i, st in enumerate(settings):
-            log(f"bench: memory at {st}")
-            out["rows"].append(memory_job(os.path.join(tmp, f"row{i}.json"), st, mpiexec))
-        table = [] if quick else [dict(data=data, width=w, batch_size=b, threads=2, steps=2, test_subset=1000,
-                                       eval_batch=MEMORY_TABLE_EVAL_BATCH) for w, b in MEMORY_TABLE]
-        for i, st in enumerate(table):
-            log(f"bench: memory prediction at {st}")
-            out["table"].append(memory_job(os.path.join(tmp, f"table{i}.json"), st, mpiexec))
+    if quick:
+        settings = [dict(data=data, width=0.25, batch_size=16, threads=1, steps=2, train_subset=512,
+                         test_subset=200, eval_batch=MEMORY_TABLE_EVAL_BATCH)]
+    else:
+        settings = [dict(data=data, **MEMORY_STUDY, eval_batch=MEMORY_TABLE_EVAL_BATCH),
+                    dict(data=data, **MEMORY_STUDY)]
+    for st in settings:
+        log(f"bench: memory at {st}")
+        out["rows"].append(memory_job(st, mpiexec))
+    table = [] if quick else [dict(data=data, width=w, batch_size=b, threads=2, steps=2, test_subset=1000,
+                                   eval_batch=MEMORY_TABLE_EVAL_BATCH) for w, b in MEMORY_TABLE]
+    for st in table:
+        log(f"bench: memory prediction at {st}")
+        out["table"].append(memory_job(st, mpiexec))
     return out
 
 
-def ranks_command(out_json: str, quick: bool, mpiexec: str | None = None) -> list[str]:
-    from ..launch import mpiexec_command
-    return mpiexec_command(2, [sys.executable, "-m", "pilab.bench.ranks", out_json]
-                           + (["--quick"] if quick else []), mpiexec=mpiexec)
-
-
 def _ranks_job(quick: bool, mpiexec: str | None) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "ranks.json")
-        cmd = ranks_command(path, quick, mpiexec)
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if p.returncode != 0 or not os.path.exists(path):
-            raise BenchError(f"the rank job failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-2000:]}")
-        with open(path) as f:
-            out = json.load(f)
-        out["command"] = "OMP_NUM_THREADS=1 mpiexec -n 2 python -m pilab.bench.ranks OUT.json" + \
-            (" --quick" if quick else "")
-        return out
+    from ..launch import run_job
+    out = run_job(2, "pilab.bench.ranks", {"quick": quick}, name="the rank job", mpiexec=mpiexec,
+                  env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out["command"] = "OMP_NUM_THREADS=1 mpiexec -n 2 python -m pilab.bench.ranks OUT.json" + \
+        (" --quick" if quick else "")
+    return out
