@@ -29,8 +29,8 @@ LAYERS = {
     "engine": 4,
     "train": 5, "simulate": 5,
     "harness": 5.2,  # one guarded run on the ranks (vote, signals, abort, watchdog): CLI, engines, the study's jobs
-    "bench": 5.5,  # benchmarks: the engine, its building blocks and the launcher; below the study
     "perfmodel": 6, "energy": 6.5,  # energy: uses the perfmodel's Pi facts; the study uses it
+    "bench": 6.8,  # benchmarks: the engine, the launcher, the harness's jobs and the performance model they check
     "scaling": 7, "paper": 7.5,  # paper: a study beside the published figures; uses the study's rows
     "remedies": 8,
     "cluster": 9,

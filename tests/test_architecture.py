@@ -64,9 +64,8 @@ def test_the_checker_fences_mpi4py_and_bokeh(tmp_path, monkeypatch):
 # benchmarks measure pilab against (a bare PyTorch loop, DDP, bare mpi4py), which are not a way to train.
 BACKWARD_ALLOWED = {
     "pilab/bench/local.py": "bare-loop and model-only contenders of the one-rank benchmarks",
-    "pilab/bench/ranks.py": "DDP-gloo and bare-mpi4py contenders of the rank benchmarks",
-    "benchmarks/bench_comm.py": "DDP and bare-Allreduce contenders of the communication benchmark",
-    "benchmarks/bench_perfmodel.py": "compute-only step timing that the performance model is checked against",
+    "pilab/bench/ranks.py": "DDP-gloo, bare-mpi4py and blocking-Allreduce contenders of the rank benchmarks",
+    "pilab/bench/perfmodel.py": "compute-only step timing that the performance model is checked against",
 }
 
 

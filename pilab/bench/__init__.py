@@ -1,24 +1,32 @@
 """``python -m pilab bench``: how fast pilab is against what a user would pick instead, on this machine.
 
-    python -m pilab bench                       # the whole set (<= 15 min here), JSON + BENCHMARKS.md
-    python -m pilab bench --quick               # CI-sized: tiny models, 5 alternations, ~2 min
+    python -m pilab bench                       # the default set (<= 20 min here), JSON + BENCHMARKS.md
+    python -m pilab bench --quick               # CI-sized: tiny models, 5 alternations, ~3 min
     python -m pilab bench --sections one_rank,data --out runs/bench
+    sudo python -m pilab bench --sections network --quick   # the testbed section (root)
 
-A library package, not scripts under ``benchmarks/``, so that the command works from an installed
-pilab and its pieces are importable (tests call them on tiny settings); ``benchmarks/`` keeps the older
-stand-alone studies. Every figure is a ratio against a baseline measured in the same run: contenders
-alternate round by round (the order rotated), one ratio per round, reported as median and p10-p90 /
-min-max. The sections that need ranks run as one ``mpiexec -n 2 python -m pilab.bench.ranks`` job
-(``pilab.launch.run_job``; a failed job raises ``launch.JobError``).
+The one home of pilab's benchmarks: a library package, so that the command works from an installed
+pilab and its pieces are importable (tests call them on tiny settings). Every figure is a ratio against
+a baseline measured in the same run: contenders alternate round by round (the order rotated), one ratio
+per round, reported as median and p10-p90 / min-max. Sections that need ranks run as MPI jobs
+(``pilab.launch.run_job`` over ``pilab.bench.ranks`` / ``pilab.bench.memory`` / ``pilab.harness``; a
+failed job raises ``launch.JobError``).
 
 * ``one_rank``: pilab's one-rank step vs a bare PyTorch loop; ``models``: images/s per model and layout;
-* ``data``: ShardLoader vs a per-sample Dataset + DataLoader; ``simulator``: exact vs fast, np 1/8/48;
+* ``data``: ShardLoader vs a per-sample Dataset + DataLoader; ``cache``: decoding the data set vs the
+  cached reload; ``simulator``: exact vs fast, np 1/8/48;
 * ``checkpoint``: one mid-epoch checkpoint (ms, bytes) and its share of the 10-minute multi-node interval;
-  ``deviation`` (only when asked for): the fast mode's deviation after 100 steps at np=48;
 * ``ranks``: memory, communication (bandwidth, bucket sweep, hidden share) and the np=2 step
   (pilab vs DDP-gloo vs the sync-only floor vs the no-exchange ceiling, strong scaling);
+* ``sync``: the ways to average a step's gradients at np=2 (per-tensor and fused blocking Allreduce,
+  GradSync with and without polling, fp16, MPICH's async progress thread);
 * ``memory``: peak RSS per rank itemised at the study's setting (``pilab.bench.memory``, real ranks),
   and ``pilab.memory``'s prediction against it over 3 widths x 2 batch sizes.
+
+Only when named (minutes each): ``deviation``, the fast mode's deviation after 100 steps at np=48;
+``perfmodel``, the performance model calibrated here and checked against held-out real runs
+(``pilab.bench.perfmodel``); ``network``, its network half on a testbed of shaped links that the
+section brings up and removes (root; ``pilab.bench.network``; skipped with one line otherwise).
 
 Running some sections only (``--sections memory``) replaces those sections in an existing BENCHMARKS.md
 and keeps the others.
@@ -30,8 +38,10 @@ import os
 import platform
 import time
 
-SECTIONS = ("one_rank", "models", "data", "simulator", "checkpoint", "ranks", "memory")
-EXTRA_SECTIONS = ("deviation",)  # not in the default run (~7 min here): the fast mode's 100-step deviation
+SECTIONS = ("one_rank", "models", "data", "cache", "simulator", "checkpoint", "ranks", "sync", "memory")
+# not in the default run: the fast mode's 100-step deviation (~7 min here), the performance model
+# against real runs (~4 min), its network half on a testbed (~15 min, root)
+EXTRA_SECTIONS = ("deviation", "perfmodel", "network")
 
 
 # Arm's part numbers (/proc/cpuinfo "CPU part") of the cores in Raspberry Pi boards and their kin.
@@ -112,17 +122,35 @@ def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", mark
     scfg = Config(width=0.25, batch_size=4 if q else 8, threads=1, train_subset=0)
     dcfg = Config(width=0.25, batch_size=4, threads=1, lr=0.05, lr_ref_batch=64)
     if "simulator" in sections:
-
         timed("simulator", lambda: local.simulator(scfg, (1, 8) if q else (1, 8, 48), 5))
     if "checkpoint" in sections:
         ccfg = Config(width=0.25 if q else 1.0, batch_size=16, threads=1, train_subset=512)
         timed("checkpoint", lambda: local.checkpoint_cost(ccfg, 3 if q else 5))
     if "deviation" in sections:
         timed("deviation", lambda: local.fast_deviation(dcfg, 8 if q else 48, 10 if q else 100))
+    if "cache" in sections:
+        archive = os.environ.get("PILAB_CIFAR_ARCHIVE") or MEMORY_DATA
+        source = archive if not q and os.path.isfile(archive) else "embedded"
+        timed("cache", lambda: local.cache(source, 3))
     if "ranks" in sections:
         timed("ranks", lambda: _ranks_job(quick, mpiexec))
+    if "sync" in sections:
+        timed("sync", lambda: sync_section(quick, mpiexec))
     if "memory" in sections:
         timed("memory", lambda: memory_section(quick, mpiexec, log=log))
+    if "perfmodel" in sections:
+        from . import perfmodel
+        timed("perfmodel", lambda: perfmodel.section(quick, mpiexec, log=log))
+    if "network" in sections:
+        from . import network
+        why = network.unavailable()
+        if why:
+            log(f"bench: network skipped: {why}")
+            res["sections"].remove("network")
+        else:
+            work = os.path.join(out, "network") if out else None
+            timed("network", lambda: network.section(quick, work=work, mpiexec=mpiexec, log=log,
+                                                     command=command))
     res["machine"]["loadavg_end"] = list(os.getloadavg())
     res["wall_s"] = time.perf_counter() - t_all
     if out:
@@ -131,7 +159,7 @@ def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", mark
         from ..files import atomic_write_text
         from .report import splice_sections
         text = markdown_report(res)
-        if set(sections) < set(SECTIONS) and os.path.isfile(markdown):
+        if not set(SECTIONS) <= set(sections) and os.path.isfile(markdown):
             # some sections only: replace theirs in the existing report, keep the others' figures
             with open(markdown) as f:
                 text = splice_sections(f.read(), text)
@@ -176,6 +204,22 @@ def memory_section(quick: bool, mpiexec: str | None = None, log=print) -> dict:
     for st in table:
         log(f"bench: memory prediction at {st}")
         out["table"].append(memory_job(st, mpiexec))
+    return out
+
+
+def sync_section(quick: bool, mpiexec: str | None = None) -> dict:
+    """The ``sync`` rank job (``pilab.bench.ranks --sections sync``) twice: as MPICH runs by default,
+    and under ``MPIR_CVAR_ASYNC_PROGRESS=1`` (a progress thread per rank), each with its own baseline."""
+    from ..launch import run_job
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    payload = {"sections": "sync", "quick": quick}
+    out = {}
+    for key, extra in (("default", {}), ("async_progress", {"MPIR_CVAR_ASYNC_PROGRESS": "1"})):
+        job = run_job(2, "pilab.bench.ranks", payload, name=f"the sync job ({key})", mpiexec=mpiexec,
+                      env=dict(env, **extra))
+        out[key] = job["sync"]
+    out["command"] = "OMP_NUM_THREADS=1 [MPIR_CVAR_ASYNC_PROGRESS=1] mpiexec -n 2 python -m pilab.bench.ranks " \
+        "OUT.json --sections sync" + (" --quick" if quick else "")
     return out
 
 
