@@ -217,6 +217,9 @@ def test_bench_pieces_on_tiny_settings(tmp_path):
     c = local.cache("embedded", rounds=2)
     assert c["reload_speedup"]["n"] == 2 and c["images"] > 0
     assert "cached reload" in markdown_report({**res, "cache": c})
+    cli = local.cli_startup(rounds=2, repeat=1)  # `python -m pilab --help` against `python -c pass`
+    assert cli["help_over_python"]["n"] == 2 and cli["seconds"]["help"]["median"] > 0
+    assert "| ratio `--help` / `python -c pass` |" in markdown_report({**res, "cli": cli})
 
 
 @pytest.mark.mpi

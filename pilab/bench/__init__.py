@@ -16,6 +16,7 @@ failed job raises ``launch.JobError``).
 * ``data``: ShardLoader vs a per-sample Dataset + DataLoader; ``cache``: decoding the data set vs the
   cached reload; ``simulator``: exact vs fast, np 1/8/48;
 * ``checkpoint``: one mid-epoch checkpoint (ms, bytes) and its share of the 10-minute multi-node interval;
+  ``cli``: ``python -m pilab --help`` against ``python -c pass`` (the goal: under 1 s);
 * ``ranks``: memory, communication (bandwidth, bucket sweep, hidden share) and the np=2 step
   (pilab vs DDP-gloo vs the sync-only floor vs the no-exchange ceiling, strong scaling);
 * ``sync``: the ways to average a step's gradients at np=2 (per-tensor and fused blocking Allreduce,
@@ -38,7 +39,7 @@ import os
 import platform
 import time
 
-SECTIONS = ("one_rank", "models", "data", "cache", "simulator", "checkpoint", "ranks", "sync", "memory")
+SECTIONS = ("one_rank", "models", "data", "cache", "simulator", "checkpoint", "cli", "ranks", "sync", "memory")
 # not in the default run: the fast mode's 100-step deviation (~7 min here), the performance model
 # against real runs (~4 min), its network half on a testbed (~15 min, root)
 EXTRA_SECTIONS = ("deviation", "perfmodel", "network")
@@ -128,6 +129,8 @@ def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", mark
         timed("checkpoint", lambda: local.checkpoint_cost(ccfg, 3 if q else 5))
     if "deviation" in sections:
         timed("deviation", lambda: local.fast_deviation(dcfg, 8 if q else 48, 10 if q else 100))
+    if "cli" in sections:
+        timed("cli", lambda: local.cli_startup(5 if q else 10))
     if "cache" in sections:
         archive = os.environ.get("PILAB_CIFAR_ARCHIVE") or MEMORY_DATA
         source = archive if not q and os.path.isfile(archive) else "embedded"

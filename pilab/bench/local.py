@@ -1,6 +1,7 @@
 """The single-process benchmarks: one rank's step vs a bare PyTorch loop, images/s per model and memory
 layout, the data path vs a per-sample Dataset + DataLoader, loading the data set (decode vs the cached
-reload), the simulator (exact vs fast), and the cost of one mid-epoch checkpoint.
+reload), the simulator (exact vs fast), the cost of one mid-epoch checkpoint, and how fast the command
+line answers ``--help``.
 
 Each function returns a plain dict of raw per-round numbers and their summaries (``stats.summary``)."""
 from __future__ import annotations
@@ -248,3 +249,20 @@ def cache(source: str, rounds: int) -> dict:
             "decode_images_per_s": summary([images / t for t in decode]),
             "reload_speedup": summary([d / r for d, r in zip(decode, reload)]),
             "raw": {"decode": decode, "reload": reload}}
+
+
+def cli_startup(rounds: int, repeat: int = 2) -> dict:
+    """How long ``python -m pilab --help`` takes against starting Python at all (``python -c pass``),
+    each a fresh process, alternated round by round; the goal is under 1 s (the CLI builds its parser
+    from torch-free modules: tests/test_architecture.py checks that nothing heavy is imported)::
+
+        cli_startup(5)      # {'seconds': {'python': {...}, 'help': {...}}, 'help_over_python': {...}, ...}
+    """
+    import subprocess
+    import sys
+
+    def start(*argv):
+        return lambda: subprocess.run([sys.executable, *argv], stdout=subprocess.DEVNULL, check=True)
+    s = alternate({"python": start("-c", "pass"), "help": start("-m", "pilab", "--help")}, rounds, repeat)
+    return {"seconds": {n: summary(v) for n, v in s.items()}, "help_over_python": summary(ratios(s, "help", "python")),
+            "goal_s": 1.0, "raw": s}

@@ -46,7 +46,7 @@ def markdown_report(res: dict) -> str:
         "",
     ]
     for part in (_one_rank(res), _models(res), _data(res), _cache(res), _comm(ranks), _sync(res), _e2e(ranks),
-                 _memory(ranks), _memory_per_rank(res), _simulator(res), _checkpoint(res), _perfmodel(res),
+                 _memory(ranks), _memory_per_rank(res), _simulator(res), _checkpoint(res), _cli(res), _perfmodel(res),
                  _network(res), _gpu(res)):
         out += part
     return "\n".join(out)
@@ -139,6 +139,22 @@ def _sync(res: dict) -> list[str]:
                        f"{_ms(r['step_s'])} | {_ms(r['exposed_s'])} | {_r(r['step_vs_a'], 3)} | "
                        f"{_r(r['exposed_vs_a'])} |")
     return out + ["", f"- `{s['command']}`", ""]
+
+
+def _cli(res: dict) -> list[str]:
+    c = res.get("cli")
+    if not c:
+        return []
+    sec, ratio = c["seconds"], c["help_over_python"]
+    help_s = sec["help"]
+    met = help_s.get("median") is not None and help_s["median"] < c["goal_s"]
+    return ["## Command line: `python -m pilab --help`", "",
+            "Each call a fresh process, alternated with `python -c pass` (the interpreter's own start-up); "
+            "`--help` imports neither torch nor Bokeh nor MPI. " + _when(res), "",
+            "| figure | value |", "|---|---|",
+            f"| `python -c pass` | {_ms(sec['python'])} |",
+            f"| `python -m pilab --help` | {_ms(help_s)} — {'met' if met else 'NOT met'} (goal < {c['goal_s']:g} s) |",
+            f"| ratio `--help` / `python -c pass` | {_r(ratio)} |", ""]
 
 
 def _perfmodel(res: dict) -> list[str]:
