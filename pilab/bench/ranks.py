@@ -335,6 +335,60 @@ def e2e(cfg: Config, rounds: int, repeat: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# Ways to average one step's gradients: each is made for its own model and, called after backward,
+# returns (messages, bytes sent[, exposed seconds as GradSync measures them]).
+def _per_tensor(model, cfg):
+    params = list(model.parameters())
+    nbytes = 4 * sum(p.numel() for p in params)
+
+    def average():
+        for p in params:
+            buf = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+            COMM.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
+            buf.div_(SIZE)
+            if buf is not p.grad:
+                p.grad.copy_(buf)
+        return len(params), nbytes
+    return average
+
+
+def _fused(model, cfg):
+    params = list(model.parameters())
+
+    def average():
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        COMM.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+        flat.div_(SIZE)
+        off = 0
+        for p in params:
+            p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
+            off += p.numel()
+        return 1, 4 * flat.numel()
+    return average
+
+
+def _gradsync(**kw):
+    def make(model, cfg):
+        gs = GradSync(model, COMM, bucket_mb=cfg.bucket_mb, **kw)
+
+        def average():
+            st = gs.finish()
+            return st.buckets, st.bytes_sent, st.exposed
+        average.gs = gs
+        return average
+    return make
+
+
+SYNC_VARIANTS = {  # key: (label, maker); e and e+poll run under MPIR_CVAR_ASYNC_PROGRESS=1
+    "a": ("per-tensor blocking", _per_tensor), "b": ("fused blocking", _fused),
+    "c": ("GradSync poll", _gradsync()), "d": ("GradSync no poll", _gradsync(poll=False)),
+    "fp16": ("GradSync poll fp16", _gradsync(compression="fp16")),
+    "e": ("GradSync async progress, no poll", _gradsync(poll=False)),
+    "e+poll": ("GradSync async progress + poll", _gradsync())}
+THREAD_LEVELS = {"THREAD_SINGLE": "single", "THREAD_FUNNELED": "funneled", "THREAD_SERIALIZED": "serialized",
+                 "THREAD_MULTIPLE": "multiple"}
+
+
 def sync(cfg: Config, rounds: int, repeat: int) -> dict:
     """Ways to average the gradients of one step at one bucket size (``cfg.bucket_mb``), each on its own
     copy of the model, the same batch: per-tensor blocking Allreduce (a, the baseline), one fused
@@ -347,54 +401,11 @@ def sync(cfg: Config, rounds: int, repeat: int) -> dict:
     g = torch.Generator().manual_seed(1 + RANK)  # each rank its own batch, as in training
     x = torch.randn(cfg.batch_size, 3, 32, 32, generator=g).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (cfg.batch_size,), generator=g)
-
-    def per_tensor(model):
-        params = list(model.parameters())
-        nbytes = 4 * sum(p.numel() for p in params)
-
-        def run():
-            for p in params:
-                buf = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-                COMM.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
-                buf.div_(SIZE)
-                if buf is not p.grad:
-                    p.grad.copy_(buf)
-            return len(params), nbytes
-        return run
-
-    def fused(model):
-        params = list(model.parameters())
-
-        def run():
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            COMM.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
-            flat.div_(SIZE)
-            off = 0
-            for p in params:
-                p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
-                off += p.numel()
-            return 1, 4 * flat.numel()
-        return run
-
-    def gradsync(model, **kw):
-        gs = GradSync(model, COMM, bucket_mb=cfg.bucket_mb, **kw)
-
-        def run():
-            st = gs.finish()
-            return st.buckets, st.bytes_sent, st.exposed
-        run.gs = gs
-        return run
-    labels = {"a": "per-tensor blocking", "b": "fused blocking", "c": "GradSync poll",
-              "d": "GradSync no poll", "fp16": "GradSync poll fp16", "e": "GradSync async progress, no poll",
-              "e+poll": "GradSync async progress + poll"}
-    makers = {"a": per_tensor, "b": fused, "c": gradsync, "d": lambda m: gradsync(m, poll=False),
-              "fp16": lambda m: gradsync(m, compression="fp16"), "e": lambda m: gradsync(m, poll=False),
-              "e+poll": gradsync}
     keys = ["a", "e", "e+poll"] if async_progress else ["a", "b", "c", "d", "fp16"]
     contenders = {}
     for k in keys:
         model = _model(cfg)
-        contenders[k] = (model, makers[k](model))
+        contenders[k] = (model, SYNC_VARIANTS[k][1](model, cfg))
     rec = {k: {"step": [], "exposed": []} for k in keys}
     sent = {}
     for r in range(-1, rounds):  # round -1: the warm-up, not kept
@@ -417,17 +428,15 @@ def sync(cfg: Config, rounds: int, repeat: int) -> dict:
     for _, average in contenders.values():
         if hasattr(average, "gs"):
             average.gs.remove()
-    rows = [{"variant": k, "label": labels[k], "messages": sent[k][0], "bytes_per_step": sent[k][1],
+    rows = [{"variant": k, "label": SYNC_VARIANTS[k][0], "messages": sent[k][0], "bytes_per_step": sent[k][1],
              "step_s": summary(rec[k]["step"]), "exposed_s": summary(rec[k]["exposed"]),
              "step_vs_a": summary([s / b for s, b in zip(rec[k]["step"], rec["a"]["step"])]),
              "exposed_vs_a": summary([e / b for e, b in zip(rec[k]["exposed"], rec["a"]["exposed"]) if b > 0])}
             for k in keys]
+    level = next((v for k, v in THREAD_LEVELS.items() if getattr(MPI, k) == MPI.Query_thread()), "?")
     return {"model": cfg.model, "width": cfg.width, "per_rank_batch": cfg.batch_size, "bucket_mb": cfg.bucket_mb,
-            "async_progress": async_progress, "thread_level": {
-                MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled", MPI.THREAD_SERIALIZED: "serialized",
-                MPI.THREAD_MULTIPLE: "multiple"}.get(MPI.Query_thread(), "?"),
-            "rounds": rounds, "steps_per_round": repeat, "rows": rows,
-            "raw": {k: rec[k] for k in keys}}
+            "async_progress": async_progress, "thread_level": level, "rounds": rounds, "steps_per_round": repeat,
+            "rows": rows, "raw": rec}
 
 
 def main(argv=None) -> int:
