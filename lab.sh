@@ -71,7 +71,8 @@ check_system_mpi() {
     # mpich` adds MPICH's mpiexec beside it and update-alternatives picks one. Two ranks must see 2.
     local mpiexec lib out
     mpiexec=$(PATH="$venv/bin:$PATH" command -v mpiexec || true)
-    lib=$("$py" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].strip())' 2>&1) || {
+    # (without the NUL byte Debian's mpi4py 3.1.4 ends Open MPI's version string with; see pilab.launch)
+    lib=$("$py" -c 'from mpi4py import MPI; print(MPI.Get_library_version().replace(chr(0), "").strip().splitlines()[0])' 2>&1) || {
         say "PILAB_SYSTEM_MPI=1 but mpi4py does not load: $lib; install it with: apt-get install python3-mpi4py"; exit 1; }
     [ -n "$mpiexec" ] || { say "PILAB_SYSTEM_MPI=1 but no mpiexec on PATH (mpi4py uses $lib); install that MPI's launcher (apt-get install openmpi-bin for Debian's python3-mpi4py)"; exit 1; }
     out=$(timeout 300 "$mpiexec" -n 2 "$py" -c 'from mpi4py import MPI; print("size", MPI.COMM_WORLD.Get_size())' 2>&1 || true)

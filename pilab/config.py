@@ -23,6 +23,15 @@ class ConfigError(ValueError):
 
 
 # Choices live here so the CLI, widgets and validation agree.
+# At most this many test images per forward pass in evaluation, whatever ``eval_batch``: an evaluation
+# batch runs in equal pieces (500 -> 10 x 50, 167 -> 4 x 41-42), so its activations stay those of
+# EVAL_CHUNK images (~1.5 MB each at width 1.0: 75 MB instead of 750 at the default eval_batch of 500).
+# The numbers do not change: in eval mode an image's logits do not depend on the images beside it, as
+# long as the batch is not so small that oneDNN takes another kernel (here: under 16 images on one
+# thread, 1 image on more) -- equal pieces of a batch over EVAL_CHUNK are never under EVAL_CHUNK / 2.
+# tests/test_memory.py checks it bitwise for every model.
+EVAL_CHUNK = 50
+
 CHOICES = {
     "sharding": ("static", "reshuffle"),
     "batch_mode": ("per_rank", "global"),
@@ -79,7 +88,7 @@ class Config:
     threads: int = 0  # torch threads per rank; 0 = cores per node / ranks per node
     device: str = "cpu"  # cpu | cuda | auto
     simulate_mode: str = "exact"  # simulator only: exact (one forward per virtual rank, MPI's arithmetic) | fast (one forward of the global batch, per-rank BN vectorised; see docs/simulator.md)
-    eval_batch: int = 500  # test images per forward in evaluation; fewer hold less memory (~1.5 MB per image at width 1) but may change test metrics in the last digits
+    eval_batch: int = 500  # test images per evaluation batch (its loss is summed in one piece; the forward runs EVAL_CHUNK images at a time, so memory does not grow with it); a stopped run's partial epoch is evaluated only when its test share fits one batch
     eval_every: int = 1  # evaluate on the test set every N epochs (and always after the last)
     checkpoint_every: int = 0  # write a checkpoint every K epochs; 0 = never
     keep: int = 1  # checkpoints kept: the last K (checkpoint-eNNNN.pt; checkpoint.pt is the newest)

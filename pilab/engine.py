@@ -41,7 +41,7 @@ from torch import nn
 from . import __version__, checkpoint
 from . import data as data_mod
 from .checkpoint import RESUMABLE, CheckpointError, WriteError  # noqa: F401  (RESUMABLE: re-exported)
-from .config import Config, ConfigError
+from .config import EVAL_CHUNK, Config, ConfigError
 from .launch import mpi, mpi_versions
 from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
                    reduce_sums, sync_buffers_, world)
@@ -119,10 +119,17 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
 @torch.no_grad()
 def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH) -> tuple[float, float]:
     """Test loss and accuracy; each test image is evaluated exactly once over the ranks and the
-    sums (not per-rank averages) are reduced, so uneven shards weigh correctly. ``batch`` images per
-    forward (``cfg.eval_batch``): the evaluation's memory grows with it (see ``pilab.memory``)."""
+    sums (not per-rank averages) are reduced, so uneven shards weigh correctly. The loss is summed per
+    ``batch`` images (``cfg.eval_batch``); the model sees at most ``EVAL_CHUNK`` of them per forward,
+    so the evaluation's memory does not grow with ``batch`` (the logits are the same: see
+    ``pilab.config.EVAL_CHUNK``)."""
     rank, size = world(comm)
     sl = data_mod.test_shard(len(ds.y_test), size, rank)
+    held = ds.test_rows
+    if held is not None and not held.start <= sl.start <= sl.stop <= held.stop:
+        raise data_mod.DataError(f"this data set holds test images {held.start}..{held.stop - 1} only, but rank "
+                                 f"{rank} of {size} evaluates {sl.start}..{sl.stop - 1}; evaluate it at the np "
+                                 "it was made for, or load the data set again")
     model.eval()
     loss_sum = correct = 0.0
     x_all = torch.from_numpy(ds.x_test[sl])
@@ -130,7 +137,7 @@ def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH) -> tup
     for i in range(0, len(y_all), batch):
         x = data_mod.to_input(x_all[i:i + batch]).to(device)
         y = y_all[i:i + batch].to(device)
-        out = model(x)
+        out = torch.cat([model(piece) for piece in torch.tensor_split(x, -(-len(x) // EVAL_CHUNK))])
         loss_sum += F.cross_entropy(out, y, reduction="sum").item()
         correct += (out.argmax(1) == y).sum().item()
     model.train()
@@ -475,8 +482,9 @@ class VirtualRanks:
 # ----------------------------------------------------------------------------------------------
 class Handoff:
     """A data set given to the Session for good (``data=Handoff(ds)``, then drop your own ``ds``): like
-    ``data=None`` a static-sharded rank then keeps only its shard of the training images, while a
-    plain ``data=ds`` keeps them all (the caller may still use them; every frame on the way holds it)::
+    ``data=None`` a static-sharded rank then keeps only its shard of the training images, and any MPI
+    rank only its share of the test images, while a plain ``data=ds`` keeps them all (the caller may
+    still use them; every frame on the way holds it)::
 
         ds = load_data(cfg, comm); cfg.check_world(comm.Get_size(), len(ds.y_train))
         train.run(cfg, comm, data=Handoff(ds)); del ds      # the CLI's ranks
@@ -505,7 +513,13 @@ class Session:
         self.threads = ranks.threads(cfg)
         torch.set_num_threads(self.threads)
         self.ds = data if data is not None else ranks.load(cfg)
+        data = None  # no second reference here: what the Session drops below (data it owns) is freed at once
         cfg.check_world(self.np_, len(self.ds.y_train))
+        if owned and not ranks.simulated and self.np_ > 1:
+            # Evaluation reads only this rank's test_shard (see evaluate): the other ranks' test images
+            # need no memory here (15 MB of the 31 MB test set at np=2). Before the loader copies the
+            # training shard, so that the two copies of the test rows are never held beside it.
+            self.ds = self.ds.with_test_rows(data_mod.test_shard(len(self.ds.y_test), self.np_, self.rank))
         self.batch = cfg.per_rank_batch(self.np_)
         self.accounting = data_mod.epoch_accounting(self.ds.y_train, self.np_, self.batch, cfg.sharding,
                                                     seed=cfg.seed)

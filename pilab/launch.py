@@ -21,7 +21,7 @@ import tempfile
 from typing import Any, Mapping, Sequence
 
 __all__ = ["LaunchError", "find_mpiexec", "mpiexec_command", "pilab_command", "launcher_size",
-           "launcher_rank", "under_mpi", "mpi", "mpi_versions", "run_job", "job_argv", "JobError"]
+           "launcher_rank", "under_mpi", "mpi", "mpi_library", "mpi_versions", "run_job", "job_argv", "JobError"]
 
 MPI_HINT = "`pip install 'pilab[mpich]'` (or the system's MPICH: apt-get install mpich)"
 
@@ -116,12 +116,23 @@ def mpi():
     return MPI
 
 
+def mpi_library(MPI=None) -> str:
+    """The MPI library mpi4py loaded, as one line: "MPICH Version:      5.0.2", "Open MPI v4.1.4, package:
+    Debian OpenMPI, …" (the first line of ``MPI.Get_library_version()``).
+
+    ``MPI``: the ``mpi4py.MPI`` module (default: :func:`mpi`, which loads the library). Debian bookworm's
+    mpi4py 3.1.4 (python3-mpi4py, Open MPI) ends the string with a NUL byte, which reached result.json
+    as "\\u0000" on the emulated Pi (docs/arm64.md); it is dropped here."""
+    MPI = MPI if MPI is not None else mpi()
+    lines = MPI.Get_library_version().replace("\x00", "").strip().splitlines()
+    return lines[0].strip() if lines else ""
+
+
 def mpi_versions() -> dict:
-    """``{"mpi4py": version, "mpi_library": first line of the library's own version string}`` (what a
-    result's environment records; loads MPI like :func:`mpi`)."""
+    """``{"mpi4py": version, "mpi_library": mpi_library()}``: what a result's environment records
+    (loads MPI like :func:`mpi`)."""
     MPI = mpi()
-    return {"mpi4py": sys.modules["mpi4py"].__version__,
-            "mpi_library": MPI.Get_library_version().splitlines()[0].strip()}
+    return {"mpi4py": sys.modules["mpi4py"].__version__, "mpi_library": mpi_library(MPI)}
 
 
 # ----------------------------------------------------------------------------------------------

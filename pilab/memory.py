@@ -9,16 +9,21 @@ The prediction is a sum of parts, each from the model and the data sizes, plus c
 ``python -m pilab bench --sections memory`` (BENCHMARKS.md, "Memory per rank"):
 
 * ``RUNTIME_BYTES``: the interpreter with torch, numpy and mpi4py imported, before any tensor, and
-  ``WARM_BYTES`` that torch adds once it has run a step (thread pool, oneDNN's kernels and caches);
-* the data this rank holds: its shard of the training images (uint8) and the whole test set;
+  ``WARM_BYTES`` that a rank adds once it has run a step (the code pages of the kernels it ran,
+  oneDNN's primitive cache, glibc's free lists);
+* the data this rank holds: its shard of the training images (uint8) and its share of the test set
+  (the whole of both where ``np_`` is None);
 * the model state: parameters, gradients (views into GradSync's buckets), the momentum buffer;
 * the activations at the peak of a training step: ``TRAIN_BYTES_PER_ELEMENT`` per element every leaf
   layer writes for one image (``models.activation_elements``) times the batch; the factor holds what
   autograd saves, the backward's gradients in flight and what the allocator keeps between steps;
-* evaluation: ``EVAL_BYTES_PER_ELEMENT`` per element of the largest layer output, times ``eval_batch``;
+* evaluation: ``EVAL_BYTES_PER_ELEMENT`` per element of the largest layer output, times the images of
+  one forward (``eval_batch``, at most ``config.EVAL_CHUNK``);
   the larger of training and evaluation counts, as they never run at the same time;
-* loading, before training: the whole decoded source and the rank's copy of its shard (plus
-  ``SETUP_BYTES`` for building the model meanwhile); the peak is the larger of loading and training.
+* loading: the whole decoded source and a subset's copy of it;
+* set-up: the training images and, beside them, the loader's copy of the shard, the rank's test
+  images, the parameters and GradSync's gradient buckets (plus ``SETUP_BYTES``), before the Session
+  drops the whole training set; the peak is the largest of loading, set-up and training.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import functools
 import os
 import sys
 
-from .config import Config, ConfigError
+from .config import EVAL_CHUNK, Config, ConfigError
 
 __all__ = ["predict_peak_bytes", "breakdown", "NODE_MEMORY", "NODE_RESERVE_BYTES", "node_bytes",
            "fit_warning", "limit_allocator_caches", "MemoryConfigError"]
@@ -43,12 +48,13 @@ NODE_MEMORY = {"pi4b_4gb": 3_880 * MiB, "pi4b_8gb": 7_810 * MiB}
 NODE_RESERVE_BYTES = 512 * MiB
 
 # Measured on this repository's bench machine (x86-64, torch CPU wheel; see BENCHMARKS.md):
-RUNTIME_BYTES = 235 * MiB  # python + torch + numpy + mpi4py imported, no tensors yet
-WARM_BYTES = 115 * MiB  # once a step has run: torch's thread pool, oneDNN's kernels and primitive cache
-SETUP_BYTES = 57 * MiB  # building the model and the first collectives, while the whole source is held
+RUNTIME_BYTES = 244 * MiB  # python + torch + numpy + mpi4py imported, no tensors yet
+WARM_BYTES = 44 * MiB  # once a step has run: kernels' code pages, oneDNN's primitive cache, free lists
+SETUP_BYTES = 10 * MiB  # building the model and the first collectives, besides what set-up counts
 TRAIN_BYTES_PER_ELEMENT = 2.8  # per activation element of one image, per image of the batch
-EVAL_BYTES_PER_ELEMENT = 12.8  # per element of the largest layer output, per evaluation image
-IMAGE_BYTES = 32 * 32 * 3 + 8  # one CIFAR-10 image (uint8 HWC) and its int64 label
+EVAL_BYTES_PER_ELEMENT = 12.9  # per element of the largest layer output, per evaluation image
+PIXEL_BYTES, LABEL_BYTES = 32 * 32 * 3, 8  # one CIFAR-10 image (uint8 HWC), its int64 label
+IMAGE_BYTES = PIXEL_BYTES + LABEL_BYTES
 SOURCE_SIZES = {"embedded": (5_000, 1_000)}  # (train, test) images; every other source: CIFAR-10's
 CIFAR10_SIZES = (50_000, 10_000)
 
@@ -77,8 +83,8 @@ def breakdown(cfg: Config, *, np_: int | None = None) -> dict:
 
         breakdown(Config(width=0.5), np_=2)["activations"]
 
-    ``np_`` None: the rank holds the whole training set (the bound for any np); else static sharding
-    gives it 1/np of the images."""
+    ``np_`` None: the rank holds the whole training and test sets (the bound for any np); else static
+    sharding gives it 1/np of the training images, and it keeps 1/np of the test images."""
     src_train, src_test = SOURCE_SIZES.get(cfg.data, CIFAR10_SIZES)
     n_train = cfg.train_subset or src_train
     n_test = cfg.test_subset or src_test
@@ -89,16 +95,22 @@ def breakdown(cfg: Config, *, np_: int | None = None) -> dict:
     # parameters, their gradients (GradSync's flat buckets), the momentum buffer; fp16's wire copy
     model = params * 4 * (3 if cfg.momentum else 2) + (params * 2 if cfg.compression == "fp16" else 0)
     train = TRAIN_BYTES_PER_ELEMENT * act * batch
-    eval_ = EVAL_BYTES_PER_ELEMENT * largest * min(cfg.eval_batch, -(-n_test // ranks))
-    data = (shard + n_test) * IMAGE_BYTES
-    # Loading: the decoded source (and a subset's copy), then the loader's copy of the shard, before
-    # the Session lets go of the rest.
+    # each rank evaluates its test_shard, and keeps only its pixels (engine.Session; all the labels)
+    test_share = -(-n_test // ranks)
+    eval_ = EVAL_BYTES_PER_ELEMENT * largest * min(cfg.eval_batch, EVAL_CHUNK, test_share)
+    data = shard * IMAGE_BYTES + test_share * PIXEL_BYTES + n_test * LABEL_BYTES
+    # Loading: the decoded source and a subset's copy of it.
     subset = (n_train if cfg.train_subset else 0) + (n_test if cfg.test_subset else 0)
-    load = RUNTIME_BYTES + SETUP_BYTES + (src_train + src_test + subset + shard) * IMAGE_BYTES
+    load = RUNTIME_BYTES + (src_train + src_test + subset) * IMAGE_BYTES
+    # Set-up: the training images beside the loader's copy of the static shard (reshuffle copies
+    # nothing), the parameters and the gradient buckets; the momentum comes with the first step.
+    setup = (RUNTIME_BYTES + SETUP_BYTES + data + params * 4 * 2
+             + (n_train * IMAGE_BYTES if cfg.sharding == "static" else 0))
     steady = RUNTIME_BYTES + WARM_BYTES + data + model + max(train, eval_)
     parts = {"runtime": RUNTIME_BYTES + WARM_BYTES, "data": data, "model": model, "activations": max(train, eval_),
-             "train_activations": train, "eval_activations": eval_, "load": load, "steady": steady}
-    parts["peak"] = max(load, steady)
+             "train_activations": train, "eval_activations": eval_, "load": load, "setup": setup,
+             "steady": steady}
+    parts["peak"] = max(load, setup, steady)
     return {k: int(v) for k, v in parts.items()}
 
 

@@ -4,9 +4,13 @@
     for step in range(total):
         set_lr(opt, lr_at(step, peak_lr=peak_lr, total_steps=total, warmup_steps=warm,
                           schedule=cfg.schedule))
+
+The optimizers are torch's (``SGD`` is ``torch.optim.SGD``'s arithmetic and state_dict), run without
+the guards that import ``torch._dynamo`` (see ``Eager``).
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -32,7 +36,42 @@ def param_groups(model: nn.Module, weight_decay: float, on: str = "weights") -> 
             {"params": no_decay, "weight_decay": 0.0, "lars": False}]
 
 
-class LARS(torch.optim.Optimizer):
+def _eager(method):
+    """``method`` without the wrappers torch puts around it (``functools.wraps`` chains)."""
+    return inspect.unwrap(method)
+
+
+class Eager:
+    """Mixin for a ``torch.optim`` optimizer that never imports ``torch._dynamo``::
+
+        class SGD(Eager, torch.optim.SGD): ...
+
+    torch wraps ``add_param_group``, ``zero_grad``, ``state_dict``, ``load_state_dict`` and SGD's
+    ``step`` in guards that import ``torch._dynamo`` on their first call, and with it sympy and
+    torch._inductor: ~70 MB of resident modules per rank (BENCHMARKS.md, "Memory per rank"), 8% of
+    the 900 MB a rank aims at on a Pi 4B 4 GB. The guards matter only under ``torch.compile``, which
+    pilab never uses; the methods inside them are the same code, so the numbers are the same
+    (tests/test_memory.py checks both). Where a torch has no such wrapper, the method is used as is."""
+
+    add_param_group = _eager(torch.optim.Optimizer.add_param_group)
+    zero_grad = _eager(torch.optim.Optimizer.zero_grad)
+    state_dict = _eager(torch.optim.Optimizer.state_dict)
+    load_state_dict = _eager(torch.optim.Optimizer.load_state_dict)
+
+
+class SGD(Eager, torch.optim.SGD):
+    """``torch.optim.SGD`` (the same update, state and state_dict) that never imports ``torch._dynamo``."""
+
+    # torch's guard runs the step with autograd set to defaults["differentiable"], False unless asked
+    # for; pilab never asks (a differentiable optimizer step is for meta-learning).
+    _step = staticmethod(_eager(torch.optim.SGD.step))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        return self._step(self, closure)
+
+
+class LARS(Eager, torch.optim.Optimizer):
     """SGD with momentum and a layer-wise trust ratio (You et al., 2017).
 
     For each tensor in a group with ``lars=True`` the step is scaled by
@@ -81,8 +120,8 @@ def build_optimizer(model: nn.Module, cfg, peak_lr: float) -> torch.optim.Optimi
                     eta=cfg.lars_eta, nesterov=cfg.nesterov)
     for g in groups:
         g.pop("lars")
-    return torch.optim.SGD(groups, lr=peak_lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                           weight_decay=cfg.weight_decay)
+    return SGD(groups, lr=peak_lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+               weight_decay=cfg.weight_decay)
 
 
 def lr_at(step: int, *, peak_lr: float, total_steps: int, warmup_steps: int,

@@ -228,10 +228,19 @@ def case_train(out):
         res["simulator_average_diff_per_rank"] = [
             max_diff(simulate.virtual_state(sim_avg, r), states_avg[r]) for r in range(SIZE)]
 
-    # 8) a rank that loads the data itself keeps only its static shard of the training images
+    # 8) a rank that loads the data itself keeps only its static shard of the training images, and
+    # only its share of the test images; its evaluation is the one on the whole test set
     sess = engine.Session(replace(BASE, max_steps=1), engine.MPIRanks(COMM))
+    rows = sess.ds.test_rows
+    outside = np.ones(len(ds.y_test), bool)
+    outside[rows] = False
+    full_eval = engine.evaluate(sess.model, ds, COMM, sess.device, BASE.eval_batch)
     held = COMM.gather({"session_train_images": len(sess.ds.x_train), "loader_images": len(sess.ranks.loader._x),
-                        "shard_size": sess.ranks.loader.shard_size, "train_labels": len(sess.ds.y_train)}, root=0)
+                        "shard_size": sess.ranks.loader.shard_size, "train_labels": len(sess.ds.y_train),
+                        "test_rows": [rows.start, rows.stop], "test_labels": len(sess.ds.y_test),
+                        "test_rows_equal": bool(np.array_equal(sess.ds.x_test[rows], ds.x_test[rows])),
+                        "test_rest_zero": not sess.ds.x_test[outside].any(),
+                        "eval_equal": sess.ranks.evaluate(sess.model, sess.ds) == full_eval}, root=0)
     sess.ranks.close()
     if RANK == 0:
         res["held_images"] = held

@@ -15,7 +15,7 @@ def run(*args):
 def test_help_names_the_options():
     r = run("--help")
     assert r.returncode == 0, r.stderr
-    for opt in ("--root DIR", "--log FILE", "--only STEPS", "--mirror URL", "--np-sim N", "--doctor-ref REF", "--host-cpuinfo", "--torch SPEC", "--testbed NAME", "--subnet CIDR"):
+    for opt in ("--root DIR", "--log FILE", "--only STEPS", "--mirror URL", "--np-sim N", "--host-cpuinfo", "--torch SPEC", "--testbed NAME", "--subnet CIDR"):
         assert opt in r.stdout
 
 
@@ -25,7 +25,8 @@ def test_help_names_the_options():
     (["--root", "relative/dir"], "--root must be an absolute path"),
     (["--only", "pip,conda"], "unknown step 'conda'"),
     (["--np-sim", "0"], "--np-sim must be a positive whole number"),
-    (["--doctor-ref", "no-such-branch-xyz"], "--doctor-ref no-such-branch-xyz is not a commit"),
+    # doctor is in pilab now: the option that ran it from another branch is gone
+    (["--doctor-ref", "doctor"], "unknown argument '--doctor-ref'"),
     (["--torch"], "--torch needs a requirement"),
     # it becomes part of a shell command inside the root
     (["--torch", "torch==2.8.0; rm -rf ~"], "is not a requirement like torch==2.8.0"),
@@ -62,3 +63,31 @@ def test_bench_names_an_arm_board_and_core():
     # x86 as before
     assert cpu_name("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\n", "x86_64") == \
         "Intel(R) Xeon(R) Processor"
+
+
+def test_result_line_reads_a_real_result_json():
+    # The script prints each train's result.json in one line; run 5 printed "threads/rank None machine
+    # None" because it read r["environment"] (the file says "env"). Same snippet, a committed result.
+    import re
+    import sys
+    text = SCRIPT.read_text()
+    code = re.search(r"^result_py='(.*?)'$", text, re.S | re.M).group(1)
+    assert "'" not in code  # it goes into in_pi's command line in single quotes
+    result = SCRIPT.parent.parent / "docs" / "testbed-scale" / "np2" / "result.json"
+    r = subprocess.run([sys.executable, "-c", code, str(result)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("result: np 2 steps 32 ")
+    assert "machine x86_64 hosts ['node01', 'node01'] threads/rank 1 torch 2.13.0+cpu | MPICH" in r.stdout
+
+
+def test_mpi_library_drops_the_nul_of_debians_mpi4py():
+    # Debian bookworm's python3-mpi4py 3.1.4 (Open MPI 4.1.4) on the emulated Pi: the version string
+    # ends with a NUL byte, which reached result.json and the doctor's table.
+    from types import SimpleNamespace
+
+    from pilab.launch import mpi_library
+    debian = "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4, May 26, 2022\x00"
+    assert mpi_library(SimpleNamespace(Get_library_version=lambda: debian)) == debian[:-1]
+    mpich = "MPICH Version:      5.0.2\nMPICH Release date: Fri Sep 25 20:45:26 UTC 2026\n"
+    assert mpi_library(SimpleNamespace(Get_library_version=lambda: mpich)) == "MPICH Version:      5.0.2"
+    assert mpi_library(SimpleNamespace(Get_library_version=lambda: "\x00")) == ""

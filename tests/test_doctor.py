@@ -220,3 +220,19 @@ def test_mpi_library_of_the_launcher():
     assert same_family(lib, launcher)
     assert not same_family("Open MPI v4.1.4, package: Debian OpenMPI", launcher)
     assert not same_family(lib, "Open MPI 4.1.4")
+
+
+def test_open_mpis_mpiexec_exits_2_with_the_fix(tmp_path, capsys):
+    # What a Raspberry Pi OS user gets from `apt-get install mpich python3-mpi4py` (the emulated Pi of
+    # docs/arm64.md): Open MPI's mpiexec, which answered every probe with 'unknown option "-f"' and a fix
+    # about ssh. Its `--version`, as Debian bookworm's openmpi-bin 4.1.4 prints it; nothing is launched.
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] || { echo launched >> \"$0.log\"; exit 1; }\n"
+                    "printf 'mpiexec (OpenRTE) 4.1.4\\n\\nReport bugs to http://www.open-mpi.org/community/help/\\n'\n")
+    fake.chmod(0o755)
+    out = tmp_path / "r.json"
+    assert cli_main(["doctor", "--hosts", "localhost", "--mpiexec", str(fake), "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("pilab: error:"), err
+    assert "Open MPI 4.1.4" in err and "mpiexec -f HOSTFILE" in err and "PILAB_SYSTEM_MPI" in err, err
+    assert not out.exists() and not (tmp_path / "mpiexec.log").exists()

@@ -4,12 +4,13 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pilab import memory, models
+from pilab import data, engine, memory, models, optim
 from conftest import MPIEXEC, mpi_env
 from pilab.config import Config, ConfigError
 
@@ -61,11 +62,137 @@ def test_relu6_saves_one_tensor_less_per_layer():
     assert sum(seen.values()) < 0.75 * 4 * elements
 
 
+def _sgd_steps(opt_class, **kw):
+    """Parameters and optimizer state after 3 steps of ``opt_class`` on a fixed small model."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+    opt = opt_class([{"params": list(m[0].parameters()) + list(m[3].parameters()), "weight_decay": 5e-4},
+                     {"params": list(m[1].parameters()), "weight_decay": 0.0}], lr=0.1, **kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=False)
+        F.cross_entropy(m(torch.randn(4, 3, 8, 8, generator=g)), torch.randint(0, 10, (4,), generator=g)).backward()
+        opt.step()
+    return [p.detach().clone() for p in m.parameters()], opt
+
+
+@pytest.mark.parametrize("kw", [dict(momentum=0.9), dict(momentum=0.9, nesterov=True), dict(momentum=0.0)])
+def test_pilab_sgd_is_torchs_sgd_bitwise(kw):
+    ours, ours_opt = _sgd_steps(optim.SGD, **kw)
+    torchs, torch_opt = _sgd_steps(torch.optim.SGD, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(ours, torchs))
+    a, b = ours_opt.state_dict(), torch_opt.state_dict()
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    for k, ours_state in a["state"].items():
+        assert all(torch.equal(v, b["state"][k][n]) for n, v in ours_state.items() if v is not None)
+    ours_opt.load_state_dict(b)  # checkpoints written with torch's SGD load as they are
+    torch_opt.load_state_dict(a)
+
+
+def test_training_never_imports_torch_dynamo(tmp_path):
+    """torch's optimizer guards import torch._dynamo (and sympy, torch._inductor: ~70 MB per rank); a run
+    that trains, checkpoints, resumes and evaluates with either optimizer, or simulates, imports neither."""
+    code = f"""
+import sys
+from dataclasses import replace
+from pilab import engine
+from pilab.config import Config
+for opt in ("sgd", "lars"):
+    out = {str(tmp_path)!r} + "/" + opt
+    cfg = Config(width=0.25, batch_size=16, threads=1, epochs=2, max_steps=4, train_subset=128, test_subset=32,
+                 out=out, optimizer=opt, checkpoint_every_steps=2)
+    engine.train(cfg, engine.MPIRanks(None))
+    engine.train(replace(cfg, max_steps=0, resume=out + "/checkpoint.pt"), engine.MPIRanks(None))
+    engine.train(replace(cfg, out=""), engine.VirtualRanks(2))
+print(sorted(m for m in ("torch._dynamo", "torch._inductor", "sympy") if m in sys.modules))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_data_set_with_test_rows_holds_only_those_rows():
+    n = 8_000  # 24.6 MB of test images
+    g = np.random.default_rng(0)
+    ds = data.CIFAR10.from_arrays(np.zeros((10, 32, 32, 3), np.uint8), np.zeros(10, np.int64),
+                                  g.integers(1, 256, (n, 32, 32, 3), dtype=np.uint8), np.zeros(n, np.int64),
+                                  source="random")
+    rows = data.test_shard(n, 4, 1)
+    before = _rss_bytes()
+    share = ds.with_test_rows(rows)
+    grown = _rss_bytes() - before
+    quarter = ds.x_test[rows].nbytes
+    assert grown < quarter + 8 * 2 ** 20, (grown, quarter)  # its rows (and a page or two around them)
+    assert share.test_rows == rows and share.checksum == ds.checksum and len(share.y_test) == n
+    assert np.array_equal(share.x_test[rows], ds.x_test[rows]) and not share.x_test[rows.stop:].any()
+
+
+def test_evaluation_refuses_rows_a_data_set_does_not_hold():
+    ds = data.load("embedded", train_subset=64, test_subset=40)
+    model = models.build_model("mobilenetv2_cifar", num_classes=10, width=0.25)
+    whole = engine.evaluate(model, ds, None, torch.device("cpu"), batch=20)
+    held = ds.with_test_rows(slice(0, 40))
+    assert engine.evaluate(model, held, None, torch.device("cpu"), batch=20) == whole
+    with pytest.raises(data.DataError, match="holds test images 0..19 only"):
+        engine.evaluate(model, ds.with_test_rows(slice(0, 20)), None, torch.device("cpu"), batch=20)
+
+
+@pytest.mark.parametrize("name", ["mobilenetv2_cifar", "mobilenetv2", "squeezenet1_1", "spiking_cnn"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_evaluation_in_pieces_gives_bitwise_the_same_result(name, threads):
+    # engine.evaluate runs an evaluation batch in pieces of at most EVAL_CHUNK images, so that its memory
+    # does not grow with eval_batch: allowed only because the loss and accuracy stay bitwise those of one
+    # forward per batch -- here on every model, with BatchNorm statistics that are not the initial ones,
+    # for batches of 157 (4 pieces of 39-40), 1,000 (20 x 50) and a last batch of 7 (one piece).
+    from pilab.config import EVAL_CHUNK
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        model = models.build_model(name, width=1.0 if name == "squeezenet1_1" else 0.25, timesteps=2)
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 1.5)
+        model = model.to(memory_format=torch.channels_last)
+        ds = data.load("embedded", train_subset=10, test_subset=1000)
+        cpu = torch.device("cpu")
+        for batch in (157, 1000):
+            got = engine.evaluate(model, ds, None, cpu, batch=batch)
+            # the reference: one forward per evaluation batch, as engine.evaluate did before the pieces
+            model.eval()
+            loss = correct = 0.0
+            with torch.no_grad():
+                for i in range(0, len(ds.y_test), batch):
+                    x = data.to_input(torch.from_numpy(ds.x_test[i:i + batch]))
+                    y = torch.from_numpy(ds.y_test[i:i + batch])
+                    out = model(x)
+                    loss += F.cross_entropy(out, y, reduction="sum").item()
+                    correct += (out.argmax(1) == y).sum().item()
+            model.train()
+            assert got == (loss / len(ds.y_test), correct / len(ds.y_test)), (batch, got)
+            assert batch > EVAL_CHUNK  # what is being tested: a batch the evaluation cuts into pieces
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_prediction_grows_with_batch_width_and_data():
     small = Config(width=0.25, batch_size=32, eval_batch=16)
     assert memory.predict_peak_bytes(small) < memory.predict_peak_bytes(replace(small, batch_size=128))
     assert memory.predict_peak_bytes(small) < memory.predict_peak_bytes(replace(small, width=1.0))
-    assert memory.predict_peak_bytes(small) < memory.predict_peak_bytes(replace(small, eval_batch=500))
+    # an evaluation batch runs in pieces of at most EVAL_CHUNK images: up to it the evaluation holds
+    # more (with training's batch small enough not to be the peak), beyond it no more
+    from pilab.config import EVAL_CHUNK
+    tiny = replace(small, batch_size=2)
+    assert memory.predict_peak_bytes(tiny) < memory.predict_peak_bytes(replace(tiny, eval_batch=EVAL_CHUNK))
+    assert memory.predict_peak_bytes(replace(tiny, eval_batch=EVAL_CHUNK)) == \
+        memory.predict_peak_bytes(replace(tiny, eval_batch=500))
     whole = Config(data="cifar10", eval_batch=16)
     assert memory.predict_peak_bytes(whole, np_=8) < memory.predict_peak_bytes(whole)
     parts = memory.breakdown(whole, np_=2)
@@ -132,3 +259,34 @@ def test_train_refuses_a_bad_node_memory(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 2 and "node memory 'lots' is not understood" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def _memory_run(peak: float, eval_batch: int = 50) -> dict:
+    """A pilab.bench.memory JSON in miniature: one rank's itemised peak at the study's setting."""
+    items = {"runtime": 250e6, "data": 93e6, "model": 27e6, "activations": 430e6}
+    rank = dict(items, allocator=peak - sum(items.values()), peak=peak,
+                phases={"load": 400e6, "setup": 500e6, "train": peak, "eval": 600e6})
+    cfg = Config(data="x.tar.gz", width=1.0, batch_size=32, threads=2, eval_batch=eval_batch, max_steps=3)
+    return {"config": cfg.to_dict(), "np": 2, "steps": 3, "ranks": [rank], "predicted": {"peak": 860e6},
+            "command": "mpiexec -n 2 python -m pilab.bench.memory OUT.json ..."}
+
+
+def test_memory_report_shows_the_before_peak_beside_the_same_setting():
+    from pilab.bench.report import _memory_per_rank
+    res = {"machine": {"date": "d", "cpu": "c"},
+           "memory": {"data": "x.tar.gz", "rows": [_memory_run(860e6), _memory_run(1380e6, eval_batch=500)],
+                      "table": [], "before": [dict(_memory_run(940e6), file="before-eval50.json")]}}
+    lines = _memory_per_rank(res)
+    rows = [ln for ln in lines if ln.startswith("| width")]
+    assert rows[0].endswith("| **860** (400 / 500 / 860 / 600) | 860 | met | 250 / 93 / 27 / 430 / 140: **940** |")
+    assert rows[1].endswith("| NOT met | — |")  # no earlier run of eval batch 500 given
+    assert any("`before-eval50.json`" in ln for ln in lines)
+    res["memory"]["before"] = []
+    assert all(ln.endswith("| met |") or ln.endswith("| NOT met |") for ln in _memory_per_rank(res)
+               if ln.startswith("| width"))
+
+
+def test_bench_refuses_a_before_file_that_does_not_exist(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "pilab", "bench", "--sections", "memory", "--before", "nope.json"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 2 and "--before nope.json: no such file" in p.stderr and "Traceback" not in p.stderr

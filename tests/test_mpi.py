@@ -65,6 +65,20 @@ def test_a_rank_holds_only_its_shard_of_the_training_images(measured):
     assert sum(h["shard_size"] for h in held) == n
 
 
+def test_a_rank_holds_only_its_share_of_the_test_images(measured):
+    np_, r = measured
+    held = r["held_images"]
+    n = held[0]["test_labels"]
+    # the ranks' rows tile the test set in rank order, each the rows its evaluation reads
+    starts = [h["test_rows"][0] for h in held]
+    stops = [h["test_rows"][1] for h in held]
+    assert starts[0] == 0 and stops[-1] == n and starts[1:] == stops[:-1]
+    assert max(b - a for a, b in zip(starts, stops)) <= -(-n // np_)
+    for h in held:
+        assert h["test_rows_equal"] and h["test_rest_zero"]  # its own rows as loaded; the rest never written
+        assert h["eval_equal"]  # the same loss and accuracy as evaluating the whole loaded set
+
+
 def test_buffers_identical_after_sync(measured):
     _, r = measured
     assert r["ranks_differ_before_sync"], "per-rank BN statistics should differ before the sync"

@@ -35,6 +35,7 @@ and keeps the others.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import time
@@ -90,8 +91,9 @@ def machine() -> dict:
 
 
 def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", markdown: str | None = "BENCHMARKS.md",
-        mpiexec: str | None = None, command: str = "python -m pilab bench", log=print) -> dict:
-    """Run ``sections``; writes ``<out>/bench.json`` and (unless None) ``markdown``; returns the dict."""
+        mpiexec: str | None = None, command: str = "python -m pilab bench", log=print, before=()) -> dict:
+    """Run ``sections``; writes ``<out>/bench.json`` and (unless None) ``markdown``; returns the dict.
+    ``before``: paths of earlier ``pilab.bench.memory`` JSONs, shown beside this run's peaks."""
     import torch
 
     from ..config import Config
@@ -140,7 +142,7 @@ def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", mark
     if "sync" in sections:
         timed("sync", lambda: sync_section(quick, mpiexec))
     if "memory" in sections:
-        timed("memory", lambda: memory_section(quick, mpiexec, log=log))
+        timed("memory", lambda: memory_section(quick, mpiexec, log=log, before=before))
     if "perfmodel" in sections:
         from . import perfmodel
         timed("perfmodel", lambda: perfmodel.section(quick, mpiexec, log=log))
@@ -188,11 +190,17 @@ def memory_job(setting: dict, mpiexec: str | None = None, env=None) -> dict:
     return out
 
 
-def memory_section(quick: bool, mpiexec: str | None = None, log=print) -> dict:
+def memory_section(quick: bool, mpiexec: str | None = None, log=print, before=()) -> dict:
     """Itemised peak RSS per rank at the study's setting (default eval batch, and eval_batch 50), and
-    the prediction vs the measurement over ``MEMORY_TABLE`` (quick: one tiny row on the embedded set)."""
+    the prediction vs the measurement over ``MEMORY_TABLE`` (quick: one tiny row on the embedded set).
+
+    ``before``: earlier ``pilab.bench.memory`` JSONs (e.g. of the same command at an older commit,
+    kept under benchmarks/results/memory/); the report shows each beside the row of the same setting."""
     data = "embedded" if quick or not os.path.isfile(MEMORY_DATA) else MEMORY_DATA
-    out = {"data": data, "rows": [], "table": []}
+    out = {"data": data, "rows": [], "table": [], "before": []}
+    for path in before:
+        with open(path) as f:
+            out["before"].append(dict(json.load(f), file=path))
     if quick:
         settings = [dict(data=data, width=0.25, batch_size=16, threads=1, steps=2, train_subset=512,
                          test_subset=200, eval_batch=MEMORY_TABLE_EVAL_BATCH)]

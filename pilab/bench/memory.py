@@ -8,7 +8,8 @@ set at every phase (Linux's VmHWM, reset between phases through /proc/self/clear
 what it holds, and rank 0 writes, per rank:
 
 * ``runtime``: RSS with python, torch, numpy, mpi4py and pilab imported, before any tensor;
-* ``data``: this rank's training shard (uint8) and the test set it keeps, from the arrays' sizes;
+* ``data``: this rank's training shard (uint8) and the test images it keeps (its share of the
+  test set, ``CIFAR10.test_rows``), from the arrays' sizes;
 * ``model``: parameters, gradients (GradSync's buckets) and optimizer state, from the tensors' sizes;
 * ``activations``: what autograd saved in the forward of a training step (unique storages, counted by
   a saved-tensors hook), the largest over the steps;
@@ -85,8 +86,9 @@ def measure(cfg: Config, steps: int, comm) -> dict:
     sess.ranks.evaluate(sess.model, sess.ds)
     phase("eval")
     loader = sess.ranks.loader
-    data = (loader._x.nbytes + loader._y.nbytes + sess.ds.x_test.nbytes + sess.ds.y_test.nbytes
-            + sess.ds.x_train.nbytes)
+    ds = sess.ds  # the test images it holds: its rows only (CIFAR10.test_rows), the rest untouched pages
+    data = (loader._x.nbytes + loader._y.nbytes + ds.x_test[ds.test_rows or slice(None)].nbytes
+            + ds.y_test.nbytes + ds.x_train.nbytes)
     tensors = {id(p): p.numel() * p.element_size() for p in sess.model.parameters()}
     for b in sess.ranks.gsync.buckets:  # the gradients are views into these
         tensors[id(b.flat)] = b.flat.nbytes

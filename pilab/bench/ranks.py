@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .. import engine, train
 from ..config import Config
 from ..dist import GradSync, broadcast_module_, reduce_sums
-from ..launch import mpi
+from ..launch import mpi, mpi_library
 from ..optim import build_optimizer
 from .stats import ratios, summary
 
@@ -450,7 +450,7 @@ def main(argv=None) -> int:
     q = a.quick
     cfg = Config(width=0.25 if q else 1.0, batch_size=8 if q else 64, threads=1, bucket_mb=1.0,
                  train_subset=512 if q else 0)
-    res = {"np": SIZE, "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+    res = {"np": SIZE, "mpi_library": mpi_library(MPI),
            "mpi4py": __import__("mpi4py").__version__, "torch": torch.__version__}
     t = time.perf_counter()
     if "memory" in sections:

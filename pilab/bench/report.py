@@ -290,30 +290,47 @@ def _mb(x: float) -> str:
     return f"{x / 1e6:.0f}"
 
 
+def _memory_setting(row: dict) -> tuple:
+    """What makes two memory runs comparable: the settings on their command line."""
+    c = row["config"]
+    return tuple(c.get(k) for k in ("data", "model", "width", "batch_size", "threads", "eval_batch",
+                                    "train_subset", "test_subset")) + (row.get("steps"), row.get("np"))
+
+
 def _memory_per_rank(res: dict) -> list[str]:
     mem = res.get("memory")
     if not mem:
         return []
+    before = {_memory_setting(b): b for b in mem.get("before", [])}
     m = res["machine"]
     out = ["## Memory per rank", "",
            f"Peak RSS of each rank (VmHWM, MB = 10^6 bytes), itemised, two real ranks (`mpiexec -n 2`) on "
            f"{mem['data']}; measured {m['date']} on {m['cpu']}. Runtime: python + torch + mpi4py imported; data: "
-           "the rank's shard (uint8) and the test set; model: parameters, gradient buckets, momentum; "
-           "activations: what autograd saved in a step's forward; allocator: the rest of the peak (gradients "
-           "in flight, glibc's free lists, oneDNN's caches). Goal: peak <= 900 MB per rank at the study's "
-           "setting.", "",
-           "| setting | runtime | data | model | activations | allocator | peak (load / train / eval) | "
-           "predicted | goal |", "|---|---|---|---|---|---|---|---|---|"]
+           "the rank's shard (uint8) and its share of the test set; model: parameters, gradient buckets, momentum; "
+           "activations: what autograd saved in a step's forward; allocator: the rest of the peak (the code "
+           "pages of the kernels a step ran, oneDNN's caches, glibc's free lists, gradients in flight). Goal: "
+           "peak <= 900 MB per rank at the study's setting.", "",
+           "| setting | runtime | data | model | activations | allocator | peak (load / set-up / train / eval) | "
+           "predicted | goal |" + (" before |" if before else ""), "|---|---|---|---|---|---|---|---|---|"
+           + ("---|" if before else "")]
+    shown = []
     for row in mem["rows"]:
         c = row["config"]
         r = max(row["ranks"], key=lambda x: x["peak"])
         ph = r["phases"]
+        was = before.get(_memory_setting(row))
+        if was is not None:
+            shown.append(was)
         out.append(f"| width {c['width']}, {c['batch_size']} per rank, {c['threads']} threads, eval batch "
                    f"{c['eval_batch']} | {_mb(r['runtime'])} | {_mb(r['data'])} | {_mb(r['model'])} | "
                    f"{_mb(r['activations'])} | {_mb(r['allocator'])} | **{_mb(r['peak'])}** ({_mb(ph['load'])} / "
-                   f"{_mb(ph['train'])} / {_mb(ph['eval'])}) | {_mb(row['predicted']['peak'])} | "
-                   f"{'met' if r['peak'] <= 900e6 else 'NOT met'} |")
+                   f"{_mb(ph['setup'])} / {_mb(ph['train'])} / {_mb(ph['eval'])}) | {_mb(row['predicted']['peak'])} | "
+                   f"{'met' if r['peak'] <= 900e6 else 'NOT met'} |"
+                   + (f" {_before_cell(was)} |" if before else ""))
     out += [""] + [f"- `{row['command']}`" for row in mem["rows"]] + [""]
+    if shown:
+        out += ["Before: the same command's figures in " + ", ".join(f"`{b['file']}`" for b in shown)
+                + " (runtime / data / model / activations / allocator: peak).", ""]
     if mem["table"]:
         out += ["The prediction (`pilab.memory.predict_peak_bytes`) against the measured peak, 3 widths x 2 "
                 "batch sizes (full training set, 1,000 test images, eval batch 50, 2 threads, 2 steps; the "
@@ -330,6 +347,14 @@ def _memory_per_rank(res: dict) -> list[str]:
         out += ["", f"Largest error {100 * worst:.1f}% — {'within' if worst <= 0.15 else 'NOT within'} the 15% goal. "
                 f"Each row: `{mem['table'][0]['command']}` with its width and batch size.", ""]
     return out
+
+
+def _before_cell(was: dict | None) -> str:
+    if was is None:
+        return "—"
+    r = max(was["ranks"], key=lambda x: x["peak"])
+    items = " / ".join(_mb(r[k]) for k in ("runtime", "data", "model", "activations", "allocator"))
+    return f"{items}: **{_mb(r['peak'])}**"
 
 
 def splice_sections(old: str, new: str) -> str:

@@ -2,9 +2,12 @@
 
     python -m pilab bench                  # the default set (<= 20 min on a 2-core machine), BENCHMARKS.md
     python -m pilab bench --quick          # CI-sized settings (~3 min); --markdown '' writes none
+    python -m pilab bench --sections memory --before benchmarks/results/memory/before-05bde58-eval50.json
     sudo python -m pilab bench --sections network --quick   # the testbed section (needs root)
 """
 from __future__ import annotations
+
+import os
 
 from .common import UsageError
 
@@ -29,6 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--markdown", default="BENCHMARKS.md",
                    help="markdown report to write (default: BENCHMARKS.md; '' for none)")
     p.add_argument("--mpiexec", default=None, help="launcher for the rank jobs (default: pilab.launch's)")
+    p.add_argument("--before", default="",
+                   help="memory section: comma-separated JSONs of earlier `python -m pilab.bench.memory` runs "
+                        "(e.g. at an older commit), shown as a 'before' column beside the same settings")
     p.set_defaults(func=run)
 
 
@@ -40,7 +46,12 @@ def run(args, argv) -> int:
     if unknown:
         raise UsageError(f"--sections {','.join(unknown)} unknown; choose from {','.join(known)}")
     command = "python -m pilab bench" + (" " + " ".join(argv) if argv else "")
+    before = [x for x in args.before.split(",") if x]
+    missing = [x for x in before if not os.path.isfile(x)]
+    if missing:
+        raise UsageError(f"--before {','.join(missing)}: no such file; give JSONs written by "
+                         "`python -m pilab.bench.memory OUT.json ...`")
     res = bench.run(quick=args.quick, sections=sections, out=args.out, markdown=args.markdown or None,
-                    mpiexec=args.mpiexec, command=command)
+                    mpiexec=args.mpiexec, command=command, before=before)
     print(f"bench: {res['wall_s']:.0f} s; {args.out}/bench.json" + (f", {args.markdown}" if args.markdown else ""))
     return 0

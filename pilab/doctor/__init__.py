@@ -282,6 +282,15 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
         mpx = find_mpiexec(mpiexec)
     except LaunchError as e:
         raise DoctorError(str(e)) from None
+    launcher = mpiexec_library(mpx)
+    if _family(launcher) == "openmpi":
+        # Raspberry Pi OS's `apt-get install mpich python3-mpi4py` makes Open MPI's the mpiexec (Debian's
+        # mpi4py is built against Open MPI); it answers every probe with 'unknown option "-f"'.
+        raise DoctorError(
+            f"{mpx} is {launcher}'s, but pilab starts ranks on the hosts with MPICH's (Hydra's) command "
+            "line (mpiexec -f HOSTFILE, host:slots lines); use MPICH's: pip's (./lab.sh setup without "
+            "PILAB_SYSTEM_MPI=1), or Debian's (--mpiexec /usr/bin/mpiexec.mpich, with mpi4py built against "
+            "it: apt-get install libmpich-dev; pip install --no-binary mpi4py mpi4py)")
     env = dict(os.environ if env is None else env)
     data = data_path(cfg.data) if cfg.data else ""
     # the run: ranks_per_node ranks on every host (each rank's shard of the training set)
@@ -300,7 +309,7 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
                           "PILAB_CONTROLLER_IP to an address of this machine on the hosts' network") from None
     head_arg = f"{advertised}:{listener.port}"
     opts = ["--data", data, "--head", head_arg, "--toward", toward] + (["--snn"] if _needs_snn(cfg) else [])
-    report = {"hosts": [h for h, _ in hosts], "mpiexec": mpx, "mpiexec_library": mpiexec_library(mpx),
+    report = {"hosts": [h for h, _ in hosts], "mpiexec": mpx, "mpiexec_library": launcher,
               "config": cfg.to_dict(), "ranks_per_node": ranks_per_node, "data_path": data,
               "predicted_peak_bytes": peak, "controller": head_arg, "launcher": _launcher_words(env),
               "ucx_net_devices": env.get("UCX_NET_DEVICES", "")}

@@ -83,11 +83,12 @@ def versions(snn: bool) -> dict:
 def mpi_library() -> dict:
     """The MPI library mpi4py loaded, and the world it sees (under ``mpiexec -n 1``: 1)."""
     from ..launch import launcher_size, mpi
+    from ..launch import mpi_library as library_name
     try:
         MPI = mpi()
     except Exception as e:  # noqa: BLE001  (a broken MPI library may raise anything: report it)
         return {"error": str(e)}
-    return {"library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split()),
+    return {"library": " ".join(library_name(MPI).split()),
             "size": MPI.COMM_WORLD.Get_size(), "launcher_size": launcher_size(),
             "processor": MPI.Get_processor_name()}
 
@@ -304,12 +305,13 @@ def net_probe(args) -> dict | None:
     import numpy as np
 
     from ..launch import launcher_size, mpi
+    from ..launch import mpi_library as library_name
     from ..perfmodel.bench import comm_bench
     MPI = mpi()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     me = {"rank": rank, "size": size, "launcher_size": launcher_size(), "host": socket.gethostname(),
-          "library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split())}
+          "library": " ".join(library_name(MPI).split())}
     if size < 2:  # "0 of 1": this process does not see the others; say so from every one of them
         return {"ranks": [me], "allreduce_ok": False}
     ranks = comm.gather(me, root=0)

@@ -15,7 +15,7 @@ import time
 from typing import Iterable, Mapping, Sequence
 
 from ..config import ConfigError
-from ..launch import run_job
+from ..launch import mpi_library, run_job
 from .fit import fit_alpha_beta
 
 DEFAULT_SIZES = (4, 64, 1024, 16 * 1024, 128 * 1024, 2 ** 20, 4 * 2 ** 20, 16 * 2 ** 20)
@@ -66,7 +66,7 @@ def comm_bench(comm, sizes: Sequence[int] = DEFAULT_SIZES, *, trials: int = 5,
     return {
         "np": size, "ranks_per_node": local, "cores": os.cpu_count(), "hosts": sorted(set(hosts)),
         "sizes_bytes": [int(s) for s in sizes], "seconds": med, "seconds_min": best,
-        "trials": trials, "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "trials": trials, "mpi_library": mpi_library(MPI),
         "thread_level": {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                          MPI.THREAD_SERIALIZED: "serialized",
                          MPI.THREAD_MULTIPLE: "multiple"}.get(MPI.Query_thread(), "?"),
