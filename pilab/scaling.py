@@ -41,7 +41,7 @@ from bokeh.resources import INLINE
 from . import checkpoint, energy, perfmodel, plots, simulate
 from . import verdict as judging
 from .config import DEMO, Config, ConfigError, small_mode
-from .files import atomic_write_text, save_json
+from .files import atomic_write_text, dumps, save_json, sha256_file
 from .launch import LaunchError, run_job
 from .perfmodel import efficiency, karp_flatt, speedup
 from .plots import html_table
@@ -389,6 +389,58 @@ def _load_json(path: str):
         return json.load(f)
 
 
+# study.json holds each point's run by reference to the point's own np<p>/result.json (path + SHA-256),
+# not a second copy of it; what the study added to a run (a measured point's "rapl") rides beside it.
+_REF_KEYS = {"file", "sha256", "also"}
+
+
+def _is_ref(run) -> bool:
+    return isinstance(run, dict) and {"file", "sha256"} <= set(run) <= _REF_KEYS
+
+
+def stored(study_: dict, out: str) -> dict:
+    """``study_`` as its study.json in ``out`` stores it: each run that is its point's result.json
+    there becomes ``{"file": "np2/result.json", "sha256": ..., "also": {what the study added}}``;
+    a run with no such file (or another one there) stays embedded. :func:`load_study` undoes it."""
+    runs = {}
+    for p, run in (study_.get("runs") or {}).items():
+        rel = f"np{p}/result.json"
+        path = os.path.join(out, rel)
+        try:
+            saved = _load_json(path)
+        except (OSError, ValueError):
+            saved = None
+        plain = json.loads(dumps(run, indent=None))  # as JSON reads it back: lists, plain numbers
+        if isinstance(saved, dict) and all(k in plain and plain[k] == v for k, v in saved.items()):
+            also = {k: v for k, v in plain.items() if k not in saved}
+            runs[p] = {"file": rel, "sha256": sha256_file(path), **({"also": also} if also else {})}
+        else:
+            runs[p] = run
+    return {**study_, "runs": runs}
+
+
+def resolved(study_: dict, where: str) -> dict:
+    """A study.json's content with its referenced runs read back from their files (relative to the
+    directory ``where``); ConfigError if a file is missing or is not the one the study recorded."""
+    runs = study_.get("runs")
+    if not isinstance(runs, dict) or not any(map(_is_ref, runs.values())):
+        return study_
+    out = {}
+    for p, run in runs.items():
+        if _is_ref(run):
+            path = os.path.join(where, run["file"])
+            try:
+                same = sha256_file(path) == run["sha256"]
+            except OSError:
+                raise ConfigError(f"{path} is missing; the study in {where} refers to it") from None
+            if not same:
+                raise ConfigError(f"{path} changed after the study in {where} was written (its SHA-256 "
+                                  "differs); run `pilab scale` with --resume there to make the study again")
+            run = {**_load_json(path), **run.get("also", {})}
+        out[p] = run
+    return {**study_, "runs": out}
+
+
 def _clear_point(d: str) -> None:
     """Remove an earlier run's files from a point's directory before the point is run again."""
     for path in [os.path.join(d, "result.json"), os.path.join(d, "checkpoint.pt")] + \
@@ -416,7 +468,7 @@ def _partial_study(cfg, criteria, nps, simulate_nps, runs, kept, t_start, comman
 
 def _write_partial(study_: dict, out: str) -> None:
     """study.json and study.csv of an interrupted study (the JSON is the record; no report)."""
-    save_json(study_, os.path.join(out, "study.json"))
+    save_json(stored(study_, out), os.path.join(out, "study.json"))
     atomic_write_text(os.path.join(out, "study.csv"), to_csv(study_["rows"]))
 
 
@@ -591,7 +643,7 @@ def load_study(path: str, *, target="pi4b_cluster", planned=()) -> dict:
     not made yet) is a study whose every point is pending."""
     js = os.path.join(path, "study.json") if os.path.isdir(path) else path
     if os.path.exists(js):
-        return _load_json(js)
+        return resolved(_load_json(js), os.path.dirname(js))
     if planned or (os.path.isdir(path) and glob.glob(os.path.join(glob.escape(path), "np*", "result.json"))):
         return study_from_points(path, target=target, planned=planned)
     raise ConfigError(f"{js} does not exist; run `python -m pilab scale --out {path}` first")
@@ -683,7 +735,7 @@ def table(study_: dict) -> str:
 def write(study_: dict, out: str) -> dict:
     """study.json, study.csv, report.html (self-contained, BokehJS inline) and report.png if possible."""
     os.makedirs(out, exist_ok=True)
-    save_json(study_, os.path.join(out, "study.json"))
+    save_json(stored(study_, out), os.path.join(out, "study.json"))
     atomic_write_text(os.path.join(out, "study.csv"), to_csv(study_["rows"]))
     html_path = os.path.join(out, "report.html")
     atomic_write_text(html_path, report_html(study_))

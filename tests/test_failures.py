@@ -370,7 +370,8 @@ def test_scale_reuse_takes_another_rules_np1_point_and_reruns_the_rest(tmp_path)
               "--out", str(tmp_path / "linear"), cwd=tmp_path, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "reused from" in p.stderr and p.stderr.count("reused from") == 1, p.stderr[-3000:]
-    st = json.loads((tmp_path / "linear" / "study.json").read_text())
+    from pilab import scaling
+    st = scaling.load_study(str(tmp_path / "linear"))  # its runs read back from their result.json files
     assert st["kept"] == [1] and st["config"]["lr_scaling"] == "linear"
     copied = json.loads((tmp_path / "linear" / "np1" / "result.json").read_text())
     assert copied["reused_from"].endswith("np1") and copied["epochs"] == naive["epochs"]
