@@ -271,7 +271,7 @@ class GradSync:
 
     MPICH progresses a non-blocking collective only inside MPI calls, so the hooks call ``Testall`` on
     the outstanding requests: every ``poll_every``-th gradient and at every post (``poll=False``: never;
-    ``MPIR_CVAR_ASYNC_PROGRESS=1`` is the alternative, measured in ``benchmarks/bench_comm.py``).
+    ``MPIR_CVAR_ASYNC_PROGRESS=1`` is the alternative, measured by ``python -m pilab bench --sections sync``).
 
     ``finish()`` polls with Testall for ``SPIN_S`` and then naps between polls (``wait="sleep"``), instead
     of MPI's busy ``Waitall`` (``wait="spin"``): on a machine with more runnable processes than cores a

@@ -2,6 +2,9 @@
 
     from pilab.files import save_json, load_json
     save_json({"np": 2}, "runs/x/result.json")     # creates runs/x/, replaces the file atomically
+
+JSON is written compactly: one key per line, but a list of plain values (a run's per-step losses and
+times) on one line, so a 4,680-step log is 8 lines, not 37,000.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import sys
 from typing import Any, Callable
 
 
-__all__ = ["atomic_write", "atomic_write_text", "save_json", "load_json"]
+__all__ = ["atomic_write", "atomic_write_text", "save_json", "load_json", "dumps", "sha256_file"]
 
 
 def atomic_write(path: str, write: Callable[[str], Any]) -> None:
@@ -47,12 +50,53 @@ def _plain(o):
     raise TypeError(f"{type(o).__name__} is not JSON serializable")
 
 
+def _scalar(o) -> bool:
+    return o is None or isinstance(o, (str, int, float, bool))
+
+
+def dumps(obj, *, indent: int | None = 1) -> str:
+    """``obj`` as JSON text: objects and lists of objects indented by ``indent``, a list of plain values
+    (numbers, strings, booleans, None) on one line; ``json.loads`` reads back the same value::
+
+        dumps({"np": 2, "loss": [2.3, 2.1]})     # '{\n "np": 2,\n "loss": [2.3, 2.1]\n}'
+    """
+    if indent is None:
+        return json.dumps(obj, default=_plain)
+    enc = json.JSONEncoder(default=_plain)
+
+    def walk(o, level: int) -> str:
+        o = _plain(o) if not _scalar(o) and not isinstance(o, (dict, list, tuple)) else o
+        if isinstance(o, dict) and o:
+            pad = "\n" + " " * (indent * (level + 1))
+            items = ",".join(f"{pad}{json.dumps({k: 0})[1:-4]}: {walk(v, level + 1)}"  # json's key rules
+                             for k, v in o.items())
+            return "{" + items + "\n" + " " * (indent * level) + "}"
+        if isinstance(o, (list, tuple)) and o and not all(map(_scalar, o)):
+            pad = "\n" + " " * (indent * (level + 1))
+            return "[" + ",".join(pad + walk(v, level + 1) for v in o) + "\n" + " " * (indent * level) + "]"
+        return enc.encode(o)
+    return walk(obj, 0)
+
+
 def save_json(obj, path: str, *, indent: int | None = 1) -> None:
-    """``obj`` as JSON at ``path`` (atomically; numpy values become plain numbers and lists)."""
+    """``obj`` as JSON at ``path`` (atomically; compactly, see :func:`dumps`; numpy values become plain
+    numbers and lists)."""
+    text = dumps(obj, indent=indent)
+
     def write(tmp):
         with open(tmp, "w") as f:
-            json.dump(obj, f, indent=indent, default=_plain)
+            f.write(text)
     atomic_write(path, write)
+
+
+def sha256_file(path: str) -> str:
+    """The SHA-256 of the file's bytes, in hex (what a study records beside each point's result.json)."""
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def load_json(path: str):

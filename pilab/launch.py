@@ -1,21 +1,27 @@
-"""Finding ``mpiexec`` and building the command lines that start pilab's ranks.
+"""Finding ``mpiexec``, building the command lines that start pilab's ranks, and running a job.
 
 One place for the launcher, used by the CLI (``train --np``), the study (measured points), the
 performance model's micro-benchmark, the cluster helper and the benchmarks::
 
     from pilab import launch
     cmd = launch.pilab_command(2, ["train", "--epochs", "1"])   # [.../mpiexec, -n, 2, python, -m, pilab, ...]
-    subprocess.run(cmd, check=True)
+    res = launch.run_job(2, "pilab.bench.ranks", {"quick": True})   # rank 0's answer, a dict
+
+Library code launches rank-side entry modules through :func:`run_job`, never the CLI. Loads neither
+torch nor MPI (the CLI's ``--help`` imports it).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 import sys
-from typing import Sequence
+import tempfile
+from typing import Any, Mapping, Sequence
 
 __all__ = ["LaunchError", "find_mpiexec", "mpiexec_command", "pilab_command", "launcher_size",
-           "launcher_rank", "under_mpi", "mpi", "mpi_library", "mpi_versions"]
+           "launcher_rank", "under_mpi", "mpi", "mpi_library", "mpi_versions", "run_job", "job_argv", "JobError"]
 
 MPI_HINT = "`pip install 'pilab[mpich]'` (or the system's MPICH: apt-get install mpich)"
 
@@ -128,3 +134,73 @@ def mpi_versions() -> dict:
     MPI = mpi()
     return {"mpi4py": sys.modules["mpi4py"].__version__, "mpi_library": mpi_library(MPI)}
 
+
+# ----------------------------------------------------------------------------------------------
+# jobs: mpiexec, the exit code, rank 0's answer -- written once for every launcher in pilab
+# ----------------------------------------------------------------------------------------------
+class JobError(RuntimeError):
+    """A launched job failed: the message names the job, its exit code and the end of its stderr."""
+
+    def __init__(self, name: str, code: int | None, stderr: str, command: Sequence[str] = ()):
+        self.name, self.code, self.stderr, self.command = name, code, stderr, list(command)
+        tail = "\n".join((stderr or "").strip().splitlines()[-15:])
+        how = "did not finish within its time limit" if code is None else f"failed (exit {code})"
+        super().__init__(f"{name} {how}" + (f":\n{tail}" if tail else ""))
+
+
+def job_argv(payload: Mapping[str, Any] | None) -> list[str]:
+    """``{"quick": True, "sizes": [4, 64], "config": {...}}`` -> ``--quick --sizes 4 64 --config '{...}'``:
+    True is a bare flag, False and None are left out, a list gives several values, a dict is one JSON
+    argument; underscores in names become dashes (what an ``argparse`` entry module reads)."""
+    argv: list[str] = []
+    for key, value in (payload or {}).items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        elif isinstance(value, Mapping):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def run_job(np_: int, module: str, payload: Mapping[str, Any] | None = None, *, name: str | None = None,
+            mpiexec: str | None = None, hostfile: str | None = None, extra: Sequence[str] = (),
+            env: Mapping[str, str] | None = None, timeout: float | None = None, cwd: str | None = None,
+            answer_dir: str | None = None) -> dict:
+    """Run ``mpiexec -n np python -m module ANSWER.json <payload as flags>`` and return the JSON its
+    rank 0 wrote to ANSWER.json; every rank-side entry module (``pilab.harness``, ``pilab.bench.ranks``,
+    ``pilab.perfmodel.ranks`` …) takes that path first and its payload as flags (:func:`job_argv`)::
+
+        res = launch.run_job(2, "pilab.bench.ranks", {"quick": True}, env={"OMP_NUM_THREADS": "1"})
+
+    ``env``: the job's whole environment (default: this process's). ``extra``: mpiexec arguments before
+    ``-n`` (``-hosts``, ``-ppn`` …). ``answer_dir``: where ANSWER.json goes (a temporary folder is made
+    and removed there; default: the system's), a folder rank 0 can write when it runs on another host.
+    Raises :class:`JobError` (naming the job, its exit code and its stderr's end) when the job exits
+    non-zero, runs past ``timeout`` seconds or leaves no answer; ``LaunchError`` without a launcher.
+    Ctrl-C here ends the job (``subprocess.run`` kills mpiexec) and raises KeyboardInterrupt.
+    """
+    name = name or f"the {module} job (np={np_})"
+    if answer_dir:
+        os.makedirs(answer_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="pilab-job-", dir=answer_dir) as tmp:
+        answer = os.path.join(tmp, "answer.json")
+        cmd = mpiexec_command(np_, [sys.executable, "-m", module, answer, *job_argv(payload)],
+                              mpiexec=mpiexec, hostfile=hostfile, extra=extra)
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                               env=dict(env) if env is not None else None)
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            raise JobError(name, None, err, cmd) from None
+        if p.returncode != 0:
+            raise JobError(name, p.returncode, p.stderr or p.stdout, cmd)
+        if not os.path.exists(answer):
+            raise JobError(name, 0, (p.stderr or "") + "\n(exit 0, but rank 0 wrote no answer)", cmd)
+        with open(answer) as f:
+            return json.load(f)

@@ -24,12 +24,11 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from html import escape
 
 from bokeh.embed import file_html
@@ -42,8 +41,8 @@ from bokeh.resources import INLINE
 from . import checkpoint, energy, perfmodel, plots, simulate
 from . import verdict as judging
 from .config import DEMO, Config, ConfigError, small_mode
-from .files import atomic_write_text, save_json
-from .launch import LaunchError, pilab_command
+from .files import atomic_write_text, dumps, save_json, sha256_file
+from .launch import LaunchError, run_job
 from .perfmodel import efficiency, karp_flatt, speedup
 from .plots import html_table
 
@@ -265,30 +264,12 @@ def verdict(study_: dict, *, within: float = 0.05) -> str:
 # ----------------------------------------------------------------------------------------------
 # running
 # ----------------------------------------------------------------------------------------------
-def config_to_argv(cfg: Config) -> list[str]:
-    """CLI flags that reproduce ``cfg`` (every field, so the command line is self-contained)."""
-    argv = []
-    for f in fields(Config):
-        v = getattr(cfg, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
-            argv.append(flag if v else "--no-" + f.name.replace("_", "-"))
-        elif v != "" or f.name not in ("out", "resume"):
-            argv += [flag, str(v)]
-    return argv
-
-
 def run_measured(cfg: Config, np_: int, out: str, *, mpiexec: str | None = None,
                  hostfile: str | None = None, timeout: float | None = None) -> dict:
-    """One real MPI job; returns its result.json. Raises RuntimeError with the job's last lines."""
-    cmd = pilab_command(np_, ["train", "--quiet", *config_to_argv(replace(cfg, out=out))],
-                        mpiexec=mpiexec, hostfile=hostfile)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"np={np_} run failed (exit {p.returncode}):\n{tail}")
-    with open(os.path.join(out, "result.json")) as f:
-        return json.load(f)
+    """One real MPI job (``pilab.harness`` on np ranks, as ``pilab train`` runs them); returns its
+    result.json. Raises ``launch.JobError`` (a RuntimeError) with the job's exit code and last lines."""
+    return run_job(np_, "pilab.harness", {"config": replace(cfg, out=out).to_dict()}, name=f"np={np_} run",
+                   mpiexec=mpiexec, hostfile=hostfile, timeout=timeout, answer_dir=out)
 
 
 def _predict(cfg: Config, nps, calibration) -> dict[int, dict]:
@@ -408,6 +389,58 @@ def _load_json(path: str):
         return json.load(f)
 
 
+# study.json holds each point's run by reference to the point's own np<p>/result.json (path + SHA-256),
+# not a second copy of it; what the study added to a run (a measured point's "rapl") rides beside it.
+_REF_KEYS = {"file", "sha256", "also"}
+
+
+def _is_ref(run) -> bool:
+    return isinstance(run, dict) and {"file", "sha256"} <= set(run) <= _REF_KEYS
+
+
+def stored(study_: dict, out: str) -> dict:
+    """``study_`` as its study.json in ``out`` stores it: each run that is its point's result.json
+    there becomes ``{"file": "np2/result.json", "sha256": ..., "also": {what the study added}}``;
+    a run with no such file (or another one there) stays embedded. :func:`load_study` undoes it."""
+    runs = {}
+    for p, run in (study_.get("runs") or {}).items():
+        rel = f"np{p}/result.json"
+        path = os.path.join(out, rel)
+        try:
+            saved = _load_json(path)
+        except (OSError, ValueError):
+            saved = None
+        plain = json.loads(dumps(run, indent=None))  # as JSON reads it back: lists, plain numbers
+        if isinstance(saved, dict) and all(k in plain and plain[k] == v for k, v in saved.items()):
+            also = {k: v for k, v in plain.items() if k not in saved}
+            runs[p] = {"file": rel, "sha256": sha256_file(path), **({"also": also} if also else {})}
+        else:
+            runs[p] = run
+    return {**study_, "runs": runs}
+
+
+def resolved(study_: dict, where: str) -> dict:
+    """A study.json's content with its referenced runs read back from their files (relative to the
+    directory ``where``); ConfigError if a file is missing or is not the one the study recorded."""
+    runs = study_.get("runs")
+    if not isinstance(runs, dict) or not any(map(_is_ref, runs.values())):
+        return study_
+    out = {}
+    for p, run in runs.items():
+        if _is_ref(run):
+            path = os.path.join(where, run["file"])
+            try:
+                same = sha256_file(path) == run["sha256"]
+            except OSError:
+                raise ConfigError(f"{path} is missing; the study in {where} refers to it") from None
+            if not same:
+                raise ConfigError(f"{path} changed after the study in {where} was written (its SHA-256 "
+                                  "differs); run `pilab scale` with --resume there to make the study again")
+            run = {**_load_json(path), **run.get("also", {})}
+        out[p] = run
+    return {**study_, "runs": out}
+
+
 def _clear_point(d: str) -> None:
     """Remove an earlier run's files from a point's directory before the point is run again."""
     for path in [os.path.join(d, "result.json"), os.path.join(d, "checkpoint.pt")] + \
@@ -435,7 +468,7 @@ def _partial_study(cfg, criteria, nps, simulate_nps, runs, kept, t_start, comman
 
 def _write_partial(study_: dict, out: str) -> None:
     """study.json and study.csv of an interrupted study (the JSON is the record; no report)."""
-    save_json(study_, os.path.join(out, "study.json"))
+    save_json(stored(study_, out), os.path.join(out, "study.json"))
     atomic_write_text(os.path.join(out, "study.csv"), to_csv(study_["rows"]))
 
 
@@ -505,7 +538,7 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
             runs[p] = earlier
             for cb in callbacks:
                 cb({"kind": "run", "np": p, "simulated": True, "result": runs[p], "kept": p in kept})
-    except (KeyboardInterrupt, RuntimeError, subprocess.TimeoutExpired) as e:
+    except (KeyboardInterrupt, RuntimeError) as e:  # RuntimeError: a failed run (launch.JobError)
         partial = _partial_study(cfg, criteria, nps, simulate_nps, runs, kept, t_start, command, e)
         if out:
             _write_partial(partial, out)
@@ -610,7 +643,7 @@ def load_study(path: str, *, target="pi4b_cluster", planned=()) -> dict:
     not made yet) is a study whose every point is pending."""
     js = os.path.join(path, "study.json") if os.path.isdir(path) else path
     if os.path.exists(js):
-        return _load_json(js)
+        return resolved(_load_json(js), os.path.dirname(js))
     if planned or (os.path.isdir(path) and glob.glob(os.path.join(glob.escape(path), "np*", "result.json"))):
         return study_from_points(path, target=target, planned=planned)
     raise ConfigError(f"{js} does not exist; run `python -m pilab scale --out {path}` first")
@@ -636,7 +669,7 @@ def calibrate_from(np1_result: dict, mpiexec: str | None = None):
     mpiexec); None, with a one-line note, when the micro-benchmark cannot run here."""
     try:
         bench = perfmodel.run_comm_bench(nps=(2,), mpiexec=mpiexec)
-    except (RuntimeError, OSError, LaunchError, subprocess.TimeoutExpired) as e:
+    except (RuntimeError, OSError, LaunchError) as e:  # RuntimeError: the job failed (launch.JobError)
         print(f"pilab: comm micro-benchmark failed ({e}); simulated rows get no predicted times",
               file=sys.stderr)
         return None
@@ -702,7 +735,7 @@ def table(study_: dict) -> str:
 def write(study_: dict, out: str) -> dict:
     """study.json, study.csv, report.html (self-contained, BokehJS inline) and report.png if possible."""
     os.makedirs(out, exist_ok=True)
-    save_json(study_, os.path.join(out, "study.json"))
+    save_json(stored(study_, out), os.path.join(out, "study.json"))
     atomic_write_text(os.path.join(out, "study.csv"), to_csv(study_["rows"]))
     html_path = os.path.join(out, "report.html")
     atomic_write_text(html_path, report_html(study_))

@@ -282,7 +282,7 @@ def burst_bytes(rate: str) -> int:
     spell (0 for an unshaped link). It must hold at least one GSO super-packet (64 KiB on veths) and
     a few ms at the rate, or TCP never reaches it. A wire has no such bucket: after each compute
     phase the first ``burst_bytes / rate`` seconds of a step's transfer are free on the testbed
-    (``benchmarks/bench_network.py`` shows the effect)."""
+    (the ``network`` section of ``python -m pilab bench`` shows the effect)."""
     bps = parse_rate(rate)
     return max(128 * 1024, int(bps / 8 * 0.002)) if bps else 0
 

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 # in docs/architecture.md: front-ends -> study -> engine -> {dist, data, models}).
 LAYERS = {
     "model_names": 0, "optim": 0, "launch": 0, "files": 0, "embedded": 0, "buckets": 0, "verdict": 0,
+    "signals": 0,  # installing signal handlers and putting the old ones back; no pilab imports
     "plots": 0.5,  # draws what pilab.verdict judged
     "models": 1, "config": 1, "testbed": 1,
     "memory": 1.5,  # predicted memory per rank: config and the models only (the doctor and train use it)
@@ -27,8 +28,9 @@ LAYERS = {
     "layers": 3,
     "engine": 4,
     "train": 5, "simulate": 5,
-    "bench": 5.5,  # benchmarks: the engine, its building blocks and the launcher; below the study
+    "harness": 5.2,  # one guarded run on the ranks (vote, signals, abort, watchdog): CLI, engines, the study's jobs
     "perfmodel": 6, "energy": 6.5,  # energy: uses the perfmodel's Pi facts; the study uses it
+    "bench": 6.8,  # benchmarks: the engine, the launcher, the harness's jobs and the performance model they check
     "scaling": 7, "paper": 7.5,  # paper: a study beside the published figures; uses the study's rows
     "remedies": 8,
     "cluster": 9,

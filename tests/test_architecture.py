@@ -64,9 +64,8 @@ def test_the_checker_fences_mpi4py_and_bokeh(tmp_path, monkeypatch):
 # benchmarks measure pilab against (a bare PyTorch loop, DDP, bare mpi4py), which are not a way to train.
 BACKWARD_ALLOWED = {
     "pilab/bench/local.py": "bare-loop and model-only contenders of the one-rank benchmarks",
-    "pilab/bench/ranks.py": "DDP-gloo and bare-mpi4py contenders of the rank benchmarks",
-    "benchmarks/bench_comm.py": "DDP and bare-Allreduce contenders of the communication benchmark",
-    "benchmarks/bench_perfmodel.py": "compute-only step timing that the performance model is checked against",
+    "pilab/bench/ranks.py": "DDP-gloo, bare-mpi4py and blocking-Allreduce contenders of the rank benchmarks",
+    "pilab/bench/perfmodel.py": "compute-only step timing that the performance model is checked against",
 }
 
 
@@ -82,6 +81,19 @@ def test_one_training_loop():
                     callers.add(path.relative_to(REPO).as_posix())
     assert callers - set(BACKWARD_ALLOWED) == {"pilab/engine.py"}, callers
     assert set(BACKWARD_ALLOWED) <= callers, "an allowed file no longer calls backward: drop it from the list"
+
+
+def test_the_library_never_launches_its_own_cli():
+    # Library code starts ranks through launch.run_job over a rank-side entry module; only the CLI
+    # may start `python -m pilab ...` (train --np re-launching itself under mpiexec).
+    callers = set()
+    for path in sorted((REPO / "pilab").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and "pilab_command" in (getattr(node.func, "attr", None),
+                                                                   getattr(node.func, "id", None)):
+                callers.add(rel)
+    assert {c for c in callers if not c.startswith("pilab/cli/")} == set(), callers
 
 
 HEAVY = ("torch", "bokeh", "numpy", "mpi4py")

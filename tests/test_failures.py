@@ -167,6 +167,30 @@ def test_commands_that_need_mpi_say_how_to_get_it(tmp_path, args, launcher):
          exit=2, seconds=p.seconds, message=error_lines(p)[0])
 
 
+@pytest.mark.mpi
+def test_a_failed_job_names_itself_its_exit_code_and_its_stderr(tmp_path):
+    # Every launcher in pilab goes through launch.run_job: a job that fails is one error naming it,
+    # its exit code and the end of what it said (here: a setting one rank refuses, exit 2).
+    from pilab import launch, scaling
+    from pilab.config import Config
+    cfg = Config(width=0.25, train_subset=8, test_subset=20, batch_size=16, threads=1, epochs=1)
+    with pytest.raises(launch.JobError) as e:
+        scaling.run_measured(cfg, 2, str(tmp_path / "np2"))
+    assert e.value.code == 2 and isinstance(e.value, RuntimeError)
+    text = str(e.value)
+    assert text.startswith("np=2 run failed (exit 2):") and "fewer than its batch of 16" in text, text
+    assert os.listdir(tmp_path / "np2") == []  # the job's answer folder is gone again
+    with pytest.raises(launch.JobError, match=r"(?s)the pilab.nope job \(np=1\) failed \(exit 1\).*No module"):
+        launch.run_job(1, "pilab.nope", mpiexec=MPIEXEC)
+
+
+def test_a_job_payload_becomes_the_entry_modules_flags():
+    from pilab.launch import job_argv
+    assert job_argv({"quick": True, "dry": False, "skip": None, "sizes": [4, 64], "batch_size": 8,
+                     "config": {"width": 0.5}}) == \
+        ["--quick", "--sizes", "4", "64", "--batch-size", "8", "--config", '{"width": 0.5}']
+
+
 def test_python_entry_points_import_without_mpi(tmp_path):
     code = ("from pilab import train, simulate, scaling, cluster, engine, dist, checkpoint; "
             "from pilab.config import Config; "
@@ -346,7 +370,8 @@ def test_scale_reuse_takes_another_rules_np1_point_and_reruns_the_rest(tmp_path)
               "--out", str(tmp_path / "linear"), cwd=tmp_path, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "reused from" in p.stderr and p.stderr.count("reused from") == 1, p.stderr[-3000:]
-    st = json.loads((tmp_path / "linear" / "study.json").read_text())
+    from pilab import scaling
+    st = scaling.load_study(str(tmp_path / "linear"))  # its runs read back from their result.json files
     assert st["kept"] == [1] and st["config"]["lr_scaling"] == "linear"
     copied = json.loads((tmp_path / "linear" / "np1" / "result.json").read_text())
     assert copied["reused_from"].endswith("np1") and copied["epochs"] == naive["epochs"]

@@ -60,7 +60,7 @@ def test_compare_paper_sets_a_tiny_real_study_beside_the_published_figures(tiny_
             assert a["pending"] and a["final_test_acc"] is None
     assert side["pending"]["tiny"] == [2, 4, 8, 16, 24, 32]
     # a finished study without an np did not run it: not pending
-    fbw = json.loads(open(os.path.join(FBW, "naive", "study.json")).read())
+    fbw = scaling.load_study(os.path.join(FBW, "naive"))
     assert rows[4]["studies"]["15k"]["not_run"] and not rows[4]["studies"]["15k"]["pending"]
     assert rows[48]["studies"]["15k"]["final_test_acc"] == fbw["runs"]["48"]["epochs"][-1]["test_acc"]
     # the published figures, and the Pi predictions of both profiles for the first study's settings

@@ -214,6 +214,37 @@ def test_bench_pieces_on_tiny_settings(tmp_path):
            "python": "3", "torch": torch.__version__, "date": "d", "loadavg_start": [0, 0, 0]}, "data": d}
     text = markdown_report(res)
     assert "DataLoader" in text and "GPU" in text
+    c = local.cache("embedded", rounds=2)
+    assert c["reload_speedup"]["n"] == 2 and c["images"] > 0
+    assert "cached reload" in markdown_report({**res, "cache": c})
+    cli = local.cli_startup(rounds=2, repeat=1)  # `python -m pilab --help` against `python -c pass`
+    assert cli["help_over_python"]["n"] == 2 and cli["seconds"]["help"]["median"] > 0
+    assert "| ratio `--help` / `python -c pass` |" in markdown_report({**res, "cli": cli})
+
+
+@pytest.mark.mpi
+def test_the_sync_section_runs_its_two_jobs(tmp_path):
+    # bench_comm's strategies, now one section: each job keeps its own baseline (a) to divide by.
+    from pilab import bench
+    from pilab.bench.report import markdown_report
+    res = bench.run(quick=True, sections=("sync",), out=str(tmp_path), markdown=str(tmp_path / "B.md"), log=lambda s: None)
+    default, asynchronous = res["sync"]["default"], res["sync"]["async_progress"]
+    assert [r["variant"] for r in default["rows"]] == ["a", "b", "c", "d", "fp16"]
+    assert [r["variant"] for r in asynchronous["rows"]] == ["a", "e", "e+poll"] and asynchronous["async_progress"]
+    assert default["rows"][0]["step_vs_a"]["median"] == 1.0
+    fp16 = next(r for r in default["rows"] if r["variant"] == "fp16")
+    assert fp16["bytes_per_step"] * 2 == default["rows"][0]["bytes_per_step"]  # half the bytes
+    assert "e+poll: GradSync async progress + poll" in markdown_report(res)
+
+
+def test_the_network_section_without_a_testbed_is_skipped_with_one_line(tmp_path, monkeypatch):
+    from pilab import bench
+    from pilab.bench import network
+    monkeypatch.setattr(network, "unavailable", lambda: "the testbed needs root (…): run it with sudo")
+    said = []
+    res = bench.run(sections=("network",), out="", markdown=None, log=said.append)
+    assert said == ["bench: network skipped: the testbed needs root (…): run it with sudo"]
+    assert "network" not in res and res["sections"] == []
 
 
 def test_bench_command_refuses_unknown_sections():

@@ -98,7 +98,7 @@ def test_scale_cli_end_to_end(tmp_path):
          "--batch-size", "16", "--target", "this", "--out", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600, env=mpi_env())
     assert p.returncode == 0, p.stderr[-3000:]
-    st = json.loads((out / "study.json").read_text())
+    st = scaling.load_study(str(out))  # study.json, its runs read back from their result.json files
     assert [r["np"] for r in st["rows"]] == [1, 2, 4]
     assert st["machine"] == "this machine" and st["target"] is None
     assert [r["simulated"] for r in st["rows"]] == [False, False, True]
@@ -170,7 +170,7 @@ def test_compare_cli_on_the_committed_study(tmp_path):
     assert "compared by learning-rate rule" in p.stdout and "warning" not in p.stderr
     cmp = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     acc = {(r["label"], r["np"]): r for r in cmp["rows"]}
-    studies = {lab: json.loads(open(os.path.join(docs, r, "study.json")).read()) for lab, r in rules.items()}
+    studies = {lab: scaling.load_study(os.path.join(docs, r)) for lab, r in rules.items()}
     assert sorted(acc) == sorted((lab, int(n)) for lab, st in studies.items() for n in st["runs"])
     assert all((lab, n) in acc for lab in rules for n in (1, 8, 48))
     n_epochs = len(acc[("naive", 1)]["test_acc_curve"])
@@ -286,7 +286,7 @@ def test_scale_on_the_pi_target_predicts_every_point_and_keeps_this_machines_tim
          "--lr", "0.02", "--threads", "1", "--out", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    st = json.loads((out / "study.json").read_text())
+    st = scaling.load_study(str(out))  # study.json, its runs read back from their result.json files
     assert st["target"] == "pi4b_cluster" == st["machine"]          # the default target
     assert st["baseline_np"] == 2 and st["accuracy_baseline_np"] == 1  # one Pi node; np=1 for accuracy
     cfg = Config.from_dict({**st["config"], "threads": 0})
@@ -457,3 +457,26 @@ def test_the_committed_remedies_search_shows_a_fast_and_right_np48():
     # with 32 images per rank (90 steps) nothing gets there: the fix is a smaller per-rank batch
     assert all(c["per_rank_batch"] < 32 for c in good)
 
+
+
+def test_a_study_stores_each_run_once_by_reference(tmp_path):
+    # study.json refers to its points' result.json (path + SHA-256) instead of holding a second copy;
+    # what the study added to a run rides beside the reference; load_study gives the study back as it was.
+    from pilab.config import ConfigError
+    from pilab.files import save_json
+    run = {"np": 2, "steps": {"loss": [2.3, 2.1, 1.9]}, "epochs": [{"test_acc": 0.5}]}
+    save_json(run, str(tmp_path / "np2" / "result.json"))
+    assert '"loss": [2.3, 2.1, 1.9]' in (tmp_path / "np2" / "result.json").read_text()  # an array on one line
+    st = {"kind": "pilab.scaling.study", "rows": [], "runs": {"2": {**run, "rapl": {"joules": 1.0}}, "4": {"np": 4}}}
+    save_json(scaling.stored(st, str(tmp_path)), str(tmp_path / "study.json"))
+    raw = json.loads((tmp_path / "study.json").read_text())
+    assert set(raw["runs"]["2"]) == {"file", "sha256", "also"} and raw["runs"]["2"]["file"] == "np2/result.json"
+    assert raw["runs"]["2"]["also"] == {"rapl": {"joules": 1.0}} and raw["runs"]["4"] == {"np": 4}
+    assert scaling.load_study(str(tmp_path)) == st
+    (tmp_path / "np2" / "result.json").write_text(json.dumps({**run, "np": 3}))
+    with pytest.raises(ConfigError, match="changed after"):
+        scaling.load_study(str(tmp_path))
+    # the committed studies hold their runs this way too
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "fast-but-wrong")
+    with open(os.path.join(docs, "naive", "study.json")) as f:
+        assert all(set(r) >= {"file", "sha256"} for r in json.load(f)["runs"].values())

@@ -1,23 +1,33 @@
 """``python -m pilab bench``: how fast pilab is against what a user would pick instead, on this machine.
 
-    python -m pilab bench                       # the whole set (<= 15 min here), JSON + BENCHMARKS.md
-    python -m pilab bench --quick               # CI-sized: tiny models, 5 alternations, ~2 min
+    python -m pilab bench                       # the default set (<= 20 min here), JSON + BENCHMARKS.md
+    python -m pilab bench --quick               # CI-sized: tiny models, 5 alternations, ~3 min
     python -m pilab bench --sections one_rank,data --out runs/bench
+    sudo python -m pilab bench --sections network --quick   # the testbed section (root)
 
-A library package, not scripts under ``benchmarks/``, so that the command works from an installed
-pilab and its pieces are importable (tests call them on tiny settings); ``benchmarks/`` keeps the older
-stand-alone studies. Every figure is a ratio against a baseline measured in the same run: contenders
-alternate round by round (the order rotated), one ratio per round, reported as median and p10-p90 /
-min-max. The sections that need ranks run as one ``mpiexec -n 2 python -m pilab.bench.ranks`` job.
+The one home of pilab's benchmarks: a library package, so that the command works from an installed
+pilab and its pieces are importable (tests call them on tiny settings). Every figure is a ratio against
+a baseline measured in the same run: contenders alternate round by round (the order rotated), one ratio
+per round, reported as median and p10-p90 / min-max. Sections that need ranks run as MPI jobs
+(``pilab.launch.run_job`` over ``pilab.bench.ranks`` / ``pilab.bench.memory`` / ``pilab.harness``; a
+failed job raises ``launch.JobError``).
 
 * ``one_rank``: pilab's one-rank step vs a bare PyTorch loop; ``models``: images/s per model and layout;
-* ``data``: ShardLoader vs a per-sample Dataset + DataLoader; ``simulator``: exact vs fast, np 1/8/48;
+* ``data``: ShardLoader vs a per-sample Dataset + DataLoader; ``cache``: decoding the data set vs the
+  cached reload; ``simulator``: exact vs fast, np 1/8/48;
 * ``checkpoint``: one mid-epoch checkpoint (ms, bytes) and its share of the 10-minute multi-node interval;
-  ``deviation`` (only when asked for): the fast mode's deviation after 100 steps at np=48;
+  ``cli``: ``python -m pilab --help`` against ``python -c pass`` (the goal: under 1 s);
 * ``ranks``: memory, communication (bandwidth, bucket sweep, hidden share) and the np=2 step
   (pilab vs DDP-gloo vs the sync-only floor vs the no-exchange ceiling, strong scaling);
+* ``sync``: the ways to average a step's gradients at np=2 (per-tensor and fused blocking Allreduce,
+  GradSync with and without polling, fp16, MPICH's async progress thread);
 * ``memory``: peak RSS per rank itemised at the study's setting (``pilab.bench.memory``, real ranks),
   and ``pilab.memory``'s prediction against it over 3 widths x 2 batch sizes.
+
+Only when named (minutes each): ``deviation``, the fast mode's deviation after 100 steps at np=48;
+``perfmodel``, the performance model calibrated here and checked against held-out real runs
+(``pilab.bench.perfmodel``); ``network``, its network half on a testbed of shaped links that the
+section brings up and removes (root; ``pilab.bench.network``; skipped with one line otherwise).
 
 Running some sections only (``--sections memory``) replaces those sections in an existing BENCHMARKS.md
 and keeps the others.
@@ -28,17 +38,12 @@ import datetime
 import json
 import os
 import platform
-import subprocess
-import sys
-import tempfile
 import time
 
-SECTIONS = ("one_rank", "models", "data", "simulator", "checkpoint", "ranks", "memory")
-EXTRA_SECTIONS = ("deviation",)  # not in the default run (~7 min here): the fast mode's 100-step deviation
-
-
-class BenchError(RuntimeError):
-    """A benchmark job failed; the message says which and how."""
+SECTIONS = ("one_rank", "models", "data", "cache", "simulator", "checkpoint", "cli", "ranks", "sync", "memory")
+# not in the default run: the fast mode's 100-step deviation (~7 min here), the performance model
+# against real runs (~4 min), its network half on a testbed (~15 min, root)
+EXTRA_SECTIONS = ("deviation", "perfmodel", "network")
 
 
 # Arm's part numbers (/proc/cpuinfo "CPU part") of the cores in Raspberry Pi boards and their kin.
@@ -120,17 +125,37 @@ def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", mark
     scfg = Config(width=0.25, batch_size=4 if q else 8, threads=1, train_subset=0)
     dcfg = Config(width=0.25, batch_size=4, threads=1, lr=0.05, lr_ref_batch=64)
     if "simulator" in sections:
-
         timed("simulator", lambda: local.simulator(scfg, (1, 8) if q else (1, 8, 48), 5))
     if "checkpoint" in sections:
         ccfg = Config(width=0.25 if q else 1.0, batch_size=16, threads=1, train_subset=512)
         timed("checkpoint", lambda: local.checkpoint_cost(ccfg, 3 if q else 5))
     if "deviation" in sections:
         timed("deviation", lambda: local.fast_deviation(dcfg, 8 if q else 48, 10 if q else 100))
+    if "cli" in sections:
+        timed("cli", lambda: local.cli_startup(5 if q else 10))
+    if "cache" in sections:
+        archive = os.environ.get("PILAB_CIFAR_ARCHIVE") or MEMORY_DATA
+        source = archive if not q and os.path.isfile(archive) else "embedded"
+        timed("cache", lambda: local.cache(source, 3))
     if "ranks" in sections:
         timed("ranks", lambda: _ranks_job(quick, mpiexec))
+    if "sync" in sections:
+        timed("sync", lambda: sync_section(quick, mpiexec))
     if "memory" in sections:
         timed("memory", lambda: memory_section(quick, mpiexec, log=log, before=before))
+    if "perfmodel" in sections:
+        from . import perfmodel
+        timed("perfmodel", lambda: perfmodel.section(quick, mpiexec, log=log))
+    if "network" in sections:
+        from . import network
+        why = network.unavailable()
+        if why:
+            log(f"bench: network skipped: {why}")
+            res["sections"].remove("network")
+        else:
+            work = os.path.join(out, "network") if out else None
+            timed("network", lambda: network.section(quick, work=work, mpiexec=mpiexec, log=log,
+                                                     command=command))
     res["machine"]["loadavg_end"] = list(os.getloadavg())
     res["wall_s"] = time.perf_counter() - t_all
     if out:
@@ -139,7 +164,7 @@ def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", mark
         from ..files import atomic_write_text
         from .report import splice_sections
         text = markdown_report(res)
-        if set(sections) < set(SECTIONS) and os.path.isfile(markdown):
+        if not set(SECTIONS) <= set(sections) and os.path.isfile(markdown):
             # some sections only: replace theirs in the existing report, keep the others' figures
             with open(markdown) as f:
                 text = splice_sections(f.read(), text)
@@ -155,18 +180,13 @@ MEMORY_TABLE = [(w, b) for w in (0.25, 0.5, 1.0) for b in (16, 32)]
 MEMORY_TABLE_EVAL_BATCH = 50
 
 
-def memory_job(out_json: str, setting: dict, mpiexec: str | None = None, env=None) -> dict:
+def memory_job(setting: dict, mpiexec: str | None = None, env=None) -> dict:
     """One ``mpiexec -n 2 python -m pilab.bench.memory`` job for ``setting`` (its flags); its JSON."""
-    from ..launch import mpiexec_command
-    flags = [x for k, v in setting.items() for x in ("--" + k.replace("_", "-"), str(v))]
-    cmd = mpiexec_command(2, [sys.executable, "-m", "pilab.bench.memory", out_json, *flags], mpiexec=mpiexec)
-    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **(env or {})))
-    if p.returncode != 0 or not os.path.exists(out_json):
-        raise BenchError(f"the memory job failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-2000:]}")
-    with open(out_json) as f:
-        out = json.load(f)
+    from ..launch import job_argv, run_job
+    out = run_job(2, "pilab.bench.memory", setting, name="the memory job", mpiexec=mpiexec,
+                  env=dict(os.environ, **(env or {})))
     out["command"] = " ".join(f"{k}={v}" for k, v in (env or {}).items()) + \
-        (" " if env else "") + "mpiexec -n 2 python -m pilab.bench.memory OUT.json " + " ".join(flags)
+        (" " if env else "") + "mpiexec -n 2 python -m pilab.bench.memory OUT.json " + " ".join(job_argv(setting))
     return out
 
 
@@ -181,40 +201,43 @@ def memory_section(quick: bool, mpiexec: str | None = None, log=print, before=()
     for path in before:
         with open(path) as f:
             out["before"].append(dict(json.load(f), file=path))
-    with tempfile.TemporaryDirectory() as tmp:
-        if quick:
-            settings = [dict(data=data, width=0.25, batch_size=16, threads=1, steps=2, train_subset=512,
-                             test_subset=200, eval_batch=MEMORY_TABLE_EVAL_BATCH)]
-        else:
-            settings = [dict(data=data, **MEMORY_STUDY, eval_batch=MEMORY_TABLE_EVAL_BATCH),
-                        dict(data=data, **MEMORY_STUDY)]
-        for i, st in enumerate(settings):
-            log(f"bench: memory at {st}")
-            out["rows"].append(memory_job(os.path.join(tmp, f"row{i}.json"), st, mpiexec))
-        table = [] if quick else [dict(data=data, width=w, batch_size=b, threads=2, steps=2, test_subset=1000,
-                                       eval_batch=MEMORY_TABLE_EVAL_BATCH) for w, b in MEMORY_TABLE]
-        for i, st in enumerate(table):
-            log(f"bench: memory prediction at {st}")
-            out["table"].append(memory_job(os.path.join(tmp, f"table{i}.json"), st, mpiexec))
+    if quick:
+        settings = [dict(data=data, width=0.25, batch_size=16, threads=1, steps=2, train_subset=512,
+                         test_subset=200, eval_batch=MEMORY_TABLE_EVAL_BATCH)]
+    else:
+        settings = [dict(data=data, **MEMORY_STUDY, eval_batch=MEMORY_TABLE_EVAL_BATCH),
+                    dict(data=data, **MEMORY_STUDY)]
+    for st in settings:
+        log(f"bench: memory at {st}")
+        out["rows"].append(memory_job(st, mpiexec))
+    table = [] if quick else [dict(data=data, width=w, batch_size=b, threads=2, steps=2, test_subset=1000,
+                                   eval_batch=MEMORY_TABLE_EVAL_BATCH) for w, b in MEMORY_TABLE]
+    for st in table:
+        log(f"bench: memory prediction at {st}")
+        out["table"].append(memory_job(st, mpiexec))
     return out
 
 
-def ranks_command(out_json: str, quick: bool, mpiexec: str | None = None) -> list[str]:
-    from ..launch import mpiexec_command
-    return mpiexec_command(2, [sys.executable, "-m", "pilab.bench.ranks", out_json]
-                           + (["--quick"] if quick else []), mpiexec=mpiexec)
+def sync_section(quick: bool, mpiexec: str | None = None) -> dict:
+    """The ``sync`` rank job (``pilab.bench.ranks --sections sync``) twice: as MPICH runs by default,
+    and under ``MPIR_CVAR_ASYNC_PROGRESS=1`` (a progress thread per rank), each with its own baseline."""
+    from ..launch import run_job
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    payload = {"sections": "sync", "quick": quick}
+    out = {}
+    for key, extra in (("default", {}), ("async_progress", {"MPIR_CVAR_ASYNC_PROGRESS": "1"})):
+        job = run_job(2, "pilab.bench.ranks", payload, name=f"the sync job ({key})", mpiexec=mpiexec,
+                      env=dict(env, **extra))
+        out[key] = job["sync"]
+    out["command"] = "OMP_NUM_THREADS=1 [MPIR_CVAR_ASYNC_PROGRESS=1] mpiexec -n 2 python -m pilab.bench.ranks " \
+        "OUT.json --sections sync" + (" --quick" if quick else "")
+    return out
 
 
 def _ranks_job(quick: bool, mpiexec: str | None) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "ranks.json")
-        cmd = ranks_command(path, quick, mpiexec)
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if p.returncode != 0 or not os.path.exists(path):
-            raise BenchError(f"the rank job failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-2000:]}")
-        with open(path) as f:
-            out = json.load(f)
-        out["command"] = "OMP_NUM_THREADS=1 mpiexec -n 2 python -m pilab.bench.ranks OUT.json" + \
-            (" --quick" if quick else "")
-        return out
+    from ..launch import run_job
+    out = run_job(2, "pilab.bench.ranks", {"quick": quick}, name="the rank job", mpiexec=mpiexec,
+                  env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out["command"] = "OMP_NUM_THREADS=1 mpiexec -n 2 python -m pilab.bench.ranks OUT.json" + \
+        (" --quick" if quick else "")
+    return out

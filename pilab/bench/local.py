@@ -1,6 +1,7 @@
 """The single-process benchmarks: one rank's step vs a bare PyTorch loop, images/s per model and memory
-layout, the data path vs a per-sample Dataset + DataLoader, the simulator (exact vs fast), and the cost of
-one mid-epoch checkpoint.
+layout, the data path vs a per-sample Dataset + DataLoader, loading the data set (decode vs the cached
+reload), the simulator (exact vs fast), the cost of one mid-epoch checkpoint, and how fast the command
+line answers ``--help``.
 
 Each function returns a plain dict of raw per-round numbers and their summaries (``stats.summary``)."""
 from __future__ import annotations
@@ -224,3 +225,44 @@ def checkpoint_cost(cfg: Config, saves: int, interval_min: float = 10.0) -> dict
     med = float(np.median(times))
     return {"model": cfg.model, "width": cfg.width, "saves": saves, "save_s": summary(times), "raw": times,
             "bytes": size, "interval_min": interval_min, "share_of_interval": med / (interval_min * 60)}
+
+
+def cache(source: str, rounds: int) -> dict:
+    """Loading the data set: decoding ``source`` into an empty cache vs reloading it from that cache
+    (the checksum verified), ``rounds`` times, each round in a fresh cache directory::
+
+        cache("embedded", 3)     # {'decode_s': {...}, 'reload_s': {...}, 'reload_speedup': {...}, ...}
+    """
+    import tempfile
+    decode, reload = [], []
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory() as cache_dir:
+            t = time.perf_counter()
+            ds = data_mod.load(source, cache_dir=cache_dir)
+            decode.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            again = data_mod.load(source, cache_dir=cache_dir)
+            reload.append(time.perf_counter() - t)
+            assert again.checksum == ds.checksum
+    images = len(ds.y_train) + len(ds.y_test)
+    return {"source": source, "images": images, "decode_s": summary(decode), "reload_s": summary(reload),
+            "decode_images_per_s": summary([images / t for t in decode]),
+            "reload_speedup": summary([d / r for d, r in zip(decode, reload)]),
+            "raw": {"decode": decode, "reload": reload}}
+
+
+def cli_startup(rounds: int, repeat: int = 2) -> dict:
+    """How long ``python -m pilab --help`` takes against starting Python at all (``python -c pass``),
+    each a fresh process, alternated round by round; the goal is under 1 s (the CLI builds its parser
+    from torch-free modules: tests/test_architecture.py checks that nothing heavy is imported)::
+
+        cli_startup(5)      # {'seconds': {'python': {...}, 'help': {...}}, 'help_over_python': {...}, ...}
+    """
+    import subprocess
+    import sys
+
+    def start(*argv):
+        return lambda: subprocess.run([sys.executable, *argv], stdout=subprocess.DEVNULL, check=True)
+    s = alternate({"python": start("-c", "pass"), "help": start("-m", "pilab", "--help")}, rounds, repeat)
+    return {"seconds": {n: summary(v) for n, v in s.items()}, "help_over_python": summary(ratios(s, "help", "python")),
+            "goal_s": 1.0, "raw": s}

@@ -1,6 +1,6 @@
 """The benchmarks that need real ranks, one MPI job (every rank runs this module)::
 
-    mpiexec -n 2 python -m pilab.bench.ranks OUT.json [--quick]
+    mpiexec -n 2 python -m pilab.bench.ranks OUT.json [--quick] [--sections memory,comm,e2e,sync]
 
 ``pilab.bench.run`` launches it. Sections, all in one job so that every ratio is between contenders
 measured in the same sitting, alternated round by round:
@@ -10,7 +10,10 @@ measured in the same sitting, alternated round by round:
 * comm: GradSync's effective bandwidth vs one raw Allreduce of the same bytes, the bucket-size sweep with
   the share of communication hidden behind backward, and the small costs of a step (Testall, copies);
 * e2e: one synchronous step, pilab vs DDP-gloo (loopback) vs the sync-only floor vs the no-exchange
-  ceiling, the pre-issue-12 GradSync and pilab with a busy wait, and one rank alone (strong scaling).
+  ceiling, the pre-issue-12 GradSync and pilab with a busy wait, and one rank alone (strong scaling);
+* sync (only when asked for, ``--sections sync``; ``pilab.bench`` runs it once more under
+  ``MPIR_CVAR_ASYNC_PROGRESS=1``): the ways to average one step's gradients, per-tensor and fused
+  blocking Allreduce vs GradSync with and without polling, fp16 and async progress.
 """
 from __future__ import annotations
 
@@ -331,11 +334,116 @@ def e2e(cfg: Config, rounds: int, repeat: int) -> dict:
             "step_s": steps, "ratios": {k: summary(v) for k, v in rs.items()}, "raw": timings, **extra}
 
 
+# ----------------------------------------------------------------------------------------------
+# Ways to average one step's gradients: each is made for its own model and, called after backward,
+# returns (messages, bytes sent[, exposed seconds as GradSync measures them]).
+def _per_tensor(model, cfg):
+    params = list(model.parameters())
+    nbytes = 4 * sum(p.numel() for p in params)
+
+    def average():
+        for p in params:
+            buf = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+            COMM.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
+            buf.div_(SIZE)
+            if buf is not p.grad:
+                p.grad.copy_(buf)
+        return len(params), nbytes
+    return average
+
+
+def _fused(model, cfg):
+    params = list(model.parameters())
+
+    def average():
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        COMM.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+        flat.div_(SIZE)
+        off = 0
+        for p in params:
+            p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
+            off += p.numel()
+        return 1, 4 * flat.numel()
+    return average
+
+
+def _gradsync(**kw):
+    def make(model, cfg):
+        gs = GradSync(model, COMM, bucket_mb=cfg.bucket_mb, **kw)
+
+        def average():
+            st = gs.finish()
+            return st.buckets, st.bytes_sent, st.exposed
+        average.gs = gs
+        return average
+    return make
+
+
+SYNC_VARIANTS = {  # key: (label, maker); e and e+poll run under MPIR_CVAR_ASYNC_PROGRESS=1
+    "a": ("per-tensor blocking", _per_tensor), "b": ("fused blocking", _fused),
+    "c": ("GradSync poll", _gradsync()), "d": ("GradSync no poll", _gradsync(poll=False)),
+    "fp16": ("GradSync poll fp16", _gradsync(compression="fp16")),
+    "e": ("GradSync async progress, no poll", _gradsync(poll=False)),
+    "e+poll": ("GradSync async progress + poll", _gradsync())}
+THREAD_LEVELS = {"THREAD_SINGLE": "single", "THREAD_FUNNELED": "funneled", "THREAD_SERIALIZED": "serialized",
+                 "THREAD_MULTIPLE": "multiple"}
+
+
+def sync(cfg: Config, rounds: int, repeat: int) -> dict:
+    """Ways to average the gradients of one step at one bucket size (``cfg.bucket_mb``), each on its own
+    copy of the model, the same batch: per-tensor blocking Allreduce (a, the baseline), one fused
+    blocking Allreduce (b), GradSync polling from the hooks (c), GradSync without polling (d: MPICH
+    progresses only in finish()'s Waitall), GradSync with fp16 compression. Under
+    ``MPIR_CVAR_ASYNC_PROGRESS=1`` (a progress thread per rank; ``pilab.bench`` runs a second job) the
+    contenders are a, GradSync without polling (e) and with polling (e+poll). Forward + backward +
+    averaging, no optimizer step (the same for all); the slower rank's step per round."""
+    async_progress = os.environ.get("MPIR_CVAR_ASYNC_PROGRESS", "0") not in ("", "0")
+    g = torch.Generator().manual_seed(1 + RANK)  # each rank its own batch, as in training
+    x = torch.randn(cfg.batch_size, 3, 32, 32, generator=g).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (cfg.batch_size,), generator=g)
+    keys = ["a", "e", "e+poll"] if async_progress else ["a", "b", "c", "d", "fp16"]
+    contenders = {}
+    for k in keys:
+        model = _model(cfg)
+        contenders[k] = (model, SYNC_VARIANTS[k][1](model, cfg))
+    rec = {k: {"step": [], "exposed": []} for k in keys}
+    sent = {}
+    for r in range(-1, rounds):  # round -1: the warm-up, not kept
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            model, average = contenders[k]
+            st, ex = [], []
+            nap_barrier()
+            for _ in range(repeat):
+                model.zero_grad(set_to_none=False)
+                t = time.perf_counter()
+                F.cross_entropy(model(x), y).backward()
+                t_backward = time.perf_counter()
+                msgs, nbytes, *exposed = average()
+                st.append(time.perf_counter() - t)
+                ex.append(exposed[0] if exposed else time.perf_counter() - t_backward)
+                sent[k] = (msgs, nbytes)
+            if r >= 0:
+                rec[k]["step"].append(slowest(float(np.median(st))))
+                rec[k]["exposed"].append(slowest(float(np.median(ex))))
+    for _, average in contenders.values():
+        if hasattr(average, "gs"):
+            average.gs.remove()
+    rows = [{"variant": k, "label": SYNC_VARIANTS[k][0], "messages": sent[k][0], "bytes_per_step": sent[k][1],
+             "step_s": summary(rec[k]["step"]), "exposed_s": summary(rec[k]["exposed"]),
+             "step_vs_a": summary([s / b for s, b in zip(rec[k]["step"], rec["a"]["step"])]),
+             "exposed_vs_a": summary([e / b for e, b in zip(rec[k]["exposed"], rec["a"]["exposed"]) if b > 0])}
+            for k in keys]
+    level = next((v for k, v in THREAD_LEVELS.items() if getattr(MPI, k) == MPI.Query_thread()), "?")
+    return {"model": cfg.model, "width": cfg.width, "per_rank_batch": cfg.batch_size, "bucket_mb": cfg.bucket_mb,
+            "async_progress": async_progress, "thread_level": level, "rounds": rounds, "steps_per_round": repeat,
+            "rows": rows, "raw": rec}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="pilab benchmarks that need ranks (run under mpiexec)")
     p.add_argument("out")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--sections", default="memory,comm,e2e")
+    p.add_argument("--sections", default="memory,comm,e2e", help="memory,comm,e2e and/or sync")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     sections = a.sections.split(",")
@@ -352,6 +460,8 @@ def main(argv=None) -> int:
                                    [0.25, 1.0, 4.0, 16.0, 64.0])
     if "e2e" in sections:
         res["e2e"] = e2e(cfg, 5 if q else 10, 2)
+    if "sync" in sections:  # a smaller batch than the step's: communication is a larger share
+        res["sync"] = sync(replace(cfg, batch_size=4 if q else 16), 5 if q else 10, 2 if q else 3)
     res["wall_s"] = time.perf_counter() - t
     if RANK == 0:
         with open(a.out, "w") as f:

@@ -45,8 +45,9 @@ def markdown_report(res: dict) -> str:
         + (f"; the rank job: `{ranks['command']}`" if ranks.get("command") else ""),
         "",
     ]
-    for part in (_one_rank(res), _models(res), _data(res), _comm(ranks), _e2e(ranks), _memory(ranks),
-                 _memory_per_rank(res), _simulator(res), _checkpoint(res), _gpu(res)):
+    for part in (_one_rank(res), _models(res), _data(res), _cache(res), _comm(ranks), _sync(res), _e2e(ranks),
+                 _memory(ranks), _memory_per_rank(res), _simulator(res), _checkpoint(res), _cli(res), _perfmodel(res),
+                 _network(res), _gpu(res)):
         out += part
     return "\n".join(out)
 
@@ -94,6 +95,108 @@ def _data(res: dict) -> list[str]:
                 f"| Dataset + DataLoader images/s | {_r(d['images_per_s']['dataloader'], 0)} |",
                 f"| speed-up | {_r(s, 1)} — {_goal(s, '>=', 3)} |", ""]
     return out
+
+
+def _when(res: dict) -> str:
+    """When and under what load a section was measured (a section run alone keeps the older header)."""
+    m = res["machine"]
+    return (f"Measured {m['date']} on {m['cpu']}, load average {m['loadavg_start'][0]:.1f} at the start "
+            f"(`{res['command']}`).")
+
+
+def _cache(res: dict) -> list[str]:
+    c = res.get("cache")
+    if not c:
+        return []
+    return ["## Data: decoding the data set vs the cached reload", "",
+            f"{c['source']} ({c['images']:,} images): each round decodes it into an empty cache directory, then "
+            "loads it again from there (uint8 arrays, checksum verified). " + _when(res), "",
+            "| figure | value |", "|---|---|",
+            f"| decode | {_r(c['decode_s'])} s, {_r(c['decode_images_per_s'], 0)} images/s |",
+            f"| cached reload | {_ms(c['reload_s'])} |",
+            f"| speed-up of the reload (decode time / reload time) | {_r(c['reload_speedup'], 0)} |", ""]
+
+
+def _sync(res: dict) -> list[str]:
+    s = res.get("sync")
+    if not s:
+        return []
+    d, a = s["default"], s["async_progress"]
+    out = ["## Averaging the gradients of a step (np=2, shared memory)", "",
+           f"{d['model']} width {d['width']}, {d['per_rank_batch']} images per rank, one thread, buckets of "
+           f"{d['bucket_mb']:g} MiB (the bucket sizes: the bucket sweep above); forward + backward + averaging, "
+           f"no optimizer step; {d['rounds']} rounds x {d['steps_per_round']} steps per contender, the slower "
+           "rank's step. Ratios against (a) per-tensor blocking Allreduce measured in the same job; the async "
+           f"progress rows are a second job (`MPIR_CVAR_ASYNC_PROGRESS=1`, thread level {a['thread_level']}) "
+           f"with its own (a). " + _when(res), "",
+           "| variant | messages | MiB/step | step | exposed | step / a | exposed / a |",
+           "|---|---|---|---|---|---|---|"]
+    for job in (d, a):
+        for r in job["rows"]:
+            if job is a and r["variant"] == "a":
+                continue
+            out.append(f"| {r['variant']}: {r['label']} | {r['messages']} | {r['bytes_per_step'] / 2 ** 20:.2f} | "
+                       f"{_ms(r['step_s'])} | {_ms(r['exposed_s'])} | {_r(r['step_vs_a'], 3)} | "
+                       f"{_r(r['exposed_vs_a'])} |")
+    return out + ["", f"- `{s['command']}`", ""]
+
+
+def _cli(res: dict) -> list[str]:
+    c = res.get("cli")
+    if not c:
+        return []
+    sec, ratio = c["seconds"], c["help_over_python"]
+    help_s = sec["help"]
+    met = help_s.get("median") is not None and help_s["median"] < c["goal_s"]
+    return ["## Command line: `python -m pilab --help`", "",
+            "Each call a fresh process, alternated with `python -c pass` (the interpreter's own start-up); "
+            "`--help` imports neither torch nor Bokeh nor MPI. " + _when(res), "",
+            "| figure | value |", "|---|---|",
+            f"| `python -c pass` | {_ms(sec['python'])} |",
+            f"| `python -m pilab --help` | {_ms(help_s)} — {'met' if met else 'NOT met'} (goal < {c['goal_s']:g} s) |",
+            f"| ratio `--help` / `python -c pass` | {_r(ratio)} |", ""]
+
+
+def _perfmodel(res: dict) -> list[str]:
+    p = res.get("perfmodel")
+    if not p:
+        return []
+    sp, b = p["split"], p["base"]
+    out = ["## Performance model against real runs", "",
+           f"Calibrated here from an np=1 run (mobilenetv2_cifar width "
+           f"{b['width']}, {b['batch_size']} per rank, {b['train_subset']} images, one thread) and the Allreduce "
+           f"micro-benchmark at np {', '.join(map(str, p['bench_nps']))}; each held-out run predicted (training "
+           "time of the first epoch; err = (predicted - measured) / measured). *as calibrated*: all cores free; "
+           "*share-aware*: the cores each job got (CPU s / wall s). " + _when(res), "",
+           "| run | cores got | measured s | as calibrated s | err | share-aware s | err | eval measured s | "
+           "predicted s | err |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in p["rows"]:
+        out.append(f"| {r['run']} | {r['cores_got']:.2f} | {r['measured_time']:.2f} | {r['predicted_time_idle']:.2f} | "
+                   f"{r['err_idle_pct']:+.0f}% | {r['predicted_time_share_aware']:.2f} | "
+                   f"{r['err_share_aware_pct']:+.0f}% | {r['measured_eval']:.2f} | "
+                   f"{r['predicted_eval_share_aware']:.2f} | {r['err_eval_pct']:+.0f}% |")
+    sm = p["summary"]
+    out += ["", "Median |err|: as calibrated {:.0f}% ({}/{} within 15%), share-aware {:.0f}% ({}/{} within 15%). "
+            .format(sm["err_idle_pct"]["median_abs"], sm["err_idle_pct"]["within_15"], sm["err_idle_pct"]["n"],
+                    sm["err_share_aware_pct"]["median_abs"], sm["err_share_aware_pct"]["within_15"],
+                    sm["err_share_aware_pct"]["n"])
+            + f"Compute split over {len(sp['rows'])} (width, batch) points: {sp['flops_per_activation']:.0f} FLOPs "
+            f"per activation (model: {sp['model_constants']['flops_per_activation']:.0f}), step work per tensor "
+            f"{sp['step_work_per_tensor']:.3g} (model: {sp['model_constants']['step_work_per_tensor']:.3g}).", ""]
+    return out
+
+
+def _network(res: dict) -> list[str]:
+    n = res.get("network")
+    if not n:
+        return []
+    from .network import bench_table, summary, table
+    an = n["analysis"]
+    return ["## Performance model against the testbed's shaped links", "",
+            f"Testbed {n['testbed']['name']} ({n['testbed']['subnet']}), links {', '.join(n['rates'])}; "
+            f"{'quick settings; ' if n.get('quick') else ''}see `pilab.bench.network` for what each column is. "
+            + _when(res), "", bench_table(an), "", table(an), "", summary(an),
+            "* outside the goal: communication < 30% of the step, or one node", ""]
 
 
 def _comm(ranks: dict) -> list[str]:

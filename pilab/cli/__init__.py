@@ -28,7 +28,8 @@ import sys
 from ..config import ConfigError
 from ..launch import LaunchError, launcher_rank
 from . import bench, compare, data, doctor, perfmodel, remedies, scale, simulate, testbed, train
-from .common import EXIT_USAGE, EXIT_WRITE, Parser, UsageError
+from ..harness import EXIT_WRITE
+from .common import EXIT_USAGE, Parser, UsageError
 
 __all__ = ["main", "build_parser", "UsageError", "EXIT_USAGE"]
 

@@ -1,8 +1,9 @@
 """``pilab bench``: side-by-side benchmarks of pilab against what a user would pick instead.
 
-    python -m pilab bench                  # everything (<= 15 min on a 2-core machine), BENCHMARKS.md
-    python -m pilab bench --quick          # CI-sized settings (~2-3 min); --markdown '' writes none
+    python -m pilab bench                  # the default set (<= 20 min on a 2-core machine), BENCHMARKS.md
+    python -m pilab bench --quick          # CI-sized settings (~3 min); --markdown '' writes none
     python -m pilab bench --sections memory --before benchmarks/results/memory/before-05bde58-eval50.json
+    sudo python -m pilab bench --sections network --quick   # the testbed section (needs root)
 """
 from __future__ import annotations
 
@@ -15,18 +16,22 @@ def add_parser(sub) -> None:
     from ..bench import EXTRA_SECTIONS, SECTIONS  # names only: pilab.bench loads no torch at import
     p = sub.add_parser("bench", help="benchmarks: ratios against baselines measured in the same run",
                        description="One rank vs a bare PyTorch loop, images/s per model, the data path vs "
-                                   "a DataLoader, GradSync vs a raw Allreduce, np=2 vs DDP-gloo and the "
-                                   "sync-only floor, memory, the simulator's fast mode. Writes "
+                                   "a DataLoader, decoding vs the cached reload, GradSync vs a raw Allreduce "
+                                   "and the other ways to average gradients, np=2 vs DDP-gloo and the "
+                                   "sync-only floor, memory, the simulator's fast mode; on request the "
+                                   "performance model against real runs and on a testbed (root). Writes "
                                    "<out>/bench.json and a markdown table.")
     p.add_argument("--quick", action="store_true", help="tiny settings for CI (not the recorded figures)")
     p.add_argument("--sections", default=None,
                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all of them), or "
-                        f"{','.join(EXTRA_SECTIONS)} (the simulator's fast mode after 100 steps at np=48, "
-                        "~7 min; only when named)")
+                        f"{','.join(EXTRA_SECTIONS)}, only when named: the simulator's fast mode after 100 "
+                        "steps at np=48 (~7 min); the performance model against held-out real runs (~4 min); "
+                        "its network half on a testbed of shaped links it brings up and removes (root, "
+                        "~15 min; skipped otherwise)")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json (default: runs/bench)")
     p.add_argument("--markdown", default="BENCHMARKS.md",
                    help="markdown report to write (default: BENCHMARKS.md; '' for none)")
-    p.add_argument("--mpiexec", default=None, help="launcher for the np=2 job (default: pilab.launch's)")
+    p.add_argument("--mpiexec", default=None, help="launcher for the rank jobs (default: pilab.launch's)")
     p.add_argument("--before", default="",
                    help="memory section: comma-separated JSONs of earlier `python -m pilab.bench.memory` runs "
                         "(e.g. at an older commit), shown as a 'before' column beside the same settings")

@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import sys
 from dataclasses import fields
 
 from ..config import CHOICES, Config
+from ..harness import print_stragglers
 
 EXIT_USAGE = 2
 
@@ -86,16 +86,11 @@ def strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _print_stragglers(ev) -> None:
-    if ev["kind"] == "straggler":
-        print(ev["line"], file=sys.stderr, flush=True)
-
-
 def progress_callbacks(quiet: bool):
     """A tqdm bar over all steps and one line per epoch (rank 0 only: callbacks run there); straggler
     warnings (``pilab.stragglers``) are printed with or without the bar."""
     if quiet:
-        return [_print_stragglers]
+        return [print_stragglers]
     from tqdm.auto import tqdm  # only when a bar is wanted: tqdm.auto probes for a notebook
     state = {}
 
@@ -123,85 +118,8 @@ def progress_callbacks(quiet: bool):
 
 
 # ----------------------------------------------------------------------------------------------
-# exit codes, interruption, the output directory
+# the output directory
 # ----------------------------------------------------------------------------------------------
-EXIT_WRITE = 74  # a result or checkpoint could not be written (sysexits' EX_IOERR)
-
-
-def exit_code_for(signum: int) -> int:
-    """The shell's convention: 128 + the signal's number (130 for SIGINT, 143 for SIGTERM)."""
-    return 128 + int(signum)
-
-
-class Interrupt:
-    """The stop request a signal makes; ``train.run(..., stop=flag)`` polls it after every step."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self.reason: str | None = None
-        # on_signal(reason): at once, on the first signal (rank 0 keeps what was done, engine.Keeper):
-        # a launcher that ends the job (a node lost, a batch system's SIGKILL after SIGTERM) may not
-        # leave the ranks the step it takes to stop; the full result replaces it when they do stop
-        self.on_signal = None
-        self.on_exit = None  # before a second signal's os._exit: remove what a cut-short write left
-
-    def __call__(self) -> bool:
-        return self.signum is not None
-
-
-@contextlib.contextmanager
-def interruptible(*, mpi: bool, speak: bool = True):
-    """SIGINT (Ctrl-C) and SIGTERM (a batch system's notice) become a stop request: every rank ends
-    after the same step and writes what it did. A second signal exits at once: ``KeyboardInterrupt``
-    in one process; under mpiexec this rank leaves at once and the launcher ends the others::
-
-        with interruptible(mpi=False) as stop:
-            result = train.run(cfg, None, stop=stop)
-    """
-    flag = Interrupt()
-
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
-        if flag.signum is None:
-            flag.signum, flag.reason = signum, f"interrupted by {name}"
-            if speak:
-                print(f"\npilab: {name}: stopping after the current step and writing what is done "
-                      f"({'Ctrl-C' if signum == signal.SIGINT else name} again exits at once)",
-                      file=sys.stderr, flush=True)
-            if flag.on_signal is not None:
-                flag.on_signal(f"{flag.reason} (during a step; the job ended before that step did)")
-            return
-        if mpi:
-            if speak:
-                print(f"pilab: {name} again: exiting now", file=sys.stderr, flush=True)
-            if flag.on_exit is not None:
-                flag.on_exit()
-            os._exit(exit_code_for(signum))
-        raise KeyboardInterrupt
-
-    signums = (signal.SIGINT, signal.SIGTERM)
-    old = {s: signal.getsignal(s) for s in signums}
-    for s in signums:
-        signal.signal(s, handler)
-    try:
-        yield flag
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h if h is not None else signal.SIG_DFL)
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """SIGTERM raises KeyboardInterrupt like Ctrl-C does (for commands that stop by unwinding)."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
-
-
 # What a run leaves in its --out directory (and may replace when started again there).
 RUN_FILES = ("result.json", "checkpoint.pt")
 

@@ -10,7 +10,6 @@ choices come from it (one source), and ``pilab.perfmodel`` loads neither torch n
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import shlex
@@ -66,7 +65,6 @@ def _add_bench(ps) -> None:
     b.add_argument("--launcher-args", default=None,
                    help='extra mpiexec arguments, e.g. "-ppn 1 -hosts pi01,pi02" to time the '
                         "inter-node link of a cluster")
-    b.add_argument("--part-out", default=None, help=argparse.SUPPRESS)  # a launched rank's output
     b.set_defaults(func=run_bench)
 
 
@@ -199,13 +197,8 @@ def _profiles(args) -> tuple[str, ...]:
 # the actions
 # ----------------------------------------------------------------------------------------------
 def run_bench(args, argv) -> int:
-    if under_mpi():  # a launched rank (run_comm_bench started it): benchmark, rank 0 writes its part
-        from ..launch import mpi
-        MPI = mpi()  # only on the ranks: importing mpi4py initialises MPI
-        res = pm.comm_bench(MPI.COMM_WORLD, args.sizes)
-        if MPI.COMM_WORLD.Get_rank() == 0 and args.part_out:
-            save_json(res, args.part_out)
-        return 0
+    if under_mpi():  # every rank would launch its own jobs
+        raise UsageError("perfmodel bench launches its own mpiexec jobs; run it without mpiexec")
     if any(p < 2 for p in args.np):
         raise UsageError("--np values must be >= 2 (an Allreduce needs two ranks)")
     _check_range(args, "sizes", 1)

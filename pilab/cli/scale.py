@@ -12,8 +12,8 @@ import sys
 from dataclasses import replace
 
 from ..config import ConfigError
-from .common import (UsageError, add_config_arguments, config_from_args, exit_code_for, ints,
-                     sigterm_as_interrupt)
+from ..signals import exit_code_for, sigterm_as_interrupt
+from .common import UsageError, add_config_arguments, config_from_args, ints
 
 
 

@@ -8,8 +8,9 @@ import os
 import sys
 
 from ..config import Config, ConfigError
-from .common import (EXIT_WRITE, add_config_arguments, check_out_dir, clear_out_dir, config_from_args, exit_code_for,
-                     interruptible, progress_callbacks)
+from ..harness import EXIT_WRITE
+from ..signals import exit_code_for, interruptible
+from .common import add_config_arguments, check_out_dir, clear_out_dir, config_from_args, progress_callbacks
 
 DEFAULTS = Config(out="runs/simulate")
 

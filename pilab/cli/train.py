@@ -18,9 +18,9 @@ import time
 
 from ..config import Config, ConfigError
 from ..launch import pilab_command, under_mpi
-from .common import (EXIT_USAGE, EXIT_WRITE, UsageError, add_config_arguments, check_out_dir,
-                     clear_out_dir, config_from_args, exit_code_for, interruptible, mpi_or_error,
-                     progress_callbacks, strip_flags)
+from ..signals import exit_code_for, handled, interruptible
+from .common import (EXIT_USAGE, UsageError, add_config_arguments, check_out_dir, clear_out_dir,
+                     config_from_args, mpi_or_error, progress_callbacks, strip_flags)
 
 DEFAULTS = Config(out="runs/train")
 
@@ -86,7 +86,7 @@ def run(args, argv) -> int:
             clear_out_dir(cfg.out)
         with interruptible(mpi=False) as stop:
             result = _train_alone(cfg, args.quiet, stop, ds)
-        return _report(result, cfg, stop)
+        return _report(result, cfg, stop.signum)
     return _train_rank(cfg, args)
 
 
@@ -121,17 +121,13 @@ def _launch(cfg: Config, args, argv) -> int:
     # the ranks need not check the memory again (PILAB_MEMORY_CHECKED): it was done here, before launch
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, process_group=0, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=dict(os.environ, PILAB_MEMORY_CHECKED="1"))
-    signums = (signal.SIGINT, signal.SIGTERM)
-    old = {s: signal.getsignal(s) for s in signums}
     got: list[int] = []
 
     def forward(signum, frame):
         got.append(signum)
         if proc.poll() is None:
             proc.send_signal(signum)
-    for s in signums:
-        signal.signal(s, forward)
-    try:
+    with handled((signal.SIGINT, signal.SIGTERM), forward):
         from ..watchdog import watch_launcher
         t_launch, tail = time.time(), [""]
         rc = watch_launcher(proc, tail=tail)
@@ -140,9 +136,6 @@ def _launch(cfg: Config, args, argv) -> int:
         # A second signal makes mpiexec end the ranks at once, and Hydra may then exit 0 although the
         # run did not finish: report the signal (128 + it), as a single process does.
         return exit_code_for(got[-1]) if len(got) >= 2 and rc == 0 else rc
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def _keep_after_launcher(cfg: Config, np_: int, rc: int, said: str, t_launch: float) -> None:
@@ -170,21 +163,19 @@ def _train_alone(cfg: Config, quiet: bool, stop=None, data=None) -> dict:
 
 
 def _train_rank(cfg: Config, args) -> int:
-    """One rank of an mpiexec job."""
+    """One rank of an mpiexec job: the settings checked on every rank and voted on, then the guarded
+    run (``pilab.harness``)."""
     from ..launch import mpi
     MPI = mpi()  # LaunchError naming the fix without an MPI library
 
-    from .. import train
-    from ..data import DataError
-    from ..dist import abort_on_error, check_launcher
-    from ..engine import Handoff, Keeper, failure_reason, load_data
-    from ..watchdog import Watchdog, hang_s_from_env
+    from .. import harness
+    from ..dist import check_launcher
+    from ..engine import Handoff, load_data
+    from ..watchdog import hang_s_from_env
     comm = MPI.COMM_WORLD
     check_launcher(comm)
-    # Validate on every rank, then vote: a bad setting stops all ranks cleanly (exit 2) before any
-    # collective of the training itself, instead of leaving some ranks waiting.
-    error, ds, stale = None, None, False
-    try:
+
+    def check():
         if args.np is not None and args.np != comm.Get_size():
             raise ConfigError(f"--np {args.np} but this job has {comm.Get_size()} ranks; "
                               "drop --np under mpiexec")
@@ -193,44 +184,26 @@ def _train_rank(cfg: Config, args) -> int:
         hang_s = args.hang_s if args.hang_s is not None else hang_s_from_env()
         if hang_s < 0:
             raise ConfigError(f"--hang-s {args.hang_s} must be >= 0 (0: no watchdog)")
+        stale = False
         if comm.Get_rank() == 0:  # only rank 0 writes: its view of --out and of the checkpoint counts
             stale = _check_output(cfg, args, comm.Get_size())
         _check_memory_flags(args)  # a bad --node-memory fails here, on every rank, before the vote
-    except (ConfigError, DataError, UsageError, ValueError) as e:
-        error = e
-    first = comm.allreduce(comm.Get_rank() if error is not None else comm.Get_size(), op=MPI.MIN)
-    if first < comm.Get_size():
-        if comm.Get_rank() == first:  # the lowest failing rank speaks for all
-            print(f"pilab: error: {error}", file=sys.stderr)
+        return ds, stale, hang_s
+    try:
+        ds, stale, hang_s = harness.vote(comm, check, refusals=(UsageError,))
+    except harness.Refused as e:
+        if e.speaks:  # the lowest failing rank speaks for all
+            print(f"pilab: error: {e.error}", file=sys.stderr)
         return EXIT_USAGE
     local = _ranks_on_my_node(comm)  # collective, after the vote: every rank takes part
     if comm.Get_rank() == 0 and not os.environ.get("PILAB_MEMORY_CHECKED"):
         _memory_warning(cfg, args, comm.Get_size(), args.ranks_per_node or local)
-    # The watchdog ends every rank, naming the unreachable or stuck one, when a collective never
-    # completes (a node off the network): MPI over TCP would wait for TCP's timeouts.
     if stale:
         clear_out_dir(cfg.out)
-    rank0 = comm.Get_rank() == 0
-    # An abort keeps what was done: rank 0 writes result.json (stopped_early, the reason naming the
-    # rank and host) when its watchdog ends it, when it fails itself, or when another rank tells it
-    # (over the watchdog's side channel) that it failed, before that rank aborts the job.
-    keeper, dog = Keeper(), []
-
-    def on_error(e):
-        reason = failure_reason(comm.Get_rank(), e)
-        if rank0:
-            keeper(reason)
-        elif dog:
-            dog[0].tell(reason)
-    with interruptible(mpi=True, speak=rank0) as stop, abort_on_error(comm, on_error=on_error), \
-            Watchdog(comm, hang_s, on_end=keeper, on_peer_failure=keeper) as watchdog:
-        dog.append(watchdog)
-        stop.on_signal, stop.on_exit = keeper, keeper.cleanup
-        # handed over: the rank keeps its shard, not the whole training set (~150 MB of CIFAR-10)
-        data, ds = Handoff(ds), None
-        result = train.run(cfg, comm, callbacks=progress_callbacks(args.quiet), data=data,
-                           stop=_Polled(watchdog.polled(stop), stop), keeper=keeper)
-    return _report(result, cfg, stop, speak=rank0)
+    # handed over: the rank keeps its shard, not the whole training set (~150 MB of CIFAR-10)
+    data, ds = Handoff(ds), None
+    out = harness.guarded_run(cfg, comm, data=data, callbacks=progress_callbacks(args.quiet), hang_s=hang_s)
+    return _report(out.result, cfg, out.signum, speak=comm.Get_rank() == 0)
 
 
 def _ranks_on_my_node(comm) -> int:
@@ -243,24 +216,11 @@ def _ranks_on_my_node(comm) -> int:
         node.Free()
 
 
-class _Polled:
-    """The watchdog's poll, carrying the interrupt's reason into the result (``stop_reason``)."""
-
-    def __init__(self, poll, flag):
-        self.poll, self.flag = poll, flag
-
-    def __call__(self) -> bool:
-        return self.poll()
-
-    @property
-    def reason(self):
-        return self.flag.reason
-
-
-def _report(result: dict, cfg: Config, stop=None, *, speak: bool = True) -> int:
-    """Print the summary (rank 0 only: ``speak``) and return the exit code: 0; 74 when a checkpoint
-    or the result could not be written; 128 + the signal when stopped by one (130 when another rank's
-    signal or a stop request ended the run)."""
+def _report(result: dict, cfg: Config, signum: int | None = None, *, speak: bool = True) -> int:
+    """Print the summary (rank 0 only: ``speak``) and return the exit code (``harness.exit_code``): 0;
+    74 when a checkpoint or the result could not be written; 128 + the signal when stopped by one (130
+    when another rank's signal or a stop request ended the run)."""
+    from ..harness import exit_code
     write_error = result.get("write_error")
     if speak:
         last = result["epochs"][-1] if result["epochs"] else {}
@@ -269,15 +229,11 @@ def _report(result: dict, cfg: Config, stop=None, *, speak: bool = True) -> int:
               f"final test acc {last.get('test_acc')}")
         if cfg.out and not (write_error and "result.json" in write_error):
             print(f"result: {os.path.join(cfg.out, 'result.json')}")
-    if write_error:
-        if speak:
+        if write_error:
             print(f"pilab: error: {write_error}", file=sys.stderr)
-        return EXIT_WRITE
-    if result.get("stopped_early"):
-        if speak:
+        elif result.get("stopped_early"):
             print(interrupted_line(result, cfg), file=sys.stderr)
-        return exit_code_for(stop.signum if stop is not None and stop.signum else signal.SIGINT)
-    return 0
+    return exit_code(result, signum)
 
 
 def interrupted_line(result: dict, cfg: Config) -> str:

@@ -17,9 +17,9 @@ import contextlib
 import os
 import signal
 import socket
-import threading
 import time
 
+from ..signals import handled
 from .errors import ClusterError
 from .events import begin_stream, publish
 from .scatter import load_scattered
@@ -62,17 +62,8 @@ def stop_flag(signals=(signal.SIGINT,)):
     all ranks together when any rank has it set. Outside the main thread it yields a plain flag.
     """
     flag = StopFlag()
-    if threading.current_thread() is not threading.main_thread():
+    with handled(signals, lambda signum, frame: flag.set()):
         yield flag
-        return
-    old = {s: signal.getsignal(s) for s in signals}
-    for s in signals:
-        signal.signal(s, lambda signum, frame: flag.set())
-    try:
-        yield flag
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h if h is not None else signal.SIG_DFL)
 
 
 # The last run on this engine: %%px cells can look at the trained model (see rank_state). Only ever
@@ -90,7 +81,7 @@ def engine_train(cfg, np_: int | None = None, *, stream: bool = True, scatter: b
 
         lab.view.apply_async(cluster.engine_train, cfg, 2)     # what Engines.train does
     """
-    from .. import train  # these two on the engines only (see the module docstring)
+    from ..harness import guarded_run  # these two on the engines only (see the module docstring)
     from ..launch import mpi
     MPI = mpi()
 
@@ -110,12 +101,11 @@ def engine_train(cfg, np_: int | None = None, *, stream: bool = True, scatter: b
             # A node off the network can never rejoin this run: after hang_s without a step every rank
             # ends itself, naming the unreachable ranks (the client reports them as died). A stuck but
             # reachable rank is left to the client's own hang report.
-            from ..watchdog import Watchdog
-            with Watchdog(comm, hang_s, fatal=("unreachable",)) as watchdog:
-                result, model = train.train(cfg, comm, callbacks=callbacks, stop=watchdog.polled(stop),
-                                            data=data)
+            out = guarded_run(cfg, comm, data=data, callbacks=callbacks, hang_s=hang_s, where="engine",
+                              stop=stop)
+            result = out.result
             last.clear()
-            last.update(model=model, cfg=cfg, np=np_, rank=comm.Get_rank(), result=result)
+            last.update(model=out.model, cfg=cfg, np=np_, rank=comm.Get_rank(), result=result)
         finally:
             comm.Free()
     if rank == 0:

@@ -12,8 +12,8 @@ METRIC_BYTES = 24  # pilab's per-step Allreduce of [loss sum, correct, stop vote
 
 # A CPU training step of these 32x32 networks is bound by memory traffic as much as by FLOPs: one
 # activation element written by a layer costs about as much time as this many training FLOPs.
-# Measured once on an x86 core with PyTorch's CPU build (benchmarks/bench_perfmodel.py --split prints
-# the fit); it sets how compute time moves with width, not its level, which the np=1 run calibrates.
+# Measured once on an x86 core with PyTorch's CPU build (`python -m pilab bench --sections perfmodel`
+# prints the fit); it sets how compute time moves with width, not its level, which the np=1 run calibrates.
 FLOPS_PER_ACTIVATION_CPU = 230.0
 # Each step also pays a cost that does not grow with the batch (operator dispatch, autograd
 # bookkeeping, the optimizer's per-tensor loops): ~20 ms per step for MobileNetV2 here at one thread,

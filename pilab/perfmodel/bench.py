@@ -1,5 +1,6 @@
 """The Allreduce micro-benchmark: ``comm_bench`` times Allreduce on every rank of an MPI job,
-``run_comm_bench`` launches such jobs at several np and fits alpha and beta.
+``run_comm_bench`` launches such jobs (``pilab.perfmodel.ranks`` on every rank) at several np and fits
+alpha and beta.
 
     python -m pilab perfmodel bench --np 2 3          # = run_comm_bench((2, 3)); writes the JSON
 
@@ -10,14 +11,11 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
-import tempfile
 import time
 from typing import Iterable, Mapping, Sequence
 
 from ..config import ConfigError
-from ..files import load_json
-from ..launch import mpi_library, pilab_command
+from ..launch import mpi_library, run_job
 from .fit import fit_alpha_beta
 
 DEFAULT_SIZES = (4, 64, 1024, 16 * 1024, 128 * 1024, 2 ** 20, 4 * 2 ** 20, 16 * 2 ** 20)
@@ -83,26 +81,16 @@ def run_comm_bench(nps: Iterable[int] = (2, 3), *, sizes: Sequence[int] = DEFAUL
         run_comm_bench((2,), extra_args=["-ppn", "1", "-hosts", "n01,n02"])   # the inter-node link
 
     Returns {"runs": [bench at each np], "fit": fit_alpha_beta(...)}; the JSON the CLI writes.
-    Raises ``ConfigError`` for an np below 2 or a size below 1 byte, ``LaunchError`` without a
-    launcher, ``RuntimeError`` (with the job's stderr) when a launched job fails.
+    ``env``: the jobs' whole environment (default: this process's). Raises ``ConfigError`` for an np
+    below 2 or a size below 1 byte, ``LaunchError`` without a launcher, ``launch.JobError`` (a
+    RuntimeError, with the job's exit code and stderr) when a launched job fails or times out.
     """
     nps = [int(p) for p in nps]
     if not nps or min(nps) < 2:
         raise ConfigError(f"nps={nps}: every np must be >= 2 (an Allreduce needs two ranks)")
     if not sizes or min(sizes) < 1:
         raise ConfigError(f"sizes={list(sizes)}: message sizes are bytes >= 1")
-    runs = []
-    with tempfile.TemporaryDirectory(prefix="pilab-bench-") as tmp:
-        for p in nps:
-            part = os.path.join(tmp, f"np{p}.json")
-            # each rank runs the CLI's bench, which sees it is under mpiexec and calls comm_bench
-            cmd = pilab_command(p, ["perfmodel", "bench", "--part-out", part,
-                                    "--sizes", *[str(s) for s in sizes]],
-                                mpiexec=mpiexec, extra=extra_args)
-            proc = subprocess.run(cmd, env=dict(env) if env is not None else None, timeout=timeout,
-                                  capture_output=True, text=True)
-            if proc.returncode != 0 or not os.path.exists(part):
-                raise RuntimeError(f"comm bench at np={p} failed (exit {proc.returncode}): "
-                                   f"{proc.stderr.strip()[-800:]}")
-            runs.append(load_json(part))
+    # each np is one job whose ranks run pilab.perfmodel.ranks (comm_bench); rank 0 answers
+    runs = [run_job(p, "pilab.perfmodel.ranks", {"sizes": list(sizes)}, name=f"comm bench at np={p}",
+                    mpiexec=mpiexec, extra=extra_args, env=env, timeout=timeout) for p in nps]
     return {"runs": runs, "fit": fit_alpha_beta(runs)}

@@ -1,66 +1,68 @@
-"""Validate the performance model's network half on the testbed: multi-node runs over shaped TCP links.
+"""The ``network`` section: the performance model's network half against multi-node runs over shaped TCP
+links, on a testbed of network namespaces this section brings up and always removes again::
 
-    sudo python benchmarks/bench_network.py                         # ~15 min on 2 busy cores
-    sudo python benchmarks/bench_network.py --rates 100mbit --repeat 1 --out runs/bench_network.json
-    python benchmarks/bench_network.py --analyse benchmarks/results/bench_network.json  # no root, no runs
+    sudo python -m pilab bench --sections network            # ~15 min on 2 busy cores (needs root)
+    sudo python -m pilab bench --sections network --quick    # 2 nodes, one rate, np=2 (~3 min)
 
-Brings up its own testbed (``pilabnet``: 4 nodes x 2 slots on 10.77.8.0/24, see ``pilab.testbed``) and
-always takes it down again, also after an error or Ctrl-C. Then, on the nodes' namespaces:
+Without root it is skipped with one line saying why. Its testbed has a name and range of its own
+(``plbench``, 10.84.0.0/24; see ``pilab.testbed``), so it never touches another session's, and it is
+taken down after an error or Ctrl-C too. On the nodes' namespaces:
 
 1. the Allreduce micro-benchmark (``perfmodel.run_comm_bench``) on one node (np 2 and 4: the intra-node
    link, MPICH's shared memory; np 4 is oversubscribed), and at each link rate with one rank on each of
    2 nodes (the inter-node link), 4 nodes, and 2 ranks on each of 2 and 4 nodes (held out);
 2. an np=1 training run on node01 (the compute calibration);
-3. real training runs at np = 2, 4, 8 on 1, 2 and 4 nodes (block placement, ranks 0.. on node01) at
-   each rate, repeated ``--repeat`` times, the rates alternating so that the machine's load hits each
-   alike;
+3. real training runs (``pilab.harness`` jobs, as ``pilab train`` runs them) at np = 2, 4, 8 on 1, 2 and
+   4 nodes (block placement, ranks 0.. on node01) at each rate, the rates alternating so that the
+   machine's load hits each alike;
 4. alpha and beta fitted from 1. *only* (``fit_alpha_beta(..., min_bytes=16 KiB)``, the sizes a
    gradient bucket has: intra from the one-node runs, inter from the 2-node one-rank-per-node run at
-   that rate), the Cluster built with ``cluster_from_calibration``,
-   and ``perfmodel.predict`` against each run: the Allreduce time per step (measured: rank 0's median
-   of ``comm_exposed - comm_wait`` over the steps after the first -- the network's part of the
-   exposed communication; at width 0.25 the gradients are one 1 MB bucket, ready at the end of
-   backward, so none of it is hidden) and the training time of the epoch.
+   that rate), the Cluster built with ``cluster_from_calibration``, and ``perfmodel.predict`` against
+   each run: the Allreduce time per step (measured: rank 0's median of ``comm_exposed - comm_wait`` over
+   the steps after the first -- the network's part of the exposed communication; at width 0.25 the
+   gradients are one 1 MB bucket, ready at the end of backward, so none of it is hidden) and the
+   training time of the epoch.
 
 All nodes of the testbed share this machine's cores: a node gets ``cores / nodes`` of them
 (``Cluster.available_cores``), and np = 4 and 8 are oversubscribed (more ranks than the 2 cores).
 "share-aware" also scales by the cores each job actually got on a machine shared with other work (CPU
-seconds over wall seconds, as in ``benchmarks/bench_perfmodel.py``). "+ tbf credit" takes off each
-multi-node step the first ``testbed.burst_bytes(rate)`` of its transfer, which tc's token bucket lets
-through at once after the step's compute (a testbed effect, not a wire's: see docs/perfmodel.md).
-Nothing here asserts on timings.
+seconds over wall seconds, as in the ``perfmodel`` section). "+ tbf credit" takes off each multi-node
+step the first ``testbed.burst_bytes(rate)`` of its transfer, which tc's token bucket lets through at
+once after the step's compute (a testbed effect, not a wire's: see docs/perfmodel.md). Nothing here
+asserts on timings. The model's side works from the stored measurements only: the recorded run's
+tables again, without root or runs::
+
+    python -c "from pilab.bench import network; print(network.report('benchmarks/results/bench_network.json'))"
 """
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import platform
-import resource
+import shutil
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from .. import perfmodel as pm
+from .. import testbed
+from ..config import Config
+from ..files import load_json
+from .perfmodel import train as harness_train
 
-from pilab import perfmodel  # noqa: E402
-from pilab.config import Config  # noqa: E402
-
-NAME, SUBNET = "pilabnet", "10.77.8.0/24"
+NAME, SUBNET = "plbench", "10.84.0.0/24"
 SIZES = (4, 1024, 16 * 1024, 128 * 1024, 2 ** 20, 4 * 2 ** 20)
 # (np, nodes): block placement, np / nodes ranks on each node
 POINTS = [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)]
 TRAIN = dict(width=0.25, batch_size=8, train_subset=512, test_subset=100, epochs=1, threads=1)
 GOAL = 0.20  # |predicted / measured - 1| for communication-bound points
 COMM_BOUND = 0.30  # measured network time >= this share of the step
+RATES, QUICK_RATES = ("100mbit", "1gbit"), ("100mbit",)
 
 
-def cpu_seconds() -> float:
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
+def unavailable() -> str | None:
+    """None when this section can run here, else why not (one line: root, Linux, ip/tc/unshare)."""
+    return testbed.available()
 
 
 def hosts_arg(tb, np_: int, nodes: int) -> str:
@@ -76,11 +78,10 @@ def base_env(tb) -> dict:
     return env
 
 
-def bench(tb, np_: int, nodes: int, log) -> dict:
+def bench(tb, np_: int, nodes: int, log, mpiexec=None) -> dict:
     t = time.monotonic()
-    res = perfmodel.run_comm_bench(
-        (np_,), sizes=SIZES, env=base_env(tb), timeout=600,
-        extra_args=[*tb.mpiexec_args(), "-hosts", hosts_arg(tb, np_, nodes)])
+    res = pm.run_comm_bench((np_,), sizes=SIZES, env=base_env(tb), timeout=600, mpiexec=mpiexec,
+                            extra_args=[*tb.mpiexec_args(), "-hosts", hosts_arg(tb, np_, nodes)])
     run = res["runs"][0]
     run.update(nodes=nodes, rate=None, wall_s=round(time.monotonic() - t, 1))
     log(f"  bench np={np_} nodes={nodes}: " + ", ".join(
@@ -88,22 +89,17 @@ def bench(tb, np_: int, nodes: int, log) -> dict:
     return run
 
 
-def train(tb, np_: int, nodes: int, out: str, log) -> dict:
-    from pilab.launch import find_mpiexec
-    cmd = [find_mpiexec(), *tb.mpiexec_args(), "-hosts", hosts_arg(tb, np_, nodes), "-n", str(np_),
-           sys.executable, "-m", "pilab", "train", "--quiet", "--overwrite", "--hang-s", "120",
-           "--out", out]
-    for k, v in TRAIN.items():
-        cmd += ["--" + k.replace("_", "-"), str(v)]
-    cpu0, t0 = cpu_seconds(), time.perf_counter()
-    p = subprocess.run(cmd, env=base_env(tb), capture_output=True, text=True, cwd=REPO, timeout=900)
-    wall = time.perf_counter() - t0
-    cores = (cpu_seconds() - cpu0) / wall
-    if p.returncode != 0:
-        raise RuntimeError(f"train np={np_} nodes={nodes} failed (exit {p.returncode}):\n"
-                           f"{(p.stderr or p.stdout)[-2500:]}")
-    with open(os.path.join(out, "result.json")) as f:
-        r = json.load(f)
+def train_run(tb, np_: int, hosts: str, out: str, mpiexec=None) -> tuple[dict, float, float]:
+    """One training run on ``hosts`` of the testbed: (result, wall seconds, cores the job got)."""
+    shutil.rmtree(out, ignore_errors=True)  # a run of its own in out
+    t0 = time.perf_counter()
+    r, cores = harness_train(np_, Config(out=out, **TRAIN), mpiexec, hang_s=120, env=base_env(tb),
+                             extra=[*tb.mpiexec_args(), "-hosts", hosts], timeout=900)
+    return r, time.perf_counter() - t0, cores
+
+
+def train(tb, np_: int, nodes: int, out: str, log, mpiexec=None) -> dict:
+    r, wall, cores = train_run(tb, np_, hosts_arg(tb, np_, nodes), out, mpiexec)
     st = r["steps"]
     net = [e - w for e, w in zip(st["comm_exposed"], st["comm_wait"])][1:]
     comp = st["compute"][1:]
@@ -131,11 +127,11 @@ FIT = {"min_bytes": 16 * 1024, "stat": "seconds"}  # see perfmodel.fit_alpha_bet
 def links(data: dict, fit=FIT) -> dict:
     """Fitted links: intra (one node), inter per rate (2 nodes x 1 rank)."""
     intra_runs = [b for b in data["bench"] if b["nodes"] == 1]
-    intra = perfmodel.fit_alpha_beta(intra_runs, **fit)
+    intra = pm.fit_alpha_beta(intra_runs, **fit)
     out = {"intra": intra, "inter": {}}
     for rate in data["rates"]:
         runs = [b for b in data["bench"] if b["rate"] == rate and b["nodes"] == 2 and b["np"] == 2]
-        out["inter"][rate] = perfmodel.fit_alpha_beta(runs, **fit)
+        out["inter"][rate] = pm.fit_alpha_beta(runs, **fit)
     return out
 
 
@@ -144,19 +140,18 @@ def cluster_for(cal, fits, rate, np_, nodes, cores, cores_got=None):
     # (share-aware: of the cores the job actually got)
     avail = (cores_got if cores_got else cores) / nodes
     inter = fits["inter"][rate]
-    return perfmodel.cluster_from_calibration(
+    return pm.cluster_from_calibration(
         cal, nodes=nodes, ranks_per_node=np_ // nodes,
-        inter=perfmodel.Link(inter["alpha"], inter["beta"]), available_cores=avail)
+        inter=pm.Link(inter["alpha"], inter["beta"]), available_cores=avail)
 
 
 def analyse(data: dict) -> dict:
-    from pilab import testbed
     fits = links(data)
     cores = data["cores"]
     np1 = data["np1"]
-    cal = perfmodel.calibrate(np1["result"], [b for b in data["bench"] if b["nodes"] == 1],
+    cal = pm.calibrate(np1["result"], [b for b in data["bench"] if b["nodes"] == 1],
                               source="testbed node01 np=1")
-    cal_share = perfmodel.calibrate(np1["result"], [b for b in data["bench"] if b["nodes"] == 1],
+    cal_share = pm.calibrate(np1["result"], [b for b in data["bench"] if b["nodes"] == 1],
                                     source="testbed node01 np=1",
                                     available_cores=min(np1["cores_got"], TRAIN["threads"]))
     cfg = Config(**TRAIN)
@@ -170,8 +165,8 @@ def analyse(data: dict) -> dict:
         for size, t in zip(b["sizes_bytes"], b["seconds"]):
             if size not in (128 * 1024, 2 ** 20, 4 * 2 ** 20):
                 continue
-            pred = perfmodel.allreduce_time(size, b["np"], cl, None, crowded)
-            pred_h = perfmodel.allreduce_time(size, b["np"], cl, "hierarchical", crowded)
+            pred = pm.allreduce_time(size, b["np"], cl, None, crowded)
+            pred_h = pm.allreduce_time(size, b["np"], cl, "hierarchical", crowded)
             bench_rows.append({"rate": b["rate"], "np": b["np"], "nodes": b["nodes"], "bytes": size,
                                "measured_s": t, "predicted_s": pred, "ratio": pred / t,
                                "predicted_hierarchical_s": pred_h})
@@ -180,8 +175,8 @@ def analyse(data: dict) -> dict:
         np_, nodes, rate = r["np"], r["nodes"], r["rate"]
         cl = cluster_for(cal, fits, rate, np_, nodes, cores)
         cl_s = cluster_for(cal_share, fits, rate, np_, nodes, cores, r["cores_got"])
-        p = perfmodel.predict(cfg, np_, cl, "pilab")
-        ps = perfmodel.predict(cfg, np_, cl_s, "pilab")
+        p = pm.predict(cfg, np_, cl, "pilab")
+        ps = pm.predict(cfg, np_, cl_s, "pilab")
         net_pred = p["step"]["comm_exposed"]
         # the testbed's links are token buckets (pilab.testbed.burst_bytes), refilled while a step
         # computes: the first burst of each step's inter-node transfer passes at once
@@ -253,98 +248,65 @@ def summary(an: dict) -> str:
             f"epoch: {len(ok_e)}/{len(goal)}, epoch share-aware: {len(ok_s)}/{len(goal)}")
 
 
-# ----------------------------------------------------------------------------------------------
-def measure(args, log) -> dict:
-    from pilab import testbed
-    why = testbed.available()
-    if why:
-        sys.exit(f"bench_network: {why}")
-    rates = args.rates.split(",")
-    nps = {int(x) for x in args.nps.split(",")}
-    points = [pt for pt in POINTS if pt[0] in nps]
-    data = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+def section(quick: bool = False, *, work: str | None = None, mpiexec: str | None = None, repeat: int = 1,
+            command: str = "python -m pilab bench --sections network", log=print) -> dict:
+    """Bring up the testbed, measure, take it down; the measurements and their analysis. ``work``:
+    where the runs' results go (their step logs stay there; the dict keeps the figures; None: a
+    temporary folder)."""
+    if work is None:
+        with tempfile.TemporaryDirectory(prefix="pilab-bench-network-") as tmp:
+            return section(quick, work=tmp, mpiexec=mpiexec, repeat=repeat, command=command, log=log)
+    rates = list(QUICK_RATES if quick else RATES)
+    nodes_n = 2 if quick else 4
+    nps = {2} if quick else {2, 4, 8}
+    points = [pt for pt in POINTS if pt[0] in nps and pt[1] <= nodes_n]
+    data = {"command": command, "quick": quick,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "host": platform.node(), "cores": os.cpu_count(), "load_before": os.getloadavg(),
-            "rates": rates, "train_config": TRAIN, "sizes": list(SIZES),
+            "rates": rates, "train_config": TRAIN, "sizes": list(SIZES), "testbed": {"name": NAME, "subnet": SUBNET},
             "bench": [], "train": [], "np1": None}
-    testbed.down(NAME)
-    tb = testbed.up(testbed.Testbed(nodes=4, slots=2, rate=rates[0], subnet=SUBNET, name=NAME))
+    testbed.down(NAME)  # what an earlier run of this section may have left
+    tb = testbed.up(testbed.Testbed(nodes=nodes_n, slots=2, rate=rates[0], subnet=SUBNET, name=NAME))
     try:
-        log(f"testbed {NAME} up; load {os.getloadavg()[0]:.1f}")
-        for np_ in (2, 4):  # the intra-node link: shared memory, independent of the link rate
-            data["bench"].append(bench(tb, np_, 1, log))
+        log(f"bench: network: testbed {NAME} up ({SUBNET}); load {os.getloadavg()[0]:.1f}")
+        for np_ in sorted(n for n in (2, 4) if n in nps):  # intra-node: shared memory, whatever the rate
+            data["bench"].append(bench(tb, np_, 1, log, mpiexec))
         for rate in rates:
             for h in tb.hosts:
                 tb = testbed.shape(tb, h, rate)
-            log(f"links {rate}")
+            log(f"bench: network: links {rate}")
             for np_, nodes in ((2, 2), (4, 4), (4, 2), (8, 4)):
-                if np_ in nps or (np_, nodes) == (2, 2):
-                    run = bench(tb, np_, nodes, log)
+                if nodes <= nodes_n and (np_ in nps or (np_, nodes) == (2, 2)):
+                    run = bench(tb, np_, nodes, log, mpiexec)
                     run["rate"] = rate
                     data["bench"].append(run)
-        out = os.path.join(args.work, "np1")
-        from pilab.launch import find_mpiexec
-        cmd = [find_mpiexec(), *tb.mpiexec_args(), "-hosts", f"{tb.address('node01')}:1", "-n", "1",
-               sys.executable, "-m", "pilab", "train", "--quiet", "--overwrite", "--out", out]
-        for k, v in TRAIN.items():
-            cmd += ["--" + k.replace("_", "-"), str(v)]
-        cpu0, t0 = cpu_seconds(), time.perf_counter()
-        subprocess.run(cmd, env=base_env(tb), check=True, capture_output=True, cwd=REPO, timeout=900)
-        wall = time.perf_counter() - t0
-        with open(os.path.join(out, "result.json")) as f:
-            data["np1"] = {"result": json.load(f), "cores_got": (cpu_seconds() - cpu0) / wall}
-        log(f"np=1: epoch {data['np1']['result']['epochs'][0]['time']:.2f} s, "
-            f"cores got {data['np1']['cores_got']:.2f}")
-        for rep in range(1, args.repeat + 1):
+        r, _, cores = train_run(tb, 1, f"{tb.address('node01')}:1", os.path.join(work, "np1"), mpiexec)
+        data["np1"] = {"result": r, "cores_got": cores}
+        log(f"  np=1: epoch {r['epochs'][0]['time']:.2f} s, cores got {cores:.2f}")
+        for rep in range(1, repeat + 1):
             order = rates if rep % 2 else rates[::-1]  # alternate: neither rate always runs first
             for rate in order:
                 for h in tb.hosts:
                     tb = testbed.shape(tb, h, rate)
-                log(f"rep {rep}, links {rate}; load {os.getloadavg()[0]:.1f}")
+                log(f"bench: network: rep {rep}, links {rate}; load {os.getloadavg()[0]:.1f}")
                 for np_, nodes in points:  # one-node runs too: the same load, and a check
-                    row = train(tb, np_, nodes, os.path.join(args.work, f"{rate}-np{np_}-n{nodes}-{rep}"), log)
+                    row = train(tb, np_, nodes, os.path.join(work, f"{rate}-np{np_}-n{nodes}-{rep}"), log, mpiexec)
                     row.update(rate=rate, rep=rep)
                     data["train"].append(row)
     finally:
         testbed.down(NAME)
-        log(f"testbed {NAME} down")
+        log(f"bench: network: testbed {NAME} down")
     data["load_after"] = os.getloadavg()
+    for r in data["train"]:
+        r.pop("result", None)  # the step logs stay in work; the dict keeps the figures
+    data["analysis"] = analyse(data)
     return data
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rates", default="100mbit,1gbit", help="link rates, tc syntax (default: %(default)s)")
-    ap.add_argument("--nps", default="2,4,8")
-    ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--work", default=os.path.join(REPO, "runs", "bench_network"))
-    ap.add_argument("--out", default=os.path.join(REPO, "runs", "bench_network.json"))
-    ap.add_argument("--analyse", default=None, help="redo the model's side from this JSON; runs nothing")
-    args = ap.parse_args(argv)
-
-    def log(msg):
-        print(msg, flush=True)
-    if args.analyse:
-        with open(args.analyse) as f:
-            data = json.load(f)
-    else:
-        data = measure(args, log)
-        for r in data["train"]:
-            r.pop("result", None)  # the step logs stay in --work; the JSON keeps the figures
+def report(data) -> str:
+    """The section's tables (markdown) from its dict or a stored JSON's path, analysed again."""
+    if isinstance(data, str):
+        data = load_json(data)
     an = analyse(data)
-    data["analysis"] = an
-    if not args.analyse:
-        from pilab.files import save_json
-        save_json(data, args.out)
-        log(f"wrote {args.out}")
-    print(bench_table(an))
-    print()
-    print(table(an))
-    print()
-    print(summary(an))
-    print("* outside the goal: communication < 30% of the step, or one node")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return "\n\n".join([bench_table(an), table(an), summary(an),
+                         "* outside the goal: communication < 30% of the step, or one node"])

@@ -1,0 +1,205 @@
+"""The rank harness: one training run on the ranks of a communicator, guarded against what ends a job
+badly (a bad setting on one rank, an exception, a signal, a peer gone off the network)::
+
+    ds = harness.vote(comm, lambda: load_checked(cfg, comm))     # every rank checks; one refusal stops all
+    outcome = harness.guarded_run(cfg, comm, data=Handoff(ds), hang_s=120)
+    outcome.result, outcome.model, outcome.signum
+
+    mpiexec -n 2 python -m pilab.harness ANSWER.json --config '{"epochs": 1, ...}'   # the study's points
+
+Two ways a rank lives, one function (``where``):
+
+* ``"job"``, a process of an ``mpiexec`` job (``pilab train``, the study's measured points): SIGINT and
+  SIGTERM stop every rank after the same step, a second one exits at once; an exception aborts the
+  job; the watchdog ends a rank on any verdict; rank 0 keeps what was done in ``<out>/result.json``.
+* ``"engine"``, an ipyparallel engine that outlives the run (``pilab.cluster.engine_train``): the
+  caller's stop flag is polled; an exception goes back to the client and the engine lives on; the
+  watchdog ends a rank only when a peer is unreachable (a stuck one is the client's to report).
+
+Imports torch and MPI inside the functions only: the CLI imports this module to answer ``--help``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .config import Config, ConfigError
+from .signals import exit_code_for, interruptible
+
+__all__ = ["guarded_run", "Outcome", "vote", "Refused", "exit_code", "EXIT_WRITE", "print_stragglers"]
+
+EXIT_WRITE = 74  # a result or checkpoint could not be written (sysexits' EX_IOERR)
+EXIT_REFUSED = 2  # a rank refused the settings (the CLI's exit code for bad input)
+
+
+class Refused(Exception):
+    """A rank's check failed in :func:`vote`; raised on every rank. ``speaks`` is true on the lowest
+    failing rank (it says why, the others stay quiet), ``error`` is that rank's exception there."""
+
+    def __init__(self, error: BaseException | None, first: int, speaks: bool):
+        super().__init__(str(error) if error is not None else f"rank {first} refused the settings")
+        self.error, self.first, self.speaks = error, first, speaks
+
+
+# What a rank's check may raise for a bad setting (anything else is a bug: it propagates).
+def _refusals() -> tuple:
+    from .data import DataError
+    return (ConfigError, DataError, ValueError)
+
+
+def vote(comm, check: Callable[[], Any], refusals: tuple = ()) -> Any:
+    """``check()`` on every rank of ``comm``, then one vote: when any rank's check raised a bad-setting
+    error (``ConfigError``, ``DataError``, ``ValueError`` or one of ``refusals``), every rank raises
+    :class:`Refused` before any collective of the training itself, instead of leaving some ranks
+    waiting. Returns this rank's ``check()`` value::
+
+        ds = harness.vote(comm, lambda: train.load_data(cfg))
+    """
+    MPI = _mpi()
+    error, value = None, None
+    try:
+        value = check()
+    except (*_refusals(), *refusals) as e:
+        error = e
+    rank, size = comm.Get_rank(), comm.Get_size()
+    first = comm.allreduce(rank if error is not None else size, op=MPI.MIN)
+    if first < size:
+        raise Refused(error, first, speaks=rank == first)
+    return value
+
+
+@dataclass
+class Outcome:
+    """What :func:`guarded_run` returns: the result dict (as in ``result.json``), the trained model and
+    the signal that stopped the run (None: no signal did)."""
+    result: dict
+    model: Any
+    signum: int | None = None
+
+
+def guarded_run(cfg: Config, comm, *, data=None, callbacks=(), hang_s: float = 120.0, where: str = "job",
+                stop=None) -> Outcome:
+    """Train ``cfg`` on every rank of ``comm`` under the guards of ``where`` ("job" or "engine", see
+    the module docstring); call it on every rank. ``data``: as for ``train.run`` (the CLI hands its data
+    set over with ``engine.Handoff``). ``stop``: "engine" only, the caller's stop flag (a job installs
+    its own signal handlers). ``hang_s``: the watchdog's quiet time (0: no watchdog)::
+
+        with cluster.stop_flag() as stop:
+            out = harness.guarded_run(cfg, comm, where="engine", stop=stop, hang_s=120)
+    """
+    from . import train  # torch: on the ranks only
+    from .watchdog import Watchdog
+    if where == "engine":
+        with Watchdog(comm, hang_s, fatal=("unreachable",)) as watchdog:
+            result, model = train.train(cfg, comm, callbacks=callbacks, stop=watchdog.polled(stop), data=data)
+        return Outcome(result, model)
+    if where != "job":
+        raise ValueError(f"where={where!r}: use 'job' or 'engine'")
+    if stop is not None:
+        raise ValueError("a job installs its own stop flag (SIGINT, SIGTERM); stop= is for engines")
+    from .dist import abort_on_error
+    from .engine import Keeper, failure_reason
+    rank0 = comm.Get_rank() == 0
+    # An abort keeps what was done: rank 0 writes result.json (stopped_early, the reason naming the
+    # rank and host) when its watchdog ends it, when it fails itself, or when another rank tells it
+    # (over the watchdog's side channel) that it failed, before that rank aborts the job.
+    keeper, dog = Keeper(), []
+
+    def on_error(e):
+        reason = failure_reason(comm.Get_rank(), e)
+        if rank0:
+            keeper(reason)
+        elif dog:
+            dog[0].tell(reason)
+    # The watchdog ends every rank, naming the unreachable or stuck one, when a collective never
+    # completes (a node off the network): MPI over TCP would wait for TCP's timeouts.
+    with interruptible(mpi=True, speak=rank0) as flag, abort_on_error(comm, on_error=on_error), \
+            Watchdog(comm, hang_s, on_end=keeper, on_peer_failure=keeper) as watchdog:
+        dog.append(watchdog)
+        flag.on_signal, flag.on_exit = keeper, keeper.cleanup
+        result, model = train.train(cfg, comm, callbacks=callbacks, data=data, keeper=keeper,
+                                    stop=_Polled(watchdog.polled(flag), flag))
+    return Outcome(result, model, flag.signum)
+
+
+class _Polled:
+    """The watchdog's poll, carrying the interrupt's reason into the result (``stop_reason``)."""
+
+    def __init__(self, poll, flag):
+        self.poll, self.flag = poll, flag
+
+    def __call__(self) -> bool:
+        return self.poll()
+
+    @property
+    def reason(self):
+        return self.flag.reason
+
+
+def exit_code(result: dict, signum: int | None = None) -> int:
+    """A run's exit status: 0; 74 when a checkpoint or the result could not be written; 128 + the
+    signal when stopped by one (130 when another rank's signal or a stop request ended the run)."""
+    import signal
+    if result.get("write_error"):
+        return EXIT_WRITE
+    if result.get("stopped_early"):
+        return exit_code_for(signum or signal.SIGINT)
+    return 0
+
+
+def print_stragglers(ev) -> None:
+    """A callback that prints the straggler monitor's warnings (``pilab.stragglers``) on stderr."""
+    if ev["kind"] == "straggler":
+        print(ev["line"], file=sys.stderr, flush=True)
+
+
+def _mpi():
+    from .launch import mpi
+    return mpi()
+
+
+# ----------------------------------------------------------------------------------------------
+# the job: one guarded run launched by pilab.launch.run_job (the study's measured points)
+# ----------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    """Every rank of ``mpiexec -n N python -m pilab.harness ANSWER.json --config JSON [--hang-s S]``:
+    the run ``pilab train`` makes under mpiexec (the vote, the guards, result.json in the config's
+    ``out``), without the CLI; rank 0 writes the result to ANSWER.json as well."""
+    p = argparse.ArgumentParser(description="one guarded training run on the ranks of this job")
+    p.add_argument("answer", help="where rank 0 writes the result (JSON)")
+    p.add_argument("--config", required=True, help="the Config as JSON (its to_dict())")
+    p.add_argument("--hang-s", type=float, default=None, help="watchdog (default: $PILAB_HANG_S or 120)")
+    a = p.parse_args(argv)
+    from .dist import check_launcher
+    from .engine import Handoff, load_data
+    from .files import save_json
+    from .watchdog import hang_s_from_env
+    comm = _mpi().COMM_WORLD
+    check_launcher(comm)
+
+    def check():
+        cfg = Config(**json.loads(a.config))
+        ds = load_data(cfg)
+        cfg.check_world(comm.Get_size(), len(ds.y_train))
+        hang_s = a.hang_s if a.hang_s is not None else hang_s_from_env()
+        if hang_s < 0:
+            raise ConfigError(f"--hang-s {a.hang_s} must be >= 0 (0: no watchdog)")
+        return cfg, ds, hang_s
+    try:
+        cfg, ds, hang_s = vote(comm, check)
+    except Refused as e:
+        if e.speaks:
+            print(f"pilab: error: {e.error}", file=sys.stderr)
+        return EXIT_REFUSED
+    data, ds = Handoff(ds), None  # handed over: the rank keeps its shard, not the whole training set
+    out = guarded_run(cfg, comm, data=data, callbacks=[print_stragglers], hang_s=hang_s)
+    if comm.Get_rank() == 0:
+        save_json(out.result, a.answer)
+    return exit_code(out.result, out.signum)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
