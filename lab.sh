@@ -109,11 +109,11 @@ case "${1:-}" in
         browser
         shift
         export PATH="$venv/bin:$PATH"
-        export PILAB_NB_SMALL=1   # notebooks run with tiny settings under nbval
-        # One pytest run: unit tests in-process, MPI tests spawn real mpiexec ranks, notebooks via nbval;
+        export PILAB_NB_SMALL=1   # the notebooks' small mode (one core, as on Binder)
+        # One pytest run: unit tests in-process, MPI tests spawn real mpiexec ranks, and the five notebooks
+        # run once, in JupyterLab in headless Chromium (tests/test_browser.py), not a second time under nbval;
         # --durations lists the 15 slowest tests, so a suite drifting past ~15 minutes shows its cause.
-        exec "$py" -m pytest -q -p no:cacheprovider --durations=15 tests notebooks --nbval-lax \
-            --nbval-sanitize-with notebooks/sanitize.cfg "$@"
+        exec "$py" -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
         ;;
     *)
         echo "usage: ./lab.sh demo | test | setup" >&2
