@@ -223,7 +223,9 @@ def jupyterlab(tmp_path):
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
     port = _free_port()
-    env = dict(os.environ, PILAB_NB_SMALL="1",
+    # JUPYTER_CONFIG_PATH: the repository's server config, as ./lab.sh setup and binder/postBuild install
+    # it (subshell requests untracked: without it the kernel indicator said "Idle" through 02's study)
+    env = dict(os.environ, PILAB_NB_SMALL="1", JUPYTER_CONFIG_PATH=os.path.join(REPO, "jupyter-config"),
                JUPYTER_CONFIG_DIR=str(root / ".jupyter"), JUPYTER_RUNTIME_DIR=str(root / ".runtime"),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     env.pop("PILAB_NB_LIVE_EPOCHS", None)
@@ -350,7 +352,7 @@ class Page:
         """What a person sees while a cell runs: the kernel indicator and the progress bars' text."""
         running = [c[0] for c in self.cells() if c[2]]
         status = self.page.evaluate(KERNEL_JS)
-        bars = self.page.locator(".widget-hbox:has(.widget-progress) .widget-html-content").all_inner_texts()
+        bars = self.page.locator(".widget-hbox:has(.widget-hprogress) .widget-html-content").all_inner_texts()
         self.samples.append({"t": time.monotonic(), "running": running[0] if running else None,
                              "kernel": status, "progress": bars})
 
