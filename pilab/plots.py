@@ -21,7 +21,7 @@ import threading
 from html import escape
 from typing import Any, Mapping, Sequence
 
-from bokeh.layouts import column, gridplot, row
+from bokeh.layouts import column, row
 from bokeh.models import ColumnDataSource, Div, HoverTool, LabelSet, Legend, Range1d
 from bokeh.palettes import Category10
 from bokeh.plotting import figure
@@ -31,7 +31,8 @@ from . import verdict as judging
 __all__ = ["setup_notebook", "show", "LivePlot", "loss_figure", "accuracy_figure",
            "throughput_figure", "timeline_figure", "result_layout", "speedup_figure",
            "efficiency_figure", "study_accuracy_figure", "curves_by_np", "scaling_dashboard",
-           "report_layout", "remedies_figure", "STEP_SOURCE", "EPOCH_SOURCE", "RANK_SOURCE"]
+           "report_layout", "remedies_figure", "models_figure", "run_summary", "study_cells", "Table",
+           "Paragraph", "STEP_SOURCE", "EPOCH_SOURCE", "RANK_SOURCE"]
 
 # Names of the live ColumnDataSources; a browser finds them with doc.get_model_by_name(...).
 STEP_SOURCE = "pilab_steps"
@@ -39,11 +40,15 @@ EPOCH_SOURCE = "pilab_epochs"
 RANK_SOURCE = "pilab_ranks"
 
 W, H = 430, 260  # one panel, pixels
-PARTS = ("compute", "comm_exposed", "comm_hidden", "data")  # how a rank's time splits
+# How a rank's wall time splits: these parts add up to it (the last two known once the run ended).
+# Communication overlapped with the backward pass is *inside* compute, so it is drawn over the compute
+# bar, not stacked after it (stacked, the bars added up to more than the run took).
+PARTS = ("compute", "comm_exposed", "data", "evaluation", "other")
 PART_LABELS = {"compute": "compute", "comm_exposed": "communication (waited for)",
-               "comm_hidden": "communication (overlapped)", "data": "data loading"}
+               "comm_hidden": "communication overlapped with compute (inside it)", "data": "data loading",
+               "evaluation": "evaluation", "other": "start-up and the rest"}
 PART_COLORS = {"compute": "#4c78a8", "comm_exposed": "#e45756", "comm_hidden": "#f2b8b5",
-               "data": "#72b7b2"}
+               "data": "#72b7b2", "evaluation": "#b279a2", "other": "#bab0ac"}
 
 
 def setup_notebook() -> None:
@@ -67,9 +72,10 @@ def show(obj) -> None:
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 
 
-def show_committed(figure_path: str = "fast-but-wrong/compare.png", caption: str = "") -> bool:
+def show_committed(figure_path: str = "fast-but-wrong/compare.png", caption: str = "") -> None:
     """Display a committed result's figure (``docs/<figure_path>``) in a notebook, labelled as such, beside
-    the small live run a notebook makes; False (and one line saying where to find it) outside a clone::
+    the small live run a notebook makes; one line saying where to find it outside a clone. Returns
+    nothing (a cell showing it prints no stray ``True``)::
 
         plots.show_committed("fast-but-wrong/compare.png", "the committed study: 15,000 images, 10 epochs")
     """
@@ -79,11 +85,10 @@ def show_committed(figure_path: str = "fast-but-wrong/compare.png", caption: str
     if not os.path.exists(path):
         print(f"pilab: the committed figure docs/{figure_path} is in pilab's source repository, not in this "
               "install")
-        return False
+        return
     display(HTML(f"<b>Committed result, not this notebook's run</b>: <code>docs/{escape(figure_path)}</code>"
                  + (f" — {escape(caption)}" if caption else "")))
     display(Image(filename=path))
-    return True
 
 
 def _fig(title: str, x_label: str, y_label: str, **kw) -> figure:
@@ -96,6 +101,18 @@ def _fig(title: str, x_label: str, y_label: str, **kw) -> figure:
         axis.major_label_text_font_size = "12px"
         axis.axis_label_text_font_size = "12px"
     return p
+
+
+def _legend_below(p: figure, ncols: int = 3) -> None:
+    """The legend under the plot, off the data (curves that climb to the top right, or start there)."""
+    if p.legend:
+        legend = p.legend[0]
+        p.add_layout(legend, "below")
+        legend.orientation, legend.location, legend.ncols = "horizontal", "center", ncols
+        legend.label_text_font_size = "10pt"
+        legend.click_policy = "hide"
+        legend.border_line_alpha = 0
+        p.height = H + 40
 
 
 def _legend_outside(p: figure) -> None:
@@ -120,6 +137,7 @@ def _loss(src: ColumnDataSource) -> figure:
 def _accuracy(src: ColumnDataSource) -> figure:
     p = _fig("accuracy per epoch", "epoch", "accuracy")
     p.y_range = Range1d(0, 1)
+    p.xaxis.ticker.min_interval = 1  # whole epochs, not 1.5
     for key, label, color in (("train_acc", "train", Category10[10][0]),
                               ("test_acc", "test", Category10[10][1])):
         p.line("epoch", key, source=src, color=color, line_width=2, legend_label=label)
@@ -137,17 +155,22 @@ def _throughput(src: ColumnDataSource) -> figure:
 
 
 def _timeline(src: ColumnDataSource, title: str = "where each rank's time went") -> figure:
-    p = _fig(title, "seconds (summed over epochs so far)", "rank", y_range=list(src.data["rank"]) or ["0"])
+    p = _fig(title, "seconds (the run's wall time, once it ended)", "rank",
+             y_range=list(src.data["rank"]) or ["0"])
     renderers = p.hbar_stack(list(PARTS), y="rank", height=0.7, source=src,
                              color=[PART_COLORS[k] for k in PARTS])
-    legend = Legend(items=[(PART_LABELS[k], [r]) for k, r in zip(PARTS, renderers)],
-                    label_text_font_size="10pt", location="center")
+    hidden = p.hbar(y="rank", left=0, right="comm_hidden", height=0.22, source=src,
+                    color=PART_COLORS["comm_hidden"], line_color="#c44")
+    items = [(PART_LABELS[k], [r]) for k, r in zip(PARTS, renderers)] + [(PART_LABELS["comm_hidden"], [hidden])]
+    legend = Legend(items=items, label_text_font_size="10pt", location="center", ncols=2,
+                    orientation="horizontal")
     p.add_layout(legend, "below")
-    p.height = H + 60
+    p.height = H + 90
     p.add_tools(HoverTool(tooltips=[("rank", "@rank"), ("compute", "@compute{0.00} s"),
                                     ("comm waited", "@comm_exposed{0.00} s"),
-                                    ("comm overlapped", "@comm_hidden{0.00} s"),
-                                    ("data", "@data{0.00} s")]))
+                                    ("comm overlapped (in compute)", "@comm_hidden{0.00} s"),
+                                    ("data", "@data{0.00} s"), ("evaluation", "@evaluation{0.00} s"),
+                                    ("start-up, rest", "@other{0.00} s")]))
     return p
 
 
@@ -157,16 +180,25 @@ def rank_label(rank: int, marks: Mapping[int, str] | None = None) -> str:
     return f"{rank} ! {mark}" if mark else str(rank)
 
 
-def _rank_columns(per_rank: Mapping[str, list], marks: Mapping[int, str] | None = None) -> dict:
+def _rank_columns(per_rank: Mapping[str, list], marks: Mapping[int, str] | None = None,
+                  result: Mapping | None = None) -> dict:
     """Columns for the per-rank stacked bars from an epoch record's ``per_rank`` (or sums of them);
-    ``marks`` (rank -> short note) marks the stragglers' bars in their labels."""
+    ``marks`` (rank -> short note) marks the stragglers' bars in their labels. With the run's
+    ``result``, evaluation and the rest of its wall time (start-up, data set-up, the final sync) are
+    added, so each bar is as long as the run took."""
     compute = list(per_rank.get("compute", []))
     n = len(compute)
     comm = list(per_rank.get("comm", [0.0] * n))
     exposed = list(per_rank.get("comm_exposed", [0.0] * n))
     data = list(per_rank.get("data", [0.0] * n))
+    evaluation, other = [0.0] * n, [0.0] * n
+    if result is not None and result.get("wall_time"):
+        ev = sum(e.get("eval_time") or 0.0 for e in result.get("epochs") or [])
+        evaluation = [ev] * n
+        other = [max(result["wall_time"] - (c + x + d) - ev, 0.0) for c, x, d in zip(compute, exposed, data)]
     return {"rank": [rank_label(r, marks) for r in range(n)], "compute": compute, "comm_exposed": exposed,
-            "comm_hidden": [max(c - e, 0.0) for c, e in zip(comm, exposed)], "data": data}
+            "comm_hidden": [max(c - e, 0.0) for c, e in zip(comm, exposed)], "data": data,
+            "evaluation": evaluation, "other": other}
 
 
 def _sum_per_rank(epochs: list[Mapping]) -> dict:
@@ -216,8 +248,9 @@ def throughput_figure(result: Mapping) -> figure:
 
 def timeline_figure(result: Mapping) -> figure:
     """Per-rank compute / communication / data seconds over the whole run, as stacked bars."""
-    return _timeline(ColumnDataSource(_rank_columns(_sum_per_rank(result.get("epochs") or []))),
-                     title=f"where each rank's time went (np={result.get('np', '?')})")
+    wall = f", {result['wall_time']:.0f} s in all" if result.get("wall_time") else ""
+    return _timeline(ColumnDataSource(_rank_columns(_sum_per_rank(result.get("epochs") or []), result=result)),
+                     title=f"where each rank's time went (np={result.get('np', '?')}{wall})")
 
 
 def _summary(result: Mapping) -> str:
@@ -230,6 +263,51 @@ def _summary(result: Mapping) -> str:
             f"wall {result.get('wall_time', 0):.1f} s",
             "stopped early" if result.get("stopped_early") else ""]
     return " · ".join(b for b in bits if b)
+
+
+def run_summary(result: Mapping) -> "Paragraph":
+    """What one run showed, in words from its numbers: how it trained, whether it learned (against
+    chance and the verdict floor, pilab.verdict), and where rank 0's wall time went::
+
+        plots.run_summary(result)          # the last line of a notebook cell
+    """
+    cfg = result.get("config") or {}
+    ep = result.get("epochs") or []
+    if not ep:
+        return Paragraph("The run ended before its first epoch: nothing to say yet.")
+    np_, gb = result.get("np", 1), result.get("global_batch") or 0
+    done = result.get("steps_done", result.get("total_steps"))
+    model = cfg.get("model", "the model") + (f" (width {cfg['width']:g})" if str(cfg.get("model", "")).startswith(
+        "mobilenetv2") else "")
+    images = (result.get("data") or {}).get("n_train") or cfg.get("train_subset")
+    parts = [f"{np_} rank{'s' if np_ > 1 else ''} trained {model}"
+             + (f" on {images:,} images" if images else "")
+             + f" for {len(ep)} epoch{'s' if len(ep) > 1 else ''}: {done} synchronous steps of {gb} images"
+             + (f" ({gb // np_} per rank), the gradients averaged over the ranks after each" if np_ > 1 else "")
+             + "."]
+    if result.get("stopped_early"):
+        parts.append(f"It was stopped early, after {done} of {result.get('total_steps')} steps.")
+    accs = [e.get("test_acc") for e in ep if e.get("test_acc") is not None]
+    if accs:
+        first, last = accs[0], accs[-1]
+        if judging.learned(last):
+            parts.append(f"Test accuracy went from {first:.1%} after the first epoch to {last:.1%}: well above "
+                         f"chance ({judging.CHANCE:.0%}), so it learned.")
+        else:
+            parts.append(f"Test accuracy ends at {last:.1%}, near chance ({judging.CHANCE:.0%}): too few steps "
+                         "to learn; more epochs (or images) would.")
+    cols = _rank_columns(_sum_per_rank(ep), result=result)
+    wall = result.get("wall_time")
+    if cols["compute"] and wall:
+        share = {k: cols[k][0] / wall for k in ("compute", "comm_exposed", "data", "evaluation", "other")}
+        parts.append(f"Of its {wall:.0f} s, rank 0 spent {share['compute']:.0%} computing, "
+                     f"{share['comm_exposed']:.0%} waiting for the other ranks and the network, "
+                     f"{share['data']:.0%} preparing batches, {share['evaluation']:.0%} evaluating and "
+                     f"{share['other']:.0%} starting up.")
+    if np_ > 1:
+        parts.append("Ranks on one machine share its cores, so more ranks here are not faster; whether "
+                     "adding nodes pays, and when it turns fast-but-wrong, is 02_strong_scaling's question.")
+    return Paragraph(" ".join(parts))
 
 
 def result_layout(result: Mapping):
@@ -264,8 +342,10 @@ class LivePlot:
         self.title = Div(text="<b>waiting for a run</b>", name="pilab_status")
         self.timeline = _timeline(self.ranks)
         self.note = Div(text="", name="pilab_straggler_note")  # the last straggler warning line
-        self.layout = column(self.title, self.note, gridplot([[_loss(self.steps), _accuracy(self.epochs)],
-                                                   [_throughput(self.steps), self.timeline]]))
+        # rows, not a gridplot: a gridplot aligned the throughput plot's frame with the taller time split
+        # beside it and squashed it (overlapping ticks)
+        self.layout = column(self.title, self.note, row(_loss(self.steps), _accuracy(self.epochs)),
+                             row(_throughput(self.steps), self.timeline))
         self._lock = threading.Lock()
         self._widget = None
         self._per_rank: dict[str, list] = {}
@@ -301,6 +381,8 @@ class LivePlot:
                 self._straggler(event)
             elif kind == "end":
                 self.title.text = f"<b>{_summary(event['result'])}</b>"
+                if self._per_rank:  # now the bars can show the whole wall time
+                    self.ranks.data = _rank_columns(self._per_rank, self.marks, event["result"])
             elif kind == "error":
                 self.title.text = f"<b style='color:#c00'>{event.get('message', 'run failed')}</b>"
 
@@ -393,7 +475,7 @@ def speedup_figure(study: Mapping) -> figure:
     p.add_tools(HoverTool(tooltips=[("np", "@np"), ("speedup", "@speedup{0.00}"),
                                     ("efficiency", "@efficiency{0%}"), ("", "@verdict (@kind)")]))
     _np_axis(p, study)
-    _legend_outside(p)
+    _legend_below(p)
     return p
 
 
@@ -442,7 +524,7 @@ def study_accuracy_figure(study: Mapping) -> figure:
     p.add_tools(HoverTool(tooltips=[("np", "@np"), ("train", "@final_train_acc{0.000}"),
                                     ("test", "@final_test_acc{0.000}"), ("", "@verdict")]))
     _np_axis(p, study)
-    _legend_outside(p)
+    _legend_below(p)
     return p
 
 
@@ -455,6 +537,7 @@ def curves_by_np(study: Mapping):
     """Per-np curves: test accuracy per epoch and training loss per step, one line per np."""
     acc = _fig("test accuracy per epoch, by np", "epoch", "test accuracy")
     acc.y_range = Range1d(0, 1)
+    acc.xaxis.ticker.min_interval = 1
     loss = _fig("training loss by np", "fraction of training", "loss")
     runs = _runs(study)
     palette = Category10[10]
@@ -478,39 +561,122 @@ def curves_by_np(study: Mapping):
             xs = [(j + 1) / len(losses) for j in range(len(losses))]
             loss.line(xs, losses, color=color, line_width=1.2, legend_label=f"np={np_}")
     for p in (acc, loss):
-        _legend_outside(p)
-        # legend in np order, whatever order the curves were drawn in
+        # legend in np order, whatever order the curves were drawn in; under the plot: the loss curves
+        # start at its top left
         if p.legend:
             p.legend[0].items = sorted(p.legend[0].items, key=lambda it: int(it.label.value.split("=")[1]))
+        _legend_below(p, ncols=4)
     return row(acc, loss)
 
 
 def _table(study: Mapping) -> Div:
+    head, rows, notes = study_cells(study)
+    notes = "".join(f"<p style='font-size:10pt;margin:2px'>{escape(n)}</p>" for n in notes)
+    return Div(text=html_table(head, rows) + notes)
+
+
+def study_cells(study: Mapping, *, steps: bool = False) -> tuple[tuple, list[tuple], list[str]]:
+    """(head, rows of cells, notes under the table) of a study, judged by pilab.verdict: the report's
+    table, and the narrower one ``scaling.table`` shows in a notebook (``steps=True``: each row's kind,
+    global batch and optimizer steps -- what fast-but-wrong is about -- instead of images/s, the
+    communication share and energy per epoch, which the dashboard plots)."""
     machine = study.get("machine", "this machine")
     two = machine != "this machine"
-    head = ("np", f"s/epoch ({machine})" if two else "s/epoch (this machine)",
-            *(("s/epoch (this machine)",) if two else ()), "speedup", "efficiency", "images/s",
-            "comm waited", "test acc", "time to target", "energy/epoch kJ", "energy to target kJ", "verdict")
+    runs = study.get("runs") or {}
     rows = []
     for r in _rows(study):
         def f(k, fmt):
             v = r.get(k)
             return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "–"
-        verdict = judging.cell(r)
-        here = f"{f('here_time_per_epoch', '.1f')} ({r.get('here_time_source') or '–'})"
         missing = "no target" if r.get("target_reached") is None else "not reached"
-        ttt = f("time_to_target", ".0f") + " s" if r.get("time_to_target") is not None else \
-            (missing if r.get("time_per_epoch") is not None else "–")
         kj = (lambda k: format(r[k] / 1e3, ".2f") if r.get(k) is not None else "–")
-        ett = kj("energy_to_target_j") if r.get("energy_to_target_j") is not None else \
-            (missing if r.get("energy_j") is not None else "–")
-        rows.append((str(r["np"]), f("time_per_epoch", ".1f"), *((here,) if two else ()), f("speedup", ".2f"),
-                     f("efficiency", ".0%") + ("*" if r.get("efficiency_note") else ""), f("images_per_s", ".0f"),
-                     f("comm_exposed_share", ".0%"), f("final_test_acc", ".3f"), ttt,
-                     kj("energy_per_epoch_j"), ett, verdict))
-    notes = "".join(f"<p style='font-size:10pt;margin:2px'>{escape(n)}</p>"
-                    for n in judging.footnotes(judging.judge_study(study)))
-    return Div(text=html_table(head, rows) + notes)
+        n = (runs.get(str(r["np"])) or {}).get("total_steps")
+        cells = {
+            "np": str(r["np"]),
+            "kind": "simulated" if r.get("simulated") else "measured",
+            "global batch": f("global_batch", "d"),
+            "steps": str(n) if n is not None else "–",
+            f"s/epoch ({machine})": f("time_per_epoch", ".1f"),
+            "s/epoch (this machine)": f"{f('here_time_per_epoch', '.1f')} ({r.get('here_time_source') or '–'})"
+            if two else f("time_per_epoch", ".1f"),
+            "speedup": f("speedup", ".2f"),
+            "efficiency": f("efficiency", ".0%") + ("*" if r.get("efficiency_note") else ""),
+            "images/s": f("images_per_s", ".0f"),
+            "comm waited": f("comm_exposed_share", ".0%"),
+            "test acc": f("final_test_acc", ".3f"),
+            "time to target": f("time_to_target", ".0f") + " s" if r.get("time_to_target") is not None else
+            (missing if r.get("time_per_epoch") is not None else "–"),
+            "energy/epoch kJ": kj("energy_per_epoch_j"),
+            "energy to target kJ": kj("energy_to_target_j") if r.get("energy_to_target_j") is not None else
+            (missing if r.get("energy_j") is not None else "–"),
+            "verdict": judging.cell(r)}
+        rows.append(cells)
+    speed = [f"s/epoch ({machine})"] + (["s/epoch (this machine)"] if two else [])
+    if steps:
+        head = ["np", "kind", "global batch", "steps", *speed, "speedup", "efficiency", "test acc",
+                "time to target", "energy to target kJ", "verdict"]
+    else:
+        head = ["np", *speed, "speedup", "efficiency", "images/s", "comm waited", "test acc", "time to target",
+                "energy/epoch kJ", "energy to target kJ", "verdict"]
+    return tuple(head), [tuple(c[h] for h in head) for c in rows], judging.footnotes(judging.judge_study(study))
+
+
+class Table(str):
+    """A table that a notebook shows as HTML (the last expression of a cell) and that is its plain text
+    everywhere else (``print``, a terminal, ``in``, ``splitlines``)::
+
+        t = plots.Table("np  test acc\n 1  0.338", ["np", "test acc"], [[1, "0.338"]], caption="...")
+        t                                  # in a notebook: an HTML table, its notes, the caption
+
+    ``notes`` go under the table, ``caption`` (a paragraph: the verdict) under them. The HTML marks the
+    table ``class="pilab-table"`` with ``data-kind``, and each cell with its column's name
+    (``data-col``), so a browser test reads what a person reads.
+    """
+
+    def __new__(cls, text: str, head: Sequence[str], rows: Sequence[Sequence[Any]], *,
+                notes: Sequence[str] = (), caption: str = "", kind: str = "table"):
+        self = super().__new__(cls, text)
+        self.head, self.rows = [str(h) for h in head], [[str(c) for c in r] for r in rows]
+        self.notes, self.caption, self.kind = list(notes), caption, kind
+        return self
+
+    def _repr_html_(self) -> str:
+        cell = "padding:3px 8px;text-align:right;vertical-align:top"
+        out = (f"<table class='pilab-table' data-kind='{escape(self.kind)}' "
+               "style='border-collapse:collapse;font-size:13px'><thead><tr>"
+               + "".join(f"<th style='{cell};border-bottom:1px solid #999'>{escape(h)}</th>" for h in self.head)
+               + "</tr></thead><tbody>")
+        for r in self.rows:
+            # short cells stay on one line; a verdict with its reason may wrap
+            out += "<tr>" + "".join(f"<td data-col='{escape(h)}' style='{cell}"
+                                    f"{';white-space:nowrap' if len(c) < 24 else ';min-width:160px'}'>"
+                                    f"{escape(c)}</td>" for h, c in zip(self.head, r)) + "</tr>"
+        out += "</tbody></table>"
+        out += "".join(f"<p style='font-size:12px;margin:4px 0'>{escape(n)}</p>" for n in self.notes)
+        if self.caption:
+            out += f"<p class='pilab-verdict' style='max-width:900px'>{escape(self.caption)}</p>"
+        return out
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class Paragraph(str):
+    """Text a notebook shows as a paragraph (not as a quoted string); still a ``str`` everywhere else::
+
+        plots.Paragraph("np=8 ended at chance.")     # the last expression of a cell
+    """
+
+    title = "What this shows"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_html_(self) -> str:
+        paras = [escape(p) for p in str(self).split("\n\n") if p.strip()] or [""]
+        paras[0] = f"<b>{escape(self.title)}.</b> " + paras[0]
+        return ("<div class='pilab-summary' style='max-width:900px;border-left:4px solid #4c78a8;"
+                "padding:2px 12px;background:#f5f8fc'>" + "".join(f"<p>{p}</p>" for p in paras) + "</div>")
 
 
 def html_table(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -560,13 +726,14 @@ def energy_figure(study: Mapping) -> figure | None:
     return p
 
 
-def scaling_dashboard(study: Mapping):
-    """Speedup vs ideal, efficiency, accuracy vs np, energy, and the per-np curves of a study."""
+def scaling_dashboard(study: Mapping, *, table: bool = True):
+    """Speedup vs ideal, efficiency, accuracy vs np, energy, and the per-np curves of a study; then its
+    table (``table=False``: a notebook shows it apart, :func:`study_table`)."""
     # Plain rows and columns: a gridplot nested in columns renders blank in a standalone page.
     energy = energy_figure(study)
     return column(row(speedup_figure(study), efficiency_figure(study)),
                   row(study_accuracy_figure(study), *((energy,) if energy is not None else ())),
-                  curves_by_np(study), _table(study))
+                  curves_by_np(study), *((_table(study),) if table else ()))
 
 
 def report_layout(study: Mapping):
@@ -585,6 +752,45 @@ def report_layout(study: Mapping):
     if measured:
         parts.append(timeline_figure(measured[-1][1]))
     return column(*parts)
+
+
+def models_figure(studies: Mapping[str, Mapping]):
+    """Several studies (e.g. one per model) on two plots against np: final test accuracy, and speedup
+    with the ideal line -- which keeps its accuracy, which gains more from more ranks::
+
+        plots.show(plots.models_figure({"MobileNetV2": a, "SqueezeNet 1.1": b}))
+    """
+    acc = _np_fig("final test accuracy vs processes", "test accuracy")
+    acc.y_range = Range1d(0, 1)
+    speed = _np_fig("speedup vs processes", "speedup")
+    nps = sorted({r["np"] for st in studies.values() for r in _rows(st)})
+    markers = ("circle", "square", "triangle", "diamond")
+    for i, (label, st) in enumerate(studies.items()):
+        rows = _rows(st)
+        color = Category10[10][i % 10]
+        xs = [r["np"] for r in rows]
+        acc.line(xs, [r["final_test_acc"] for r in rows], color=color, line_width=2, legend_label=label)
+        acc.scatter(xs, [r["final_test_acc"] for r in rows], color=color, size=9, marker=markers[i % 4],
+                    legend_label=label)
+        timed = [r for r in rows if r.get("speedup")]
+        speed.line([r["np"] for r in timed], [r["speedup"] for r in timed], color=color, line_width=2,
+                   legend_label=label)
+        speed.scatter([r["np"] for r in timed], [r["speedup"] for r in timed], color=color, size=9,
+                      marker=markers[i % 4], legend_label=label)
+    acc.line([min(nps), max(nps)], [judging.CHANCE] * 2, color="gray", line_dash="dotted", legend_label="chance")
+    p0 = next((st.get("baseline_np") for st in studies.values() if st.get("baseline_np")), 1)
+    speed.line(nps, [p / p0 for p in nps], color="gray", line_dash="dashed", legend_label="ideal")
+    machine = next((st.get("machine") for st in studies.values() if st.get("machine")), "this machine")
+    speed.yaxis.axis_label = f"speedup vs np={p0} ({machine}{', predicted' if machine != 'this machine' else ''})"
+    for p in (acc, speed):
+        p.xaxis.ticker = nps
+        p.xaxis.major_label_overrides = {n: str(n) for n in nps}
+        legend = p.legend[0]  # below the plot: off the points
+        p.add_layout(legend, "below")
+        legend.orientation, legend.location, legend.ncols = "horizontal", "center", 2
+        legend.label_text_font_size = "10pt"
+        p.height = H + 70
+    return row(acc, speed)
 
 
 def remedies_figure(res: Mapping):
@@ -619,12 +825,18 @@ def remedies_figure(res: Mapping):
                               "dx": [-8 if t > mid else 8 for t in ts],
                               "color": ["#d62728" if r.get("pareto") else "#4c78a8" for r in timed]})
     q.scatter("t", "acc", size=9, color="color", source=src_t)
+    # room around the points for their labels (a label at the top or the right edge was cut off)
+    accs = src_t.data["acc"] + ([target] if target else [])
+    pad_t = (max(ts) - min(ts)) or max(ts) or 1.0
+    q.x_range = Range1d(min(ts) - 0.08 * pad_t, max(ts) + 0.08 * pad_t)
+    q.y_range = Range1d(max(min(accs) - 0.05, 0.0), min(max(accs) + 0.08, 1.0))
     # the front's members named on the picture itself (the PNG has no hover)
-    q.add_layout(LabelSet(x="t", y="acc", text="name", source=src_t, x_offset="dx", y_offset=-4,
-                          text_align="align", text_font_size="9pt"))
+    q.add_layout(LabelSet(x="t", y="acc", text="name", source=src_t, x_offset="dx", y_offset=-5,
+                          text_align="align", text_font_size="10pt"))
     if target:
         q.line([min(src_t.data["t"]), max(src_t.data["t"])], [target, target], color="gray",
                line_dash="dashed")
     q.add_tools(HoverTool(tooltips=[("", "@label"), ("time", "@t{0} s"), ("test acc", "@acc{0.000}")]))
+    q.width, q.height = 480, 360
     return row(p, q)
 

@@ -49,26 +49,55 @@ from .plots import html_table
 
 
 def notebook_config(**overrides) -> Config:
-    """The notebooks' study settings: the demo's, or under CI / nbval / Binder (PILAB_NB_SMALL) a
-    run whose np=1 baseline still learns (~30% test accuracy in about a minute on 2 cores), so the
-    small study shows speedup and the collapse, not a baseline at chance::
+    """The notebooks' study settings: the demo's, or under CI / Binder (PILAB_NB_SMALL) a
+    run whose np=1 baseline still learns (34% test accuracy, ~25 s on one idle core), so the small study
+    shows speedup and the collapse, not a baseline at chance::
 
         study = scaling.study(scaling.notebook_config(), **scaling.notebook_sweep(), out="runs/nb02")
     """
-    if small_mode():
-        base = replace(DEMO, train_subset=1000, test_subset=500, epochs=4)
-    else:
-        base = DEMO
+    # The small run is the demo's training on 500 test images, not a smaller one: MobileNetV2 (width 0.25)
+    # needs about 250 steps of 32 images to leave chance clearly behind (0.338 after 4 epochs of 2,000
+    # images; 3 epochs: 0.280; 1,000 images at batch 16, 248 steps: 0.204 -- measured here).
+    # One thread in small mode: it is made for one core (Binder), and its CPU time is its budget.
+    base = replace(DEMO, test_subset=500, threads=1) if small_mode() else DEMO
     return replace(base, **overrides)
 
 
-def notebook_sweep(simulate_nps=(8, 48), small_simulate_nps=(4,)) -> dict:
-    """Process counts for the notebooks: the demo's, or tiny ones under CI / nbval (PILAB_NB_SMALL),
-    so the same notebook runs in seconds in CI and shows the effect on a laptop::
+def notebook_sweep(simulate_nps=(8, 48), small_simulate_nps=(8,)) -> dict:
+    """Process counts for the notebooks: the demo's, or in small mode (PILAB_NB_SMALL: CI, Binder) one
+    simulated np, where the small run turns fast-but-wrong (np=8: 31 steps of 256 images)::
 
         study = scaling.study(cfg, **scaling.notebook_sweep(), out="runs/nb")
     """
     return {"nps": (1, 2), "simulate_nps": small_simulate_nps if small_mode() else simulate_nps}
+
+
+# Each model's learning rate for the three-model protocol (docs/three-models/run.sh; the spiking CNN's
+# from the sweep in docs/spiking.md), per 32 images and not scaled with np.
+MODEL_LR = {"mobilenetv2_cifar": 0.05, "squeezenet1_1": 0.01, "spiking_cnn": 0.2}
+
+
+def model_config(model: str, **overrides) -> Config:
+    """The settings notebooks 04 and 05 train each model with: the committed three-model protocol
+    (docs/three-models/run.sh: 2,000 embedded images, 500 test, 4 epochs, 32 per rank, the model's own
+    learning rate), in small mode too -- what it shortens is the sweep (:func:`models_sweep`), and the
+    spiking CNN, at width 0.5 there: half the channels cost what MobileNetV2-0.25 does per image and
+    still reach 0.416 at np=1 (width 1: 0.440 at twice the CPU time; measured here)::
+
+        study = scaling.study(scaling.model_config("spiking_cnn"), **scaling.models_sweep())
+    """
+    width = 0.25 if model.startswith("mobilenetv2") else 0.5 if model == "spiking_cnn" and small_mode() else 1.0
+    return replace(DEMO, model=model, width=width, test_subset=500, lr=MODEL_LR.get(model, DEMO.lr),
+                   lr_ref_batch=32, lr_scaling="none", threads=1 if small_mode() else 0, **overrides)
+
+
+def models_sweep() -> dict:
+    """The model notebooks' process counts: the committed study's (np 1, 2 real, 8 and 48 simulated), or
+    in small mode np=1 real and np=8 simulated -- the np where the committed MobileNetV2 turns wrong::
+
+        study = scaling.study(scaling.model_config("squeezenet1_1"), **scaling.models_sweep())
+    """
+    return {"nps": (1,), "simulate_nps": (8,)} if small_mode() else {"nps": (1, 2), "simulate_nps": (8, 48)}
 
 
 @dataclass(frozen=True)
@@ -259,6 +288,31 @@ def run_energy(run: dict, times: dict | None, machine: str, target_acc: float) -
 def verdict(study_: dict, *, within: float = 0.05) -> str:
     """One plain-language paragraph from the numbers (:func:`pilab.verdict.summary`, the one logic)."""
     return judging.summary(judging.judge_study(study_), within=within)
+
+
+def interpretation(study_: dict) -> str:
+    """What a study showed, for the end of a notebook: the verdict paragraph (:mod:`pilab.verdict`), then
+    why -- the optimizer steps each np got -- and the size of the run it came from::
+
+        scaling.interpretation(study)      # the last line of a cell: a paragraph
+    """
+    st = judging.judge_study(study_)
+    parts = [judging.summary(st)]
+    runs = st.get("runs") or {}
+    steps = [(r["np"], runs[str(r["np"])]["total_steps"], r["global_batch"]) for r in st["rows"]
+             if str(r["np"]) in runs and runs[str(r["np"])].get("total_steps")]
+    cfg = st.get("config") or {}
+    if len(steps) > 1 and cfg.get("batch_mode") == "per_rank":
+        parts.append("Why: with " + f"{cfg['batch_size']} images per rank and {cfg['epochs']} epochs, the global "
+                     "batch grows with np and the optimizer steps fall: "
+                     + ", ".join(f"np={p} {n} steps of {gb}" for p, n, gb in steps)
+                     + f" (learning rate rule: {cfg['lr_scaling']}). 03_fast_but_wrong separates this cause from "
+                     "the others.")
+    if cfg:
+        parts.append(f"This run: {cfg['model']} width {cfg['width']:g}, "
+                     f"{cfg['train_subset'] or 'all':,} training and {cfg['test_subset'] or 'all':,} test images, "
+                     f"{cfg['epochs']} epochs: small, so its accuracies are a few points apart from seed to seed.")
+    return plots.Paragraph("\n\n".join(parts))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -484,7 +538,9 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
     calibration/cluster
     JSON path. This machine's times stay in every row beside the target's.
     ``callbacks`` receive {"kind": "run", "np", "simulated", "result"} after each run, so a notebook
-    can draw the dashboard as it fills. Each point's result is kept under ``out/np<p>`` as it finishes;
+    can draw the dashboard as it fills; before each point {"kind": "point", "np", "simulated", "index",
+    "of", "label"}, during a simulated one its {"kind": "step", "global_step", "total_steps"} events, and
+    {"kind": "stopped"} when the study ends early (what ``widgets.Progress`` shows). Each point's result is kept under ``out/np<p>`` as it finishes;
     interrupted (KeyboardInterrupt, a failed run), the study writes what it has (``complete`` false,
     ``missing``: the points not run) and raises :class:`Interrupted`. ``resume=True`` keeps the
     finished points of an earlier run with the same settings in ``out`` and runs only the others.
@@ -506,8 +562,10 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
     runs: dict[int, dict] = {}
     kept: list[int] = []  # points taken from an earlier run of this study (resume) or another (reuse)
     sim_cfg = replace(cfg, threads=sim_threads, out="")
+    points = [(p, False) for p in nps] + [(p, True) for p in simulate_nps]
     try:
         for p in nps:
+            _announce(callbacks, points, p, False)
             run_out = os.path.join(out, f"np{p}") if out else _tmpdir()
             earlier = _finished_point(out, p, replace(cfg, out=run_out), False) if resume else None
             earlier = earlier or reused_run(reuse, p, replace(cfg, out=run_out), False,
@@ -524,6 +582,7 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
             for cb in callbacks:
                 cb({"kind": "run", "np": p, "simulated": False, "result": runs[p], "kept": p in kept})
         for p in simulate_nps:
+            _announce(callbacks, points, p, True)
             # each run's result.json is written as it completes: a long study keeps what it did
             point_cfg = replace(sim_cfg, out=os.path.join(out, f"np{p}") if out else "")
             earlier = _finished_point(out, p, point_cfg, True) if resume else None
@@ -532,13 +591,15 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
             if earlier is None:
                 if out:
                     _clear_point(point_cfg.out)
-                earlier = simulate.run(point_cfg, p)
+                earlier = simulate.run(point_cfg, p, callbacks=[step_events(callbacks)])
             else:
                 kept.append(p)
             runs[p] = earlier
             for cb in callbacks:
                 cb({"kind": "run", "np": p, "simulated": True, "result": runs[p], "kept": p in kept})
     except (KeyboardInterrupt, RuntimeError) as e:  # RuntimeError: a failed run (launch.JobError)
+        for cb in callbacks:
+            cb({"kind": "stopped"})
         partial = _partial_study(cfg, criteria, nps, simulate_nps, runs, kept, t_start, command, e)
         if out:
             _write_partial(partial, out)
@@ -566,6 +627,24 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
     if out:
         write(result, out)
     return result
+
+
+def _announce(callbacks, points: list, p: int, simulated: bool) -> None:
+    """Tell the callbacks which point runs next (a progress bar names it and counts it)."""
+    i = points.index((p, simulated))
+    for cb in callbacks:
+        cb({"kind": "point", "np": p, "simulated": simulated, "index": i, "of": len(points),
+            "label": f"np={p}, " + ("simulated in this process" if simulated else "a real MPI job")})
+
+
+def step_events(callbacks):
+    """A training callback passing each step's progress on to ``callbacks`` (``{"kind": "step",
+    "global_step", "total_steps"}``), for a progress bar over a call that runs several trainings."""
+    def forward(ev):
+        if ev.get("kind") == "step":
+            for cb in callbacks:
+                cb({"kind": "step", "global_step": ev["global_step"], "total_steps": ev.get("total_steps")})
+    return forward
 
 
 def sized_for_model(cfg: Config, runs: dict) -> Config:
@@ -702,7 +781,8 @@ def to_csv(rows: list[dict]) -> str:
 
 def table(study_: dict) -> str:
     """A plain-text table of the rows (what the CLI prints); with a target machine, its times first
-    and this machine's beside them. Verdicts, target and the paragraph under it: :mod:`pilab.verdict`."""
+    and this machine's beside them. Verdicts, target and the paragraph under it: :mod:`pilab.verdict`.
+    It is a :class:`pilab.plots.Table`: the last expression of a notebook cell shows it as HTML."""
     study_ = judging.judge_study(study_)
     machine = study_.get("machine", "this machine")
     two = machine != "this machine"
@@ -729,7 +809,9 @@ def table(study_: dict) -> str:
                      f"{eff:>6} {n(r['final_test_acc'], '8.3f'):>8} {ttt:>12}  {judging.cell(r)}")
     lines += judging.footnotes(study_)
     lines += ["", judging.summary(study_)]
-    return "\n".join(lines)
+    # in a notebook the same rows as an HTML table (the report's cells), the verdict under it
+    head, cells, notes = plots.study_cells(study_, steps=True)
+    return plots.Table("\n".join(lines), head, cells, notes=notes, caption=judging.summary(study_), kind="study")
 
 
 def write(study_: dict, out: str) -> dict:
@@ -900,9 +982,10 @@ def compare_title(cmp: dict) -> str:
     return "by " + (", ".join(kinds[:-1]) + " and " if len(kinds) > 1 else "") + kinds[-1]
 
 
-def models_summary(studies: dict[str, dict]) -> list[dict]:
+def models_summary(studies: dict[str, dict], *, at_np: int | None = None) -> list[dict]:
     """One row per study (e.g. per model): accuracy at the reference np, speedup and energy to target at
-    the largest np, and the smallest np that turned fast-but-wrong — the three-model comparison::
+    the largest np (``at_np``: at that np, where a study has it, so studies of different sweeps compare
+    at one np), and the smallest np up to it that turned fast-but-wrong — the three-model comparison::
 
         rows = scaling.models_summary({"MobileNetV2": a, "SqueezeNet": b, "spiking CNN": c})
         print(scaling.models_summary_markdown(rows))
@@ -912,8 +995,8 @@ def models_summary(studies: dict[str, dict]) -> list[dict]:
         st = judging.judge_study(st)
         rows = st["rows"]
         ref = next(r for r in rows if r["np"] == st.get("accuracy_baseline_np", rows[0]["np"]))
-        top = rows[-1]
-        wrong = [r["np"] for r in rows if r["fast_but_wrong"]]
+        top = next((r for r in rows if r["np"] == at_np), rows[-1])
+        wrong = [r["np"] for r in rows if r["fast_but_wrong"] and r["np"] <= top["np"]]
         out.append({"label": label, "model": st["config"]["model"], "machine": st.get("machine"),
                     "reference_np": ref["np"], "reference_acc": ref["final_test_acc"],
                     "largest_np": top["np"], "largest_np_acc": top["final_test_acc"],
@@ -942,6 +1025,125 @@ def models_summary_markdown(rows: list[dict]) -> str:
                      f"{kj(r['energy_to_target_reference_j'], r)} | {kj(r['energy_to_target_largest_j'], r)} | "
                      f"{fbw} |")
     return "\n".join(lines)
+
+
+def models_table(studies: dict[str, dict], *, at_np: int | None = None, committed: str | None = None) -> str:
+    """The three-model comparison (:func:`models_summary`) as Markdown text, and in a notebook as an HTML
+    table with what it says under it (:func:`models_interpretation`); ``committed`` (e.g.
+    ``"three-models"``) adds the committed studies of docs/<committed>/ that are not among ``studies``
+    (by model), labelled as such::
+
+        scaling.models_table({"MobileNetV2": a, "SqueezeNet 1.1": b})     # the last line of a cell
+        scaling.models_table({"spiking CNN (this run)": c}, at_np=8, committed="three-models")
+    """
+    studies = _with_committed(studies, committed) if committed else studies
+    rows = models_summary(studies, at_np=at_np)
+    md = models_summary_markdown(rows).splitlines()
+    head = [c.strip() for c in md[0].strip("|").split("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in md[2:]]
+    return plots.Table("\n".join(md), head, cells, caption=models_interpretation(studies, at_np=at_np),
+                       kind="models")
+
+
+def _with_committed(studies: dict[str, dict], committed: str) -> dict[str, dict]:
+    """``studies`` and, after them, the committed studies of docs/<committed>/ of the other models."""
+    have = {(st.get("config") or {}).get("model") for st in studies.values()}
+    return {**studies, **{f"{label} (committed)": st for label, st in committed_studies(committed).items()
+                          if st["config"]["model"] not in have}}
+
+
+def committed_studies(name: str) -> dict[str, dict]:
+    """The committed studies of docs/<name>/ (one directory per model, e.g. ``"three-models"``), by a
+    model label; empty outside pilab's source repository::
+
+        scaling.committed_studies("three-models")      # {"MobileNetV2-CIFAR 0.25": {...}, ...}
+    """
+    found = {}
+    for d in sorted(glob.glob(os.path.join(glob.escape(os.path.join(plots.DOCS, name)), "*", "study.json"))):
+        st = _load_json(d)
+        found[_model_label(st["config"])] = st
+    return found
+
+
+# A speedup within this fraction of another model's is "about the same" (the performance model's
+# predictions are not finer than that).
+SAME_SPEED = 0.1
+
+
+def models_interpretation(studies: dict[str, dict], *, committed: str | None = None,
+                          at_np: int | None = None) -> str:
+    """Which model scales better, from the studies' numbers: speed (predicted speedup at the largest np)
+    and accuracy (what each keeps at scale, where its reference learned enough to judge); "too small to
+    tell" where a reference has not. ``committed``: a directory under docs/ with one study per model
+    (``"three-models"``), whose answer is added after this run's::
+
+        scaling.models_interpretation({"MobileNetV2": a, "SqueezeNet 1.1": b}, committed="three-models")
+    """
+    studies = _with_committed(studies, committed) if committed else studies
+    rows = models_summary(studies, at_np=at_np)
+    parts = []
+    timed = [r for r in rows if r.get("speedup_at_largest")]
+    if len(timed) > 1:
+        fast = max(timed, key=lambda r: r["speedup_at_largest"])
+        slow = min(timed, key=lambda r: r["speedup_at_largest"])
+        sp = ", ".join(f"{r['label']} {r['speedup_at_largest']:.1f}" for r in timed)
+        machine = timed[0].get("machine") or "this machine"
+        if fast["speedup_at_largest"] <= slow["speedup_at_largest"] * (1 + SAME_SPEED):
+            parts.append(f"Speed: about the same speedup at np={fast['largest_np']} ({sp}; {machine}, against "
+                         f"np={fast['baseline_np']}).")
+        else:
+            parts.append(f"Speed: {fast['label']} scales better ({sp} at np={fast['largest_np']}; {machine}, "
+                         f"against np={fast['baseline_np']}).")
+    judged = [r for r in rows if r["judged"]]
+    for r in rows:
+        if not r["judged"]:
+            parts.append(f"Accuracy: {r['label']} has not learned at this size (its reference, np={r['reference_np']}, "
+                         f"ends at {r['reference_acc']:.1%}, under the {2 * judging.CHANCE:.0%} floor), so how its "
+                         "accuracy scales is too small to tell here.")
+
+    def kept(r):  # the share of what it learned (above chance) that it keeps at the larger np
+        return max(r["largest_np_acc"] - judging.CHANCE, 0.0) / (r["reference_acc"] - judging.CHANCE)
+    for r in judged:
+        drop = r["reference_acc"] - r["largest_np_acc"]
+        fbw = (f"fast-but-wrong from np={r['first_fast_but_wrong_np']}" if r["first_fast_but_wrong_np"]
+               else "never fast-but-wrong here")
+        parts.append(f"Accuracy: {r['label']} goes from {r['reference_acc']:.1%} (np={r['reference_np']}) to "
+                     f"{r['largest_np_acc']:.1%} at np={r['largest_np']} ("
+                     + (f"{100 * drop:.0f} points lower" if drop >= 0.005 else f"{-100 * drop:.0f} points higher"
+                        if drop <= -0.005 else "the same") + f"; {kept(r):.0%} of what it learned kept), {fbw}.")
+    if len(judged) > 1:
+        best = max(judged, key=kept)
+        if all(abs(kept(best) - kept(o)) < 0.15 for o in judged):
+            parts.append("Neither keeps clearly more of what it learned at scale"
+                         + (": all are at chance there." if all(kept(o) == 0 for o in judged) else "."))
+        else:
+            parts.append(f"{best['label']} keeps the most of what it learned at scale.")
+    elif len(rows) > 1:
+        parts.append("So this run cannot say which scales better in accuracy"
+                     + ("" if judged else ": no reference learned") + ".")
+    text = " ".join(parts)
+    if committed:
+        text += "\n\n" + _committed_models(committed)
+    return plots.Paragraph(text)
+
+
+def _committed_models(name: str) -> str:
+    """The committed comparison's answer (docs/<name>/<model>/study.json), in the same words."""
+    found = committed_studies(name)
+    if not found:
+        return f"(The committed comparison docs/{name}/ is in pilab's source repository, not in this install.)"
+    some = next(iter(found.values()))["config"]
+    head = (f"The committed comparison (docs/{name}/: {some['train_subset'] or 'all':,} images, {some['epochs']} "
+            f"epochs, np up to {max(int(p) for st in found.values() for p in st['runs'])}): ")
+    return head + models_interpretation(found)
+
+
+def _model_label(cfg: dict) -> str:
+    """"MobileNetV2-CIFAR 0.25", "SqueezeNet 1.1", "spiking CNN": a model as a table names it."""
+    names = {"mobilenetv2_cifar": "MobileNetV2-CIFAR", "mobilenetv2": "MobileNetV2",
+             "squeezenet1_1": "SqueezeNet 1.1", "spiking_cnn": "spiking CNN"}
+    name = names.get(cfg["model"], cfg["model"])
+    return f"{name} {cfg['width']:g}" if cfg["model"].startswith("mobilenetv2") else name
 
 
 _COMPARE_HEAD = ("study", "np", "kind", "global batch", "peak lr", "steps", "final test acc",

@@ -24,26 +24,32 @@ from . import plots
 from .config import CHOICES, Config, ConfigError, small_mode
 from .model_names import MODEL_NAMES, WIDTH_RANGE
 
-__all__ = ["ControlPanel", "quickstart_config", "small_mode"]
+__all__ = ["ControlPanel", "Progress", "quickstart_config", "small_mode"]
 
 
 def quickstart_config(live: bool = False, **overrides) -> Config:
     """Settings for the quickstart notebook: a short run on a laptop (about a minute on 2 cores).
 
     ``live=True`` gives the live-panel run, a few epochs longer. ``PILAB_NB_SMALL=1`` (the default
-    under ``CI=true`` and in kernels that pytest/nbval starts) shrinks everything to seconds; ``PILAB_NB_LIVE_EPOCHS=N`` sets the live run's epochs (the
-    browser test uses a long one so it can press Stop)::
+    under ``CI=true`` and in kernels that pytest starts) is the one-core budget: the ``%%px`` run
+    only shows the ranks at work (512 images, one epoch, seconds), the live run learns (2,000 images,
+    4 epochs, 124 steps of 64 at np=2: ~33% test accuracy, ~30 s on one idle core);
+    ``PILAB_NB_LIVE_EPOCHS=N`` sets the live run's epochs::
 
         cfg = widgets.quickstart_config()
         cfg = widgets.quickstart_config(epochs=3)     # any Config field
     """
     small = small_mode()
     if small:
-        base = dict(width=0.25, train_subset=256, test_subset=128, epochs=1, batch_size=16)
+        base = dict(width=0.25, train_subset=512, test_subset=250, epochs=1, batch_size=32, threads=1)
+        if live:  # the demo's training (MobileNetV2 needs ~250 steps of 32 images to learn)
+            base.update(train_subset=2000, test_subset=500, epochs=4)
     else:
         base = dict(width=0.5, train_subset=2000, test_subset=500, epochs=2, batch_size=32)
-    if live:
-        base["epochs"] = int(os.environ.get("PILAB_NB_LIVE_EPOCHS") or (1 if small else 5))
+        if live:
+            base["epochs"] = 5
+    if live and os.environ.get("PILAB_NB_LIVE_EPOCHS"):
+        base["epochs"] = int(os.environ["PILAB_NB_LIVE_EPOCHS"])
     base.update(model="mobilenetv2_cifar", lr_scaling="linear", warmup_epochs=0.0)
     base.update(overrides)
     return Config(**base)
@@ -207,8 +213,9 @@ class ControlPanel:
         elif kind == "end":
             res = event["result"]
             self.progress.bar_style = "warning" if res.get("stopped_early") else "success"
-            self._say(("stopped early: " if res.get("stopped_early") else "done: ")
-                      + plots._summary(res))
+            # the numbers are in the live plot's title just below: say only how it ended
+            self._say(f"stopped early, after step {res.get('steps_done', '?')} of {res.get('total_steps', '?')}"
+                      if res.get("stopped_early") else "done")
             self._idle()
         elif kind == "error":
             self.progress.bar_style = "danger"
@@ -217,3 +224,136 @@ class ControlPanel:
 
     def _idle(self) -> None:
         self.start_button.disabled, self.stop_button.disabled = False, True
+
+
+class Progress:
+    """A progress bar for a cell that runs several trainings (a study, the ablations, a remedies
+    search): which run goes on, how many are done, the time so far and an estimate of the time left.
+    Pass it as a callback; it shows itself with the first event::
+
+        study = scaling.study(cfg, nps=(1, 2), simulate_nps=(8,), callbacks=[widgets.Progress()])
+        abl = remedies.ablations(cfg, 4, callbacks=[widgets.Progress()])
+
+    It reads the events those calls send (``point`` before a run, ``step`` during a simulated one,
+    ``run`` / ``candidate`` after one, ``stopped``). The estimate: the runs of one call train the same
+    images, so the time left is the mean time of the runs done times the runs left, the current run's
+    share taken from its steps where it reports them (a real MPI job does not: its share is its time so
+    far against the mean). A clock thread redraws it every second while the cell runs.
+    """
+
+    def __init__(self, what: str = "runs"):
+        self.what = what
+        self.bar = W.FloatProgress(value=0.0, min=0.0, max=1.0, bar_style="info",
+                                   layout=W.Layout(width="360px"))
+        self.label = W.HTML("waiting for the first run…")
+        self.widget = W.HBox([self.bar, self.label])
+        self._shown = False
+        self._t0 = self._point_t0 = None
+        self._index, self._of, self._name = 0, 1, ""
+        self._done: list[float] = []  # seconds each finished run took (kept ones excluded)
+        self._step = None  # (global_step, total_steps) of the current run
+        self._finished = False
+        self._clock = None
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        self._shown = True
+        display(self.widget)
+
+    def __call__(self, event) -> None:
+        import time
+
+        kind = event.get("kind")
+        now = time.monotonic()
+        if not self._shown:
+            self._ipython_display_()
+        if self._t0 is None:
+            self._t0 = now
+            self._start_clock()
+        if kind == "point":
+            if self._point_t0 is not None:  # the run before sent no event of its end (a reference run)
+                self._done.append(now - self._point_t0)
+            self._index, self._of = int(event.get("index", 0)), max(int(event.get("of", 1)), 1)
+            self._name, self._point_t0, self._step = str(event.get("label", "")), now, None
+        elif kind == "step" and event.get("total_steps"):
+            self._step = (int(event["global_step"]), int(event["total_steps"]))
+        elif kind in ("run", "candidate"):
+            kept = event.get("kept") or (event.get("result") or {}).get("reused_from")
+            if self._point_t0 is not None and not kept:
+                self._done.append(now - self._point_t0)
+            self._index, self._point_t0, self._step = self._index + 1, None, None
+            if self._index >= self._of:
+                self._finish("done")
+        elif kind == "stopped":
+            self._finish("stopped")
+        self._draw()
+
+    # -- drawing -------------------------------------------------------------------------------
+    def _fraction_of_current(self, now: float) -> float | None:
+        if self._point_t0 is None:
+            return None
+        if self._step:
+            return min(self._step[0] / max(self._step[1], 1), 1.0)
+        if self._done:  # a real MPI job reports no steps: its time so far against the mean run's
+            return min((now - self._point_t0) / (sum(self._done) / len(self._done)), 0.95)
+        return None
+
+    def _draw(self) -> None:
+        import time
+
+        now = time.monotonic()
+        elapsed = now - self._t0 if self._t0 is not None else 0.0
+        frac = self._fraction_of_current(now)
+        self.bar.value = min((self._index + (frac or 0.0)) / self._of, 1.0)
+        if self._finished:
+            self.label.value = (f"{self.what}: {self._state}, {self._index} of {self._of} in "
+                                f"{_seconds(elapsed)}")
+            return
+        left = None
+        if self._step and frac and self._point_t0 is not None and now - self._point_t0 > 2:
+            per_run = (now - self._point_t0) / frac
+            left = per_run * (1 - frac) + per_run * (self._of - self._index - 1)
+        elif self._done:
+            per_run = sum(self._done) / len(self._done)
+            left = max(per_run * (self._of - self._index) - (now - self._point_t0 if self._point_t0 else 0), 0)
+        est = f"about {_seconds(left)} left" if left is not None else "estimating the time left…"
+        name = f" — <b>{html.escape(self._name)}</b>" if self._name else ""
+        self.label.value = (f"{self.what} {min(self._index + 1, self._of)} of {self._of}{name}; "
+                            f"{_seconds(elapsed)} so far, {est}")
+
+    def _finish(self, state: str) -> None:
+        self._finished, self._state = True, state
+        self.bar.bar_style = "success" if state == "done" else "warning"
+
+    def _start_clock(self) -> None:
+        """Redraw every second while the cell that started it runs (the time so far must move during
+        a real MPI job, which sends no events); it ends with the run, or when another cell starts."""
+        import threading
+
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+        except ImportError:
+            shell = None
+        cell = getattr(shell, "execution_count", None)
+
+        def tick():
+            while not self._finished:
+                if shell is not None and getattr(shell, "execution_count", None) != cell:
+                    self._finish("ended")  # the cell ended before the last run (an error, a skipped run)
+                    self._draw()
+                    return
+                self._draw()
+                self._wake.wait(1.0)
+
+        self._wake = threading.Event()
+        self._clock = threading.Thread(target=tick, name="pilab-progress", daemon=True)
+        self._clock.start()
+
+
+def _seconds(s: float) -> str:
+    """``42 s``, ``3 min 05 s``."""
+    s = int(round(s))
+    return f"{s} s" if s < 60 else f"{s // 60} min {s % 60:02d} s"

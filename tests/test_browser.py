@@ -1,15 +1,29 @@
-"""The notebook as a person sees it: JupyterLab in headless Chromium runs notebooks/01_quickstart.ipynb,
-the live plot grows while the ranks train, the panel's Stop button ends the run, the notebook finishes.
+"""The notebooks as a person sees them: JupyterLab in headless Chromium runs each of the five notebooks
+top to bottom in small mode (PILAB_NB_SMALL=1, as on Binder) and checks what a person checks -- it ends
+within its budget, no error or stderr box, no widget shown as text, every Bokeh figure drawn, progress
+shown during long cells with the kernel busy, tables as HTML, and the verdict text agreeing with its table.
+In 01 the live plot grows while the ranks train and the panel's Stop button ends a run.
+
+This is the notebooks' only run in the suite (``./lab.sh test`` runs no nbval pass over them).
+
+The budget: each notebook's first cell promises at most 3 minutes on one idle core. A shared CI box
+makes wall time say little, so the test measures the CPU time of the notebook's kernel and of every
+process it started (``psutil``: the kernel's own time, its waited-for children's, and any still alive),
+and a MobileNetV2-0.25 training step of 32 images beside it; the budget is 180 s at the 66 ms such a step
+takes on one idle core of this machine (docs/spiking.md), scaled by the step time measured now (a loaded
+box slows both alike). Wall time is recorded, and bounded only by the test's timeout.
 
 Also the pieces the page shows (plots.LivePlot, widgets.ControlPanel, the report layout), without a
 browser. Chromium is Debian's (/usr/bin/chromium, ``apt-get install chromium``); playwright never
-downloads one. Without it the browser test is skipped, except under CI=true where that is a failure.
-Writes test-artifacts/browser/ (and docs/screenshot.png with PILAB_UPDATE_SCREENSHOT=1).
+downloads one. Without it the browser tests are skipped, except under CI=true where that is a failure.
+Writes test-artifacts/browser/ (timings.json, a screenshot per notebook); PILAB_UPDATE_SCREENSHOT=1 also
+refreshes docs/screenshot.png and docs/notebooks/NN.png.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -20,7 +34,7 @@ import urllib.request
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NOTEBOOK = os.path.join(REPO, "notebooks", "01_quickstart.ipynb")
+NOTEBOOKS = os.path.join(REPO, "notebooks")
 ARTIFACTS = os.path.join(REPO, "test-artifacts", "browser")
 CHROMIUM = os.environ.get("PILAB_CHROMIUM", "/usr/bin/chromium")
 
@@ -177,21 +191,46 @@ def _kill_tree(proc) -> None:
             pass
 
 
+class Lab:
+    """A JupyterLab server on loopback, serving a copy of the notebooks (JupyterLab saves outputs: never
+    into the repository's notebooks)."""
+
+    def __init__(self, url: str, proc, root):
+        self.url, self.proc, self.root = url, proc, root
+
+    def kernel(self):
+        """The one kernel process the server started (psutil.Process), or None."""
+        import psutil
+
+        for p in psutil.Process(self.proc.pid).children():
+            try:
+                if "ipykernel" in " ".join(p.cmdline()):
+                    return p
+            except psutil.NoSuchProcess:
+                continue
+        return None
+
+
 @pytest.fixture
 def jupyterlab(tmp_path):
     _need_browser()
     root = tmp_path / "lab"
     root.mkdir()
-    shutil.copy(NOTEBOOK, root)  # JupyterLab saves outputs: never into the repository's notebook
+    for name in sorted(os.listdir(NOTEBOOKS)):
+        if name.endswith(".ipynb"):
+            shutil.copy(os.path.join(NOTEBOOKS, name), root)
     settings = root / ".settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
     port = _free_port()
-    env = dict(os.environ, PILAB_NB_SMALL="1", PILAB_NB_LIVE_EPOCHS="100",
+    # JUPYTER_CONFIG_PATH: the repository's server config, as ./lab.sh setup and binder/postBuild install
+    # it (subshell requests untracked: without it the kernel indicator said "Idle" through 02's study)
+    env = dict(os.environ, PILAB_NB_SMALL="1", JUPYTER_CONFIG_PATH=os.path.join(REPO, "jupyter-config"),
                JUPYTER_CONFIG_DIR=str(root / ".jupyter"), JUPYTER_RUNTIME_DIR=str(root / ".runtime"),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env.pop("PILAB_NB_LIVE_EPOCHS", None)
     os.makedirs(ARTIFACTS, exist_ok=True)
-    log = open(os.path.join(ARTIFACTS, "jupyterlab.log"), "w")
+    log = open(os.path.join(ARTIFACTS, f"jupyterlab-{tmp_path.name}.log"), "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", f"--port={port}",
          "--ip=127.0.0.1", "--IdentityProvider.token=", "--ServerApp.password=",
@@ -209,7 +248,7 @@ def jupyterlab(tmp_path):
             except OSError:
                 assert time.monotonic() < deadline, f"JupyterLab did not answer in 90 s; see {log.name}"
                 time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}"
+        yield Lab(f"http://127.0.0.1:{port}", proc, root)
     finally:
         _kill_tree(proc)
         log.close()
@@ -225,83 +264,396 @@ STEPS_JS = """() => {
     return -1;
 }"""
 KERNEL_JS = "() => window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status"
+# The cells' state: [source head, execution count or null, running?] for every code cell.
+CELLS_JS = """() => {
+    const nb = window.jupyterapp.shell.currentWidget.content;
+    return nb.widgets.filter(c => c.model.type === 'code').map(c => [
+        c.model.sharedModel.getSource(), c.model.executionCount,
+        c.model.executionState === 'running' ||
+        (c.node.querySelector('.jp-InputPrompt') || {textContent: ''}).textContent.includes('*')]); }"""
+# Every drawn Bokeh figure's size, and text a person would see instead of a widget.
+FIGURES_JS = """() => !window.Bokeh || !window.Bokeh.index ? [] : [...window.Bokeh.index.all_views()]
+    .filter(v => v.model.type === 'Figure').map(v => [v.bbox.width, v.bbox.height])"""
+# The tables pilab shows (plots.Table's HTML): kind, header, rows of cells, notes, the verdict under it.
+TABLES_JS = """() => [...document.querySelectorAll('table.pilab-table')].map(t => ({
+    kind: t.dataset.kind,
+    head: [...t.querySelectorAll('thead th')].map(th => th.textContent),
+    rows: [...t.querySelectorAll('tbody tr')].map(tr => [...tr.querySelectorAll('td')].map(td => td.textContent)),
+    notes: [...t.parentElement.querySelectorAll('p')].map(p => p.textContent),
+    verdict: (t.parentElement.querySelector('p.pilab-verdict') || {}).textContent || ''}))"""
+WIDGET_AS_TEXT = re.compile(r"^(HBox|VBox|GridBox|IntProgress|FloatProgress|HTML|Button|BokehModel|Output)\(|"
+                            r"Error displaying widget|model not found|Loading widget\.\.\.$", re.M)
+
+# The budget the notebooks' first cells promise, and the step it is measured in (see the docstring).
+BUDGET_S = 180.0
+IDLE_STEP_S = 0.066  # MobileNetV2-CIFAR width 0.25, 32 images, one thread, idle core (docs/spiking.md)
+
+
+def reference_step_cpu() -> float:
+    """CPU seconds of one MobileNetV2-0.25 training step of 32 images on one thread (best of 5 x 3),
+    measured now: the yardstick that scales the budget to how busy this box is."""
+    code = ("import time, torch\ntorch.set_num_threads(1)\nfrom pilab.models import build_model\n"
+            "m = build_model('mobilenetv2_cifar', 10, 0.25)\nopt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)\n"
+            "x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))\n"
+            "def step():\n    opt.zero_grad(); torch.nn.functional.cross_entropy(m(x), y).backward(); opt.step()\n"
+            "for _ in range(3): step()\nbest = 1e9\nfor _ in range(5):\n    c = time.process_time()\n"
+            "    for _ in range(3): step()\n    best = min(best, (time.process_time() - c) / 3)\nprint(best)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def tree_cpu(proc) -> float:
+    """CPU seconds of ``proc`` (the kernel) and all it started: its own, its waited-for children's
+    (runs, engines, the controller once stopped), and its descendants still alive."""
+    import psutil
+
+    t = proc.cpu_times()
+    total = t.user + t.system + t.children_user + t.children_system
+    for k in proc.children(recursive=True):
+        try:
+            c = k.cpu_times()
+            total += c.user + c.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+class Page:
+    """One notebook open in JupyterLab: run cells, wait, read what the page shows."""
+
+    def __init__(self, page, lab: Lab, name: str):
+        self.page, self.lab, self.name = page, lab, name
+        self.samples: list[dict] = []  # while cells run: kernel status and the progress bars' text
+
+    def open(self) -> None:
+        self.page.goto(f"{self.lab.url}/lab/tree/{self.name}.ipynb")
+        self.page.wait_for_function(f"() => {{ try {{ return ({KERNEL_JS})() === 'idle'; }} "
+                                    "catch (e) { return false; } }", timeout=180_000)
+        self.page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
+
+    def run_from(self, source: str, command: str) -> None:
+        """Make the cell holding ``source`` active, then run a command (run-all-above/below, run-cell)."""
+        self.page.evaluate("""([src, cmd]) => {
+            const nb = window.jupyterapp.shell.currentWidget.content;
+            nb.activeCellIndex = nb.widgets.findIndex(c => c.model.sharedModel.getSource().includes(src));
+            window.jupyterapp.commands.execute(cmd);
+            return true; }""", [source, command])
+
+    def run_all(self) -> None:
+        # not `() => execute(...)`: evaluate would wait for the promise, i.e. for every cell to finish
+        self.page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); return true; }")
+
+    def cells(self) -> list:
+        return self.page.evaluate(CELLS_JS)
+
+    def sample(self) -> None:
+        """What a person sees while a cell runs: the kernel indicator and the progress bars' text."""
+        running = [c[0] for c in self.cells() if c[2]]
+        status = self.page.evaluate(KERNEL_JS)
+        bars = self.page.locator(".widget-hbox:has(.widget-hprogress) .widget-html-content").all_inner_texts()
+        self.samples.append({"t": time.monotonic(), "running": running[0] if running else None,
+                             "kernel": status, "progress": bars})
+
+    def wait_until(self, done, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, f"{self.name}: {what} not within {timeout:.0f} s"
+            self.sample()
+            time.sleep(1.0)
+
+    def wait_cells_done(self, upto: str | None = None, timeout: float = 3600) -> None:
+        """Until every code cell (up to the one holding ``upto``) ran and the kernel is idle."""
+        def done():
+            cells = self.cells()
+            if upto is not None:
+                cells = cells[:next(i for i, c in enumerate(cells) if upto in c[0])]
+            return all(c[1] is not None and not c[2] for c in cells) and \
+                self.page.evaluate(KERNEL_JS) == "idle"
+        self.wait_until(done, timeout, "the cells finished")
+
+    def check_clean(self) -> None:
+        """No error or stderr box, no widget shown as text, every Bokeh figure drawn."""
+        err = self.page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr'], "
+                                ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.error']")
+        assert err.count() == 0, f"{self.name}: error/stderr output: {err.all_inner_texts()}"
+        texts = "\n".join(self.page.locator(".jp-OutputArea-output").all_inner_texts())
+        m = WIDGET_AS_TEXT.search(texts)
+        assert not m, f"{self.name}: a widget shown as text: {m.group(0)!r}"
+        assert not re.search(r"^(True|False)$", texts, re.M), f"{self.name}: a stray True/False output"
+        # every figure's view is laid out with a real size (a blank layout gives 0 or a sliver)
+        for cell in self.page.locator(".jp-OutputArea-output .bk-Canvas, .jp-OutputArea-output .bk-Figure").all():
+            cell.scroll_into_view_if_needed()
+        time.sleep(0.5)
+        sizes = self.page.evaluate(FIGURES_JS)
+        assert all(w > 150 and h > 150 for w, h in sizes), f"{self.name}: figures not drawn: {sizes}"
+        return sizes
+
+    def tables(self) -> list[dict]:
+        return self.page.evaluate(TABLES_JS)
+
+    def summary(self) -> str:
+        texts = self.page.locator(".pilab-summary").all_inner_texts()
+        assert texts, f"{self.name}: no closing interpretation (.pilab-summary)"
+        return "\n".join(texts)
+
+    def screenshot(self, selector: str, index: int = 0) -> str:
+        """A screenshot of the viewport with the ``index``-th element matching ``selector`` at its top."""
+        loc = self.page.locator(selector).nth(index)
+        loc.scroll_into_view_if_needed()
+        loc.evaluate("e => e.scrollIntoView({block: 'start'})")
+        time.sleep(1.0)
+        shot = os.path.join(ARTIFACTS, f"{self.name}.png")
+        self.page.screenshot(path=shot)
+        if os.environ.get("PILAB_UPDATE_SCREENSHOT") == "1":  # refresh the README's pictures
+            os.makedirs(os.path.join(REPO, "docs", "notebooks"), exist_ok=True)
+            shutil.copy(shot, os.path.join(REPO, "docs", "notebooks", f"{self.name[:2]}.png"))
+        return shot
+
+
+# ---- what a table and its verdict must agree on (the contradictions issue 24 found) ------------------
+def check_study_table(t: dict, where: str) -> dict:
+    """A study's table (plots.study_cells' columns) against the paragraph under it; returns np -> row."""
+    col = {h: i for i, h in enumerate(t["head"])}
+    rows = {int(r[col["np"]]): r for r in t["rows"]}
+    verdict = t["verdict"]
+    v = {p: r[col["verdict"]] for p, r in rows.items()}
+    ttt = {p: r[col["time to target"]] for p, r in rows.items()}
+    if "has not learned" in verdict:  # a reference at chance judges nothing and sets no target
+        assert not any(x.startswith(("FAST-BUT-WRONG", "WRONG")) for x in v.values()), (where, v)
+        assert "not reached" not in ttt.values() and "target accuracy" not in verdict, (where, ttt, verdict)
+    for p, x in v.items():  # "ok" beside "not reached" always says why
+        if x.startswith("ok") and ttt[p] == "not reached":
+            assert "(" in x, (where, p, x)
+    for m in re.finditer(r"np=(\d+) ends at [\d.]+% \(\d+ points below\)[^:]*: fast but wrong", verdict):
+        assert v[int(m.group(1))].startswith("FAST-BUT-WRONG"), (where, m.group(0), v)
+    m = re.search(r"np=(\d+) is the largest count that keeps", verdict)
+    if m:
+        assert v[int(m.group(1))].startswith("ok"), (where, m.group(0), v)
+    m = re.search(r"target accuracy ([\d.]+)%", verdict)
+    if m:
+        assert float(m.group(1)) > 10.0, (where, "a target at or below chance", verdict)
+    for p, r in rows.items():  # an efficiency over 100% is explained in place
+        e = r[col["efficiency"]]
+        if e.rstrip("*%").isdigit() and int(e.rstrip("*%")) > 100:
+            assert e.endswith("*") and any(n.startswith("*") for n in t["notes"]), (where, p, e)
+    return {p: dict(zip(t["head"], r)) for p, r in rows.items()}
+
+
+def check_models_table(t: dict, where: str) -> list[dict]:
+    rows = [dict(zip(t["head"], r)) for r in t["rows"]]
+    for r in rows:
+        fbw = r["first fast-but-wrong np"]
+        if fbw.startswith("not judged"):  # no target, so no energy to one
+            assert "not reached" not in (r["energy to target (np ref)"], r["energy to target (largest np)"]), \
+                (where, r)
+        else:
+            assert not r["energy to target (np ref)"].startswith("no target"), (where, r)
+    return rows
+
+
+def acc(cell: str) -> float:
+    return float(cell.split()[0])
+
+
+def _browser(p):
+    return p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-background-networking"])
+
+
+def run_notebook(lab: Lab, name: str, body) -> dict:
+    """Open ``name``, let ``body(page)`` run it, then check the page and the budget; returns timings."""
+    from playwright.sync_api import sync_playwright
+
+    ref_before = reference_step_cpu()
+    t0 = time.monotonic()
+    timings: dict = {"notebook": name}
+    with sync_playwright() as p:
+        browser = _browser(p)
+        try:
+            page = Page(browser.new_page(viewport={"width": 1400, "height": 1000}), lab, name)
+            page.open()
+            timings["kernel_ready_s"] = round(time.monotonic() - t0, 1)
+            kernel = lab.kernel()
+            assert kernel is not None, "no kernel process"
+            cpu0 = tree_cpu(kernel)
+            t_run = time.monotonic()
+            body(page, timings, lambda: tree_cpu(kernel) - cpu0)
+            timings["wall_s"] = round(time.monotonic() - t_run, 1)
+            timings.setdefault("cpu_s", round(tree_cpu(kernel) - cpu0, 1))
+            timings["figures"] = page.check_clean()
+            # progress: every cell that ran for more than ~5 s showed a bar, and the kernel said busy
+            long = {}
+            for s in page.samples:
+                if s["running"]:
+                    long.setdefault(s["running"], []).append(s)
+            timings["long_cells"] = {k: round(v[-1]["t"] - v[0]["t"]) for k, v in long.items()}
+            for cell, ss in long.items():
+                if ss[-1]["t"] - ss[0]["t"] < 6:
+                    continue
+                assert all(s["kernel"] == "busy" for s in ss[1:-1]), \
+                    f"{name}: the kernel indicator left 'busy' while `{cell}` ran: {[s['kernel'] for s in ss]}"
+                # the cells that run trainings (tens of seconds on an idle core) show a bar with an estimate
+                if "widgets.Progress" in cell:
+                    assert any(any(" of " in b and ("left" in b or "estimating" in b) for b in s["progress"])
+                               for s in ss[2:]), f"{name}: no progress bar while `{cell}` ran"
+        finally:
+            browser.close()
+    ref = (ref_before + reference_step_cpu()) / 2
+    timings["reference_step_cpu_s"] = round(ref, 4)
+    timings["idle_core_equivalent_s"] = round(timings["cpu_s"] * IDLE_STEP_S / ref, 1)
+    _record(timings)
+    assert timings["idle_core_equivalent_s"] <= BUDGET_S, (
+        f"{name}: {timings['cpu_s']:.0f} CPU s = {timings['idle_core_equivalent_s']:.0f} s on one idle core "
+        f"(a reference step took {ref * 1000:.0f} ms here against {IDLE_STEP_S * 1000:.0f} ms idle), over the "
+        f"{BUDGET_S:.0f} s the notebook promises")
+    return timings
+
+
+def _record(timings: dict) -> None:
+    """test-artifacts/browser/timings-<notebook>.json: what the README's table of notebooks quotes."""
+    with open(os.path.join(ARTIFACTS, f"timings-{timings['notebook']}.json"), "w") as f:
+        json.dump(timings, f, indent=1)
+
+
+WALL_LIMIT = 2400  # s per notebook: a hang guard only (a shared box runs a 3-minute notebook for minutes)
 
 
 @pytest.mark.browser
 @pytest.mark.mpi  # the notebook starts 2 MPI engines (mpiexec)
-@pytest.mark.timeout(420)
-def test_notebook_in_jupyterlab_live_plot_and_stop(jupyterlab):
-    from playwright.sync_api import sync_playwright
+@pytest.mark.timeout(WALL_LIMIT)
+def test_01_quickstart(jupyterlab):
+    """Engines, a %%px run, the live panel run that learns (its plot grows while the kernel waits), its
+    summary; then Start and Stop on the panel (after the budget's clock); lab.stop() says one line."""
+    steps_js = STEPS_JS % __import__("pilab.plots", fromlist=["plots"]).STEP_SOURCE
 
-    from pilab import plots
+    def body(page: Page, timings: dict, cpu):
+        steps = lambda: page.page.evaluate(steps_js)  # noqa: E731
+        page.run_from("lab.stop()", "notebook:run-all-above")
+        page.wait_until(lambda: steps() >= 2, 1200, "the live plot's first steps")
+        n1 = steps()
+        page.wait_until(lambda: steps() > n1 or steps() < 0, 300, "the live plot growing")
+        page.wait_cells_done(upto="lab.stop()")
+        timings["cpu_s"] = round(cpu(), 1)  # the budget: the notebook's own cells
+        tables = page.summary()
+        m = re.search(r"to ([\d.]+)%: well above chance", tables)
+        assert m and float(m.group(1)) >= 30.0, f"01: the live run did not learn: {tables}"
+        timings["test_acc"] = float(m.group(1)) / 100
+        timings["screenshot"] = page.screenshot(".jp-OutputArea-output .bk-Canvas")
+        if os.environ.get("PILAB_UPDATE_SCREENSHOT") == "1":
+            shutil.copy(timings["screenshot"], os.path.join(REPO, "docs", "screenshot.png"))
+        # Start/Stop on the panel: the kernel is idle now, so the buttons reach it
+        page.page.locator("button.jupyter-button", has_text="Start").click()
+        page.wait_until(lambda: 2 <= steps() <= 40, 600, "the second run's first steps")
+        page.page.locator("button.jupyter-button", has_text="Stop").click()
+        t_stop = time.monotonic()
+        page.page.locator(".widget-html-content", has_text="stopped early").wait_for(timeout=120_000)
+        timings["stop_to_stopped_s"] = round(time.monotonic() - t_stop, 1)
+        n3 = steps()
+        time.sleep(3)
+        assert steps() == n3, "live plot still growing after Stop"
+        page.run_from("lab.stop()", "notebook:run-cell")
+        page.wait_cells_done()
+        out = page.page.locator(".jp-OutputArea-output").last.inner_text().strip()
+        assert re.fullmatch(r"stopped 2 engines and their controller \(their log: \S+\.log\)", out), out
 
-    t0 = time.monotonic()
-    timings = {}
-    steps_js = STEPS_JS % plots.STEP_SOURCE
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM,
-                                    args=["--no-sandbox", "--disable-background-networking"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{jupyterlab}/lab/tree/01_quickstart.ipynb")
-            page.wait_for_function(f"() => {{ try {{ return ({KERNEL_JS})() === 'idle'; }} "
-                                   "catch (e) { return false; } }", timeout=120_000)
-            timings["kernel_ready_s"] = round(time.monotonic() - t0, 1)
+    run_notebook(jupyterlab, "01_quickstart", body)
 
-            def steps() -> int:
-                return page.evaluate(steps_js)
 
-            def run_from(source: str, command: str) -> None:
-                # Make the cell holding `source` active, then run-all-above / run-all-below from it.
-                page.evaluate("""([src, cmd]) => {
-                    const nb = window.jupyterapp.shell.currentWidget.content;
-                    nb.activeCellIndex = nb.widgets.findIndex(c => c.model.sharedModel.getSource().includes(src));
-                    window.jupyterapp.commands.execute(cmd);
-                    return true; }""", [source, command])
+@pytest.mark.browser
+@pytest.mark.mpi
+@pytest.mark.timeout(WALL_LIMIT)
+def test_02_strong_scaling(jupyterlab):
+    """np=1 learns, np=2 stays right, np=8 (simulated) turns fast-but-wrong; table and verdict agree."""
+    def body(page: Page, timings: dict, cpu):
+        page.run_all()
+        page.wait_cells_done()
+        t = next(t for t in page.tables() if t["kind"] == "study")
+        rows = check_study_table(t, "02")
+        timings["test_acc"] = {p: acc(r["test acc"]) for p, r in rows.items()}
+        assert acc(rows[1]["test acc"]) >= 0.30, rows[1]
+        assert any(r["verdict"].startswith("ok") for p, r in rows.items() if p > 1), "no np stays right"
+        assert any(r["verdict"].startswith("FAST-BUT-WRONG") for r in rows.values()), "no np turns fast-but-wrong"
+        assert "fast but wrong" in page.summary()
+        page.screenshot("table.pilab-table")
 
-            # Every cell above the one that waits for the live run: engines, %%px training, the panel,
-            # and `panel.start()`. The kernel is then idle while the ranks train, so the panel's
-            # buttons work (a cell that blocks would queue the click until it ends).
-            run_from("panel.wait()", "notebook:run-all-above")
-            deadline = time.monotonic() + 240
-            while steps() < 2:
-                assert time.monotonic() < deadline, "the live plot got no steps within 240 s"
-                time.sleep(0.5)
-            timings["first_steps_s"] = round(time.monotonic() - t0, 1)
-            n1 = steps()
-            time.sleep(4)
-            n2 = steps()
-            assert n2 > n1, f"live plot did not grow during training: {n1} -> {n2}"
+    run_notebook(jupyterlab, "02_strong_scaling", body)
 
-            page.locator("button.jupyter-button", has_text="Stop").click()
-            t_stop = time.monotonic()
-            page.locator(".widget-html-content", has_text="stopped early").wait_for(timeout=60_000)
-            timings["stop_to_stopped_s"] = round(time.monotonic() - t_stop, 1)
-            n3 = steps()
-            time.sleep(3)
-            n4 = steps()
-            assert n4 == n3, f"live plot still growing after Stop: {n3} -> {n4}"
 
-            page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
-            page.locator(".bk-Canvas, .bk-Figure").first.scroll_into_view_if_needed()
-            time.sleep(0.5)
-            shot = os.path.join(ARTIFACTS, "01_quickstart_live.png")
-            page.screenshot(path=shot)
-            if os.environ.get("PILAB_UPDATE_SCREENSHOT") == "1":  # refresh the README's picture
-                shutil.copy(shot, os.path.join(REPO, "docs", "screenshot.png"))
+@pytest.mark.browser
+@pytest.mark.timeout(WALL_LIMIT)
+def test_03_fast_but_wrong(jupyterlab):
+    """The ablations tell the step count from the batch statistics; the search re-runs none of them and
+    puts on its front only runs that reach the target."""
+    def body(page: Page, timings: dict, cpu):
+        page.run_all()
+        page.wait_cells_done()
+        tables = {t["kind"]: t for t in page.tables()}
+        abl = [dict(zip(tables["ablations"]["head"], r)) for r in tables["ablations"]["rows"]]
+        by_cause = {}
+        for r in abl:
+            by_cause.setdefault(r["cause"], r)
+        timings["ablations"] = {r["run"]: r["test acc"] for r in abl}
+        assert acc(by_cause["reference"]["test acc"]) >= 0.30, abl[0]
+        step, bn = by_cause["global batch & steps"], by_cause["per-rank BN batch"]
+        assert float(step["change"].split()[0]) <= -4, f"the step count shows no effect: {step}"
+        words = tables["ablations"]["verdict"]
+        assert "lost mainly to the step count" in words or "lost mainly to the batch statistics" in words, words
+        rem = [dict(zip(tables["remedies"]["head"], r)) for r in tables["remedies"]["rows"]]
+        known = {r["run"] for r in abl}
+        for r in rem:  # the ablations' runs are taken, not run again
+            if r["candidate"] == "baseline":
+                assert r["run"].startswith("the run of") and r["run"][len("the run of '"):-1] in known, r
+            if r["fast and right"]:
+                assert r["time to target"] not in ("not reached", "no target"), r
+        timings["remedies"] = {r["candidate"]: r["test acc"] for r in rem}
+        page.summary()
+        page.screenshot("table.pilab-table")
 
-            # The rest: wait (returns at once), the static result plot, stop the engines.
-            run_from("panel.wait()", "notebook:run-all-below")
-            page.locator(".jp-OutputArea-output", has_text="stopped 2 engines").wait_for(timeout=120_000)
-            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
-            tracebacks = [t for t in errors.all_inner_texts() if "Traceback" in t or "Error" in t]
-            assert not tracebacks, tracebacks
-            timings["total_s"] = round(time.monotonic() - t0, 1)
-            timings.update(steps_before_stop=[n1, n2], steps_after_stop=[n3, n4])
-        finally:
-            with open(os.path.join(ARTIFACTS, "timings.json"), "w") as f:
-                json.dump(timings, f, indent=1)
-            browser.close()
+    run_notebook(jupyterlab, "03_fast_but_wrong", body)
+
+
+@pytest.mark.browser
+@pytest.mark.mpi
+@pytest.mark.timeout(WALL_LIMIT)
+def test_04_models(jupyterlab):
+    """Both models' studies, one table (HTML, 'model' column) and an answer to the title's question, or
+    an honest 'too small to tell' with the committed study's answer."""
+    def body(page: Page, timings: dict, cpu):
+        page.run_all()
+        page.wait_cells_done()
+        t = next(t for t in page.tables() if t["kind"] == "models")
+        assert t["head"][0] == "model", t["head"]
+        rows = check_models_table(t, "04")
+        timings["test_acc"] = {r["model"]: r["test acc (np ref)"] for r in rows}
+        assert acc(rows[0]["test acc (np ref)"]) >= 0.30, rows[0]
+        words = page.summary()
+        assert re.search(r"scales better|keeps the most|too small to tell|Neither keeps", words), words
+        assert "The committed comparison" in words, words
+        page.screenshot("table.pilab-table")
+
+    run_notebook(jupyterlab, "04_models", body)
+
+
+@pytest.mark.browser
+@pytest.mark.mpi
+@pytest.mark.timeout(WALL_LIMIT)
+def test_05_spiking(jupyterlab):
+    """The spiking CNN learns, its table and verdict agree, and it stands beside the committed models."""
+    def body(page: Page, timings: dict, cpu):
+        page.run_all()
+        page.wait_cells_done()
+        tables = page.tables()
+        rows = check_study_table(next(t for t in tables if t["kind"] == "study"), "05")
+        timings["test_acc"] = {p: acc(r["test acc"]) for p, r in rows.items()}
+        assert acc(rows[1]["test acc"]) >= 0.30, rows[1]
+        models = check_models_table(next(t for t in tables if t["kind"] == "models"), "05")
+        assert len(models) == 3 and sum("(committed)" in r["model"] for r in models) == 2, models
+        words = page.summary()
+        assert "The committed comparison" in words, words
+        page.screenshot("table.pilab-table")
+
+    run_notebook(jupyterlab, "05_spiking", body)
 
 
 @pytest.mark.browser
@@ -318,8 +670,7 @@ def test_report_layout_draws_every_figure(tmp_path):
     page_path = tmp_path / "report.html"
     page_path.write_text(file_html(plots.report_layout(_study()), INLINE, "pilab scaling study"))
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM,
-                                    args=["--no-sandbox", "--disable-background-networking"])
+        browser = _browser(p)
         try:
             page = browser.new_page(viewport={"width": 1000, "height": 1600})
             page.goto(page_path.as_uri())

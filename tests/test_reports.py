@@ -1,5 +1,6 @@
 """What a new user sees of the reports and the CLI (issue 24, item 5): figures that fit their data,
 `compare` that says what it compares, `remedies` that names its candidates, `--help` for every command."""
+import re
 import shlex
 import subprocess
 import sys
@@ -119,3 +120,86 @@ def test_remedies_command_is_recorded_shell_quoted():
     from pilab.cli import remedies as cli_remedies
     argv = ["--np", "4", "--only", "baseline,linear lr", "--out", "runs/r x"]
     assert shlex.split(cli_remedies.command_line(argv))[4:] == argv
+
+
+# ---- what the notebooks show: tables as HTML, and words written from the numbers (issue 24) ----------
+def test_tables_are_html_in_a_notebook_and_text_elsewhere():
+    st = _pi_study()
+    t = scaling.table(st)
+    assert isinstance(t, str) and "verdict" in t.splitlines()[2]  # the CLI's text, unchanged
+    html = t._repr_html_()
+    assert html.startswith("<table class='pilab-table' data-kind='study'") and "data-col='verdict'" in html
+    assert "| np |" not in html and "<td data-col='steps'" in html  # not Markdown; steps shown
+    assert "177%*" in html and "* np=1 is below the speed baseline" in html  # the note beside its star
+    assert "class='pilab-verdict'" in html and "fast but wrong" in html  # the paragraph, from pilab.verdict
+    p = plots.Paragraph("one.\n\ntwo.")
+    assert p == "one.\n\ntwo." and p._repr_html_().count("<p>") == 2 and repr(p) == str(p)
+
+
+def _ablations(accs):
+    """ablation rows as remedies.ablations makes them, with these final accuracies."""
+    labels = ["1 rank, batch b", "1 rank, batch 128 (global batch, step count)", "1 rank, batch 128, BN over groups of 32",
+              "4 ranks, static shards", "4 ranks, linear lr"]
+    causes = ["reference", "global batch & steps", "per-rank BN batch", "shard composition", "LR rule"]
+    bases = [None, 0, 1, 2, 3]
+    rows = []
+    for i, (label, cause, a) in enumerate(zip(labels, causes, accs)):
+        b = bases[i]
+        rows.append({"label": label, "cause": cause, "np": 1 if i < 3 else 4, "global_batch": 32 if i == 0 else 128,
+                     "per_rank_batch": 32 if i in (0, 3, 4) else 128, "steps": 248 if i == 0 else 62,
+                     "peak_lr": 0.2 if i == 4 else 0.05, "final_test_acc": a, "final_train_loss": 1.0,
+                     "test_acc_curve": [a], "ghost_batch": 32 if i == 2 else 0,
+                     "compared_with": labels[b] if b is not None else None,
+                     "change": a - accs[b] if b is not None else None})
+    return {"np": 4, "rows": rows, "config": {"train_subset": 2000, "epochs": 4}}
+
+
+def test_ablation_words_name_the_cause_the_rows_show():
+    res = _ablations([0.34, 0.20, 0.21, 0.19, 0.28])
+    words = remedies.ablation_summary(res)
+    assert "lost mainly to the step count (14 points)" in words
+    assert "the batch statistics" in words and "no clear effect" in words  # +1 point: noise, not a cause
+    assert "winning back 9 points of the 15 points lost" in words
+    html = remedies.ablation_table(res)._repr_html_()
+    assert re.search(r"data-col='change' style='[^']*'>-14.0 points<", html)
+    # a reference that has not learned separates nothing
+    assert "cannot tell one cause from another" in remedies.ablation_summary(_ablations([0.12, 0.1, 0.1, 0.1, 0.1]))
+
+
+def test_search_words_never_call_a_missed_target_right():
+    base = {"global_batch": 128, "per_rank_batch": 32, "peak_lr": 0.05, "steps": 62, "epochs_time": 10.0,
+            "epoch_time": 10.0, "time_to_target": None, "energy_j": 100.0}
+    res = {"np": 4, "reference_acc": 0.34, "target_accuracy": 0.306, "machine": "pi4b_cluster",
+           "candidates": [{**base, "label": "baseline", "final_test_acc": 0.19, "reached_target": False,
+                           "speedup": 1.9, "pareto": False, "kept": "the run of '4 ranks, static shards'"},
+                          {**base, "label": "fixed global batch 32", "final_test_acc": 0.33, "reached_target": True,
+                           "speedup": 0.6, "time_to_target": 40.0, "pareto": True, "kept": ""}]}
+    words = remedies.search_summary(res)
+    assert "reached by fixed global batch 32" in words and "baseline misses it" in words
+    assert "baseline would be 1.9x faster predicted for pi4b_cluster and wrong" in words
+    assert "On the fast-and-right front" in words and "front" not in words.split("front")[-1]
+    nobody = {**res, "candidates": [dict(res["candidates"][0])]}
+    assert "No candidate reaches it" in remedies.search_summary(nobody)
+    none = {**res, "target_accuracy": None, "reference_acc": 0.12}
+    assert "no target" in remedies.search_summary(none) and "reached by" not in remedies.search_summary(none)
+
+
+def test_models_words_answer_or_say_too_small_to_tell():
+    def st(acc1, acc8):
+        return _study({1: _run(1, [acc1], 10.0), 8: _run(8, [acc8], 2.0)})
+    words = scaling.models_interpretation({"a": st(0.34, 0.30), "b": st(0.40, 0.10)})
+    assert "a keeps the most of what it learned" in words
+    words = scaling.models_interpretation({"a": st(0.34, 0.10), "b": st(0.13, 0.10)})
+    assert "b has not learned at this size" in words and "too small to tell" in words
+    assert "cannot say which scales better" in words and "fast-but-wrong from np=8" in words
+    words = scaling.models_interpretation({"a": st(0.34, 0.10), "b": st(0.40, 0.10)})
+    assert "Neither keeps clearly more" in words and "all are at chance" in words
+
+
+def test_a_runs_summary_says_whether_it_learned():
+    run = _run(2, [0.15, 0.33], 10.0, gb=64)
+    run.update(config={"model": "mobilenetv2_cifar", "width": 0.25, "train_subset": 2000}, total_steps=20)
+    words = plots.run_summary(run)
+    assert "to 33.0%: well above chance" in words and "2 ranks" in words and "32 per rank" in words
+    run["epochs"][-1]["test_acc"] = 0.11
+    assert "near chance" in plots.run_summary(run)

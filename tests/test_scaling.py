@@ -250,6 +250,16 @@ def test_pareto_front_with_energy_as_a_third_axis():
     assert remedies.pareto(pts, energy_key="energy_j") == [False, True, True, True]
 
 
+def test_the_front_holds_only_runs_that_reach_the_target():
+    # issue 24: the mark landed on a 0.110 run, the fastest, that missed the target
+    pts = [{"epochs_time": 1, "final_test_acc": 0.11, "reached_target": False},
+           {"epochs_time": 5, "final_test_acc": 0.60, "reached_target": True},
+           {"epochs_time": 9, "final_test_acc": 0.58, "reached_target": True},
+           {"epochs_time": 2, "final_test_acc": 0.62, "reached_target": None}]  # no target: not right
+    assert remedies.pareto(pts) == [True, False, False, True]  # the 0.62 run beats the 0.60 one
+    assert remedies.front(pts) == [False, True, False, False]
+
+
 def test_pareto_front():
     pts = [{"epochs_time": 10, "final_test_acc": 0.5}, {"epochs_time": 5, "final_test_acc": 0.5},
            {"epochs_time": 20, "final_test_acc": 0.7}, {"epochs_time": 30, "final_test_acc": 0.6}]
@@ -274,6 +284,25 @@ def test_ablations_separate_the_causes():
         gb, steps, lr, acc = line[76:].split()
         assert (int(gb), int(steps), acc) == (r["global_batch"], r["steps"], f"{r['final_test_acc']:.3f}")
         assert float(lr) == pytest.approx(r["peak_lr"], rel=1e-2)
+
+
+def test_a_search_after_the_ablations_runs_none_of_their_runs_again():
+    # notebook 03: the search took 21 minutes re-simulating the reference and the ablations' np=4 runs
+    cfg = Config(width=0.25, train_subset=128, test_subset=64, epochs=1, batch_size=8, threads=1,
+                 lr_ref_batch=8)
+    events = []
+    abl = remedies.ablations(cfg, 4, causes=("shard composition",), callbacks=[events.append])
+    assert [r["label"] for r in abl["rows"]] == ["1 rank, batch b", "4 ranks, static shards"]
+    assert abl["rows"][1]["compared_with"] == "1 rank, batch b"  # its own base row was left out
+    assert [e["kind"] for e in events if e["kind"] != "step"] == ["point", "run", "point", "run"]
+    assert any(e["kind"] == "step" for e in events)  # a progress bar sees the steps of each run
+    events.clear()
+    res = remedies.search(cfg, 4, only=["baseline"], known=abl["runs"], callbacks=[events.append])
+    assert res["reference_acc"] == abl["rows"][0]["final_test_acc"]  # taken, not simulated again
+    (base,) = res["candidates"]
+    assert base["kept"] == "the run of '4 ranks, static shards'" and base["test_acc_curve"] == abl["rows"][1]["test_acc_curve"]
+    assert not any(e["kind"] == "step" for e in events)  # nothing trained
+    assert [e.get("label") for e in events if e["kind"] == "point"] == ["baseline"]
 
 
 def test_scale_on_the_pi_target_predicts_every_point_and_keeps_this_machines_times(tmp_path):
@@ -370,9 +399,11 @@ def test_remedies_on_the_pi_target_get_times_and_a_pareto_front():
     for c, changes in zip(res["candidates"], ({}, {"batch_mode": "global", "batch_size": 16})):
         want = perfmodel.predict(replace(cfg, threads=0, **changes), 4, "pi4b_cluster")["time"]
         assert c["epoch_time"] == pytest.approx(want) and c["epochs_time"] == pytest.approx(want)
-    # the front: a candidate is on it unless another is at least as fast and as accurate, and better in one
-    flags = remedies.pareto(res["candidates"], energy_key="energy_j")
-    assert [c["pareto"] for c in res["candidates"]] == flags and any(flags)
+    # the front: among the candidates that reach the target, one is on it unless another is at least as
+    # fast and as accurate, and better in one; a candidate that misses the target is never on it
+    flags = remedies.front(res["candidates"], energy_key="energy_j")
+    assert [c["pareto"] for c in res["candidates"]] == flags
+    assert not any(c["pareto"] and not c["reached_target"] for c in res["candidates"])
     assert all(c["energy_source"] == "model:pi4b" and c["energy_j"] > 0 for c in res["candidates"])
     assert "times predicted for pi4b_cluster" in remedies.table(res).splitlines()[0]
 
@@ -448,7 +479,8 @@ def test_the_committed_remedies_search_shows_a_fast_and_right_np48():
     assert res["np"] == 48 and res["machine"] == "pi4b_cluster" and res["speed_baseline_np"] == 2
     assert res["reference_acc"] == ref["epochs"][-1]["test_acc"]
     done = [c for c in res["candidates"] if "skipped" not in c]
-    assert [c["pareto"] for c in done] == remedies.pareto(done, energy_key="energy_j")
+    assert [c["pareto"] for c in done] == remedies.front(done, energy_key="energy_j")
+    assert not any(c["pareto"] and not c["reached_target"] for c in done)  # only right runs on the front
     for c in done:
         run = json.loads(open(os.path.join(d, remedies.slug(c["label"]), "result.json")).read())
         assert [e["test_acc"] for e in run["epochs"]] == c["test_acc_curve"] and run["np"] == 48

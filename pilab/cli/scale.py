@@ -122,6 +122,8 @@ def run(args, argv) -> int:
     print(f"pilab scale: measured np {nps}, simulated np {sims}, writing {cfg.out}", file=sys.stderr)
 
     def progress(ev):
+        if ev.get("kind") != "run":  # one line per finished point; the others feed a notebook's bar
+            return
         r = ev["result"]
         acc = scaling.final_value(r, "test_acc")
         took = (f"reused from {r['reused_from']}" if r.get("reused_from") else "kept from the earlier run") \

@@ -42,6 +42,7 @@ class Engines:
         # on_stop(cluster_id): told when an owned cluster has stopped (profiles.start keeps the ids of
         # the clusters this process started; passed in, so that this module need not import it)
         self._on_stop = on_stop
+        self.log_file: str | None = None  # where cluster.start sent ipyparallel's log
         self._run: Run | None = None
         ids = list(client.ids)
         infos = client[ids].apply_async(whoami).get(timeout=timeout)
@@ -150,7 +151,8 @@ class Engines:
             self.ipp_cluster.stop_cluster_sync()
             if self._on_stop is not None:
                 self._on_stop(self.ipp_cluster.cluster_id)
-            print(f"stopped {self.size} engines and their controller")
+            where = f" (their log: {_short_path(self.log_file)})" if self.log_file else ""
+            print(f"stopped {self.size} engines and their controller{where}")
         else:
             with contextlib.suppress(Exception):
                 self.client.close()
@@ -482,3 +484,11 @@ def _watchdog_lines(ar) -> list[str]:
 def _short(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[-1] if text else ''}"
+
+
+def _short_path(path: str) -> str:
+    """``path`` relative to the working directory where that is shorter (a notebook's one line)."""
+    import os
+
+    rel = os.path.relpath(path)
+    return rel if len(rel) < len(path) else path

@@ -127,7 +127,8 @@ def start(n: int | None = None, profile: str = "mpi", *, timeout: float | None =
     pdir = profile_dir(profile)
     if isinstance(log_level, str):
         log_level = logging.getLevelName(log_level.upper())
-    kwargs = dict(engines="mpi", profile_dir=pdir, log_level=log_level)
+    log = _file_log(pdir, log_level)
+    kwargs = dict(engines="mpi", profile_dir=pdir, log_level=log_level, log=log)
     if n is not None:
         if n < 1:
             raise ClusterError(f"n={n} must be >= 1 engines")
@@ -144,15 +145,34 @@ def start(n: int | None = None, profile: str = "mpi", *, timeout: float | None =
         with contextlib.suppress(Exception):
             ipc.stop_cluster_sync()
         raise ClusterError(f"the engines did not all register within {ipc.engine_timeout} s "
-                           f"({type(e).__name__}: {e}); mpiexec said:\n{output}") from None
+                           f"({type(e).__name__}: {e}); mpiexec said:\n{output}\n"
+                           f"(the whole log: {log.handlers[0].baseFilename})") from None
     try:
         lab = Engines(client, ipc, owned=True, on_stop=_STARTED_HERE.discard)
+        lab.log_file = log.handlers[0].baseFilename
         _STARTED_HERE.add(ipc.cluster_id)
         return lab
     except Exception:
         with contextlib.suppress(Exception):
             ipc.stop_cluster_sync()
         raise
+
+
+def _file_log(pdir: str, level: int) -> logging.Logger:
+    """A logger writing to ``<profile>/log/pilab-cluster-<time>-<pid>.log``: ipyparallel logs to a
+    notebook's stdout, and on stopping prints every engine's whole output (60 lines ending in an exit
+    code mpiexec gives engines it shuts down) -- which reads as a crash. The engines' output goes there,
+    and a failure to start quotes it."""
+    d = os.path.join(pdir, "log")
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, f"pilab-cluster-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
+    log = logging.getLogger(f"pilab.cluster.{os.path.basename(path)}")
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.handlers, log.propagate = [handler], False
+    # INFO, not DEBUG: at DEBUG ipyparallel streams every process's output live (into the notebook)
+    log.setLevel(min(level, logging.INFO))
+    return log
 
 
 def connect(profile: str = "mpi", *, cluster_id: str = "", timeout: float = 30) -> Engines:
