@@ -2,11 +2,19 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+# A suite started in the background by a shell without job control (`cmd &`, `nohup`, some CI runners)
+# inherits SIGINT ignored, and exec passes an ignored signal on to every process it starts: the tests
+# that interrupt a run with SIGINT (a Ctrl-C, a kernel's interrupt) would see it never arrive. A handler
+# of our own is reset to the default by exec, so the processes the tests start get SIGINT as usual.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
