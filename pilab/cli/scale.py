@@ -92,7 +92,7 @@ def check_study_dir(cfg, *, overwrite: bool, resume: bool) -> None:
 
 def run(args, argv) -> int:
     from .. import scaling
-    from ..engine import load_data
+    from .. import data
     from ..perfmodel import PI_BASELINE_NP, PI_STUDY_NPS, PI_THREADS_PER_RANK
     cfg = config_from_args(args, _defaults())
     nps, sims, baseline = ints(args.nps), ints(args.simulate_nps), args.baseline
@@ -104,9 +104,11 @@ def run(args, argv) -> int:
             cfg = replace(cfg, threads=PI_THREADS_PER_RANK)
     if any(p < 1 for p in nps + sims):
         raise ConfigError("process counts must be >= 1")
-    ds = load_data(cfg)
+    # the count alone (the cache's labels): every point loads the images itself
+    n_train = data.train_size(cfg.data, train_subset=cfg.train_subset, test_subset=cfg.test_subset,
+                              seed=cfg.seed)
     for p in nps + sims:
-        cfg.check_world(p, len(ds.y_train))
+        cfg.check_world(p, n_train)
     criteria = scaling.Criteria(baseline_np=baseline, target_fraction=args.target_fraction,
                                 wrong_gap=args.wrong_gap, wrong_floor=args.wrong_floor)
     if baseline and baseline not in nps:
