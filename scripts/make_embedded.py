@@ -11,7 +11,6 @@ files, their offsets, labels, member names, and the archive's sha256.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import os
 import sys
@@ -25,17 +24,10 @@ sys.path.insert(0, REPO)
 
 from pilab.data import CLASSES, stratified_subset  # noqa: E402
 from pilab.data.decode import decode_image  # noqa: E402
+from pilab.files import sha256_file  # noqa: E402
 
 DEFAULT_ARCHIVE = os.path.join(REPO, "..", "shared", "data", "cifar10-jpeg.tar.gz")
 DEFAULT_OUT = os.path.join(REPO, "pilab", "embedded", "cifar10_subset.npz")
-
-
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_members(archive: str) -> dict:
@@ -89,13 +81,13 @@ def main(argv=None) -> int:
         "names": np.array([t[0] for t in chosen]),
         "n_train": np.array(a.train, dtype=np.int64),
         "classes": np.array(CLASSES),
-        "archive_sha256": np.array(sha256(a.archive)),
+        "archive_sha256": np.array(sha256_file(a.archive)),
         "seed": np.array(a.seed, dtype=np.int64),
     }
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     write_npz(a.out, arrays)
     print(f"wrote {a.out}: {a.train} train + {a.test} test JPEGs, {sizes.sum():,} JPEG bytes, "
-          f"{os.path.getsize(a.out):,} bytes on disk; sha256 {sha256(a.out)}")
+          f"{os.path.getsize(a.out):,} bytes on disk; sha256 {sha256_file(a.out)}")
     return 0
 
 
