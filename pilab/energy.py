@@ -8,7 +8,7 @@ hardware from its synaptic operations.
     e = energy.energy_of_run(result, epoch_times=predicted)     # priced over the Pi's predicted epochs
     e = energy.energy_of_run(result, meter="power.csv")         # an INA219 / smart-plug log, by time
     with energy.RaplWindow() as w:                              # this machine's CPU package counters
-        result = scaling.run_measured(cfg, 2, "runs/x")
+        result = scaling.run_measured(cfg, 2, "runs/x")             # pilab.study.scaling
     e = energy.energy_of_run(result, rapl=w)
     e["energy_j"], e["energy_per_epoch_j"], e["source"]         # source: model:pi4b | rapl | meter:power.csv
     energy.energy_to_target(result, 0.40, e["energy_per_epoch_j"])   # J until test acc >= 0.40; None: never
@@ -262,7 +262,7 @@ def _apportion(result: dict, joules: float, window_s: float, source: str, assump
 def energy_to_target(result: dict, target: float, energy_per_epoch: Optional[Sequence[float]] = None,
                      **energy_kw) -> Optional[float]:
     """Joules until the first evaluated epoch with test accuracy >= ``target``; None if never reached
-    (like ``scaling.time_to_target``, on energy instead of seconds).
+    (like ``pilab.study.analysis.time_to_target``, on energy instead of seconds).
 
         energy_to_target(result, 0.40, energy_of_run(result)["energy_per_epoch_j"])
         energy_to_target(result, 0.40, power="pi4b", count="cluster")   # energy_of_run's keywords
@@ -338,7 +338,7 @@ class RaplWindow:
     """RAPL energy over a ``with`` block (``energy_j`` None where the counters are not readable).
 
         with RaplWindow() as w:
-            result = scaling.run_measured(cfg, 2, "runs/x")     # the ranks run on this machine
+            result = scaling.run_measured(cfg, 2, "runs/x")         # pilab.study.scaling: ranks on this machine
         w.energy_j, w.to_dict()                                 # -> energy_of_run(result, rapl=w)
     """
 

@@ -1,6 +1,6 @@
 """Bokeh figures for pilab: live while a run goes on, and from result / study dicts afterwards.
 
-Every function takes plain dicts (a ``train.run`` result, a ``scaling.study`` result, or their JSON) and
+Every function takes plain dicts (a ``train.run`` result, a ``pilab.study.scaling.study`` result, or their JSON) and
 returns a Bokeh figure or layout, so notebooks and the HTML report draw the same pictures::
 
     from pilab import plots
@@ -577,7 +577,7 @@ def _table(study: Mapping) -> Div:
 
 def study_cells(study: Mapping, *, steps: bool = False) -> tuple[tuple, list[tuple], list[str]]:
     """(head, rows of cells, notes under the table) of a study, judged by pilab.verdict: the report's
-    table, and the narrower one ``scaling.table`` shows in a notebook (``steps=True``: each row's kind,
+    table, and the narrower one ``pilab.study.tables.table`` shows in a notebook (``steps=True``: each row's kind,
     global batch and optimizer steps -- what fast-but-wrong is about -- instead of images/s, the
     communication share and energy per epoch, which the dashboard plots)."""
     machine = study.get("machine", "this machine")
@@ -840,3 +840,64 @@ def remedies_figure(res: Mapping):
     q.width, q.height = 480, 360
     return row(p, q)
 
+
+def compare_figures(cmp: dict) -> list:
+    """One figure per np of a comparison (:func:`pilab.study.compare.compare`): each study's test
+    accuracy per epoch, chance dotted."""
+    nps = sorted({r["np"] for r in cmp["rows"]})
+    n_epochs = max((len(r["test_acc_curve"]) for r in cmp["rows"]), default=1)
+    figs = []
+    for p in nps:
+        f = figure(title=f"test accuracy per epoch, np={p}", width=330, height=330,
+                   x_axis_label="epoch", y_axis_label="test accuracy", tools="pan,box_zoom,reset,save")
+        f.toolbar.autohide = True  # shown on hover in the HTML, never baked into its PNG
+        f.y_range = Range1d(0, 1)
+        f.x_range = Range1d(0.5, n_epochs + 0.5)
+        for r in (x for x in cmp["rows"] if x["np"] == p):
+            xs = list(range(1, len(r["test_acc_curve"]) + 1))
+            color = Category10[10][cmp["labels"].index(r["label"]) % 10]
+            f.line(xs, r["test_acc_curve"], color=color, line_width=2, legend_label=r["label"])
+            # markers: a study with one evaluation per curve is a point, not an empty plot
+            f.scatter(xs, r["test_acc_curve"], color=color, size=6, legend_label=r["label"])
+        f.line([0.5, n_epochs + 0.5], [0.1, 0.1], color="gray", line_dash="dotted", legend_label="chance")
+        legend = f.legend[0]  # below the plot, off the curves
+        f.add_layout(legend, "below")
+        legend.orientation, legend.ncols, legend.location = "horizontal", 2, "center"
+        legend.label_text_font_size = "10pt"
+        legend.border_line_alpha = 0
+        f.title.text_font_size = "11pt"
+        figs.append(f)
+    return figs
+
+
+def paper_figures(side: dict) -> tuple:
+    """Two panels of the paper comparison (:func:`pilab.study.paper.beside_paper`): speedup vs np (published,
+    both predicted profiles, ideal) and final test accuracy vs np per study (finished points only,
+    chance dotted)."""
+    nps = [r["np"] for r in side["rows"]]
+    p0 = side["baseline_np"]
+    sp = figure(title=f"speedup vs one Pi node (np={p0}): published and predicted", width=480, height=360,
+                x_axis_label="np (MPI processes)", y_axis_label="speedup")
+    sp.line(nps, [p / p0 for p in nps], color="gray", line_dash="dashed", legend_label="ideal")
+    for prof, color in (("naive", "#e45756"), ("pilab", "#4c78a8")):
+        ys = [r[f"{prof}_speedup"] for r in side["rows"]]
+        sp.line(nps, ys, color=color, line_width=2, legend_label=f"predicted, {prof} code")
+        sp.scatter(nps, ys, color=color, size=5)
+    pub = [r for r in side["rows"] if r["published_speedup"] is not None]
+    sp.scatter([r["np"] for r in pub], [r["published_speedup"] for r in pub], color="black", size=11,
+               marker="diamond", legend_label="published")
+    sp.legend.location = "top_left"
+    acc = figure(title="final test accuracy vs np (pending points absent)", width=480, height=360,
+                 x_axis_label="np (MPI processes)", y_axis_label="final test accuracy")
+    acc.y_range = Range1d(0, 1)
+    for i, label in enumerate(side["labels"]):
+        pts = [(r["np"], r["studies"][label]["final_test_acc"]) for r in side["rows"]
+               if r["studies"][label]["final_test_acc"] is not None]
+        color = Category10[10][i % 10]
+        if pts:
+            acc.line([x for x, _ in pts], [y for _, y in pts], color=color, line_width=2, legend_label=label)
+            acc.scatter([x for x, _ in pts], [y for _, y in pts], color=color, size=6, legend_label=label)
+    acc.line([min(nps), max(nps)], [judging.CHANCE, judging.CHANCE], color="gray", line_dash="dotted", legend_label="chance")
+    acc.legend.location = "top_right"
+    acc.legend.label_text_font_size = "8pt"
+    return sp, acc

@@ -19,7 +19,7 @@ The rules (each one is a case in tests/test_verdict.py):
 - Efficiency E = S·p0/p is against the speed baseline p0; a row with np < p0 (np=1 against one Pi node =
   np 2) gets a note saying why it can read above 100%.
 
-Pure Python on plain dicts (rows as ``scaling.rows_from_runs`` makes them, or a committed study.json), so
+Pure Python on plain dicts (rows as ``pilab.study.analysis.rows_from_runs`` makes them, or a committed study.json), so
 every layer may use it.
 """
 from __future__ import annotations
@@ -120,7 +120,7 @@ _NO_TARGET = ("time_to_target", "speedup_to_target", "energy_to_target_j")
 
 
 def judge_study(study: Mapping) -> dict:
-    """A copy of ``study`` (a ``scaling.study`` result or its study.json, older ones too) with its rows
+    """A copy of ``study`` (a ``pilab.study.scaling.study`` result or its study.json, older ones too) with its rows
     judged, ``target_accuracy`` and ``reference_learned`` set by these rules; where there is no fair
     target, the rows' times and energies to target are None ("no target", not "not reached")."""
     rows = sorted(study.get("rows") or [], key=lambda r: r["np"])

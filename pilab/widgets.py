@@ -68,7 +68,7 @@ class ControlPanel:
     ``settings_only=True`` shows just the settings, for a cell below that reads ``panel.config()``
     (a study picks its own process counts, so a process slider or live plots would mislead)::
 
-        panel = widgets.ControlPanel(None, scaling.notebook_config(), settings_only=True)
+        panel = widgets.ControlPanel(None, scaling.notebook_config(), settings_only=True)   # pilab.study.scaling
         study = scaling.study(panel.config(), **scaling.notebook_sweep())
     """
 
@@ -232,7 +232,7 @@ class Progress:
     Pass it as a callback; it shows itself with the first event::
 
         study = scaling.study(cfg, nps=(1, 2), simulate_nps=(8,), callbacks=[widgets.Progress()])
-        abl = remedies.ablations(cfg, 4, callbacks=[widgets.Progress()])
+        abl = ablation.ablations(cfg, 4, callbacks=[widgets.Progress()])   # pilab.study
 
     It reads the events those calls send (``point`` before a run, ``step`` during a simulated one,
     ``run`` / ``candidate`` after one, ``stopped``). The estimate: the runs of one call train the same

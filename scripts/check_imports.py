@@ -15,8 +15,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "pilab"
 
-# Each top-level part of the package and its layer: a module may import only lower layers (the rule
-# in docs/architecture.md: front-ends -> study -> engine -> {dist, data, models}).
+# Each part of the package and its layer: a module may import only lower layers (the rule in
+# docs/architecture.md: front-ends -> study -> engine -> {dist, data, models}). A part is a module or a
+# package, named from pilab down ("study"); a module belongs to the longest part that names it.
 LAYERS = {
     "model_names": 0, "optim": 0, "launch": 0, "files": 0, "embedded": 0, "buckets": 0, "verdict": 0,
     "signals": 0,  # installing signal handlers and putting the old ones back; no pilab imports
@@ -31,8 +32,7 @@ LAYERS = {
     "harness": 5.2,  # one guarded run on the ranks (vote, signals, abort, watchdog): CLI, engines, the study's jobs
     "perfmodel": 6, "energy": 6.5,  # energy: uses the perfmodel's Pi facts; the study uses it
     "bench": 6.8,  # benchmarks: the engine, the launcher, the harness's jobs and the performance model they check
-    "scaling": 7, "paper": 7.5,  # paper: a study beside the published figures; uses the study's rows
-    "remedies": 8,
+    "study": 7,  # the scaling study, its analysis, comparisons, remedies, ablations, the paper, reports
     "cluster": 9,
     "doctor": 9.5,  # preflight: the launcher, the perfmodel's bench, the Pi profile's address
     "widgets": 10,
@@ -43,9 +43,10 @@ LAYERS = {
 # panel's; mpi4py is loaded through pilab.launch.mpi() (importing it initialises MPI, which a process
 # that only plots, predicts or launches must not do) and used directly only by the communication layer.
 ONLY_IN = {"ipywidgets": {"widgets"}, "mpi4py": {"dist", "launch"}}
-# Third-party modules that only the study and view layers (and above) may import at module level:
-# Bokeh costs ~1 s to import, and a rank, the engine or a benchmark never draws.
-MODULE_LEVEL_FROM = {"bokeh": ("plots", "scaling")}  # plots (the view), or the study layer and above
+# Third-party modules that only these modules may import at module level: Bokeh costs ~1 s to import,
+# and a rank, the engine or a benchmark never draws. The view draws the figures; the study's report is
+# the one place that puts them into a page. Elsewhere Bokeh is imported inside the function that draws.
+MODULE_LEVEL_FROM = {"bokeh": ("pilab.plots", "pilab.study.report")}
 
 
 def module_name(path: Path) -> str:
@@ -56,9 +57,8 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _allowed_at_module_level(top: str, mine: str) -> bool:
-    view, lowest = MODULE_LEVEL_FROM[top]
-    return mine == view or LAYERS[mine] >= LAYERS[lowest]
+def _allowed_at_module_level(top: str, me: str) -> bool:
+    return me in MODULE_LEVEL_FROM[top]
 
 
 def imports_of(path: Path) -> list[tuple[str, int, bool]]:
@@ -94,11 +94,19 @@ def imports_of(path: Path) -> list[tuple[str, int, bool]]:
 
 
 def part(module: str) -> str | None:
-    """The top-level part of pilab a module belongs to ("pilab.cli.train" -> "cli")."""
+    """The part of pilab a module belongs to: the longest name in LAYERS that is the module or a package
+    above it ("pilab.cli.train" -> "cli", "pilab.study.run" -> "study"); a module in no part is its
+    top-level name ("pilab.nowhere.x" -> "nowhere", which the check reports)."""
     bits = module.split(".")
     if bits[0] != "pilab":
         return None
-    return bits[1] if len(bits) > 1 else "__init__"
+    if len(bits) == 1:
+        return "__init__"
+    for n in range(len(bits) - 1, 0, -1):
+        name = ".".join(bits[1:n + 1])
+        if name in LAYERS:
+            return name
+    return bits[1]
 
 
 def check() -> tuple[list[str], dict, int]:
@@ -117,9 +125,10 @@ def check() -> tuple[list[str], dict, int]:
             if top in ONLY_IN and mine not in ONLY_IN[top]:
                 problems.append(f"{me}:{line} imports {top}, which only {sorted(ONLY_IN[top])} may"
                                 + (" (use pilab.launch.mpi())" if top == "mpi4py" else ""))
-            if top in MODULE_LEVEL_FROM and not in_func and not _allowed_at_module_level(top, mine):
-                problems.append(f"{me}:{line} imports {top} at module level; below the study and view "
-                                f"layers import it inside the function that draws")
+            if top in MODULE_LEVEL_FROM and not in_func and not _allowed_at_module_level(top, me):
+                problems.append(f"{me}:{line} imports {top} at module level; only "
+                                f"{', '.join(MODULE_LEVEL_FROM[top])} may: import it inside the function "
+                                "that draws")
             target_module = _module_of(target)
             if target_module and target_module != me:
                 modules.setdefault(me, set()).add(target_module)

@@ -49,15 +49,15 @@ def test_the_checker_catches_a_circle_inside_one_part(tmp_path, monkeypatch):
 
 def test_the_checker_fences_mpi4py_and_bokeh(tmp_path, monkeypatch):
     # mpi4py only through pilab.launch.mpi() (or in dist); Bokeh at module level only in the view and
-    # the study layers: inside a function below them is fine.
+    # the study's report: inside a function elsewhere is fine.
     problems = _check_fake(tmp_path, monkeypatch, {
         "engine.py": "import bokeh.plotting\nfrom mpi4py import MPI\n",
         "energy.py": "def draw():\n    import bokeh.plotting\n",
-        "scaling.py": "import bokeh.plotting\n",
+        "study/report.py": "import bokeh.plotting\n",
         "dist.py": "from mpi4py import MPI\n"})
     assert any(p.startswith("pilab.engine:2 imports mpi4py") for p in problems), problems
     assert any(p.startswith("pilab.engine:1 imports bokeh at module level") for p in problems), problems
-    assert not any(p.startswith(("pilab.energy", "pilab.scaling", "pilab.dist")) for p in problems), problems
+    assert not any(p.startswith(("pilab.energy", "pilab.study.report", "pilab.dist")) for p in problems), problems
 
 
 # Files other than the engine that may call backward(), each with its reason: the contenders the

@@ -171,7 +171,8 @@ def test_commands_that_need_mpi_say_how_to_get_it(tmp_path, args, launcher):
 def test_a_failed_job_names_itself_its_exit_code_and_its_stderr(tmp_path):
     # Every launcher in pilab goes through launch.run_job: a job that fails is one error naming it,
     # its exit code and the end of what it said (here: a setting one rank refuses, exit 2).
-    from pilab import launch, scaling
+    from pilab import launch
+    from pilab.study import scaling
     from pilab.config import Config
     cfg = Config(width=0.25, train_subset=8, test_subset=20, batch_size=16, threads=1, epochs=1)
     with pytest.raises(launch.JobError) as e:
@@ -192,7 +193,7 @@ def test_a_job_payload_becomes_the_entry_modules_flags():
 
 
 def test_python_entry_points_import_without_mpi(tmp_path):
-    code = ("from pilab import train, simulate, scaling, cluster, engine, dist, checkpoint; "
+    code = ("from pilab import train, simulate, cluster, engine, dist, checkpoint; from pilab.study import scaling; "
             "from pilab.config import Config; "
             "r = train.run(Config(width=0.25, train_subset=64, test_subset=20, batch_size=16, epochs=1, "
             "threads=1)); print(dist.MPI is None, r['np'])")
@@ -370,7 +371,7 @@ def test_scale_reuse_takes_another_rules_np1_point_and_reruns_the_rest(tmp_path)
               "--out", str(tmp_path / "linear"), cwd=tmp_path, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "reused from" in p.stderr and p.stderr.count("reused from") == 1, p.stderr[-3000:]
-    from pilab import scaling
+    from pilab.study import scaling
     st = scaling.load_study(str(tmp_path / "linear"))  # its runs read back from their result.json files
     assert st["kept"] == [1] and st["config"]["lr_scaling"] == "linear"
     copied = json.loads((tmp_path / "linear" / "np1" / "result.json").read_text())

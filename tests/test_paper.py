@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from conftest import mpi_env
-from pilab import paper, perfmodel, scaling
+from pilab import perfmodel
+from pilab.study import analysis, paper, points, scaling
 from pilab.config import Config, ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,7 +101,7 @@ def test_the_full_set_gets_its_image_counts_from_the_runs_for_the_performance_mo
     whole = Config(data=str(cifar_archive), width=0.25)  # train_subset=0: the model cannot size it
     with pytest.raises(ConfigError, match="n_train"):
         perfmodel.predict(whole, 2, "pi4b_cluster")
-    sized = scaling.sized_for_model(whole, {1: r})
+    sized = analysis.sized_for_model(whole, {1: r})
     assert (sized.train_subset, sized.test_subset) == (r["data"]["n_train"], r["data"]["n_test"])
     assert perfmodel.predict(sized, 2, "pi4b_cluster")["n_train"] == 480
     # one directory holds one training: a point of other settings is refused, naming the np
@@ -124,7 +125,7 @@ def test_compare_paper_on_the_committed_paper_size_points(tmp_path):
     for label, r in rules.items():
         for row in side["rows"]:
             path = os.path.join(PS, r, f"np{row['np']}", "result.json")
-            done = scaling.finished_run(path, row["np"], Config.from_dict(json.load(open(path))["config"]),
+            done = points.finished_run(path, row["np"], Config.from_dict(json.load(open(path))["config"]),
                                         row["np"] > 2) if os.path.exists(path) else None
             a = row["studies"][label]
             assert a["pending"] == (done is None), (label, row["np"])

@@ -4,13 +4,15 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import asdict
 
 from bokeh.models import LabelSet, LogScale, Range1d, Scatter
 from bokeh.plotting import figure
 
-from pilab import plots, remedies, scaling
+from pilab import plots
 from pilab.cli import COMMANDS, build_parser
-from pilab.config import Config
+from pilab.config import DEMO, Config
+from pilab.study import ablation, analysis, compare, remedies, report, tables
 
 from test_verdict import _run, _study
 
@@ -21,9 +23,9 @@ def _pi_study():
             48: _run(48, [0.1, 0.1], 1.0, gb=48)}
     pred = {1: {"epoch_time": 43.7, "eval_time": 1.0}, 2: {"epoch_time": 38.6, "eval_time": 1.0},
             8: {"epoch_time": 9.0, "eval_time": 0.5}, 48: {"epoch_time": 1.3, "eval_time": 0.2}}
-    crit = scaling.Criteria(baseline_np=2)
-    rows, meta = scaling.rows_from_runs(runs, crit, target="pi4b_cluster", target_predicted=pred)
-    return {"rows": rows, "runs": {str(k): v for k, v in runs.items()}, "criteria": scaling.asdict(crit), **meta}
+    crit = analysis.Criteria(baseline_np=2)
+    rows, meta = analysis.rows_from_runs(runs, crit, target="pi4b_cluster", target_predicted=pred)
+    return {"rows": rows, "runs": {str(k): v for k, v in runs.items()}, "criteria": asdict(crit), **meta}
 
 
 def _figures(layout):
@@ -62,28 +64,28 @@ def test_compare_draws_points_titles_by_what_varies_and_warns_on_mixed_settings(
     b = _study({1: _run(1, [0.5], 10.0), 8: _run(8, [0.45], 2.0)})
     a["config"] = Config(lr_scaling="none", epochs=1).to_dict()
     b["config"] = Config(lr_scaling="linear", epochs=1).to_dict()
-    cmp = scaling.compare({"naive": a, "linear": b})
-    assert scaling.compare_title(cmp) == "by learning-rate rule" and cmp["warning"] is None
-    assert scaling.compare_markdown(cmp).startswith("| learning-rate rule | np |")
-    html = scaling.compare_html(cmp)
+    cmp = compare.compare({"naive": a, "linear": b})
+    assert compare.compare_title(cmp) == "by learning-rate rule" and cmp["warning"] is None
+    assert report.compare_markdown(cmp).startswith("| learning-rate rule | np |")
+    html = report.compare_html(cmp)
     assert "fast-but-wrong, by learning-rate rule" in html
     assert html.count('"name":"Scatter"') >= 4  # one-epoch curves are points with markers, not empty plots
     # another model and another epoch count as well: said in the title and in a warning naming them
     c = {**b, "config": Config(lr_scaling="linear", epochs=2, model="squeezenet1_1", width=1.0).to_dict()}
-    mixed = scaling.compare({"naive": a, "squeeze": c})
-    assert scaling.compare_title(mixed) == "by epochs, learning-rate rule and model"
+    mixed = compare.compare({"naive": a, "squeeze": c})
+    assert compare.compare_title(mixed) == "by epochs, learning-rate rule and model"
     assert "more than one kind of setting" in mixed["warning"]
     for name in ("lr_scaling (naive none, squeeze linear)", "model (naive mobilenetv2_cifar, squeeze squeezenet1_1)",
                  "epochs (naive 1, squeeze 2)"):
         assert name in mixed["warning"], mixed["warning"]
-    assert "Warning:" in scaling.compare_html(mixed)
+    assert "Warning:" in report.compare_html(mixed)
 
 
 def test_remedies_name_their_candidates_and_default_to_the_pi_like_scale(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pilab", "remedies", "--help"], capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0
-    labels = remedies.candidate_labels(scaling.DEMO, 48)
+    labels = remedies.candidate_labels(DEMO, 48)
     assert all(f"  {lab}\n" in p.stdout for lab in labels) and "fixed global batch 384 + sqrt lr" in p.stdout
     out = tmp_path / "rem"
     bad = subprocess.run([sys.executable, "-m", "pilab", "remedies", "--only", "baseline,sqrt lr warmup",
@@ -125,7 +127,7 @@ def test_remedies_command_is_recorded_shell_quoted():
 # ---- what the notebooks show: tables as HTML, and words written from the numbers (issue 24) ----------
 def test_tables_are_html_in_a_notebook_and_text_elsewhere():
     st = _pi_study()
-    t = scaling.table(st)
+    t = tables.table(st)
     assert isinstance(t, str) and "verdict" in t.splitlines()[2]  # the CLI's text, unchanged
     html = t._repr_html_()
     assert html.startswith("<table class='pilab-table' data-kind='study'") and "data-col='verdict'" in html
@@ -137,7 +139,7 @@ def test_tables_are_html_in_a_notebook_and_text_elsewhere():
 
 
 def _ablations(accs):
-    """ablation rows as remedies.ablations makes them, with these final accuracies."""
+    """ablation rows as ablation.ablations makes them, with these final accuracies."""
     labels = ["1 rank, batch b", "1 rank, batch 128 (global batch, step count)", "1 rank, batch 128, BN over groups of 32",
               "4 ranks, static shards", "4 ranks, linear lr"]
     causes = ["reference", "global batch & steps", "per-rank BN batch", "shard composition", "LR rule"]
@@ -156,14 +158,14 @@ def _ablations(accs):
 
 def test_ablation_words_name_the_cause_the_rows_show():
     res = _ablations([0.34, 0.20, 0.21, 0.19, 0.28])
-    words = remedies.ablation_summary(res)
+    words = ablation.ablation_summary(res)
     assert "lost mainly to the step count (14 points)" in words
     assert "the batch statistics" in words and "no clear effect" in words  # +1 point: noise, not a cause
     assert "winning back 9 points of the 15 points lost" in words
-    html = remedies.ablation_table(res)._repr_html_()
+    html = tables.ablation_table(res)._repr_html_()
     assert re.search(r"data-col='change' style='[^']*'>-14.0 points<", html)
     # a reference that has not learned separates nothing
-    assert "cannot tell one cause from another" in remedies.ablation_summary(_ablations([0.12, 0.1, 0.1, 0.1, 0.1]))
+    assert "cannot tell one cause from another" in ablation.ablation_summary(_ablations([0.12, 0.1, 0.1, 0.1, 0.1]))
 
 
 def test_search_words_never_call_a_missed_target_right():
@@ -187,12 +189,12 @@ def test_search_words_never_call_a_missed_target_right():
 def test_models_words_answer_or_say_too_small_to_tell():
     def st(acc1, acc8):
         return _study({1: _run(1, [acc1], 10.0), 8: _run(8, [acc8], 2.0)})
-    words = scaling.models_interpretation({"a": st(0.34, 0.30), "b": st(0.40, 0.10)})
+    words = tables.models_interpretation({"a": st(0.34, 0.30), "b": st(0.40, 0.10)})
     assert "a keeps the most of what it learned" in words
-    words = scaling.models_interpretation({"a": st(0.34, 0.10), "b": st(0.13, 0.10)})
+    words = tables.models_interpretation({"a": st(0.34, 0.10), "b": st(0.13, 0.10)})
     assert "b has not learned at this size" in words and "too small to tell" in words
     assert "cannot say which scales better" in words and "fast-but-wrong from np=8" in words
-    words = scaling.models_interpretation({"a": st(0.34, 0.10), "b": st(0.40, 0.10)})
+    words = tables.models_interpretation({"a": st(0.34, 0.10), "b": st(0.40, 0.10)})
     assert "Neither keeps clearly more" in words and "all are at chance" in words
 
 

@@ -12,8 +12,9 @@ import sys
 import pytest
 
 from conftest import mpi_env
-from pilab import remedies, scaling, verdict
-from pilab.config import Config
+from pilab import verdict
+from pilab.config import Config, ConfigError
+from pilab.study import ablation, analysis, compare, points, remedies, report, scaling, tables
 
 
 def test_published_speedups_turn_back_into_published_efficiencies():
@@ -27,7 +28,7 @@ def test_published_speedups_turn_back_into_published_efficiencies():
         s = e * p / 2
         assert efficiency(s, p, p0=2) == pytest.approx(e)
     assert karp_flatt(9.99, 48, p0=2) == pytest.approx((1 / 9.99 - 1 / 24) / (1 - 1 / 24))
-    assert scaling._karp_flatt(1.0, 2, p0=2) is None
+    assert analysis._karp_flatt(1.0, 2, p0=2) is None
 
 
 def _run(np_, accs, t_epoch, simulated=False, gb=32):
@@ -42,7 +43,7 @@ def _run(np_, accs, t_epoch, simulated=False, gb=32):
 def test_rows_judge_speed_and_accuracy():
     runs = {1: _run(1, [0.3, 0.5, 0.6], 10.0), 2: _run(2, [0.2, 0.45, 0.56], 6.0),
             4: _run(4, [0.1, 0.12, 0.15], 4.0), 8: _run(8, [0.1, 0.3, 0.45], 2.5)}
-    rows, meta = scaling.rows_from_runs(runs, scaling.Criteria())
+    rows, meta = analysis.rows_from_runs(runs, analysis.Criteria())
     by = {r["np"]: r for r in rows}
     assert meta["baseline_np"] == 1 and meta["target_accuracy"] == pytest.approx(0.54)
     assert by[2]["speedup"] == pytest.approx(10 / 6) and by[2]["efficiency"] == pytest.approx(10 / 12)
@@ -53,21 +54,21 @@ def test_rows_judge_speed_and_accuracy():
     assert by[2]["speedup_to_target"] == pytest.approx(30 / 18)
     assert by[4]["time_to_target"] is None and by[4]["speedup_to_target"] is None
     assert by[2]["comm_share"] == pytest.approx(0.1)
-    table = list(csv.DictReader(io.StringIO(scaling.to_csv(rows))))
+    table = list(csv.DictReader(io.StringIO(report.to_csv(rows))))
     assert [r["np"] for r in table] == ["1", "2", "4", "8"]
     assert [r["fast_but_wrong"] for r in table] == ["False", "False", "True", "True"]
     assert float(table[1]["time_to_target"]) == pytest.approx(18.0)
     assert table[2]["time_to_target"] == table[2]["speedup_to_target"] == "not reached"
     assert float(table[3]["final_test_acc"]) == pytest.approx(0.45)
-    rows2, meta2 = scaling.rows_from_runs(runs, scaling.Criteria(baseline_np=2))
+    rows2, meta2 = analysis.rows_from_runs(runs, analysis.Criteria(baseline_np=2))
     assert meta2["baseline_np"] == 2
     assert {r["np"]: r for r in rows2}[4]["efficiency"] == pytest.approx(6 / 4 * 2 / 4)
     # A target's speed baseline needs no accuracy run: one Pi node (np=2) predicted, np 1/4/8 ran.
     del runs[2]
-    with pytest.raises(scaling.ConfigError, match="baseline np=2"):
-        scaling.rows_from_runs(runs, scaling.Criteria(baseline_np=2))  # this machine: np=2 must run
+    with pytest.raises(ConfigError, match="baseline np=2"):
+        analysis.rows_from_runs(runs, analysis.Criteria(baseline_np=2))  # this machine: np=2 must run
     pred = {p: {"epoch_time": t, "eval_time": 0.0} for p, t in ((1, 9.0), (4, 3.0), (8, 1.0))}
-    rows3, meta3 = scaling.rows_from_runs(runs, scaling.Criteria(baseline_np=2), target="pi4b_cluster",
+    rows3, meta3 = analysis.rows_from_runs(runs, analysis.Criteria(baseline_np=2), target="pi4b_cluster",
                                           target_predicted=pred, baseline_per_image=0.5 / 320)
     by3 = {r["np"]: r for r in rows3}
     assert meta3["baseline_np"] == 2 and meta3["baseline_predicted_only"] and meta3["accuracy_baseline_np"] == 1
@@ -75,7 +76,7 @@ def test_rows_judge_speed_and_accuracy():
     assert by3[1]["speedup"] == pytest.approx(0.5 / 9.0) and not by3[1]["fast_but_wrong"]
 
 
-# One line of `scaling.table`: np, kind, global batch, s/epoch, speedup, efficiency, test acc,
+# One line of `tables.table`: np, kind, global batch, s/epoch, speedup, efficiency, test acc,
 # time to target ("12.3s", "not reached" or "–") and the verdict.
 TABLE_ROW = re.compile(r"^\s*(?P<np>\d+)\s+(?P<kind>sim|measured)\s+(?P<gb>\d+)\s+(?P<tpe>\S+)\s+"
                        r"(?P<speedup>\S+)\s+(?P<eff>\S+)\s+(?P<acc>\S+)\s+(?P<ttt>.+?)\s+"
@@ -83,7 +84,7 @@ TABLE_ROW = re.compile(r"^\s*(?P<np>\d+)\s+(?P<kind>sim|measured)\s+(?P<gb>\d+)\
 
 
 def _wrong(acc, base_acc, criteria):
-    """Accuracy lost, as the numbers imply it (scaling.Criteria's definition, restated): only against a
+    """Accuracy lost, as the numbers imply it (analysis.Criteria's definition, restated): only against a
     reference that learned (at least the floor)."""
     return base_acc >= criteria["wrong_floor"] and (acc < base_acc - criteria["wrong_gap"]
                                                     or acc < criteria["wrong_floor"])
@@ -231,7 +232,7 @@ def test_remedies_search_runs_candidates(tmp_path):
     assert fixed["global_batch"] == 16 and fixed["per_rank_batch"] == 4
     assert all(0 <= c["final_test_acc"] <= 1 for c in res["candidates"])
     assert [c["steps"] for c in res["candidates"]] == [4, 4, 16]  # 256 images / global batch, 1 epoch
-    lines = remedies.table(res).splitlines()
+    lines = tables.remedies_table(res).splitlines()
     assert lines[0].startswith(f"np=4  reference accuracy 0.300  target {res['target_accuracy']:.3f}")
     assert len(lines) == 2 + 3  # two header lines, then one line per candidate, in order
     for line, c in zip(lines[2:], res["candidates"]):
@@ -269,7 +270,7 @@ def test_pareto_front():
 def test_ablations_separate_the_causes():
     cfg = Config(width=0.25, train_subset=128, test_subset=64, epochs=1, batch_size=8, threads=1,
                  lr_ref_batch=8)
-    res = remedies.ablations(cfg, 4)
+    res = ablation.ablations(cfg, 4)
     rows = {r["cause"] + ":" + str(r["np"]): r for r in res["rows"]}
     assert [r["np"] for r in res["rows"]] == [1, 1, 1, 4, 4, 4, 4]
     ref, big = res["rows"][0], res["rows"][1]
@@ -277,7 +278,7 @@ def test_ablations_separate_the_causes():
     assert big["steps"] == res["rows"][3]["steps"], "same global batch -> same step count as np=4"
     assert res["rows"][5]["peak_lr"] == 4 * res["rows"][3]["peak_lr"]
     assert "shard composition:4" in rows
-    lines = remedies.ablation_table(res).splitlines()
+    lines = tables.ablation_table(res).splitlines()
     assert len(lines) == 1 + len(res["rows"])  # a header, then one line per run, in order
     for line, r in zip(lines[1:], res["rows"]):
         assert (line[:54].rstrip(), line[54:76].rstrip()) == (r["label"], r["cause"])
@@ -291,7 +292,7 @@ def test_a_search_after_the_ablations_runs_none_of_their_runs_again():
     cfg = Config(width=0.25, train_subset=128, test_subset=64, epochs=1, batch_size=8, threads=1,
                  lr_ref_batch=8)
     events = []
-    abl = remedies.ablations(cfg, 4, causes=("shard composition",), callbacks=[events.append])
+    abl = ablation.ablations(cfg, 4, causes=("shard composition",), callbacks=[events.append])
     assert [r["label"] for r in abl["rows"]] == ["1 rank, batch b", "4 ranks, static shards"]
     assert abl["rows"][1]["compared_with"] == "1 rank, batch b"  # its own base row was left out
     assert [e["kind"] for e in events if e["kind"] != "step"] == ["point", "run", "point", "run"]
@@ -372,19 +373,19 @@ def test_scale_on_the_pi_target_predicts_every_point_and_keeps_this_machines_tim
 def test_verdict_names_the_largest_np_that_stays_right_and_the_first_wrong_one():
     runs = {1: _run(1, [0.3, 0.5, 0.6], 10.0), 2: _run(2, [0.2, 0.45, 0.57], 6.0),
             8: _run(8, [0.1, 0.12, 0.15], 2.5)}
-    rows, meta = scaling.rows_from_runs(runs, scaling.Criteria())
+    rows, meta = analysis.rows_from_runs(runs, analysis.Criteria())
     st = {"rows": rows, "runs": {str(k): v for k, v in runs.items()}, "criteria": {"target_fraction": 0.9,
           "wrong_floor": 0.2}, **meta}
-    text = scaling.verdict(st)
+    text = analysis.verdict(st)
     assert "np=2 is the largest count that keeps test accuracy within 5 points of np=1" in text
     assert "np=8 ends at 15.0% (45 points below), although it is 4.0x faster: fast but wrong" in text
     assert "not reached at np=8" in text
     # a reference that did not learn is said so, and nothing is judged against it
     flat = {1: _run(1, [0.1, 0.1], 10.0), 2: _run(2, [0.1, 0.1], 6.0)}
-    rows, meta = scaling.rows_from_runs(flat, scaling.Criteria())
+    rows, meta = analysis.rows_from_runs(flat, analysis.Criteria())
     st = {"rows": rows, "runs": {str(k): v for k, v in flat.items()}, "criteria": {"target_fraction": 0.9,
           "wrong_floor": 0.2}, **meta}
-    assert not meta["reference_learned"] and "has not learned enough" in scaling.verdict(st)
+    assert not meta["reference_learned"] and "has not learned enough" in analysis.verdict(st)
 
 
 def test_remedies_on_the_pi_target_get_times_and_a_pareto_front():
@@ -405,21 +406,21 @@ def test_remedies_on_the_pi_target_get_times_and_a_pareto_front():
     assert [c["pareto"] for c in res["candidates"]] == flags
     assert not any(c["pareto"] and not c["reached_target"] for c in res["candidates"])
     assert all(c["energy_source"] == "model:pi4b" and c["energy_j"] > 0 for c in res["candidates"])
-    assert "times predicted for pi4b_cluster" in remedies.table(res).splitlines()[0]
+    assert "times predicted for pi4b_cluster" in tables.remedies_table(res).splitlines()[0]
 
 
 def test_models_summary_puts_accuracy_speedup_and_energy_side_by_side():
     def study_of(accs8):
         runs = {1: _run(1, [0.3, 0.5, 0.6], 10.0), 2: _run(2, [0.3, 0.5, 0.58], 6.0),
                 8: _run(8, accs8, 2.5)}
-        rows, meta = scaling.rows_from_runs(runs, scaling.Criteria())
+        rows, meta = analysis.rows_from_runs(runs, analysis.Criteria())
         return {"rows": rows, "runs": {str(k): v for k, v in runs.items()},
                 "config": {"model": "m"}, **meta}
-    rows = scaling.models_summary({"a": study_of([0.1, 0.1, 0.15]), "b": study_of([0.3, 0.5, 0.59])})
+    rows = compare.models_summary({"a": study_of([0.1, 0.1, 0.15]), "b": study_of([0.3, 0.5, 0.59])})
     assert [r["label"] for r in rows] == ["a", "b"]
     assert rows[0]["first_fast_but_wrong_np"] == 8 and rows[1]["first_fast_but_wrong_np"] is None
     assert rows[0]["speedup_at_largest"] == pytest.approx(4.0) and rows[0]["largest_np_acc"] == 0.15
-    text = scaling.models_summary_markdown(rows).splitlines()
+    text = tables.models_summary_markdown(rows).splitlines()
     assert len(text) == 4 and text[2].startswith("| a | 0.600 (np=1) | 0.150 (np=8) | 4.0 (vs np=1")
     assert text[3].endswith("| none |")
 
@@ -500,7 +501,7 @@ def test_a_study_stores_each_run_once_by_reference(tmp_path):
     save_json(run, str(tmp_path / "np2" / "result.json"))
     assert '"loss": [2.3, 2.1, 1.9]' in (tmp_path / "np2" / "result.json").read_text()  # an array on one line
     st = {"kind": "pilab.scaling.study", "rows": [], "runs": {"2": {**run, "rapl": {"joules": 1.0}}, "4": {"np": 4}}}
-    save_json(scaling.stored(st, str(tmp_path)), str(tmp_path / "study.json"))
+    save_json(points.stored(st, str(tmp_path)), str(tmp_path / "study.json"))
     raw = json.loads((tmp_path / "study.json").read_text())
     assert set(raw["runs"]["2"]) == {"file", "sha256", "also"} and raw["runs"]["2"]["file"] == "np2/result.json"
     assert raw["runs"]["2"]["also"] == {"rapl": {"joules": 1.0}} and raw["runs"]["4"] == {"np": 4}

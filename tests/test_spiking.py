@@ -197,7 +197,8 @@ def test_synaptic_ops_eval_mode_and_refusals():
 
 def test_snntorch_is_imported_only_for_the_spiking_model():
     code = ("import sys\n"
-            "from pilab import engine, scaling\n"
+            "from pilab import engine\n"
+            "from pilab.study import scaling\n"
             "from pilab.config import Config\n"
             "from pilab.models import build_model, train_flops_per_image\n"
             "build_model('mobilenetv2_cifar', width=0.25); Config(model='spiking_cnn')\n"

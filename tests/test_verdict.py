@@ -2,10 +2,12 @@
 
 Each case is one the notebooks and the README showed contradicting their own tables (issue 24)."""
 import re
+from dataclasses import asdict
 
 import pytest
 
-from pilab import scaling, verdict
+from pilab import verdict
+from pilab.study import analysis, compare, tables
 
 
 def _run(np_, accs, t_epoch, gb=32):
@@ -18,16 +20,16 @@ def _run(np_, accs, t_epoch, gb=32):
 
 
 def _study(runs, **criteria):
-    crit = scaling.Criteria(**criteria)
-    rows, meta = scaling.rows_from_runs(runs, crit)
-    st = {"rows": rows, "runs": {str(k): v for k, v in runs.items()}, "criteria": scaling.asdict(crit),
+    crit = analysis.Criteria(**criteria)
+    rows, meta = analysis.rows_from_runs(runs, crit)
+    st = {"rows": rows, "runs": {str(k): v for k, v in runs.items()}, "criteria": asdict(crit),
           "config": {"model": "m"}, **meta}
-    st["verdict"] = scaling.verdict(st)
+    st["verdict"] = analysis.verdict(st)
     return st
 
 
 def _table_verdicts(text):
-    """np -> the verdict cell of each row of scaling.table's output."""
+    """np -> the verdict cell of each row of tables.table's output."""
     out = {}
     for line in text.splitlines():
         m = re.match(r"^\s*(\d+)\s+(?:sim|measured)\s.*?\s{2}((?:FAST-BUT-WRONG|WRONG|ok|reference|not judged).*)$",
@@ -46,13 +48,13 @@ def test_a_reference_at_chance_judges_nothing_and_sets_no_target():
     assert [by[p]["verdict"] for p in (1, 2, 8)] == ["reference", "not judged", "not judged"]
     assert not any(r["fast_but_wrong"] or r["wrong"] for r in st["rows"])
     assert all(r["time_to_target"] is None and r["target_reached"] is None for r in st["rows"])
-    text = scaling.table(st)
+    text = tables.table(st)
     assert "FAST-BUT-WRONG" not in text and "not reached" not in text and "no target" in text
     assert set(_table_verdicts(text).values()) == {"reference", "not judged (np=1 at 10.2% has not learned enough to judge)"}
     assert "has not learned enough to judge" in st["verdict"] and "no run is called fast-but-wrong" in st["verdict"]
-    summary = scaling.models_summary({"spiking": st})[0]
+    summary = compare.models_summary({"spiking": st})[0]
     assert summary["first_fast_but_wrong_np"] is None and not summary["judged"]
-    line = scaling.models_summary_markdown([summary]).splitlines()[2]
+    line = tables.models_summary_markdown([summary]).splitlines()[2]
     assert "not judged" in line and "not reached" not in line
     # a study.json written before this logic (fast_but_wrong set against a reference at chance, a target
     # of 0.092) is judged the same way when it is shown again
@@ -63,7 +65,7 @@ def test_a_reference_at_chance_judges_nothing_and_sets_no_target():
     again = verdict.judge_study(old)
     assert again["target_accuracy"] is None and not any(r["fast_but_wrong"] for r in again["rows"])
     assert all(r["time_to_target"] is None for r in again["rows"])
-    assert "FAST-BUT-WRONG" not in scaling.table(old)
+    assert "FAST-BUT-WRONG" not in tables.table(old)
 
 
 def test_better_than_the_reference_at_larger_np_is_not_wrong():
@@ -81,10 +83,10 @@ def test_ok_but_short_of_the_target_says_why_and_no_one_reaches_it():
     assert by[2]["verdict"] == "ok" and by[2]["target_reached"] is False
     assert "short of the target 0.540" in by[2]["verdict_why"]
     assert by[8]["verdict"] == "fast-but-wrong" and by[8]["verdict_why"] == "30 points below np=1"
-    cells = _table_verdicts(scaling.table(st))
+    cells = _table_verdicts(tables.table(st))
     assert cells[2].startswith("ok (short of the target 0.540") and cells[8].startswith("FAST-BUT-WRONG")
     # every table line with "not reached" and "ok" on it says why
-    for line in scaling.table(st).splitlines():
+    for line in tables.table(st).splitlines():
         if "not reached" in line and re.search(r"\bok\b", line):
             assert "short of the target" in line, line
     assert "reached by no run but the reference" in st["verdict"]
@@ -104,14 +106,14 @@ def test_efficiency_below_the_speed_baseline_is_explained_in_place():
     runs = {1: _run(1, [0.3, 0.5], 10.0), 2: _run(2, [0.3, 0.49], 6.0), 8: _run(8, [0.3, 0.48], 2.0)}
     pred = {1: {"epoch_time": 43.7, "eval_time": 0.0}, 2: {"epoch_time": 38.6, "eval_time": 0.0},
             8: {"epoch_time": 9.0, "eval_time": 0.0}}
-    crit = scaling.Criteria(baseline_np=2)
-    rows, meta = scaling.rows_from_runs(runs, crit, target="pi4b_cluster", target_predicted=pred)
-    st = {"rows": rows, "runs": {str(k): v for k, v in runs.items()}, "criteria": scaling.asdict(crit), **meta}
+    crit = analysis.Criteria(baseline_np=2)
+    rows, meta = analysis.rows_from_runs(runs, crit, target="pi4b_cluster", target_predicted=pred)
+    st = {"rows": rows, "runs": {str(k): v for k, v in runs.items()}, "criteria": asdict(crit), **meta}
     by = {r["np"]: r for r in rows}
     assert by[1]["efficiency"] == pytest.approx(38.6 / 43.7 * 2)
     assert by[1]["efficiency_note"].startswith("np=1 is below the speed baseline np=2")
     assert by[2]["efficiency_note"] == by[8]["efficiency_note"] == ""
-    text = scaling.table(st)
+    text = tables.table(st)
     assert " 177%* " in text and "* np=1 is below the speed baseline np=2" in text
     assert by[2]["verdict"] == "ok"  # the speed baseline is judged on accuracy like any other row
 

@@ -12,10 +12,10 @@ python -m pilab scale "${common[@]}" --model mobilenetv2_cifar --width 0.25 --lr
 python -m pilab scale "${common[@]}" --model squeezenet1_1 --width 1.0 --lr 0.01 --out docs/three-models/squeezenet
 python -m pilab scale "${common[@]}" --model spiking_cnn --width 1.0 --lr 0.2 --out docs/three-models/spiking
 python - <<'PY'
-from pilab import scaling
+from pilab.study import compare, tables
 from pilab.files import atomic_write_text, load_json
 names = {"MobileNetV2-CIFAR 0.25": "mobilenet", "SqueezeNet 1.1": "squeezenet", "spiking CNN": "spiking"}
-rows = scaling.models_summary({k: load_json(f"docs/three-models/{v}/study.json") for k, v in names.items()})
-atomic_write_text("docs/three-models/summary.md", scaling.models_summary_markdown(rows) + "\n")
-print(scaling.models_summary_markdown(rows))
+rows = compare.models_summary({k: load_json(f"docs/three-models/{v}/study.json") for k, v in names.items()})
+atomic_write_text("docs/three-models/summary.md", tables.models_summary_markdown(rows) + "\n")
+print(tables.models_summary_markdown(rows))
 PY

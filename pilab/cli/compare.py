@@ -1,5 +1,5 @@
 """``pilab compare DIR…``: several scaling studies side by side (e.g. one per learning-rate rule), and with
-``--paper`` beside the published Pi-cluster figures (``pilab.paper``)."""
+``--paper`` beside the published Pi-cluster figures (``pilab.study.paper``)."""
 from __future__ import annotations
 
 import os
@@ -26,37 +26,32 @@ def add_parser(sub) -> None:
 
 
 def run(args, argv) -> int:
-    from .. import scaling
-    from ..files import atomic_write_text, save_json
+    from ..study import compare, report
+    from ..study.scaling import load_study
     labels = [s.strip() for s in args.labels.split(",")] if args.labels else \
         [os.path.basename(os.path.normpath(d)) for d in args.studies]
     if len(labels) != len(args.studies):
         raise ConfigError(f"{len(labels)} labels for {len(args.studies)} studies; give one label each")
     planned = ()
     if args.paper:
-        from .. import paper
+        from ..study import paper
         planned = paper.PAPER_NPS
-    studies = {label: scaling.load_study(d, planned=planned) for label, d in zip(labels, args.studies)}
-    cmp = scaling.compare(studies)
+    studies = {label: load_study(d, planned=planned) for label, d in zip(labels, args.studies)}
+    cmp = compare.compare(studies)
     if cmp["warning"]:
         print(f"pilab compare: warning: {cmp['warning']}", file=sys.stderr)
-    html_path = os.path.join(args.out, "compare.html")
+    side = None
     if args.paper:
         side = paper.beside_paper(studies)
         cmp["paper"] = side
         cmp["pending"] = side["pending"]
-        html = paper.report_html(side, cmp)
-    else:
-        html = scaling.compare_html(cmp)
-    save_json(cmp, os.path.join(args.out, "compare.json"))
-    atomic_write_text(html_path, html)
-    scaling.export_png(html_path, os.path.join(args.out, "compare.png"))
-    print(f"compared {scaling.compare_title(cmp)}")
+    paths = report.write_compare(cmp, args.out, side)
+    print(f"compared {compare.compare_title(cmp)}")
     if args.paper:
         print(paper.markdown(side))
         print()
         print(side["verdict"])
         print()
-    print(scaling.compare_markdown(cmp))
-    print(f"report: {html_path}")
+    print(report.compare_markdown(cmp))
+    print(f"report: {paths['html']}")
     return 0

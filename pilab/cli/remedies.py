@@ -46,7 +46,7 @@ def add_parser(sub) -> None:
 
     def format_help():
         if p.epilog is None:
-            from ..remedies import candidate_labels
+            from ..study.remedies import candidate_labels
             p.epilog = ("candidates (--only) at the default settings and --np 48; their labels follow --np "
                         "and the settings (the batch sizes and epochs in them):\n  "
                         + "\n  ".join(candidate_labels(_defaults(), 48)))
@@ -62,7 +62,7 @@ def command_line(argv: list[str]) -> str:
 
 
 def run(args, argv) -> int:
-    from .. import remedies
+    from ..study import remedies, report, tables
     from ..config import ConfigError
     from ..files import save_json
     cfg = config_from_args(args, _defaults())
@@ -80,10 +80,10 @@ def run(args, argv) -> int:
                           mpiexec=args.mpiexec, log=lambda s: print(s, file=sys.stderr, flush=True),
                           out=cfg.out or None, resume=args.resume_search, reuse=reuse)
     res["command"] = command_line(argv)
-    print(remedies.table(res))
+    print(tables.remedies_table(res))
     if cfg.out:
         save_json(res, os.path.join(cfg.out, "remedies.json"))
-        paths = remedies.write_report(res, cfg.out)
+        paths = report.write_remedies(res, cfg.out)
         print(f"result: {os.path.join(cfg.out, 'remedies.json')}"
               + (f", {paths['png']}" if paths.get("png") else ""))
     return 0

@@ -91,7 +91,8 @@ def check_study_dir(cfg, *, overwrite: bool, resume: bool) -> None:
 
 
 def run(args, argv) -> int:
-    from .. import scaling
+    from ..study import analysis, tables
+    from ..study.scaling import Interrupted, study
     from .. import data
     from ..perfmodel import PI_BASELINE_NP, PI_STUDY_NPS, PI_THREADS_PER_RANK
     cfg = config_from_args(args, _defaults())
@@ -109,8 +110,8 @@ def run(args, argv) -> int:
                               seed=cfg.seed)
     for p in nps + sims:
         cfg.check_world(p, n_train)
-    criteria = scaling.Criteria(baseline_np=baseline, target_fraction=args.target_fraction,
-                                wrong_gap=args.wrong_gap, wrong_floor=args.wrong_floor)
+    criteria = analysis.Criteria(baseline_np=baseline, target_fraction=args.target_fraction,
+                                 wrong_gap=args.wrong_gap, wrong_floor=args.wrong_floor)
     if baseline and baseline not in nps:
         raise ConfigError(f"--baseline {baseline} is not among --nps {args.nps}; add it")
     check_study_dir(cfg, overwrite=args.overwrite, resume=args.resume_study)
@@ -127,7 +128,7 @@ def run(args, argv) -> int:
         if ev.get("kind") != "run":  # one line per finished point; the others feed a notebook's bar
             return
         r = ev["result"]
-        acc = scaling.final_value(r, "test_acc")
+        acc = analysis.final_value(r, "test_acc")
         took = (f"reused from {r['reused_from']}" if r.get("reused_from") else "kept from the earlier run") \
             if ev.get("kept") else f"{r['wall_time']:.0f}s"
         print(f"  np={ev['np']:<3} {'simulated' if ev['simulated'] else 'measured '} "
@@ -135,14 +136,14 @@ def run(args, argv) -> int:
               file=sys.stderr, flush=True)
 
     command = "python -m pilab scale " + " ".join(argv)
-    scaling.target_name(args.target)  # a bad --target is refused before any run
+    analysis.target_name(args.target)  # a bad --target is refused before any run
     try:
         with sigterm_as_interrupt():
-            res = scaling.study(cfg, nps, simulate_nps=sims, criteria=criteria, out=cfg.out,
-                                mpiexec=args.mpiexec, hostfile=args.hostfile, callbacks=[progress],
-                                command=command.strip(), target=args.target, resume=args.resume_study,
-                                reuse=[d for d in args.reuse.split(",") if d])
-    except scaling.Interrupted as e:
+            res = study(cfg, nps, simulate_nps=sims, criteria=criteria, out=cfg.out,
+                        mpiexec=args.mpiexec, hostfile=args.hostfile, callbacks=[progress],
+                        command=command.strip(), target=args.target, resume=args.resume_study,
+                        reuse=[d for d in args.reuse.split(",") if d])
+    except Interrupted as e:
         st, cause = e.study, e.cause
         kept = sorted(int(p) for p in st["runs"])
         where = f"; kept np {kept} in {cfg.out}" if cfg.out and kept else ""
@@ -151,6 +152,6 @@ def run(args, argv) -> int:
         if isinstance(cause, KeyboardInterrupt):
             return exit_code_for(15 if cause.args and cause.args[0] == "SIGTERM" else 2)
         return 1
-    print(scaling.table(res))
+    print(tables.table(res))
     print(f"report: {os.path.join(cfg.out, 'report.html')}")
     return 0

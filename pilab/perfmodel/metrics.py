@@ -1,5 +1,5 @@
 """Scaling metrics: plain functions of measured or predicted times (the published figures are
-checked with them, and ``pilab.scaling`` reports with them).
+checked with them, and ``pilab.study`` reports with them).
 
     from pilab.perfmodel import speedup, efficiency, karp_flatt
     S = speedup(t_base=200.0, t=40.0)           # 5.0

@@ -7,7 +7,7 @@
     presets.published_table()                      # its three published figures, completed
 
 The study: MobileNetV2 on CIFAR-10, 24 Raspberry Pi 4B nodes x 2 MPI ranks, 1 GbE, against a
-one-node baseline of p0 = 2 processes. The PI_* constants are its facts (``pilab.scaling``'s Pi study
+one-node baseline of p0 = 2 processes. The PI_* constants are its facts (``pilab.study``'s Pi study
 preset uses them too); the rates in ``pi4b_cluster`` are assumptions stated in docs/perfmodel.md.
 """
 from __future__ import annotations

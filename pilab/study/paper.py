@@ -1,9 +1,9 @@
 """The study beside the paper it reproduces: the published speedups on the 24-node Raspberry Pi 4B cluster,
 what pilab's performance model predicts for the same points (the naive code the paper likely ran, and
 pilab's own), and the accuracy each study measured — one table, one figure and a paragraph generated
-from the numbers (issue 21)::
+from the numbers (issue 21); the page is :func:`pilab.study.report.paper_html`'s::
 
-    from pilab import paper, scaling
+    from pilab.study import paper, scaling
     studies = {"50k naive": scaling.load_study("docs/paper-size/naive", planned=paper.PAPER_NPS),
                "15k naive": scaling.load_study("docs/fast-but-wrong/naive")}
     side = paper.beside_paper(studies)
@@ -19,24 +19,16 @@ described, not tabulated).
 from __future__ import annotations
 
 from dataclasses import replace
-from html import escape
 
-from bokeh.embed import file_html
-from bokeh.layouts import column, row
-from bokeh.models import Div, Range1d
-from bokeh.palettes import Category10
-from bokeh.plotting import figure
-from bokeh.resources import INLINE
-
-from . import perfmodel, scaling
-from .config import Config
-from .plots import html_table
+from .. import perfmodel
+from ..config import Config
+from .analysis import final_value, sized_for_model
 
 PAPER_NPS = (1, 2, 4, 8, 16, 24, 32, 48)  # the paper's process counts (2..48), and np=1 as the reference
 CHANCE = 0.10  # ten classes
-NEAR_CHANCE = 0.15  # an accuracy under this is "at chance" (as scaling.compare counts epochs)
+NEAR_CHANCE = 0.15  # an accuracy under this is "at chance" (as pilab.study.compare counts epochs)
 SPEED_CLOSE = 0.10  # a predicted efficiency within 10 points of the published one reproduces it
-ACC_WRONG = 0.10  # 10 points below the reference: accuracy has fallen (scaling.Criteria.wrong_gap)
+ACC_WRONG = 0.10  # 10 points below the reference: accuracy has fallen (analysis.Criteria.wrong_gap)
 
 
 # What the paper-size study trains (docs/paper-size/run.sh) when none of its points has finished yet: the
@@ -53,19 +45,19 @@ def _model_config(studies: dict[str, dict]) -> Config:
         return replace(PAPER_SIZE, threads=0)
     cfg = Config.from_dict(st["config"])
     runs = {int(p): r for p, r in st.get("runs", {}).items()}
-    return replace(scaling.sized_for_model(cfg, runs), threads=0)  # the Pi places its threads
+    return replace(sized_for_model(cfg, runs), threads=0)  # the Pi places its threads
 
 
 def _reference(st: dict):
     """(np, final test accuracy) of a study's accuracy reference: its np=1 point, None if pending."""
     r = st.get("runs", {}).get("1")
-    return (1, scaling.final_value(r, "test_acc")) if r else (None, None)
+    return (1, final_value(r, "test_acc")) if r else (None, None)
 
 
 def beside_paper(studies: dict[str, dict], *, nps=PAPER_NPS, cluster="pi4b_cluster") -> dict:
     """One row per np: the published speedup/efficiency, the predicted Pi speedup/efficiency of the
     naive and the pilab profile (against one node, np=2), and per study (label -> study dict, e.g.
-    from :func:`pilab.scaling.load_study`) the final test accuracy, epochs at chance, optimizer steps
+    from :func:`pilab.study.scaling.load_study`) the final test accuracy, epochs at chance, optimizer steps
     and this machine's wall time (None: pending). ``verdict`` is the paragraph :func:`verdict` writes."""
     cfg = _model_config(studies)
     p0 = perfmodel.PUBLISHED["baseline_np"]
@@ -82,7 +74,7 @@ def beside_paper(studies: dict[str, dict], *, nps=PAPER_NPS, cluster="pi4b_clust
             missing = set(st.get("missing") or ())
             curve = [e.get("test_acc") for e in r["epochs"]] if r else []
             per[label] = {
-                "final_test_acc": scaling.final_value(r, "test_acc") if r else None,
+                "final_test_acc": final_value(r, "test_acc") if r else None,
                 "epochs_near_chance": sum(1 for a in curve if a is not None and a < NEAR_CHANCE) if r else None,
                 "epochs": len(curve) if r else None,
                 "steps": r["total_steps"] if r else None,
@@ -218,48 +210,3 @@ def markdown(side: dict) -> str:
                  f"of the 24-node Raspberry Pi 4B cluster, {side['model_config']['model']} width "
                  f"{side['model_config']['width']}, {side['model_config']['train_subset']} training images.")
     return "\n".join(lines)
-
-
-def figure_layout(side: dict):
-    """Two panels: speedup vs np (published, both predicted profiles, ideal) and final test accuracy vs
-    np per study (finished points only, chance dotted)."""
-    nps = [r["np"] for r in side["rows"]]
-    p0 = side["baseline_np"]
-    sp = figure(title=f"speedup vs one Pi node (np={p0}): published and predicted", width=480, height=360,
-                x_axis_label="np (MPI processes)", y_axis_label="speedup")
-    sp.line(nps, [p / p0 for p in nps], color="gray", line_dash="dashed", legend_label="ideal")
-    for prof, color in (("naive", "#e45756"), ("pilab", "#4c78a8")):
-        ys = [r[f"{prof}_speedup"] for r in side["rows"]]
-        sp.line(nps, ys, color=color, line_width=2, legend_label=f"predicted, {prof} code")
-        sp.scatter(nps, ys, color=color, size=5)
-    pub = [r for r in side["rows"] if r["published_speedup"] is not None]
-    sp.scatter([r["np"] for r in pub], [r["published_speedup"] for r in pub], color="black", size=11,
-               marker="diamond", legend_label="published")
-    sp.legend.location = "top_left"
-    acc = figure(title="final test accuracy vs np (pending points absent)", width=480, height=360,
-                 x_axis_label="np (MPI processes)", y_axis_label="final test accuracy")
-    acc.y_range = Range1d(0, 1)
-    for i, label in enumerate(side["labels"]):
-        pts = [(r["np"], r["studies"][label]["final_test_acc"]) for r in side["rows"]
-               if r["studies"][label]["final_test_acc"] is not None]
-        color = Category10[10][i % 10]
-        if pts:
-            acc.line([x for x, _ in pts], [y for _, y in pts], color=color, line_width=2, legend_label=label)
-            acc.scatter([x for x, _ in pts], [y for _, y in pts], color=color, size=6, legend_label=label)
-    acc.line([min(nps), max(nps)], [CHANCE, CHANCE], color="gray", line_dash="dotted", legend_label="chance")
-    acc.legend.location = "top_right"
-    acc.legend.label_text_font_size = "8pt"
-    head, rows = cells(side)
-    text = (f"<h2>pilab beside the paper</h2><p>{escape(side['verdict'])}</p>"
-            + html_table(head, rows)
-            + f"<p>{escape(markdown(side).splitlines()[-1])}</p>")
-    return column(Div(text=text, width=1000), row(sp, acc))
-
-
-def report_html(side: dict, cmp: dict | None = None) -> str:
-    """The paper comparison, then (given ``cmp``, from :func:`pilab.scaling.compare`) the studies' accuracy
-    curves side by side; self-contained (BokehJS inline)."""
-    parts = [figure_layout(side)]
-    if cmp is not None:
-        parts.append(scaling.compare_layout(cmp))
-    return file_html(column(*parts), INLINE, "pilab beside the paper")

@@ -1,0 +1,159 @@
+"""A study's points on disk: which finished run can be kept (``--resume``) or taken from another
+study (``--reuse``), study.json's references to each point's ``np<p>/result.json``, and the progress
+events of a point's training (:func:`step_events`)::
+
+    from pilab.study import points
+    points.finished_run("runs/demo/np2/result.json", 2, cfg, simulated=False)   # the run, or None
+    points.resolved(load_json("runs/demo/study.json"), "runs/demo")           # runs read back
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+
+from .. import checkpoint
+from ..config import Config, ConfigError
+from ..files import dumps, save_json, sha256_file
+
+
+def _finished_point(out: str | None, p: int, point_cfg: Config, simulated: bool) -> dict | None:
+    """The result of np point ``p`` kept from an earlier run of this study in ``out``: the same
+    settings, run to the end (not stopped early); None if there is none to keep."""
+    return finished_run(os.path.join(out, f"np{p}", "result.json"), p, point_cfg, simulated) if out else None
+
+
+def finished_run(path: str, p: int, cfg: Config, simulated: bool) -> dict | None:
+    """The result.json at ``path`` if it is ``cfg``'s training at ``p`` ranks (:func:`same_training`),
+    simulated or measured as asked, and ran to the end; else None (missing, unreadable, other)."""
+    try:
+        r = _load_json(path)
+        saved = Config.from_dict(r["config"]).to_dict()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    done = not r.get("stopped_early") and r.get("steps_done", r.get("total_steps")) == r.get("total_steps")
+    ok = done and bool(r.get("simulated")) == simulated and r.get("np") == p
+    return r if ok and same_training(saved, cfg, p) else None
+
+
+_LR_RULE = ("lr", "lr_scaling", "lr_ref_batch")
+
+
+_NOT_TRAINING = ("out", "resume", "checkpoint_every", "keep")
+
+
+def same_training(saved: dict, cfg: Config, p: int) -> bool:
+    """True if a run saved with settings ``saved`` is the training ``cfg`` asks for at ``p`` ranks:
+    every setting equal, or equal but for an LR rule that gives the same peak LR at ``p`` (at np=1
+    with a reference batch of one rank's batch every rule is the base LR), so four LR-rule studies
+    share their np=1 point::
+
+        same_training(Config(lr_scaling="none").to_dict(), Config(lr_scaling="linear"), 1)   # True
+        same_training(Config(checkpoint_every=1).to_dict(), Config(), 1)                     # True
+    """
+    mine = cfg.to_dict()
+    # Where a run writes and how often it checkpoints do not change what it trains (the simulator cannot
+    # checkpoint, so a study's real np=1 point with checkpoints is still its simulated points' kin).
+    keys = [k for k in mine if k not in _NOT_TRAINING]
+    if all(saved.get(k) == mine[k] for k in keys):
+        return True
+    if any(saved.get(k) != mine[k] for k in keys if k not in _LR_RULE):
+        return False
+    try:
+        return math.isclose(Config.from_dict(saved).peak_lr(p), cfg.peak_lr(p), rel_tol=1e-12)
+    except (ConfigError, TypeError, ValueError):
+        return False
+
+
+def reused_run(dirs, p: int, cfg: Config, simulated: bool, dest: str | None) -> dict | None:
+    """The finished np ``p`` point of another study (``dirs``) that is ``cfg``'s training, marked
+    ``reused_from`` and copied to ``dest`` (a result.json path, None: no copy) so the study or search
+    that takes it stays self-contained; None if no study has it."""
+    for d in dirs:
+        r = _finished_point(d, p, cfg, simulated)
+        if r is not None:
+            r = {**r, "reused_from": os.path.join(d, f"np{p}")}
+            if dest:
+                save_json(r, dest)
+            return r
+    return None
+
+
+def _load_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+# study.json holds each point's run by reference to the point's own np<p>/result.json (path + SHA-256),
+# not a second copy of it; what the study added to a run (a measured point's "rapl") rides beside it.
+_REF_KEYS = {"file", "sha256", "also"}
+
+
+def _is_ref(run) -> bool:
+    return isinstance(run, dict) and {"file", "sha256"} <= set(run) <= _REF_KEYS
+
+
+def stored(study_: dict, out: str) -> dict:
+    """``study_`` as its study.json in ``out`` stores it: each run that is its point's result.json
+    there becomes ``{"file": "np2/result.json", "sha256": ..., "also": {what the study added}}``;
+    a run with no such file (or another one there) stays embedded. :func:`load_study` undoes it."""
+    runs = {}
+    for p, run in (study_.get("runs") or {}).items():
+        rel = f"np{p}/result.json"
+        path = os.path.join(out, rel)
+        try:
+            saved = _load_json(path)
+        except (OSError, ValueError):
+            saved = None
+        plain = json.loads(dumps(run, indent=None))  # as JSON reads it back: lists, plain numbers
+        if isinstance(saved, dict) and all(k in plain and plain[k] == v for k, v in saved.items()):
+            also = {k: v for k, v in plain.items() if k not in saved}
+            runs[p] = {"file": rel, "sha256": sha256_file(path), **({"also": also} if also else {})}
+        else:
+            runs[p] = run
+    return {**study_, "runs": runs}
+
+
+def resolved(study_: dict, where: str) -> dict:
+    """A study.json's content with its referenced runs read back from their files (relative to the
+    directory ``where``); ConfigError if a file is missing or is not the one the study recorded."""
+    runs = study_.get("runs")
+    if not isinstance(runs, dict) or not any(map(_is_ref, runs.values())):
+        return study_
+    out = {}
+    for p, run in runs.items():
+        if _is_ref(run):
+            path = os.path.join(where, run["file"])
+            try:
+                same = sha256_file(path) == run["sha256"]
+            except OSError:
+                raise ConfigError(f"{path} is missing; the study in {where} refers to it") from None
+            if not same:
+                raise ConfigError(f"{path} changed after the study in {where} was written (its SHA-256 "
+                                  "differs); run `pilab scale` with --resume there to make the study again")
+            run = {**_load_json(path), **run.get("also", {})}
+        out[p] = run
+    return {**study_, "runs": out}
+
+
+def _clear_point(d: str) -> None:
+    """Remove an earlier run's files from a point's directory before the point is run again."""
+    for path in [os.path.join(d, "result.json"), os.path.join(d, "checkpoint.pt")] + \
+            [p for _, p in checkpoint.epoch_files(d)]:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def _tmpdir() -> str:
+    return tempfile.mkdtemp(prefix="pilab-run-")
+
+
+def step_events(callbacks):
+    """A training callback passing each step's progress on to ``callbacks`` (``{"kind": "step",
+    "global_step", "total_steps"}``), for a progress bar over a call that runs several trainings."""
+    def forward(ev):
+        if ev.get("kind") == "step":
+            for cb in callbacks:
+                cb({"kind": "step", "global_step": ev["global_step"], "total_steps": ev.get("total_steps")})
+    return forward
