@@ -37,7 +37,7 @@ CHOICES = {
     "batch_mode": ("per_rank", "global"),
     "optimizer": ("sgd", "lars"),
     "lr_scaling": ("none", "linear", "sqrt"),
-    "schedule": ("cosine", "step", "constant"),
+    "schedule": ("cosine", "step", "constant", "linear"),
     "weight_decay_on": ("weights", "all"),
     "bn": ("local", "sync"),
     "bn_buffers": ("broadcast", "average"),
@@ -70,9 +70,12 @@ class Config:
     lr_ref_batch: int = 64  # reference batch size the lr is quoted for
     lr_scaling: str = "none"  # rule from reference to global batch: none | linear | sqrt
     warmup_epochs: float = 0.0  # per-step linear warmup from ~0 to the peak lr, in epochs
-    schedule: str = "cosine"  # after warmup, per step: cosine | step (x0.1 at 50%, 75%) | constant
+    schedule: str = "cosine"  # after warmup, per step: cosine | step (x0.1 at 50%, 75%) | constant | linear (to 0: with warmup, the triangular schedule of few-step recipes)
     momentum: float = 0.9  # SGD/LARS momentum coefficient
     nesterov: bool = False  # Nesterov momentum
+    label_smoothing: float = 0.0  # training loss: cross-entropy with this label smoothing (0..1; 0 = none)
+    ema_epochs: float = 0.0  # evaluate an exponential moving average of the weights whose time constant is this many epochs (e.g. 0.5: the same horizon at every np; 0 = the weights themselves)
+    tta: bool = False  # evaluation averages the logits of each test image and of its mirror image
     weight_decay: float = 5e-4  # L2 penalty coefficient
     weight_decay_on: str = "weights"  # weights: conv/linear weights only | all parameters
     lars_eta: float = 0.001  # LARS trust coefficient
@@ -81,6 +84,8 @@ class Config:
     bn_buffers: str = "broadcast"  # before eval/checkpoint: rank 0's running stats | rank average
     ghost_batch: int = 0  # BN statistics over groups of this many images per rank; 0 = whole batch
     # --- communication ---
+    local_steps: int = 1  # local SGD: steps each rank takes on its own copy of the model between parameter averages (1 = gradients averaged every step); every epoch ends with an average
+    local_after: float = 0.0  # post-local SGD: epochs of synchronous steps before local steps begin
     bucket_mb: float = 1.0  # gradient fusion bucket size, MiB of fp32
     compression: str = "none"  # none | fp16 (halves bytes sent)
     # --- runtime ---
@@ -135,7 +140,7 @@ class Config:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
         nonneg = ("train_subset", "test_subset", "max_steps", "ghost_batch", "threads",
-                  "checkpoint_every", "checkpoint_every_steps", "straggler_threshold", "warmup_epochs", "weight_decay", "momentum", "seed")
+                  "checkpoint_every", "checkpoint_every_steps", "straggler_threshold", "warmup_epochs", "ema_epochs", "weight_decay", "momentum", "seed")
         for name in nonneg:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
@@ -152,6 +157,17 @@ class Config:
             raise ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
         if self.ghost_batch and self.bn == "sync":
             raise ConfigError("ghost_batch needs bn='local'; SyncBatchNorm already spans ranks")
+        if self.local_steps < 1:
+            raise ConfigError(f"local_steps={self.local_steps} must be >= 1 (1: average gradients every step)")
+        if not 0 <= self.local_after <= self.epochs:
+            raise ConfigError(f"local_after={self.local_after} must be between 0 and epochs={self.epochs}")
+        if self.local_steps > 1 and self.bn == "sync":
+            raise ConfigError("local_steps > 1 needs bn='local': SyncBatchNorm would exchange every step")
+        if self.local_steps > 1 and self.compression != "none":
+            raise ConfigError("local_steps > 1 averages parameters, which compression=fp16 would round; "
+                              "use compression=none")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"label_smoothing={self.label_smoothing} must be in [0, 1)")
         if self.warmup_epochs > self.epochs:
             raise ConfigError(
                 f"warmup_epochs={self.warmup_epochs} exceeds epochs={self.epochs}; shorten it")

@@ -24,7 +24,7 @@ polled on every rank each step and any rank's True stops all ranks together afte
 from __future__ import annotations
 
 import dataclasses
-
+import math
 import os
 import platform
 import resource
@@ -38,11 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import __version__, checkpoint
+from . import __version__, checkpoint, localsgd
 from . import data as data_mod
 from .checkpoint import RESUMABLE, CheckpointError, WriteError  # noqa: F401  (RESUMABLE: re-exported)
 from .config import EVAL_CHUNK, Config, ConfigError
 from .launch import mpi, mpi_versions
+from .ema import WeightAverage
 from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
                    reduce_sums, sync_buffers_, world)
 from .files import save_json
@@ -117,12 +118,12 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH) -> tuple[float, float]:
+def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH, *, tta: bool = False) -> tuple[float, float]:
     """Test loss and accuracy; each test image is evaluated exactly once over the ranks and the
     sums (not per-rank averages) are reduced, so uneven shards weigh correctly. The loss is summed per
     ``batch`` images (``cfg.eval_batch``); the model sees at most ``EVAL_CHUNK`` of them per forward,
     so the evaluation's memory does not grow with ``batch`` (the logits are the same: see
-    ``pilab.config.EVAL_CHUNK``)."""
+    ``pilab.config.EVAL_CHUNK``). ``tta``: the logits of each image and of its mirror image averaged."""
     rank, size = world(comm)
     sl = data_mod.test_shard(len(ds.y_test), size, rank)
     held = ds.test_rows
@@ -137,7 +138,8 @@ def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH) -> tup
     for i in range(0, len(y_all), batch):
         x = data_mod.to_input(x_all[i:i + batch]).to(device)
         y = y_all[i:i + batch].to(device)
-        out = torch.cat([model(piece) for piece in torch.tensor_split(x, -(-len(x) // EVAL_CHUNK))])
+        pieces = torch.tensor_split(x, -(-len(x) // EVAL_CHUNK))
+        out = torch.cat([(model(piece) + model(piece.flip(3))) / 2 if tta else model(piece) for piece in pieces])
         loss_sum += F.cross_entropy(out, y, reduction="sum").item()
         correct += (out.argmax(1) == y).sum().item()
     model.train()
@@ -225,7 +227,7 @@ class MPIRanks:
         self.loader = data_mod.ShardLoader(ds, self.np_, self.rank, batch, seed=cfg.seed,
                                            policy=cfg.sharding, augment=cfg.augment)
         self.steps_per_epoch = self.loader.steps_per_epoch
-        self.batch, self.device, self.eval_batch = batch, device, cfg.eval_batch
+        self.batch, self.device, self.eval_batch, self.tta = batch, device, cfg.eval_batch, cfg.tta
         model = base_model(cfg, device)
         if cfg.bn == "sync":
             convert_sync_batchnorm(model, self.comm)
@@ -242,9 +244,13 @@ class MPIRanks:
         self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, compression=cfg.compression,
                               meta=len(_META) + self.np_)
         self._prev_net = 0.0
+        self.optimizer, self.local = optimizer, cfg.local_steps > 1
+        self.params = [p for p in model.parameters() if p.requires_grad]
 
     def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None) -> StepResult:
         sync = self.gsync
+        ph = localsgd.phase(cfg, self.steps_per_epoch, epoch, step)
+        sync.exchange = not ph.local  # a local-SGD step sends only the metrics and votes
         t0 = time.perf_counter()
         sync.begin(t0)
         x, y = self.loader.batch(epoch, step)
@@ -253,7 +259,7 @@ class MPIRanks:
         torch.manual_seed(step_seed(cfg.seed, epoch, step, self.rank))
         optimizer.zero_grad(set_to_none=False)
         out = model(x)
-        loss = F.cross_entropy(out, y)
+        loss = F.cross_entropy(out, y, label_smoothing=cfg.label_smoothing)
         # The step's metrics and the stop vote are known once the forward is done; they ride with the
         # last gradient bucket (GradSync's meta), so the step synchronises the ranks once, not twice.
         # On CPU reading them here costs nothing; the stop is polled before backward, and still takes
@@ -269,6 +275,12 @@ class MPIRanks:
         loss.backward()
         cstats = sync.finish()
         optimizer.step()
+        averaged, sent = 0.0, cstats.bytes_sent
+        if ph.average:  # local SGD: the ranks' parameters and BatchNorm statistics averaged, blocking
+            ta = time.perf_counter()
+            sent += sync.average_parameters_()
+            sync_buffers_(model, self.comm, "average")
+            averaged = time.perf_counter() - ta
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
@@ -279,12 +291,12 @@ class MPIRanks:
         # the rest of the exposed time is the network's.
         ready = sums[len(_META) + self.np_:]
         wait = min(cstats.exposed, max(0.0, float(ready.max() - ready[self.rank]))) if self.np_ > 1 else 0.0
-        self._prev_net = cstats.exposed - wait
-        # compute: forward + backward + optimizer, the time spent waiting in finish() taken out
+        self._prev_net = cstats.exposed - wait + averaged
+        # compute: forward + backward + optimizer, the time spent waiting in finish() (and averaging) taken out
         return StepResult(loss_sum, correct_sum, votes, time=t2 - t0,
-                          compute=(t2 - t1) - cstats.exposed, comm=cstats.total,
-                          comm_exposed=cstats.exposed, data=t1 - t0,
-                          bytes_sent=cstats.bytes_sent, comm_wait=wait, save_votes=saves,
+                          compute=(t2 - t1) - cstats.exposed - averaged, comm=cstats.total + averaged,
+                          comm_exposed=cstats.exposed + averaged, data=t1 - t0,
+                          bytes_sent=sent, comm_wait=wait, save_votes=saves,
                           ranks_compute=ready.copy(), ranks_network=sums[len(_META):len(_META) + self.np_].copy())
 
     def settle(self, model, policy: str) -> None:
@@ -295,6 +307,8 @@ class MPIRanks:
         """Every rank's own state, in rank order on rank 0 (None elsewhere): its BatchNorm running
         statistics (per rank with bn=local until settled) and its torch RNG state. A collective."""
         mine = {"bn": [b.detach().cpu().clone() for b in bn_buffers(model)], "rng": torch.get_rng_state()}
+        if self.local:  # local SGD: this rank's own parameters and momentum (see pilab.localsgd)
+            mine["local"] = localsgd.rank_state(self.params, self.optimizer)
         if self.comm is None or self.np_ == 1:
             return [mine]
         return self.comm.gather(mine, root=0)
@@ -308,6 +322,8 @@ class MPIRanks:
         with torch.no_grad():
             for b, v in zip(bn_buffers(model), states["bn"]):
                 b.copy_(v)
+        if self.local and "local" in states:
+            localsgd.load_rank_state_(self.params, self.optimizer, states["local"])
         torch.set_rng_state(states["rng"])
 
     def hosts(self) -> list[str]:
@@ -321,7 +337,7 @@ class MPIRanks:
         self.loader.carry(epoch, plan[:, self.rank * b:(self.rank + 1) * b], ds)
 
     def evaluate(self, model, ds) -> tuple[float, float]:
-        return evaluate(model, ds, self.comm, self.device, self.eval_batch)
+        return evaluate(model, ds, self.comm, self.device, self.eval_batch, tta=self.tta)
 
     def per_rank(self, values: list[float]):
         """``values`` of every rank in rank order (rows), on rank 0; None elsewhere."""
@@ -367,6 +383,9 @@ class VirtualRanks:
                               "batch); run it under mpiexec, or use bn=local")
         if cfg.compression != "none":
             raise ConfigError("the simulator does not emulate compression=fp16; use compression=none")
+        if cfg.local_steps > 1 and cfg.simulate_mode == "fast":
+            raise ConfigError("simulate_mode=fast runs several ranks per forward, but local SGD (local_steps > 1) "
+                              "gives each rank its own weights; use simulate_mode=exact")
 
     def build(self, cfg: Config, device, ds, batch: int) -> nn.Module:
         np_ = self.np_
@@ -376,7 +395,7 @@ class VirtualRanks:
                                              device=device if device.type == "cuda" else None)
                         for r in range(np_)]
         self.steps_per_epoch = self.loaders[0].steps_per_epoch
-        self.batch, self.device, self.eval_batch = batch, device, cfg.eval_batch
+        self.batch, self.device, self.eval_batch, self.tta = batch, device, cfg.eval_batch, cfg.tta
         # One rank per forward on CPU reproduces an MPI rank's arithmetic exactly (same conv kernels on
         # the same batch). Several ranks per forward are faster on a GPU but sum weight gradients in
         # another order, and BatchNorm's shift invariance amplifies that float noise (~1e-3 after a step).
@@ -385,6 +404,8 @@ class VirtualRanks:
         fast = cfg.simulate_mode == "fast"
         auto = max(1, min(np_, (FAST_CHUNK_IMAGES if fast else 256) // batch))
         self.chunk = self.ranks_per_chunk or (auto if fast or device.type == "cuda" else 1)
+        if cfg.local_steps > 1:  # every rank's own weights: one rank per forward
+            self.chunk = 1
         self.context = RankContext(cfg.seed)
         self.context.vectorised = fast
         return base_model(cfg, device, ranks=np_, context=self.context)
@@ -394,8 +415,14 @@ class VirtualRanks:
         # Averaged gradient, built as MPI builds it: each rank's mean-loss gradient divided by np,
         # summed in rank order (GradSync pre-divides, then Allreduce sums).
         self.avg = [torch.zeros_like(p) for p in self.params]
+        self.optimizer = optimizer
+        self.replicas = None  # local SGD: every rank's weights and momentum, made at the first local step
+        self._replica_state = None  # ... or from a checkpoint (restore_rank_states)
 
     def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None) -> StepResult:
+        ph = localsgd.phase(cfg, self.steps_per_epoch, epoch, step)
+        if ph.local:
+            return self._local_step(cfg, model, optimizer, epoch, step, ph, stop, save)
         np_, b, device = self.np_, self.batch, self.device
         t0 = time.perf_counter()
         t_data = 0.0
@@ -417,7 +444,7 @@ class VirtualRanks:
             torch.manual_seed(step_seed(cfg.seed, epoch, step, r0))
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 out = model(x)
-                loss = F.cross_entropy(out.float(), y)
+                loss = F.cross_entropy(out.float(), y, label_smoothing=cfg.label_smoothing)
             optimizer.zero_grad(set_to_none=False)
             loss.backward()  # the mean loss over these ranks' images (one rank: exactly its loss)
             if not one_chunk:
@@ -443,14 +470,55 @@ class VirtualRanks:
         return StepResult(loss_sum, correct, float(want_stop), time=total, compute=total - t_data,
                           comm=0.0, comm_exposed=0.0, data=t_data, save_votes=float(want_save))
 
+    def _local_step(self, cfg: Config, model, optimizer, epoch: int, step: int, ph, stop, save) -> StepResult:
+        """A local-SGD step: each rank's own forward, backward and optimizer step on its own weights
+        (``pilab.localsgd.VirtualReplicas``), then, if due, the average MPI forms."""
+        np_, device = self.np_, self.device
+        t0 = time.perf_counter()
+        t_data, loss_sum, correct = 0.0, 0.0, 0.0
+        if self.replicas is None:
+            self.replicas = localsgd.VirtualReplicas(self.params, optimizer, np_, state=self._replica_state)
+            self._replica_state = None
+        self.context.epoch, self.context.step = epoch, step
+        for r in range(np_):
+            self.replicas.enter(r)
+            td = time.perf_counter()
+            x, y = self.loaders[r].batch(epoch, step)
+            x = x.to(device, non_blocking=True).contiguous(memory_format=torch.channels_last)
+            y = y.to(device, non_blocking=True)
+            t_data += time.perf_counter() - td
+            self.context.ranks = (r, r + 1)
+            torch.manual_seed(step_seed(cfg.seed, epoch, step, r))
+            out = model(x)
+            loss = F.cross_entropy(out, y, label_smoothing=cfg.label_smoothing)
+            optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.item() * self.batch
+            correct += (out.argmax(1) == y).sum().item()
+        if ph.average:
+            self.replicas.average_()
+            sync_virtual_buffers_(model, "average")
+        self.replicas.enter(0)  # the model is rank 0's, as an MPI job's rank 0 holds it
+        total = time.perf_counter() - t0
+        want_stop = bool(stop()) if stop is not None else False
+        want_save = bool(save()) if save is not None else False
+        return StepResult(loss_sum, correct, float(want_stop), time=total, compute=total - t_data,
+                          comm=0.0, comm_exposed=0.0, data=t_data, save_votes=float(want_save))
+
     def settle(self, model, policy: str) -> None:
         sync_virtual_buffers_(model, policy)
 
     def rank_states(self, model) -> list:
-        """The virtual ranks' BatchNorm rows are in the model's state_dict; the RNG is the process's."""
-        return [{"rng": torch.get_rng_state()}]
+        """The virtual ranks' BatchNorm rows are in the model's state_dict; the RNG is the process's;
+        under local SGD every rank's weights and optimizer state."""
+        st = {"rng": torch.get_rng_state()}
+        if self.replicas is not None:
+            st["replicas"] = self.replicas.state()
+        return [st]
 
     def restore_rank_states(self, model, states: list) -> None:
+        self._replica_state = states[0].get("replicas")
         torch.set_rng_state(states[0]["rng"])
 
     def hosts(self) -> list[str]:
@@ -462,7 +530,7 @@ class VirtualRanks:
             loader.carry(epoch, plan[:, r * b:(r + 1) * b], ds)
 
     def evaluate(self, model, ds) -> tuple[float, float]:
-        return evaluate(model, ds, None, self.device, self.eval_batch)
+        return evaluate(model, ds, None, self.device, self.eval_batch, tta=self.tta)
 
     def per_rank(self, values: list[float]):
         return None  # one process: there is no per-rank timeline to show
@@ -549,9 +617,21 @@ class Session:
             # A new empty array, not x_train[:0]: a view would keep the whole array alive.
             self.ds = dataclasses.replace(self.ds, x_train=np.empty((0, *self.ds.x_train.shape[1:]),
                                                                     dtype=self.ds.x_train.dtype))
+        if cfg.local_steps > 1 and self.start_step and self.resumed_np != self.np_ and \
+                localsgd.phase(cfg, spe, self.start_epoch, self.start_step - 1).local:
+            raise CheckpointError(f"{cfg.resume} was taken between two parameter averages of local SGD, where "
+                                  f"each of its {self.resumed_np} ranks holds its own weights; resume it at "
+                                  f"np={self.resumed_np}, or from an epoch's checkpoint (checkpoint-eNNNN.pt)")
         ranks.start(cfg, self.model, self.optimizer)
         if ck.get("has_ranks") and self.resumed_np == self.np_:
             ranks.restore_rank_states(self.model, ck["ranks"] if self.rank == 0 else None)
+        # The weights' moving average (cfg.ema_epochs: its time constant), updated where every rank's
+        # weights are the same: the same average on every rank with no communication (pilab.ema)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.ema = WeightAverage(self.params, math.exp(-1 / (cfg.ema_epochs * spe))) if cfg.ema_epochs else None
+        self.ema_pending = ck.get("ema_pending", 0)  # steps since its last update
+        if self.ema is not None and ck.get("ema") is not None:
+            self.ema.load(ck["ema"])
         # Mid-epoch checkpoints: every K steps, and/or every M minutes (rank 0's clock, voted with the
         # step so every rank saves after the same one); -1 minutes means 10 on a multi-node run.
         minutes = cfg.checkpoint_minutes
@@ -575,8 +655,22 @@ class Session:
         gstep = epoch * self.steps_per_epoch + step
         lr = self.lr(gstep)
         set_lr(self.optimizer, lr)
-        return self.ranks.step(self.cfg, self.model, self.optimizer, epoch, step, stop,
-                               lambda: self._save_due(gstep + 1)), lr
+        st = self.ranks.step(self.cfg, self.model, self.optimizer, epoch, step, stop,
+                             lambda: self._save_due(gstep + 1))
+        if self.ema is not None:
+            self.ema_pending += 1
+            ph = localsgd.phase(self.cfg, self.steps_per_epoch, epoch, step)
+            if not ph.local or ph.average:
+                self.ema.update(self.params, steps=self.ema_pending)
+                self.ema_pending = 0
+        return st, lr
+
+    def evaluate(self) -> tuple[float, float]:
+        """Test loss and accuracy of the model, or of its weights' moving average (``cfg.ema_epochs``)."""
+        if self.ema is None:
+            return self.ranks.evaluate(self.model, self.ds)
+        with self.ema.applied(self.params):
+            return self.ranks.evaluate(self.model, self.ds)
 
     def _save_due(self, steps_done: int) -> bool:
         k, m = self.cfg.checkpoint_every_steps, self.checkpoint_minutes
@@ -596,6 +690,8 @@ class Session:
               "history": history, "pilab_version": __version__, "step_in_epoch": step_in_epoch,
               "order_np": self.order_np if step_in_epoch else self.np_, "partial": partial,
               "ranks": states}
+        if self.ema is not None:
+            ck.update(ema=self.ema.state(), ema_pending=self.ema_pending)
         return checkpoint.save(self.cfg.out, ck, keep=self.cfg.keep)
 
 
@@ -650,7 +746,7 @@ def _load_checkpoint(cfg: Config, ranks, model, optimizer) -> dict:
             meta = {"epoch": int(ck["epoch"]), "history": list(ck["history"]),
                     "step_in_epoch": int(ck.get("step_in_epoch") or 0), "partial": ck.get("partial"),
                     "np": int(ck.get("np", np_)), "order_np": int(ck.get("order_np") or ck.get("np", np_)),
-                    "has_ranks": states is not None}
+                    "has_ranks": states is not None, "ema": ck.get("ema"), "ema_pending": int(ck.get("ema_pending") or 0)}
         except CheckpointError as e:
             error = str(e)
     if size > 1:
@@ -945,7 +1041,7 @@ def _end_epoch(s: Session, epoch: int, acc: _Epoch, train_time: float, steps_log
     if evaluate_now or checkpoint_now or last:  # the last model is the same on every rank
         s.ranks.settle(s.model, cfg.bn_buffers)
     if evaluate_now:
-        test_loss, test_acc = s.ranks.evaluate(s.model, s.ds)
+        test_loss, test_acc = s.evaluate()
     eval_time = time.perf_counter() - t_eval
     per_rank = s.ranks.per_rank([acc.times[k] for k in TIME_KEYS])
     images = max(acc.images, 1)

@@ -106,6 +106,14 @@ def _gradient_comm(cfg: Config, layout, averaging: str, compute: float, cl: Clus
     return len(buckets), comm, max(0.0, end - (t_fwd + t_bwd))
 
 
+def _local_share(cfg: Config, p: int) -> float:
+    """The share of a run's steps that are local-SGD steps (``cfg.local_steps`` > 1 after
+    ``cfg.local_after`` synchronous epochs; see ``pilab.localsgd``)."""
+    if cfg.local_steps <= 1 or p == 1:
+        return 0.0
+    return max(0.0, 1.0 - cfg.local_after / cfg.epochs)
+
+
 def _eval_time(cfg: Config, p: int, n_test: int, per_image: float, evaluation: str,
                ar: Callable[[float], float], metric: float) -> float:
     """Seconds of one evaluation of the test set."""
@@ -163,6 +171,18 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
     comm += metric
     exposed += metric
     overhead = cl.step_overhead_s
+    # Local SGD: a local step sends only the metrics (a blocking Allreduce, so stragglers still wait each
+    # step); every local_steps steps and at each epoch's end the parameters and BatchNorm statistics are
+    # averaged, blocking, nothing to hide behind. Mixed by the share of local steps in the run.
+    local = _local_share(cfg, p)
+    if local:
+        n_params = sum(n for n, _ in layout)
+        average = ar(n_params * ELEMENT_BYTES) + ar(bn_bytes(cfg.model, cfg.width))
+        per_step_average = average * math.ceil(steps / cfg.local_steps) / steps
+        comm = (1 - local) * comm + local * (metric + per_step_average)
+        exposed = (1 - local) * exposed + local * (metric + per_step_average)
+        messages = (1 - local) * messages + local * (1 + len(buckets_for(layout, cfg.bucket_mb))
+                                                     * math.ceil(steps / cfg.local_steps) / steps)
     step = data + compute + straggler + exposed + overhead
     eval_time = _eval_time(cfg, p, n_test, rank["eval_s_per_image"], evaluation, ar, metric)
     # evaluation runs every eval_every epochs and after the last: its average share per epoch
@@ -178,7 +198,10 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
         "threads": place["threads"], "oversubscription": place["oversubscription"],
         "per_rank_batch": b, "global_batch": b * p, "steps_per_epoch": steps, "images": images,
         "n_train": n_train, "n_test": n_test,
-        "params": n_params, "messages_per_step": messages, "bytes_per_step": n_params * wire,
+        "params": n_params, "messages_per_step": messages,
+        "bytes_per_step": n_params * wire * ((1 - local) + local * math.ceil(steps / cfg.local_steps) / steps
+                                             if local else 1),
+        "local_steps": cfg.local_steps, "local_share": local,
         "algorithm": cl.algorithm,
         "step_time": step,
         "step": {"compute": compute, "data": data, "straggler": straggler, "comm": comm,
