@@ -106,3 +106,21 @@ def test_the_weight_average_decays_per_step_however_the_updates_are_grouped():
     with avg.applied(live):
         assert live[0].tolist() == [0.5] * 3
     assert live[0].tolist() == [0.0] * 3
+
+
+def test_the_performance_model_prices_a_local_step_and_the_averages():
+    import math
+
+    from pilab.perfmodel.predict import predict
+    cfg = Config(width=0.25, train_subset=15000, test_subset=2000, epochs=10, batch_size=32)
+    sync = predict(cfg, 48, "pi4b_cluster")
+    local = predict(replace(cfg, local_steps=8), 48, "pi4b_cluster")
+    post = predict(replace(cfg, local_steps=8, local_after=5), 48, "pi4b_cluster")
+    spe = sync["steps_per_epoch"]
+    # parameters averaged every 8 steps and at each epoch's end: ceil(spe / 8) of spe steps send them
+    assert local["bytes_per_step"] == pytest.approx(sync["bytes_per_step"] * math.ceil(spe / 8) / spe)
+    assert local["step"]["comm_exposed"] < sync["step"]["comm_exposed"] / 2
+    assert local["step"]["compute"] == sync["step"]["compute"]
+    # half the run synchronous: half-way between the two
+    assert post["step"]["comm_exposed"] == pytest.approx((sync["step"]["comm_exposed"] + local["step"]["comm_exposed"]) / 2)
+    assert predict(replace(cfg, tta=True), 48, "pi4b_cluster")["eval_time"] > sync["eval_time"]

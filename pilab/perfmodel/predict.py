@@ -117,6 +117,7 @@ def _local_share(cfg: Config, p: int) -> float:
 def _eval_time(cfg: Config, p: int, n_test: int, per_image: float, evaluation: str,
                ar: Callable[[float], float], metric: float) -> float:
     """Seconds of one evaluation of the test set."""
+    per_image *= 2 if cfg.tta else 1  # flip TTA: two forwards per test image
     if evaluation == "full":
         return n_test * per_image
     t = math.ceil(n_test / p) * per_image
