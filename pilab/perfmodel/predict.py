@@ -36,6 +36,9 @@ PROFILES = {
 
 def _sizes(cfg: Config, n_train, n_test) -> tuple[int, int]:
     known = _SOURCE_SIZES.get(cfg.data)
+    if known is None and not (cfg.train_subset and cfg.test_subset) and (n_train is None or n_test is None):
+        from ..data.sources import cached_counts  # a path: its cache's labels, if it was loaded once
+        known = cached_counts(cfg.data)
     if n_train is None:
         n_train = cfg.train_subset or (known[0] if known else None)
     if n_test is None:
