@@ -23,7 +23,9 @@ polled on every rank each step and any rank's True stops all ranks together afte
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
 import os
 import platform
@@ -299,6 +301,12 @@ class MPIRanks:
                           bytes_sent=sent, comm_wait=wait, save_votes=saves,
                           ranks_compute=ready.copy(), ranks_network=sums[len(_META):len(_META) + self.np_].copy())
 
+    def set_batch(self, batch: int) -> None:
+        """A batch-size ramp's next batch: the same shard, cut into batches of ``batch``."""
+        self.batch = batch
+        self.loader.set_batch(batch)
+        self.steps_per_epoch = self.loader.steps_per_epoch
+
     def settle(self, model, policy: str) -> None:
         """All ranks must evaluate (and checkpoint) the same model: settle BN statistics first."""
         sync_buffers_(model, self.comm, policy)
@@ -506,6 +514,12 @@ class VirtualRanks:
         return StepResult(loss_sum, correct, float(want_stop), time=total, compute=total - t_data,
                           comm=0.0, comm_exposed=0.0, data=t_data, save_votes=float(want_save))
 
+    def set_batch(self, batch: int) -> None:
+        self.batch = batch
+        for loader in self.loaders:
+            loader.set_batch(batch)
+        self.steps_per_epoch = self.loaders[0].steps_per_epoch
+
     def settle(self, model, policy: str) -> None:
         sync_virtual_buffers_(model, policy)
 
@@ -592,12 +606,19 @@ class Session:
         self.accounting = data_mod.epoch_accounting(self.ds.y_train, self.np_, self.batch, cfg.sharding,
                                                     seed=cfg.seed)
         self.model = ranks.build(cfg, self.device, self.ds, self.batch)
-        spe = self.steps_per_epoch = ranks.steps_per_epoch
+        spe = self.steps_per_epoch = ranks.steps_per_epoch  # the first epoch's (a batch ramp changes it)
+        n_train = len(self.ds.y_train)
+        self.epoch_steps = [spe if cfg.per_rank_batch(self.np_, e) == self.batch else data_mod.epoch_accounting(
+            n_train, self.np_, cfg.per_rank_batch(self.np_, e), cfg.sharding, seed=cfg.seed)["steps"]
+            for e in range(cfg.epochs)]
+        self.epoch_start = list(itertools.accumulate([0] + self.epoch_steps))  # each epoch's first global step
         # The schedule spans all epochs; max_steps only cuts the run short (an interruption), so a run
         # resumed from its checkpoint follows the same learning rates as an uninterrupted one.
-        self.schedule_steps = cfg.epochs * spe
+        self.schedule_steps = self.epoch_start[-1]
         self.total_steps = min(self.schedule_steps, cfg.max_steps) if cfg.max_steps else self.schedule_steps
-        self.warmup_steps = round(cfg.warmup_epochs * spe)
+        whole, part = int(cfg.warmup_epochs), cfg.warmup_epochs % 1
+        self.warmup_steps = round(cfg.warmup_epochs * spe) if not cfg.batch_ramp else \
+            self.epoch_start[whole] + (round(part * self.epoch_steps[whole]) if whole < cfg.epochs else 0)
         self.peak_lr = cfg.peak_lr(self.np_)
         self.optimizer = build_optimizer(self.model, cfg, self.peak_lr)
         ck = _load_checkpoint(cfg, ranks, self.model, self.optimizer) if cfg.resume else {}
@@ -605,6 +626,9 @@ class Session:
         self.start_step = ck.get("step_in_epoch", 0)  # steps of start_epoch already done
         self.partial = ck.get("partial")  # that epoch's sums so far
         self.resumed_np = ck.get("np", self.np_)
+        if cfg.batch_ramp and self.resumed_np != self.np_:
+            raise CheckpointError(f"{cfg.resume} was made at np={self.resumed_np} with a batch ramp, whose epochs "
+                                  f"have another number of steps at np={self.np_}; resume it at np={self.resumed_np}")
         # the np whose data order the current epoch follows: a resume at another np (batch_mode=global)
         # finishes the interrupted epoch in the order it began with, regrouped over the new ranks
         self.order_np = ck.get("order_np", self.np_) if self.start_step else self.np_
@@ -629,6 +653,7 @@ class Session:
         # weights are the same: the same average on every rank with no communication (pilab.ema)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.ema = WeightAverage(self.params, math.exp(-1 / (cfg.ema_epochs * spe))) if cfg.ema_epochs else None
+        self.enter_epoch(self.start_epoch)
         self.ema_pending = ck.get("ema_pending", 0)  # steps since its last update
         if self.ema is not None and ck.get("ema") is not None:
             self.ema.load(ck["ema"])
@@ -643,8 +668,22 @@ class Session:
         self.last_save = time.monotonic()
         self.saves: list[dict] = []  # seconds, bytes, path of each checkpoint written (rank 0)
 
+    def enter_epoch(self, epoch: int) -> int:
+        """The ranks set up for ``epoch`` (under a batch ramp: its batch); its number of steps."""
+        if epoch < self.cfg.epochs and self.cfg.batch_ramp:
+            b = self.cfg.per_rank_batch(self.np_, epoch)
+            if b != self.batch:
+                self.batch = b
+                self.ranks.set_batch(b)
+            if self.ema is not None:  # the same time constant in epochs, whatever the steps
+                self.ema.decay = math.exp(-1 / (self.cfg.ema_epochs * self.epoch_steps[epoch]))
+        return self.epoch_steps[epoch] if epoch < self.cfg.epochs else 0
+
     def lr(self, global_step: int) -> float:
-        return lr_at(global_step, peak_lr=self.peak_lr, total_steps=self.schedule_steps,
+        peak = self.peak_lr
+        if self.cfg.batch_ramp:  # the lr rule follows each epoch's global batch
+            peak = self.cfg.peak_lr(self.np_, bisect.bisect_right(self.epoch_start, global_step) - 1)
+        return lr_at(global_step, peak_lr=peak, total_steps=self.schedule_steps,
                      warmup_steps=self.warmup_steps, schedule=self.cfg.schedule)
 
     def step(self, epoch: int, step: int, *, stop=None) -> tuple[StepResult, float]:
@@ -652,14 +691,15 @@ class Session:
 
         ``stop()`` is polled once the step's work is done; its vote travels with the step's metrics,
         and so does the vote for a checkpoint after this step (``StepResult.save_votes``)."""
-        gstep = epoch * self.steps_per_epoch + step
+        self.enter_epoch(epoch)
+        gstep = self.epoch_start[epoch] + step
         lr = self.lr(gstep)
         set_lr(self.optimizer, lr)
         st = self.ranks.step(self.cfg, self.model, self.optimizer, epoch, step, stop,
                              lambda: self._save_due(gstep + 1))
         if self.ema is not None:
             self.ema_pending += 1
-            ph = localsgd.phase(self.cfg, self.steps_per_epoch, epoch, step)
+            ph = localsgd.phase(self.cfg, self.epoch_steps[epoch], epoch, step)
             if not ph.local or ph.average:
                 self.ema.update(self.params, steps=self.ema_pending)
                 self.ema_pending = 0
@@ -802,7 +842,7 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
     t_wall = time.perf_counter()
     s = Session(cfg, ranks, data=data)
     s.env = ranks.environment(s.threads)  # a collective: now, so that an abort can still write it
-    spe, images_per_step = s.steps_per_epoch, s.batch * s.np_
+    spe = s.steps_per_epoch
 
     def emit(event):
         if s.rank == 0:
@@ -816,7 +856,7 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
     steps_log = {k: [] for k in STEP_KEYS}
     epochs_log = list(s.history)
     bytes_per_step, stopped, stop_reason, write_error = 0, False, None, None
-    gstep = s.start_epoch * spe + s.start_step
+    gstep = s.epoch_start[min(s.start_epoch, cfg.epochs)] + s.start_step
     s.model.train()
     run_started_at = time.time()  # wall clock (and epoch_started_at): joins a power meter's log
     monitor = None
@@ -832,6 +872,8 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
             if gstep >= s.total_steps:
                 break
             acc, t_epoch = _Epoch(), time.perf_counter()
+            spe = s.enter_epoch(epoch)
+            images_per_step = s.batch * s.np_
             first = s.start_step if epoch == s.start_epoch else 0
             if first and s.partial:
                 acc.restore(s.partial)
@@ -1033,7 +1075,7 @@ def _end_epoch(s: Session, epoch: int, acc: _Epoch, train_time: float, steps_log
     per_rank_test = -(-len(s.ds.y_test) // (1 if s.ranks.simulated else s.np_))
     skip_test = stopped and per_rank_test > EVAL_ON_STOP_MAX
     evaluate_now = evaluate_now and not skip_test
-    full_epoch = acc.steps == s.steps_per_epoch
+    full_epoch = acc.steps == s.epoch_steps[epoch]
     checkpoint_now = full_epoch and (force or (bool(cfg.checkpoint_every) and (
         epoch + 1) % cfg.checkpoint_every == 0 and not stopped))
     t_eval = time.perf_counter()
@@ -1074,7 +1116,7 @@ def _result(s: Session, epochs_log: list, steps_log: dict, bytes_per_step: int, 
     return {
         "pilab_version": __version__, **s.ranks.extras(), "config": cfg.to_dict(),
         "np": s.np_, "threads": s.threads,
-        "per_rank_batch": s.batch, "global_batch": s.batch * s.np_, "peak_lr": s.peak_lr,
+        "per_rank_batch": cfg.per_rank_batch(s.np_), "global_batch": cfg.global_batch(s.np_), "peak_lr": s.peak_lr,
         "warmup_steps": s.warmup_steps, "steps_per_epoch": s.steps_per_epoch,
         "total_steps": s.total_steps, "schedule_steps": s.schedule_steps,
         "data": {"source": ds.source, "checksum": ds.checksum, "n_train": int(len(ds.y_train)),
@@ -1084,7 +1126,9 @@ def _result(s: Session, epochs_log: list, steps_log: dict, bytes_per_step: int, 
         "images_per_s": images_total / train_total if train_total else None,
         "peak_mem_mb": (mem[:, 0].tolist() if mem is not None else [peak_mem_mb()]) if s.rank == 0 else None,
         "stopped_early": stopped, "resumed_from_epoch": s.start_epoch,
-        "resumed_from_step": s.start_epoch * s.steps_per_epoch + s.start_step, "resumed_from_np": s.resumed_np,
-        "steps_done": len(steps_log["loss"]) + s.start_epoch * s.steps_per_epoch + s.start_step,
-        "epochs_done": sum(1 for e in epochs_log if e["steps"] == s.steps_per_epoch),
+        "resumed_from_step": s.epoch_start[s.start_epoch] + s.start_step, "resumed_from_np": s.resumed_np,
+        "steps_done": len(steps_log["loss"]) + s.epoch_start[s.start_epoch] + s.start_step,
+        "epochs_done": sum(1 for e in epochs_log if e["steps"] == s.epoch_steps[e["epoch"] - 1]),
+        **({"batch_plan": [{"epoch": e + 1, "per_rank_batch": cfg.per_rank_batch(s.np_, e), "steps": n}
+                           for e, n in enumerate(s.epoch_steps)]} if cfg.batch_ramp else {}),
     }

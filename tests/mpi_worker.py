@@ -249,7 +249,7 @@ def case_train(out):
 
 
 def case_local(out):
-    """Local SGD (post-local, H=4) with the few-step recipe (label smoothing, weight EMA, flip TTA, Nesterov,
+    """Local SGD (post-local, H=4) with a batch ramp and the few-step recipe (label smoothing, weight EMA, flip TTA, Nesterov,
     a triangular schedule) over real ranks: weights apart between averages and equal after one; the
     whole run against the simulator; a run stopped between two averages and resumed, against the same
     run uninterrupted."""
@@ -258,6 +258,7 @@ def case_local(out):
 
     from pilab import localsgd, simulate
     cfg = replace(BASE, train_subset=240, epochs=2, max_steps=0, eval_every=1, local_steps=4, local_after=0.5,
+                  batch_ramp="1:16",
                   label_smoothing=0.1, ema_epochs=0.3, tta=True, schedule="linear", warmup_epochs=0.2, nesterov=True)
     ds = train.load_data(cfg, COMM)
     res = {}

@@ -124,3 +124,18 @@ def test_the_performance_model_prices_a_local_step_and_the_averages():
     # half the run synchronous: half-way between the two
     assert post["step"]["comm_exposed"] == pytest.approx((sync["step"]["comm_exposed"] + local["step"]["comm_exposed"]) / 2)
     assert predict(replace(cfg, tta=True), 48, "pi4b_cluster")["eval_time"] > sync["eval_time"]
+
+
+def test_a_batch_ramp_cuts_the_same_shards_into_bigger_batches_and_the_model_prices_each_epoch():
+    from pilab.perfmodel.predict import predict
+    cfg = replace(TINY, local_steps=1, ema_epochs=0.0, batch_size=4, batch_ramp="1:8", epochs=2, lr_scaling="linear")
+    res, _ = simulate.train(cfg, 4)
+    assert res["batch_plan"] == [{"epoch": 1, "per_rank_batch": 4, "steps": 10},
+                                 {"epoch": 2, "per_rank_batch": 8, "steps": 5}]
+    assert [e["steps"] for e in res["epochs"]] == [10, 5] and res["total_steps"] == 15 and res["epochs_done"] == 2
+    assert res["epochs"][0]["images"] == res["epochs"][1]["images"] == 160  # every image once an epoch
+    assert res["steps"]["lr"][10] > res["steps"]["lr"][9]  # the lr rule follows the doubled batch
+    pred = predict(replace(cfg, data="embedded", train_subset=160, test_subset=50), 4, "pi4b_cluster")
+    assert [p["steps"] for p in pred["batch_plan"]] == [10, 5] and pred["steps_per_epoch"] == 7.5
+    with pytest.raises(ConfigError, match="EPOCH:BATCH"):
+        Config(batch_ramp="1-8")

@@ -160,6 +160,9 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
     if cl.nodes and cl.ranks_per_node and p > cl.nodes * cl.ranks_per_node:
         raise ConfigError(f"np={p} exceeds {cl.name}: {cl.nodes} nodes x {cl.ranks_per_node} ranks")
     n_train, n_test = _sizes(cfg, n_train, n_test)
+    if cfg.batch_ramp:
+        out = _ramped(cfg, p, cl, profile, n_train, n_test)
+        return _with_speedup(out, cfg, p, cl, profile, baseline_np, n_train, n_test)
     b = cfg.per_rank_batch(p)
     steps = epoch_accounting(n_train, p, b, cfg.sharding, seed=cfg.seed)["steps"]
     place = _placement(cfg, p, cl)
@@ -217,6 +220,10 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
         "first_epoch_time": time_ + cl.warmup_s,
         "images_per_s": images / time_ if time_ > 0 else None,
     }
+    return _with_speedup(out, cfg, p, cl, profile, baseline_np, n_train, n_test)
+
+
+def _with_speedup(out: dict, cfg: Config, p: int, cl, profile: str, baseline_np, n_train, n_test) -> dict:
     if baseline_np is not None:
         base = out if baseline_np == p else predict(cfg, baseline_np, cl, profile,
                                                     n_train=n_train, n_test=n_test)
@@ -225,6 +232,30 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
                     "efficiency": efficiency(S, p, baseline_np),
                     "karp_flatt": karp_flatt(S, p, baseline_np),
                     "train_speedup": speedup(base["time"], out["time"])})
+    return out
+
+
+# per-epoch figures a batch ramp averages over its epochs (the rest are the first epoch's)
+_EPOCH_SUMS = ("compute", "data", "straggler", "comm", "comm_exposed", "overhead", "time", "epoch_time",
+               "images", "steps_per_epoch")
+
+
+def _ramped(cfg: Config, p: int, cl, profile: str, n_train: int, n_test: int) -> dict:
+    """A batch ramp (``cfg.batch_ramp``): each epoch predicted at its own batch, averaged per epoch."""
+    from dataclasses import replace
+
+    parts = [predict(replace(cfg, batch_size=cfg.batch_at(e), batch_ramp=""), p, cl, profile,
+                     n_train=n_train, n_test=n_test) for e in range(cfg.epochs)]
+    out = dict(parts[0])
+    for k in _EPOCH_SUMS:
+        out[k] = sum(q[k] for q in parts) / cfg.epochs
+    steps = sum(q["steps_per_epoch"] for q in parts)
+    out["step_time"] = out["time"] / out["steps_per_epoch"]
+    out["step"] = {k: sum(q["step"][k] * q["steps_per_epoch"] for q in parts) / steps for k in parts[0]["step"]}
+    out["images_per_s"] = out["images"] / out["time"] if out["time"] > 0 else None
+    out["first_epoch_time"] = parts[0]["first_epoch_time"]
+    out["batch_plan"] = [{"epoch": e + 1, "per_rank_batch": q["per_rank_batch"], "steps": q["steps_per_epoch"]}
+                         for e, q in enumerate(parts)]
     return out
 
 
