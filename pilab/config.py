@@ -37,7 +37,7 @@ CHOICES = {
     "batch_mode": ("per_rank", "global"),
     "optimizer": ("sgd", "lars"),
     "lr_scaling": ("none", "linear", "sqrt"),
-    "schedule": ("cosine", "step", "constant"),
+    "schedule": ("cosine", "step", "constant", "linear"),
     "weight_decay_on": ("weights", "all"),
     "bn": ("local", "sync"),
     "bn_buffers": ("broadcast", "average"),
@@ -63,6 +63,7 @@ class Config:
     epochs: int = 10  # passes over the training set (the original study used 10)
     batch_mode: str = "per_rank"  # per_rank: batch_size per rank (global grows with np) | global: split
     batch_size: int = 32  # images per rank (per_rank) or in the global batch (global)
+    batch_ramp: str = ""  # batch-size ramp: "EPOCH:BATCH,..." -- from each of those epochs (0-based) on, that batch (in batch_size's sense), e.g. batch_size=8 with "3:16,6:32"; "" = batch_size throughout
     max_steps: int = 0  # stop after this many optimizer steps in total; 0 = no limit
     # --- optimizer ---
     optimizer: str = "sgd"  # sgd | lars
@@ -70,9 +71,12 @@ class Config:
     lr_ref_batch: int = 64  # reference batch size the lr is quoted for
     lr_scaling: str = "none"  # rule from reference to global batch: none | linear | sqrt
     warmup_epochs: float = 0.0  # per-step linear warmup from ~0 to the peak lr, in epochs
-    schedule: str = "cosine"  # after warmup, per step: cosine | step (x0.1 at 50%, 75%) | constant
+    schedule: str = "cosine"  # after warmup, per step: cosine | step (x0.1 at 50%, 75%) | constant | linear (to 0: with warmup, the triangular schedule of few-step recipes)
     momentum: float = 0.9  # SGD/LARS momentum coefficient
     nesterov: bool = False  # Nesterov momentum
+    label_smoothing: float = 0.0  # training loss: cross-entropy with this label smoothing (0..1; 0 = none)
+    ema_epochs: float = 0.0  # evaluate an exponential moving average of the weights whose time constant is this many epochs (e.g. 0.5: the same horizon at every np; 0 = the weights themselves)
+    tta: bool = False  # evaluation averages the logits of each test image and of its mirror image
     weight_decay: float = 5e-4  # L2 penalty coefficient
     weight_decay_on: str = "weights"  # weights: conv/linear weights only | all parameters
     lars_eta: float = 0.001  # LARS trust coefficient
@@ -81,6 +85,8 @@ class Config:
     bn_buffers: str = "broadcast"  # before eval/checkpoint: rank 0's running stats | rank average
     ghost_batch: int = 0  # BN statistics over groups of this many images per rank; 0 = whole batch
     # --- communication ---
+    local_steps: int = 1  # local SGD: steps each rank takes on its own copy of the model between parameter averages (1 = gradients averaged every step); every epoch ends with an average
+    local_after: float = 0.0  # post-local SGD: epochs of synchronous steps before local steps begin
     bucket_mb: float = 1.0  # gradient fusion bucket size, MiB of fp32
     compression: str = "none"  # none | fp16 (halves bytes sent)
     # --- runtime ---
@@ -135,7 +141,7 @@ class Config:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
         nonneg = ("train_subset", "test_subset", "max_steps", "ghost_batch", "threads",
-                  "checkpoint_every", "checkpoint_every_steps", "straggler_threshold", "warmup_epochs", "weight_decay", "momentum", "seed")
+                  "checkpoint_every", "checkpoint_every_steps", "straggler_threshold", "warmup_epochs", "ema_epochs", "weight_decay", "momentum", "seed")
         for name in nonneg:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
@@ -152,27 +158,65 @@ class Config:
             raise ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
         if self.ghost_batch and self.bn == "sync":
             raise ConfigError("ghost_batch needs bn='local'; SyncBatchNorm already spans ranks")
+        self.ramp()  # raises ConfigError for a malformed ramp
+        if self.local_steps < 1:
+            raise ConfigError(f"local_steps={self.local_steps} must be >= 1 (1: average gradients every step)")
+        if not 0 <= self.local_after <= self.epochs:
+            raise ConfigError(f"local_after={self.local_after} must be between 0 and epochs={self.epochs}")
+        if self.local_steps > 1 and self.bn == "sync":
+            raise ConfigError("local_steps > 1 needs bn='local': SyncBatchNorm would exchange every step")
+        if self.local_steps > 1 and self.compression != "none":
+            raise ConfigError("local_steps > 1 averages parameters, which compression=fp16 would round; "
+                              "use compression=none")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"label_smoothing={self.label_smoothing} must be in [0, 1)")
         if self.warmup_epochs > self.epochs:
             raise ConfigError(
                 f"warmup_epochs={self.warmup_epochs} exceeds epochs={self.epochs}; shorten it")
 
     # ------------------------------------------------------------------
-    def per_rank_batch(self, np_: int) -> int:
-        """Images per rank per step at ``np_`` ranks (raises ConfigError if not divisible)."""
+    def ramp(self) -> list[tuple[int, int]]:
+        """The batch plan as (first epoch, batch) pairs, starting with (0, batch_size)::
+
+            Config(batch_size=8, batch_ramp="3:16,6:32", epochs=10).ramp()   # [(0, 8), (3, 16), (6, 32)]
+        """
+        plan = [(0, self.batch_size)]
+        if not self.batch_ramp.strip():
+            return plan
+        for part in self.batch_ramp.split(","):
+            try:
+                e, b = (int(v) for v in part.split(":"))
+            except ValueError:
+                raise ConfigError(f"batch_ramp={self.batch_ramp!r}: {part.strip()!r} is not EPOCH:BATCH; write e.g. "
+                                  "'3:16,6:32'") from None
+            if not plan[-1][0] < e < self.epochs or b < 1:
+                raise ConfigError(f"batch_ramp={self.batch_ramp!r}: epochs must rise between 1 and epochs-1="
+                                  f"{self.epochs - 1} and batches be >= 1")
+            plan.append((e, b))
+        return plan
+
+    def batch_at(self, epoch: int) -> int:
+        """``batch_size`` in effect at ``epoch`` (0-based) under the ramp (in batch_size's sense)."""
+        return [b for e, b in self.ramp() if e <= epoch][-1]
+
+    def per_rank_batch(self, np_: int, epoch: int = 0) -> int:
+        """Images per rank per step at ``np_`` ranks in ``epoch`` (raises ConfigError if not divisible)."""
+        batch = self.batch_at(epoch) if self.batch_ramp else self.batch_size
         if self.batch_mode == "per_rank":
-            return self.batch_size
-        if self.batch_size % np_:
+            return batch
+        if batch % np_:
             raise ConfigError(
-                f"global batch_size={self.batch_size} is not divisible by np={np_}; "
+                f"global batch_size={batch} is not divisible by np={np_}; "
                 f"pick a multiple of {np_} or use batch_mode=per_rank")
-        return self.batch_size // np_
+        return batch // np_
 
-    def global_batch(self, np_: int) -> int:
-        return self.per_rank_batch(np_) * np_
+    def global_batch(self, np_: int, epoch: int = 0) -> int:
+        return self.per_rank_batch(np_, epoch) * np_
 
-    def peak_lr(self, np_: int) -> float:
-        """The lr after scaling from ``lr_ref_batch`` to the global batch at ``np_`` ranks."""
-        ratio = self.global_batch(np_) / self.lr_ref_batch
+    def peak_lr(self, np_: int, epoch: int = 0) -> float:
+        """The lr after scaling from ``lr_ref_batch`` to the global batch at ``np_`` ranks (in ``epoch``:
+        under a batch ramp the rule follows the batch)."""
+        ratio = self.global_batch(np_, epoch) / self.lr_ref_batch
         factor = {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
         return self.lr * factor
 
@@ -183,14 +227,15 @@ class Config:
         if np_ > n_train:
             raise ConfigError(
                 f"np={np_} exceeds the {n_train} training images; use fewer processes")
-        b = self.per_rank_batch(np_)
-        if self.ghost_batch and b % self.ghost_batch:
-            raise ConfigError(
-                f"ghost_batch={self.ghost_batch} does not divide the per-rank batch {b}")
-        if n_train // np_ < b:
-            raise ConfigError(
-                f"each of {np_} ranks holds {n_train // np_} images, fewer than its batch of {b}; "
-                "use fewer processes or a smaller batch")
+        for epoch, _ in self.ramp():
+            b = self.per_rank_batch(np_, epoch)
+            if self.ghost_batch and b % self.ghost_batch:
+                raise ConfigError(
+                    f"ghost_batch={self.ghost_batch} does not divide the per-rank batch {b}")
+            if n_train // np_ < b:
+                raise ConfigError(
+                    f"each of {np_} ranks holds {n_train // np_} images, fewer than its batch of {b}; "
+                    "use fewer processes or a smaller batch")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -329,6 +329,9 @@ class GradSync:
         self._meta_request = None
         self._t0 = 0.0
         self._hooks = []
+        # False for a local-SGD step (pilab.localsgd): the gradients stay this rank's, only meta travels
+        self.exchange = True
+        self._pflat: list | None = None  # average_parameters_'s buffers, made on first use
         self.views = views and self.size > 1
         if self.size > 1:
             for b in self.buckets:
@@ -370,6 +373,8 @@ class GradSync:
         self._t0 = t0
 
     def _on_grad(self, p):
+        if not self.exchange:
+            return
         i = self._where[id(p)]
         b = self.buckets[i]
         b.pending -= 1
@@ -461,6 +466,8 @@ class GradSync:
             return stats
         t_end = time.perf_counter()
         stats.backward_end = t_end
+        if not self.exchange:  # a local step: the metrics and votes alone are summed
+            return self._finish_meta(t_end)
         # Parameters that got no gradient this step (unused branches) still take part, as zeros.
         for i in range(len(self.buckets)):
             self._ready[i] = True
@@ -486,6 +493,46 @@ class GradSync:
         stats.buckets = len(self.buckets)
         self._reset()
         return stats
+
+    def _finish_meta(self, t_end: float) -> StepComm:
+        stats = self.stats
+        stats.first_post = t_end
+        self._post_meta()
+        MPI.Request.Waitall([self._meta_request])
+        done = time.perf_counter()
+        stats.exposed = stats.total = done - t_end
+        self._reset()
+        return stats
+
+    @torch.no_grad()
+    def average_parameters_(self) -> int:
+        """Average the parameters over the ranks (local SGD; blocking); returns the bytes sent.
+
+        In the gradient buckets' layout and order, each bucket divided by the world size and summed by
+        Allreduce: the sums are formed as the gradients' are, which the simulator reproduces
+        (``pilab.localsgd.VirtualReplicas.average_``)."""
+        if self.size == 1:
+            return 0
+        if self._pflat is None:
+            self._pflat = [torch.empty_like(b.flat) for b in self.buckets]
+        reqs, sent = [], 0
+        for b, flat in zip(self.buckets, self._pflat):
+            offset = 0
+            for p in b.params:
+                n = p.numel()
+                flat[offset:offset + n].copy_(p.reshape(-1))
+                offset += n
+            flat.div_(self.size)
+            reqs.append(self.comm.Iallreduce(MPI.IN_PLACE, _buf(flat), op=MPI.SUM))
+            sent += flat.numel() * flat.element_size()
+        MPI.Request.Waitall(reqs)
+        for b, flat in zip(self.buckets, self._pflat):
+            offset = 0
+            for p in b.params:
+                n = p.numel()
+                p.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
+        return sent
 
     def remove(self) -> None:
         for h in self._hooks:

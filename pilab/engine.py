@@ -23,8 +23,10 @@ polled on every rank each step and any rank's True stops all ranks together afte
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
-
+import itertools
+import math
 import os
 import platform
 import resource
@@ -38,11 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import __version__, checkpoint
+from . import __version__, checkpoint, localsgd
 from . import data as data_mod
 from .checkpoint import RESUMABLE, CheckpointError, WriteError  # noqa: F401  (RESUMABLE: re-exported)
 from .config import EVAL_CHUNK, Config, ConfigError
 from .launch import mpi, mpi_versions
+from .ema import WeightAverage
 from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
                    reduce_sums, sync_buffers_, world)
 from .files import save_json
@@ -117,12 +120,12 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH) -> tuple[float, float]:
+def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH, *, tta: bool = False) -> tuple[float, float]:
     """Test loss and accuracy; each test image is evaluated exactly once over the ranks and the
     sums (not per-rank averages) are reduced, so uneven shards weigh correctly. The loss is summed per
     ``batch`` images (``cfg.eval_batch``); the model sees at most ``EVAL_CHUNK`` of them per forward,
     so the evaluation's memory does not grow with ``batch`` (the logits are the same: see
-    ``pilab.config.EVAL_CHUNK``)."""
+    ``pilab.config.EVAL_CHUNK``). ``tta``: the logits of each image and of its mirror image averaged."""
     rank, size = world(comm)
     sl = data_mod.test_shard(len(ds.y_test), size, rank)
     held = ds.test_rows
@@ -137,7 +140,8 @@ def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH) -> tup
     for i in range(0, len(y_all), batch):
         x = data_mod.to_input(x_all[i:i + batch]).to(device)
         y = y_all[i:i + batch].to(device)
-        out = torch.cat([model(piece) for piece in torch.tensor_split(x, -(-len(x) // EVAL_CHUNK))])
+        pieces = torch.tensor_split(x, -(-len(x) // EVAL_CHUNK))
+        out = torch.cat([(model(piece) + model(piece.flip(3))) / 2 if tta else model(piece) for piece in pieces])
         loss_sum += F.cross_entropy(out, y, reduction="sum").item()
         correct += (out.argmax(1) == y).sum().item()
     model.train()
@@ -225,7 +229,7 @@ class MPIRanks:
         self.loader = data_mod.ShardLoader(ds, self.np_, self.rank, batch, seed=cfg.seed,
                                            policy=cfg.sharding, augment=cfg.augment)
         self.steps_per_epoch = self.loader.steps_per_epoch
-        self.batch, self.device, self.eval_batch = batch, device, cfg.eval_batch
+        self.batch, self.device, self.eval_batch, self.tta = batch, device, cfg.eval_batch, cfg.tta
         model = base_model(cfg, device)
         if cfg.bn == "sync":
             convert_sync_batchnorm(model, self.comm)
@@ -242,9 +246,13 @@ class MPIRanks:
         self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, compression=cfg.compression,
                               meta=len(_META) + self.np_)
         self._prev_net = 0.0
+        self.optimizer, self.local = optimizer, cfg.local_steps > 1
+        self.params = [p for p in model.parameters() if p.requires_grad]
 
     def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None) -> StepResult:
         sync = self.gsync
+        ph = localsgd.phase(cfg, self.steps_per_epoch, epoch, step)
+        sync.exchange = not ph.local  # a local-SGD step sends only the metrics and votes
         t0 = time.perf_counter()
         sync.begin(t0)
         x, y = self.loader.batch(epoch, step)
@@ -253,7 +261,7 @@ class MPIRanks:
         torch.manual_seed(step_seed(cfg.seed, epoch, step, self.rank))
         optimizer.zero_grad(set_to_none=False)
         out = model(x)
-        loss = F.cross_entropy(out, y)
+        loss = F.cross_entropy(out, y, label_smoothing=cfg.label_smoothing)
         # The step's metrics and the stop vote are known once the forward is done; they ride with the
         # last gradient bucket (GradSync's meta), so the step synchronises the ranks once, not twice.
         # On CPU reading them here costs nothing; the stop is polled before backward, and still takes
@@ -269,6 +277,12 @@ class MPIRanks:
         loss.backward()
         cstats = sync.finish()
         optimizer.step()
+        averaged, sent = 0.0, cstats.bytes_sent
+        if ph.average:  # local SGD: the ranks' parameters and BatchNorm statistics averaged, blocking
+            ta = time.perf_counter()
+            sent += sync.average_parameters_()
+            sync_buffers_(model, self.comm, "average")
+            averaged = time.perf_counter() - ta
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
@@ -279,13 +293,19 @@ class MPIRanks:
         # the rest of the exposed time is the network's.
         ready = sums[len(_META) + self.np_:]
         wait = min(cstats.exposed, max(0.0, float(ready.max() - ready[self.rank]))) if self.np_ > 1 else 0.0
-        self._prev_net = cstats.exposed - wait
-        # compute: forward + backward + optimizer, the time spent waiting in finish() taken out
+        self._prev_net = cstats.exposed - wait + averaged
+        # compute: forward + backward + optimizer, the time spent waiting in finish() (and averaging) taken out
         return StepResult(loss_sum, correct_sum, votes, time=t2 - t0,
-                          compute=(t2 - t1) - cstats.exposed, comm=cstats.total,
-                          comm_exposed=cstats.exposed, data=t1 - t0,
-                          bytes_sent=cstats.bytes_sent, comm_wait=wait, save_votes=saves,
+                          compute=(t2 - t1) - cstats.exposed - averaged, comm=cstats.total + averaged,
+                          comm_exposed=cstats.exposed + averaged, data=t1 - t0,
+                          bytes_sent=sent, comm_wait=wait, save_votes=saves,
                           ranks_compute=ready.copy(), ranks_network=sums[len(_META):len(_META) + self.np_].copy())
+
+    def set_batch(self, batch: int) -> None:
+        """A batch-size ramp's next batch: the same shard, cut into batches of ``batch``."""
+        self.batch = batch
+        self.loader.set_batch(batch)
+        self.steps_per_epoch = self.loader.steps_per_epoch
 
     def settle(self, model, policy: str) -> None:
         """All ranks must evaluate (and checkpoint) the same model: settle BN statistics first."""
@@ -295,6 +315,8 @@ class MPIRanks:
         """Every rank's own state, in rank order on rank 0 (None elsewhere): its BatchNorm running
         statistics (per rank with bn=local until settled) and its torch RNG state. A collective."""
         mine = {"bn": [b.detach().cpu().clone() for b in bn_buffers(model)], "rng": torch.get_rng_state()}
+        if self.local:  # local SGD: this rank's own parameters and momentum (see pilab.localsgd)
+            mine["local"] = localsgd.rank_state(self.params, self.optimizer)
         if self.comm is None or self.np_ == 1:
             return [mine]
         return self.comm.gather(mine, root=0)
@@ -308,6 +330,8 @@ class MPIRanks:
         with torch.no_grad():
             for b, v in zip(bn_buffers(model), states["bn"]):
                 b.copy_(v)
+        if self.local and "local" in states:
+            localsgd.load_rank_state_(self.params, self.optimizer, states["local"])
         torch.set_rng_state(states["rng"])
 
     def hosts(self) -> list[str]:
@@ -321,7 +345,7 @@ class MPIRanks:
         self.loader.carry(epoch, plan[:, self.rank * b:(self.rank + 1) * b], ds)
 
     def evaluate(self, model, ds) -> tuple[float, float]:
-        return evaluate(model, ds, self.comm, self.device, self.eval_batch)
+        return evaluate(model, ds, self.comm, self.device, self.eval_batch, tta=self.tta)
 
     def per_rank(self, values: list[float]):
         """``values`` of every rank in rank order (rows), on rank 0; None elsewhere."""
@@ -367,6 +391,9 @@ class VirtualRanks:
                               "batch); run it under mpiexec, or use bn=local")
         if cfg.compression != "none":
             raise ConfigError("the simulator does not emulate compression=fp16; use compression=none")
+        if cfg.local_steps > 1 and cfg.simulate_mode == "fast":
+            raise ConfigError("simulate_mode=fast runs several ranks per forward, but local SGD (local_steps > 1) "
+                              "gives each rank its own weights; use simulate_mode=exact")
 
     def build(self, cfg: Config, device, ds, batch: int) -> nn.Module:
         np_ = self.np_
@@ -376,7 +403,7 @@ class VirtualRanks:
                                              device=device if device.type == "cuda" else None)
                         for r in range(np_)]
         self.steps_per_epoch = self.loaders[0].steps_per_epoch
-        self.batch, self.device, self.eval_batch = batch, device, cfg.eval_batch
+        self.batch, self.device, self.eval_batch, self.tta = batch, device, cfg.eval_batch, cfg.tta
         # One rank per forward on CPU reproduces an MPI rank's arithmetic exactly (same conv kernels on
         # the same batch). Several ranks per forward are faster on a GPU but sum weight gradients in
         # another order, and BatchNorm's shift invariance amplifies that float noise (~1e-3 after a step).
@@ -385,6 +412,8 @@ class VirtualRanks:
         fast = cfg.simulate_mode == "fast"
         auto = max(1, min(np_, (FAST_CHUNK_IMAGES if fast else 256) // batch))
         self.chunk = self.ranks_per_chunk or (auto if fast or device.type == "cuda" else 1)
+        if cfg.local_steps > 1:  # every rank's own weights: one rank per forward
+            self.chunk = 1
         self.context = RankContext(cfg.seed)
         self.context.vectorised = fast
         return base_model(cfg, device, ranks=np_, context=self.context)
@@ -394,8 +423,14 @@ class VirtualRanks:
         # Averaged gradient, built as MPI builds it: each rank's mean-loss gradient divided by np,
         # summed in rank order (GradSync pre-divides, then Allreduce sums).
         self.avg = [torch.zeros_like(p) for p in self.params]
+        self.optimizer = optimizer
+        self.replicas = None  # local SGD: every rank's weights and momentum, made at the first local step
+        self._replica_state = None  # ... or from a checkpoint (restore_rank_states)
 
     def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None) -> StepResult:
+        ph = localsgd.phase(cfg, self.steps_per_epoch, epoch, step)
+        if ph.local:
+            return self._local_step(cfg, model, optimizer, epoch, step, ph, stop, save)
         np_, b, device = self.np_, self.batch, self.device
         t0 = time.perf_counter()
         t_data = 0.0
@@ -417,7 +452,7 @@ class VirtualRanks:
             torch.manual_seed(step_seed(cfg.seed, epoch, step, r0))
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 out = model(x)
-                loss = F.cross_entropy(out.float(), y)
+                loss = F.cross_entropy(out.float(), y, label_smoothing=cfg.label_smoothing)
             optimizer.zero_grad(set_to_none=False)
             loss.backward()  # the mean loss over these ranks' images (one rank: exactly its loss)
             if not one_chunk:
@@ -443,14 +478,61 @@ class VirtualRanks:
         return StepResult(loss_sum, correct, float(want_stop), time=total, compute=total - t_data,
                           comm=0.0, comm_exposed=0.0, data=t_data, save_votes=float(want_save))
 
+    def _local_step(self, cfg: Config, model, optimizer, epoch: int, step: int, ph, stop, save) -> StepResult:
+        """A local-SGD step: each rank's own forward, backward and optimizer step on its own weights
+        (``pilab.localsgd.VirtualReplicas``), then, if due, the average MPI forms."""
+        np_, device = self.np_, self.device
+        t0 = time.perf_counter()
+        t_data, loss_sum, correct = 0.0, 0.0, 0.0
+        if self.replicas is None:
+            self.replicas = localsgd.VirtualReplicas(self.params, optimizer, np_, state=self._replica_state)
+            self._replica_state = None
+        self.context.epoch, self.context.step = epoch, step
+        for r in range(np_):
+            self.replicas.enter(r)
+            td = time.perf_counter()
+            x, y = self.loaders[r].batch(epoch, step)
+            x = x.to(device, non_blocking=True).contiguous(memory_format=torch.channels_last)
+            y = y.to(device, non_blocking=True)
+            t_data += time.perf_counter() - td
+            self.context.ranks = (r, r + 1)
+            torch.manual_seed(step_seed(cfg.seed, epoch, step, r))
+            out = model(x)
+            loss = F.cross_entropy(out, y, label_smoothing=cfg.label_smoothing)
+            optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.item() * self.batch
+            correct += (out.argmax(1) == y).sum().item()
+        if ph.average:
+            self.replicas.average_()
+            sync_virtual_buffers_(model, "average")
+        self.replicas.enter(0)  # the model is rank 0's, as an MPI job's rank 0 holds it
+        total = time.perf_counter() - t0
+        want_stop = bool(stop()) if stop is not None else False
+        want_save = bool(save()) if save is not None else False
+        return StepResult(loss_sum, correct, float(want_stop), time=total, compute=total - t_data,
+                          comm=0.0, comm_exposed=0.0, data=t_data, save_votes=float(want_save))
+
+    def set_batch(self, batch: int) -> None:
+        self.batch = batch
+        for loader in self.loaders:
+            loader.set_batch(batch)
+        self.steps_per_epoch = self.loaders[0].steps_per_epoch
+
     def settle(self, model, policy: str) -> None:
         sync_virtual_buffers_(model, policy)
 
     def rank_states(self, model) -> list:
-        """The virtual ranks' BatchNorm rows are in the model's state_dict; the RNG is the process's."""
-        return [{"rng": torch.get_rng_state()}]
+        """The virtual ranks' BatchNorm rows are in the model's state_dict; the RNG is the process's;
+        under local SGD every rank's weights and optimizer state."""
+        st = {"rng": torch.get_rng_state()}
+        if self.replicas is not None:
+            st["replicas"] = self.replicas.state()
+        return [st]
 
     def restore_rank_states(self, model, states: list) -> None:
+        self._replica_state = states[0].get("replicas")
         torch.set_rng_state(states[0]["rng"])
 
     def hosts(self) -> list[str]:
@@ -462,7 +544,7 @@ class VirtualRanks:
             loader.carry(epoch, plan[:, r * b:(r + 1) * b], ds)
 
     def evaluate(self, model, ds) -> tuple[float, float]:
-        return evaluate(model, ds, None, self.device, self.eval_batch)
+        return evaluate(model, ds, None, self.device, self.eval_batch, tta=self.tta)
 
     def per_rank(self, values: list[float]):
         return None  # one process: there is no per-rank timeline to show
@@ -524,12 +606,19 @@ class Session:
         self.accounting = data_mod.epoch_accounting(self.ds.y_train, self.np_, self.batch, cfg.sharding,
                                                     seed=cfg.seed)
         self.model = ranks.build(cfg, self.device, self.ds, self.batch)
-        spe = self.steps_per_epoch = ranks.steps_per_epoch
+        spe = self.steps_per_epoch = ranks.steps_per_epoch  # the first epoch's (a batch ramp changes it)
+        n_train = len(self.ds.y_train)
+        self.epoch_steps = [spe if cfg.per_rank_batch(self.np_, e) == self.batch else data_mod.epoch_accounting(
+            n_train, self.np_, cfg.per_rank_batch(self.np_, e), cfg.sharding, seed=cfg.seed)["steps"]
+            for e in range(cfg.epochs)]
+        self.epoch_start = list(itertools.accumulate([0] + self.epoch_steps))  # each epoch's first global step
         # The schedule spans all epochs; max_steps only cuts the run short (an interruption), so a run
         # resumed from its checkpoint follows the same learning rates as an uninterrupted one.
-        self.schedule_steps = cfg.epochs * spe
+        self.schedule_steps = self.epoch_start[-1]
         self.total_steps = min(self.schedule_steps, cfg.max_steps) if cfg.max_steps else self.schedule_steps
-        self.warmup_steps = round(cfg.warmup_epochs * spe)
+        whole, part = int(cfg.warmup_epochs), cfg.warmup_epochs % 1
+        self.warmup_steps = round(cfg.warmup_epochs * spe) if not cfg.batch_ramp else \
+            self.epoch_start[whole] + (round(part * self.epoch_steps[whole]) if whole < cfg.epochs else 0)
         self.peak_lr = cfg.peak_lr(self.np_)
         self.optimizer = build_optimizer(self.model, cfg, self.peak_lr)
         ck = _load_checkpoint(cfg, ranks, self.model, self.optimizer) if cfg.resume else {}
@@ -537,6 +626,9 @@ class Session:
         self.start_step = ck.get("step_in_epoch", 0)  # steps of start_epoch already done
         self.partial = ck.get("partial")  # that epoch's sums so far
         self.resumed_np = ck.get("np", self.np_)
+        if cfg.batch_ramp and self.resumed_np != self.np_:
+            raise CheckpointError(f"{cfg.resume} was made at np={self.resumed_np} with a batch ramp, whose epochs "
+                                  f"have another number of steps at np={self.np_}; resume it at np={self.resumed_np}")
         # the np whose data order the current epoch follows: a resume at another np (batch_mode=global)
         # finishes the interrupted epoch in the order it began with, regrouped over the new ranks
         self.order_np = ck.get("order_np", self.np_) if self.start_step else self.np_
@@ -549,9 +641,22 @@ class Session:
             # A new empty array, not x_train[:0]: a view would keep the whole array alive.
             self.ds = dataclasses.replace(self.ds, x_train=np.empty((0, *self.ds.x_train.shape[1:]),
                                                                     dtype=self.ds.x_train.dtype))
+        if cfg.local_steps > 1 and self.start_step and self.resumed_np != self.np_ and \
+                localsgd.phase(cfg, spe, self.start_epoch, self.start_step - 1).local:
+            raise CheckpointError(f"{cfg.resume} was taken between two parameter averages of local SGD, where "
+                                  f"each of its {self.resumed_np} ranks holds its own weights; resume it at "
+                                  f"np={self.resumed_np}, or from an epoch's checkpoint (checkpoint-eNNNN.pt)")
         ranks.start(cfg, self.model, self.optimizer)
         if ck.get("has_ranks") and self.resumed_np == self.np_:
             ranks.restore_rank_states(self.model, ck["ranks"] if self.rank == 0 else None)
+        # The weights' moving average (cfg.ema_epochs: its time constant), updated where every rank's
+        # weights are the same: the same average on every rank with no communication (pilab.ema)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.ema = WeightAverage(self.params, math.exp(-1 / (cfg.ema_epochs * spe))) if cfg.ema_epochs else None
+        self.enter_epoch(self.start_epoch)
+        self.ema_pending = ck.get("ema_pending", 0)  # steps since its last update
+        if self.ema is not None and ck.get("ema") is not None:
+            self.ema.load(ck["ema"])
         # Mid-epoch checkpoints: every K steps, and/or every M minutes (rank 0's clock, voted with the
         # step so every rank saves after the same one); -1 minutes means 10 on a multi-node run.
         minutes = cfg.checkpoint_minutes
@@ -563,8 +668,22 @@ class Session:
         self.last_save = time.monotonic()
         self.saves: list[dict] = []  # seconds, bytes, path of each checkpoint written (rank 0)
 
+    def enter_epoch(self, epoch: int) -> int:
+        """The ranks set up for ``epoch`` (under a batch ramp: its batch); its number of steps."""
+        if epoch < self.cfg.epochs and self.cfg.batch_ramp:
+            b = self.cfg.per_rank_batch(self.np_, epoch)
+            if b != self.batch:
+                self.batch = b
+                self.ranks.set_batch(b)
+            if self.ema is not None:  # the same time constant in epochs, whatever the steps
+                self.ema.decay = math.exp(-1 / (self.cfg.ema_epochs * self.epoch_steps[epoch]))
+        return self.epoch_steps[epoch] if epoch < self.cfg.epochs else 0
+
     def lr(self, global_step: int) -> float:
-        return lr_at(global_step, peak_lr=self.peak_lr, total_steps=self.schedule_steps,
+        peak = self.peak_lr
+        if self.cfg.batch_ramp:  # the lr rule follows each epoch's global batch
+            peak = self.cfg.peak_lr(self.np_, bisect.bisect_right(self.epoch_start, global_step) - 1)
+        return lr_at(global_step, peak_lr=peak, total_steps=self.schedule_steps,
                      warmup_steps=self.warmup_steps, schedule=self.cfg.schedule)
 
     def step(self, epoch: int, step: int, *, stop=None) -> tuple[StepResult, float]:
@@ -572,11 +691,26 @@ class Session:
 
         ``stop()`` is polled once the step's work is done; its vote travels with the step's metrics,
         and so does the vote for a checkpoint after this step (``StepResult.save_votes``)."""
-        gstep = epoch * self.steps_per_epoch + step
+        self.enter_epoch(epoch)
+        gstep = self.epoch_start[epoch] + step
         lr = self.lr(gstep)
         set_lr(self.optimizer, lr)
-        return self.ranks.step(self.cfg, self.model, self.optimizer, epoch, step, stop,
-                               lambda: self._save_due(gstep + 1)), lr
+        st = self.ranks.step(self.cfg, self.model, self.optimizer, epoch, step, stop,
+                             lambda: self._save_due(gstep + 1))
+        if self.ema is not None:
+            self.ema_pending += 1
+            ph = localsgd.phase(self.cfg, self.epoch_steps[epoch], epoch, step)
+            if not ph.local or ph.average:
+                self.ema.update(self.params, steps=self.ema_pending)
+                self.ema_pending = 0
+        return st, lr
+
+    def evaluate(self) -> tuple[float, float]:
+        """Test loss and accuracy of the model, or of its weights' moving average (``cfg.ema_epochs``)."""
+        if self.ema is None:
+            return self.ranks.evaluate(self.model, self.ds)
+        with self.ema.applied(self.params):
+            return self.ranks.evaluate(self.model, self.ds)
 
     def _save_due(self, steps_done: int) -> bool:
         k, m = self.cfg.checkpoint_every_steps, self.checkpoint_minutes
@@ -596,6 +730,8 @@ class Session:
               "history": history, "pilab_version": __version__, "step_in_epoch": step_in_epoch,
               "order_np": self.order_np if step_in_epoch else self.np_, "partial": partial,
               "ranks": states}
+        if self.ema is not None:
+            ck.update(ema=self.ema.state(), ema_pending=self.ema_pending)
         return checkpoint.save(self.cfg.out, ck, keep=self.cfg.keep)
 
 
@@ -650,7 +786,7 @@ def _load_checkpoint(cfg: Config, ranks, model, optimizer) -> dict:
             meta = {"epoch": int(ck["epoch"]), "history": list(ck["history"]),
                     "step_in_epoch": int(ck.get("step_in_epoch") or 0), "partial": ck.get("partial"),
                     "np": int(ck.get("np", np_)), "order_np": int(ck.get("order_np") or ck.get("np", np_)),
-                    "has_ranks": states is not None}
+                    "has_ranks": states is not None, "ema": ck.get("ema"), "ema_pending": int(ck.get("ema_pending") or 0)}
         except CheckpointError as e:
             error = str(e)
     if size > 1:
@@ -706,7 +842,7 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
     t_wall = time.perf_counter()
     s = Session(cfg, ranks, data=data)
     s.env = ranks.environment(s.threads)  # a collective: now, so that an abort can still write it
-    spe, images_per_step = s.steps_per_epoch, s.batch * s.np_
+    spe = s.steps_per_epoch
 
     def emit(event):
         if s.rank == 0:
@@ -720,7 +856,7 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
     steps_log = {k: [] for k in STEP_KEYS}
     epochs_log = list(s.history)
     bytes_per_step, stopped, stop_reason, write_error = 0, False, None, None
-    gstep = s.start_epoch * spe + s.start_step
+    gstep = s.epoch_start[min(s.start_epoch, cfg.epochs)] + s.start_step
     s.model.train()
     run_started_at = time.time()  # wall clock (and epoch_started_at): joins a power meter's log
     monitor = None
@@ -736,6 +872,8 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
             if gstep >= s.total_steps:
                 break
             acc, t_epoch = _Epoch(), time.perf_counter()
+            spe = s.enter_epoch(epoch)
+            images_per_step = s.batch * s.np_
             first = s.start_step if epoch == s.start_epoch else 0
             if first and s.partial:
                 acc.restore(s.partial)
@@ -937,7 +1075,7 @@ def _end_epoch(s: Session, epoch: int, acc: _Epoch, train_time: float, steps_log
     per_rank_test = -(-len(s.ds.y_test) // (1 if s.ranks.simulated else s.np_))
     skip_test = stopped and per_rank_test > EVAL_ON_STOP_MAX
     evaluate_now = evaluate_now and not skip_test
-    full_epoch = acc.steps == s.steps_per_epoch
+    full_epoch = acc.steps == s.epoch_steps[epoch]
     checkpoint_now = full_epoch and (force or (bool(cfg.checkpoint_every) and (
         epoch + 1) % cfg.checkpoint_every == 0 and not stopped))
     t_eval = time.perf_counter()
@@ -945,7 +1083,7 @@ def _end_epoch(s: Session, epoch: int, acc: _Epoch, train_time: float, steps_log
     if evaluate_now or checkpoint_now or last:  # the last model is the same on every rank
         s.ranks.settle(s.model, cfg.bn_buffers)
     if evaluate_now:
-        test_loss, test_acc = s.ranks.evaluate(s.model, s.ds)
+        test_loss, test_acc = s.evaluate()
     eval_time = time.perf_counter() - t_eval
     per_rank = s.ranks.per_rank([acc.times[k] for k in TIME_KEYS])
     images = max(acc.images, 1)
@@ -978,7 +1116,7 @@ def _result(s: Session, epochs_log: list, steps_log: dict, bytes_per_step: int, 
     return {
         "pilab_version": __version__, **s.ranks.extras(), "config": cfg.to_dict(),
         "np": s.np_, "threads": s.threads,
-        "per_rank_batch": s.batch, "global_batch": s.batch * s.np_, "peak_lr": s.peak_lr,
+        "per_rank_batch": cfg.per_rank_batch(s.np_), "global_batch": cfg.global_batch(s.np_), "peak_lr": s.peak_lr,
         "warmup_steps": s.warmup_steps, "steps_per_epoch": s.steps_per_epoch,
         "total_steps": s.total_steps, "schedule_steps": s.schedule_steps,
         "data": {"source": ds.source, "checksum": ds.checksum, "n_train": int(len(ds.y_train)),
@@ -988,7 +1126,9 @@ def _result(s: Session, epochs_log: list, steps_log: dict, bytes_per_step: int, 
         "images_per_s": images_total / train_total if train_total else None,
         "peak_mem_mb": (mem[:, 0].tolist() if mem is not None else [peak_mem_mb()]) if s.rank == 0 else None,
         "stopped_early": stopped, "resumed_from_epoch": s.start_epoch,
-        "resumed_from_step": s.start_epoch * s.steps_per_epoch + s.start_step, "resumed_from_np": s.resumed_np,
-        "steps_done": len(steps_log["loss"]) + s.start_epoch * s.steps_per_epoch + s.start_step,
-        "epochs_done": sum(1 for e in epochs_log if e["steps"] == s.steps_per_epoch),
+        "resumed_from_step": s.epoch_start[s.start_epoch] + s.start_step, "resumed_from_np": s.resumed_np,
+        "steps_done": len(steps_log["loss"]) + s.epoch_start[s.start_epoch] + s.start_step,
+        "epochs_done": sum(1 for e in epochs_log if e["steps"] == s.epoch_steps[e["epoch"] - 1]),
+        **({"batch_plan": [{"epoch": e + 1, "per_rank_batch": cfg.per_rank_batch(s.np_, e), "steps": n}
+                           for e, n in enumerate(s.epoch_steps)]} if cfg.batch_ramp else {}),
     }

@@ -127,7 +127,8 @@ def build_optimizer(model: nn.Module, cfg, peak_lr: float) -> torch.optim.Optimi
 def lr_at(step: int, *, peak_lr: float, total_steps: int, warmup_steps: int,
           schedule: str) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup from peak/warmup_steps to
-    the peak over ``warmup_steps``, then cosine to 0, step decay (x0.1 at 50% and 75%), or constant."""
+    the peak over ``warmup_steps``, then cosine to 0, step decay (x0.1 at 50% and 75%), constant, or linear
+    to 0 (with a short warmup: the triangular schedule of few-step recipes such as airbench's)."""
     if warmup_steps and step < warmup_steps:
         return peak_lr * (step + 1) / warmup_steps
     rest = max(1, total_steps - warmup_steps)
@@ -136,6 +137,8 @@ def lr_at(step: int, *, peak_lr: float, total_steps: int, warmup_steps: int,
         return peak_lr * 0.5 * (1 + math.cos(math.pi * t))
     if schedule == "step":
         return peak_lr * (0.1 ** ((t >= 0.5) + (t >= 0.75)))
+    if schedule == "linear":
+        return peak_lr * (1 - t)
     return peak_lr
 
 

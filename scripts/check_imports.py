@@ -26,7 +26,8 @@ LAYERS = {
     "memory": 1.5,  # predicted memory per rank: config and the models only (the doctor and train use it)
     "watchdog": 2, "stragglers": 2,
     "dist": 2, "data": 2, "checkpoint": 2,
-    "layers": 3,
+    "layers": 3, "ema": 3,  # ema: the weights' moving average (torch only)
+    "localsgd": 3,  # local SGD's plan and the simulator's per-rank weights (torch only)
     "engine": 4,
     "train": 5, "simulate": 5,
     "harness": 5.2,  # one guarded run on the ranks (vote, signals, abort, watchdog): CLI, engines, the study's jobs

@@ -248,6 +248,72 @@ def case_train(out):
             json.dump(res, f, indent=1)
 
 
+def case_local(out):
+    """Local SGD (post-local, H=4) with a batch ramp and the few-step recipe (label smoothing, weight EMA, flip TTA, Nesterov,
+    a triangular schedule) over real ranks: weights apart between averages and equal after one; the
+    whole run against the simulator; a run stopped between two averages and resumed, against the same
+    run uninterrupted."""
+    import os
+    import tempfile
+
+    from pilab import localsgd, simulate
+    cfg = replace(BASE, train_subset=240, epochs=2, max_steps=0, eval_every=1, local_steps=4, local_after=0.5,
+                  batch_ramp="1:16",
+                  label_smoothing=0.1, ema_epochs=0.3, tta=True, schedule="linear", warmup_epochs=0.2, nesterov=True)
+    ds = train.load_data(cfg, COMM)
+    res = {}
+
+    def flat_params(model):
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    # 1) the ranks' weights after a local step that is not an average differ; after an average they are equal
+    sess = engine.Session(cfg, engine.MPIRanks(COMM), data=ds)
+    spe = sess.steps_per_epoch
+    first_local = round(cfg.local_after * spe)
+    for g in range(first_local + 1):
+        sess.step(*divmod(g, spe))
+    apart = COMM.gather(flat_params(sess.model), root=0)
+    g = first_local + 1
+    while not localsgd.phase(cfg, spe, *divmod(g, spe)).average:
+        sess.step(*divmod(g, spe))
+        g += 1
+    sess.step(*divmod(g, spe))
+    together = COMM.gather(flat_params(sess.model), root=0)
+    sess.ranks.close()
+    if RANK == 0:
+        res["first_local_step"] = first_local
+        res["average_step"] = g
+        res["apart_max_diff"] = max(float((apart[r] - apart[0]).abs().max()) for r in range(SIZE))
+        res["together_max_diff"] = max(float((together[r] - together[0]).abs().max()) for r in range(SIZE))
+
+    # 2) the whole run, against the simulator
+    result, model = train.train(cfg, COMM, data=ds)
+    states = gathered_states(model)
+    if RANK == 0:
+        sim_result, sim_model = simulate.train(cfg, SIZE, data=ds)
+        res["simulator_diff_per_rank"] = [max_diff(simulate.virtual_state(sim_model, r), states[r])
+                                          for r in range(SIZE)]
+        res["test_acc"] = [e["test_acc"] for e in result["epochs"]]
+        res["simulator_test_acc"] = [e["test_acc"] for e in sim_result["epochs"]]
+        res["test_loss_diff"] = max(abs(a["test_loss"] - b["test_loss"])
+                                    for a, b in zip(result["epochs"], sim_result["epochs"]))
+        res["train_loss_diff"] = max(abs(a - b) for a, b in zip(result["steps"]["loss"], sim_result["steps"]["loss"]))
+        res["bytes_per_step"] = result["bytes_per_step"]
+
+    # 3) stopped between two averages (a checkpoint there), resumed: the same run as uninterrupted
+    d = COMM.bcast(tempfile.mkdtemp(prefix="pilab-local-") if RANK == 0 else None, root=0)
+    k = first_local + 1
+    train.train(replace(cfg, out=d, checkpoint_every_steps=k, max_steps=k), COMM, data=ds)
+    resumed, model_b = train.train(replace(cfg, out=d, resume=os.path.join(d, "checkpoint.pt")), COMM, data=ds)
+    states_b = gathered_states(model_b)
+    if RANK == 0:
+        res["resume_diff_per_rank"] = [max_diff(states_b[r], states[r]) for r in range(SIZE)]
+        res["resume_test_acc"] = resumed["epochs"][-1]["test_acc"]
+        res["resumed_from_step"] = resumed["resumed_from_step"]
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def ref_params(state):
     return [(k, v) for k, v in state.items() if "running" not in k and "num_batches" not in k]
 
@@ -328,4 +394,5 @@ def case_spiking(out):
 
 if __name__ == "__main__":
     case, out = sys.argv[1], sys.argv[2]
-    {"train": case_train, "fault": case_fault, "stop": case_stop, "spiking": case_spiking}[case](out)
+    {"train": case_train, "fault": case_fault, "stop": case_stop, "spiking": case_spiking,
+     "local": case_local}[case](out)

@@ -164,3 +164,32 @@ def test_stop_on_one_rank_stops_all_after_the_same_step(tmp_path):
     r = json.loads(out.read_text())
     assert r["steps_per_rank"] == [4, 4]
     assert r["stopped"]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
+def local_run(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"local{request.param}") / "res.json"
+    p = launch(request.param, "local", out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return request.param, json.loads(out.read_text())
+
+
+def test_local_sgd_ranks_hold_their_own_weights_until_an_average(local_run):
+    _, r = local_run
+    assert r["apart_max_diff"] > 1e-3  # a local step is each rank's own
+    assert r["together_max_diff"] == 0.0  # an average leaves one model on every rank
+    assert r["average_step"] > r["first_local_step"]
+
+
+def test_simulator_matches_mpi_run_with_local_sgd_and_the_few_step_recipe(local_run):
+    _, r = local_run
+    assert max(r["simulator_diff_per_rank"]) <= 1e-5, r["simulator_diff_per_rank"]
+    assert r["train_loss_diff"] <= 1e-5
+    assert r["test_loss_diff"] <= 1e-5
+    assert r["test_acc"] == r["simulator_test_acc"]
+
+
+def test_local_sgd_resumes_between_two_averages_as_if_never_stopped(local_run):
+    _, r = local_run
+    assert r["resumed_from_step"] == r["first_local_step"] + 1
+    assert max(r["resume_diff_per_rank"]) == 0.0, r["resume_diff_per_rank"]

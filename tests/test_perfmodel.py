@@ -322,3 +322,13 @@ def test_comm_bench_under_mpiexec(tmp_path):
     assert bench["thread_level"] == "multiple"  # mpi4py's default: what async progress needs
     fit = pm.fit_alpha_beta(bench)
     assert fit["alpha"] > 0 and fit["beta"] > 0
+
+
+def test_all_images_of_a_loaded_archive_are_counted_from_its_cache(cifar_archive):
+    from pilab import data
+    from pilab.perfmodel.predict import predict
+
+    data.load(str(cifar_archive), train_subset=100, test_subset=10)  # caches the whole archive once
+    cfg = Config(data=str(cifar_archive), width=0.25, train_subset=15000, test_subset=0)
+    assert predict(cfg, 48, "pi4b_cluster")["n_test"] == 10000  # not an error asking for n_test=
+    assert predict(dataclasses.replace(cfg, train_subset=0), 2, "pi4b_cluster")["n_train"] == 50000

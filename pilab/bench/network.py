@@ -15,6 +15,7 @@ taken down after an error or Ctrl-C too. On the nodes' namespaces:
 3. real training runs (``pilab.harness`` jobs, as ``pilab train`` runs them) at np = 2, 4, 8 on 1, 2 and
    4 nodes (block placement, ranks 0.. on node01) at each rate, the rates alternating so that the
    machine's load hits each alike;
+   and, at LOCAL_RATE, local-SGD runs (LOCAL_H steps between parameter averages) at np 2, 4, 8 on 2-4 nodes;
 4. alpha and beta fitted from 1. *only* (``fit_alpha_beta(..., min_bytes=16 KiB)``, the sizes a
    gradient bucket has: intra from the one-node runs, inter from the 2-node one-rank-per-node run at
    that rate), the Cluster built with ``cluster_from_calibration``, and ``perfmodel.predict`` against
@@ -58,6 +59,13 @@ TRAIN = dict(width=0.25, batch_size=8, train_subset=512, test_subset=100, epochs
 GOAL = 0.20  # |predicted / measured - 1| for communication-bound points
 COMM_BOUND = 0.30  # measured network time >= this share of the step
 RATES, QUICK_RATES = ("100mbit", "1gbit"), ("100mbit",)
+# Local SGD (issue 20): each rank steps alone and the parameters are averaged every LOCAL_H steps (and at
+# the epoch's end), so a step's exposed network time is the metrics' tiny Allreduce, and every H-th step
+# the parameters': measured as the mean over the steps after the first (the median is a local step's).
+# Twice the images of TRAIN, so that np=8 still averages twice. At LOCAL_RATE, the slowest link.
+LOCAL_H, LOCAL_RATE = 8, "100mbit"
+LOCAL_POINTS = [(2, 2), (4, 2), (8, 4)]
+LOCAL_TRAIN = dict(TRAIN, train_subset=2 * TRAIN["train_subset"], local_steps=LOCAL_H)
 
 
 def unavailable() -> str | None:
@@ -89,22 +97,23 @@ def bench(tb, np_: int, nodes: int, log, mpiexec=None) -> dict:
     return run
 
 
-def train_run(tb, np_: int, hosts: str, out: str, mpiexec=None) -> tuple[dict, float, float]:
+def train_run(tb, np_: int, hosts: str, out: str, mpiexec=None, settings=TRAIN) -> tuple[dict, float, float]:
     """One training run on ``hosts`` of the testbed: (result, wall seconds, cores the job got)."""
     shutil.rmtree(out, ignore_errors=True)  # a run of its own in out
     t0 = time.perf_counter()
-    r, cores = harness_train(np_, Config(out=out, **TRAIN), mpiexec, hang_s=120, env=base_env(tb),
+    r, cores = harness_train(np_, Config(out=out, **settings), mpiexec, hang_s=120, env=base_env(tb),
                              extra=[*tb.mpiexec_args(), "-hosts", hosts], timeout=900)
     return r, time.perf_counter() - t0, cores
 
 
-def train(tb, np_: int, nodes: int, out: str, log, mpiexec=None) -> dict:
-    r, wall, cores = train_run(tb, np_, hosts_arg(tb, np_, nodes), out, mpiexec)
+def train(tb, np_: int, nodes: int, out: str, log, mpiexec=None, settings=TRAIN) -> dict:
+    r, wall, cores = train_run(tb, np_, hosts_arg(tb, np_, nodes), out, mpiexec, settings)
     st = r["steps"]
     net = [e - w for e, w in zip(st["comm_exposed"], st["comm_wait"])][1:]
     comp = st["compute"][1:]
     ep = r["epochs"][0]
-    row = {"np": np_, "nodes": nodes, "cores_got": round(cores, 3), "wall_s": round(wall, 1),
+    row = {"np": np_, "nodes": nodes, "local_steps": settings.get("local_steps", 1),
+           "cores_got": round(cores, 3), "wall_s": round(wall, 1),
            "steps": len(st["compute"]), "hostnames": r["env"]["hostnames"],
            "net_step_median": statistics.median(net), "net_step_mean": statistics.fmean(net),
            "comm_step_median": statistics.median(st["comm"][1:]),
@@ -113,7 +122,7 @@ def train(tb, np_: int, nodes: int, out: str, log, mpiexec=None) -> dict:
            "step_median": statistics.median(st["time"][1:]),
            "epoch_time": ep["time"], "epoch_compute": ep["compute"], "epoch_comm_exposed": ep["comm_exposed"],
            "bytes_per_step": r.get("bytes_per_step"), "result": r}
-    log(f"  train np={np_} nodes={nodes}: epoch {ep['time']:.2f} s, net/step {row['net_step_median'] * 1e3:.1f} "
+    log(f"  train np={np_} nodes={nodes}{' local H=%d' % row['local_steps'] if row['local_steps'] > 1 else ''}: epoch {ep['time']:.2f} s, net/step {row['net_step_median'] * 1e3:.1f} "
         f"ms, compute/step {row['compute_step_median'] * 1e3:.0f} ms, cores got {cores:.2f}")
     return row
 
@@ -154,7 +163,6 @@ def analyse(data: dict) -> dict:
     cal_share = pm.calibrate(np1["result"], [b for b in data["bench"] if b["nodes"] == 1],
                                     source="testbed node01 np=1",
                                     available_cores=min(np1["cores_got"], TRAIN["threads"]))
-    cfg = Config(**TRAIN)
     # the micro-benchmark's own held-out points: 1 MB Allreduce, predicted vs measured
     bench_rows = []
     for b in data["bench"]:
@@ -173,6 +181,10 @@ def analyse(data: dict) -> dict:
     rows = []
     for r in data["train"]:
         np_, nodes, rate = r["np"], r["nodes"], r["rate"]
+        h = r.get("local_steps", 1)
+        cfg = Config(**(LOCAL_TRAIN if h > 1 else TRAIN))
+        # a local-SGD run's network time comes every H-th step: its mean per step, not a local step's median
+        measured = r["net_step_mean"] if h > 1 else r["net_step_median"]
         cl = cluster_for(cal, fits, rate, np_, nodes, cores)
         cl_s = cluster_for(cal_share, fits, rate, np_, nodes, cores, r["cores_got"])
         p = pm.predict(cfg, np_, cl, "pilab")
@@ -183,20 +195,23 @@ def analyse(data: dict) -> dict:
         credit = testbed.burst_bytes(rate) / (testbed.parse_rate(rate) / 8) if nodes > 1 else 0.0
         if r["compute_step_median"] < credit:
             credit = 0.0  # not idle long enough to refill
-        share = r["net_step_median"] / r["step_median"] if r["step_median"] else 0.0
+        if h > 1:  # only the averages move enough bytes to take the bucket's credit
+            credit *= -(-p["steps_per_epoch"] // h) / p["steps_per_epoch"]
+        share = measured / r["step_median"] if r["step_median"] else 0.0
         over = np_ > cores
         rows.append({
             "rate": rate, "np": np_, "nodes": nodes, "rep": r.get("rep", 1), "oversubscribed": over,
-            "cores_got": r["cores_got"], "comm_share": share,
-            "net_step_measured": r["net_step_median"], "net_step_predicted": net_pred,
-            "net_ratio": net_pred / r["net_step_median"] if r["net_step_median"] > 0 else None,
+            "local_steps": h, "cores_got": r["cores_got"], "comm_share": share,
+            "net_step_measured": measured, "net_step_predicted": net_pred,
+            "net_ratio": net_pred / measured if measured > 0 else None,
             "tbf_credit": credit, "net_step_predicted_tbf": net_pred - credit,
-            "net_ratio_tbf": (net_pred - credit) / r["net_step_median"] if r["net_step_median"] > 0 else None,
+            "net_ratio_tbf": (net_pred - credit) / measured if measured > 0 else None,
             "epoch_measured": r["epoch_time"], "epoch_predicted": p["time"],
             "epoch_ratio": p["time"] / r["epoch_time"],
             "epoch_predicted_share": ps["time"], "epoch_ratio_share": ps["time"] / r["epoch_time"],
-            # in the goal: communication-bound (>= 30% of the step) across nodes
-            "in_goal": share >= COMM_BOUND and nodes > 1,
+            # in the goal: communication-bound (>= 30% of the step) across nodes; local SGD: every
+            # multi-node point (its point is that the network no longer bounds it)
+            "in_goal": nodes > 1 and (h > 1 or share >= COMM_BOUND),
         })
     return {"links": {"intra": {k: fits["intra"][k] for k in ("alpha", "beta", "oversub_alpha", "rel_rms")},
                       "inter": {rate: {k: f[k] for k in ("alpha", "beta", "rel_rms", "bandwidth_MBps")}
@@ -208,8 +223,9 @@ def table(an: dict) -> str:
     head = ("| link | np | nodes | comm share | Allreduce/step measured ms | predicted ms | ratio | "
             "+ tbf credit ms | ratio | epoch measured s | predicted s | ratio | share-aware s | ratio |")
     lines = [head, "|" + "---|" * 2 + "---:|" * 12]
-    for r in sorted(an["rows"], key=lambda r: (r["rate"], r["np"], r["nodes"], r["rep"])):
-        tag = " (oversubscribed)" if r["oversubscribed"] else ""
+    for r in sorted(an["rows"], key=lambda r: (r.get("local_steps", 1), r["rate"], r["np"], r["nodes"], r["rep"])):
+        tag = (" (oversubscribed)" if r["oversubscribed"] else "") + \
+            (f" local SGD H={r['local_steps']}" if r.get("local_steps", 1) > 1 else "")
         mark = "" if r["in_goal"] else "*"
         lines.append(
             f"| {r['rate']} | {r['np']}{tag} | {r['nodes']} | {r['comm_share'] * 100:.0f}% | "
@@ -231,7 +247,8 @@ def bench_table(an: dict) -> str:
 
 
 def summary(an: dict) -> str:
-    goal = [r for r in an["rows"] if r["in_goal"]]
+    local = [r for r in an["rows"] if r["in_goal"] and r.get("local_steps", 1) > 1]
+    goal = [r for r in an["rows"] if r["in_goal"] and r.get("local_steps", 1) == 1]
     ok_n = [r for r in goal if r["net_ratio"] and abs(r["net_ratio"] - 1) <= GOAL]
     ok_t = [r for r in goal if r["net_ratio_tbf"] and abs(r["net_ratio_tbf"] - 1) <= GOAL]
     ok_e = [r for r in goal if abs(r["epoch_ratio"] - 1) <= GOAL]
@@ -245,7 +262,15 @@ def summary(an: dict) -> str:
     return ("; ".join(parts) + f"\nin the goal (comm >= {COMM_BOUND:.0%} of the step, "
             f"multi-node): {len(goal)} points; Allreduce/step within {GOAL:.0%}: {len(ok_n)}/{len(goal)} "
             f"(with the tbf credit: {len(ok_t)}/{len(goal)}), "
-            f"epoch: {len(ok_e)}/{len(goal)}, epoch share-aware: {len(ok_s)}/{len(goal)}")
+            f"epoch: {len(ok_e)}/{len(goal)}, epoch share-aware: {len(ok_s)}/{len(goal)}"
+            + (f"\nlocal SGD H={LOCAL_H} at {LOCAL_RATE} (multi-node): {len(local)} points; network per step "
+               f"(mean) within {GOAL:.0%}: {_within(local, 'net_ratio')}/{len(local)} (with the tbf credit: "
+               f"{_within(local, 'net_ratio_tbf')}/{len(local)}), epoch: {_within(local, 'epoch_ratio')}/{len(local)}"
+               if local else ""))
+
+
+def _within(rows, key) -> int:
+    return sum(1 for r in rows if r[key] and abs(r[key] - 1) <= GOAL)
 
 
 def section(quick: bool = False, *, work: str | None = None, mpiexec: str | None = None, repeat: int = 1,
@@ -293,6 +318,14 @@ def section(quick: bool = False, *, work: str | None = None, mpiexec: str | None
                     row = train(tb, np_, nodes, os.path.join(work, f"{rate}-np{np_}-n{nodes}-{rep}"), log, mpiexec)
                     row.update(rate=rate, rep=rep)
                     data["train"].append(row)
+                if rate != LOCAL_RATE:
+                    continue
+                for np_, nodes in LOCAL_POINTS:  # local SGD on the same links, right after
+                    if np_ in nps and nodes <= nodes_n:
+                        row = train(tb, np_, nodes, os.path.join(work, f"{rate}-np{np_}-n{nodes}-local-{rep}"),
+                                    log, mpiexec, LOCAL_TRAIN)
+                        row.update(rate=rate, rep=rep)
+                        data["train"].append(row)
     finally:
         testbed.down(NAME)
         log(f"bench: network: testbed {NAME} down")

@@ -42,7 +42,7 @@ class ShardLoader:
             raise DataError(f"each of {np_} ranks holds at most {max(acc['shard_sizes'])} images, fewer than "
                             f"its batch of {batch}; use fewer processes or a smaller batch")
         self.np_, self.rank, self.batch_size, self.seed = np_, rank, batch, seed
-        self.policy, self.augment = policy, augment
+        self.policy, self.augment, self._n = policy, augment, n
         self.steps_per_epoch: int = acc["steps"]
         self.leftover: int = acc["leftover"]
         self.shard_size: int = acc["shard_sizes"][rank]
@@ -60,6 +60,21 @@ class ShardLoader:
         if self.device is not None:
             self._x, self._y = _to_device(self._x, self.device), _to_device(self._y, self.device)
             self._draws_epoch, self._draws = None, None
+
+    def set_batch(self, batch: int) -> None:
+        """Cut the same shard into batches of ``batch`` from now on (a batch-size ramp): the epoch's
+        order is the same permutation, taken ``batch`` at a time."""
+        if batch == self.batch_size:
+            return
+        steps = epoch_accounting(self._n, self.np_, batch, self.policy, self.seed)["steps"]  # as every rank counts
+        if steps < 1:
+            raise DataError(f"rank {self.rank} holds {self.shard_size} images, fewer than a batch of {batch}; "
+                            "use a smaller batch or fewer processes")
+        self.batch_size, self.steps_per_epoch = batch, steps
+        self.leftover = self._n - steps * batch * self.np_
+        self._cached_epoch = self._cached_rows = None
+        if self.device is not None:
+            self._draws_epoch = self._draws = None
 
     def _rows(self, epoch: int) -> torch.Tensor:
         """(steps, batch) positions into self._x for ``epoch`` (computed once per epoch)."""

@@ -63,6 +63,19 @@ def train_size(source: str = "embedded", *, cache_dir: str | None = None,
     return train_subset or sizes[0]
 
 
+def cached_counts(source: str, *, cache_dir: str | None = None) -> tuple[int, int] | None:
+    """(training, test) images of the whole source if it is cached already (its labels alone are read),
+    else None: what the performance model needs for "all images" without decoding anything::
+
+        cached_counts("/data/cifar10-jpeg.tar.gz")   # (50000, 10000) once pilab has loaded it
+    """
+    try:
+        cache = resolve_cache_dir(cache_dir)
+        return cached_sizes(cache_path(cache, *_resolve(source, cache)))
+    except (DataError, OSError):
+        return None
+
+
 def _check_counts(train_subset, test_subset, seed) -> None:
     for name, value in (("train_subset", train_subset), ("test_subset", test_subset), ("seed", seed)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:

@@ -36,6 +36,9 @@ PROFILES = {
 
 def _sizes(cfg: Config, n_train, n_test) -> tuple[int, int]:
     known = _SOURCE_SIZES.get(cfg.data)
+    if known is None and not (cfg.train_subset and cfg.test_subset) and (n_train is None or n_test is None):
+        from ..data.sources import cached_counts  # a path: its cache's labels, if it was loaded once
+        known = cached_counts(cfg.data)
     if n_train is None:
         n_train = cfg.train_subset or (known[0] if known else None)
     if n_test is None:
@@ -106,9 +109,18 @@ def _gradient_comm(cfg: Config, layout, averaging: str, compute: float, cl: Clus
     return len(buckets), comm, max(0.0, end - (t_fwd + t_bwd))
 
 
+def _local_share(cfg: Config, p: int) -> float:
+    """The share of a run's steps that are local-SGD steps (``cfg.local_steps`` > 1 after
+    ``cfg.local_after`` synchronous epochs; see ``pilab.localsgd``)."""
+    if cfg.local_steps <= 1 or p == 1:
+        return 0.0
+    return max(0.0, 1.0 - cfg.local_after / cfg.epochs)
+
+
 def _eval_time(cfg: Config, p: int, n_test: int, per_image: float, evaluation: str,
                ar: Callable[[float], float], metric: float) -> float:
     """Seconds of one evaluation of the test set."""
+    per_image *= 2 if cfg.tta else 1  # flip TTA: two forwards per test image
     if evaluation == "full":
         return n_test * per_image
     t = math.ceil(n_test / p) * per_image
@@ -148,6 +160,9 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
     if cl.nodes and cl.ranks_per_node and p > cl.nodes * cl.ranks_per_node:
         raise ConfigError(f"np={p} exceeds {cl.name}: {cl.nodes} nodes x {cl.ranks_per_node} ranks")
     n_train, n_test = _sizes(cfg, n_train, n_test)
+    if cfg.batch_ramp:
+        out = _ramped(cfg, p, cl, profile, n_train, n_test)
+        return _with_speedup(out, cfg, p, cl, profile, baseline_np, n_train, n_test)
     b = cfg.per_rank_batch(p)
     steps = epoch_accounting(n_train, p, b, cfg.sharding, seed=cfg.seed)["steps"]
     place = _placement(cfg, p, cl)
@@ -163,6 +178,18 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
     comm += metric
     exposed += metric
     overhead = cl.step_overhead_s
+    # Local SGD: a local step sends only the metrics (a blocking Allreduce, so stragglers still wait each
+    # step); every local_steps steps and at each epoch's end the parameters and BatchNorm statistics are
+    # averaged, blocking, nothing to hide behind. Mixed by the share of local steps in the run.
+    local = _local_share(cfg, p)
+    if local:
+        n_params = sum(n for n, _ in layout)
+        average = ar(n_params * ELEMENT_BYTES) + ar(bn_bytes(cfg.model, cfg.width))
+        per_step_average = average * math.ceil(steps / cfg.local_steps) / steps
+        comm = (1 - local) * comm + local * (metric + per_step_average)
+        exposed = (1 - local) * exposed + local * (metric + per_step_average)
+        messages = (1 - local) * messages + local * (1 + len(buckets_for(layout, cfg.bucket_mb))
+                                                     * math.ceil(steps / cfg.local_steps) / steps)
     step = data + compute + straggler + exposed + overhead
     eval_time = _eval_time(cfg, p, n_test, rank["eval_s_per_image"], evaluation, ar, metric)
     # evaluation runs every eval_every epochs and after the last: its average share per epoch
@@ -178,7 +205,10 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
         "threads": place["threads"], "oversubscription": place["oversubscription"],
         "per_rank_batch": b, "global_batch": b * p, "steps_per_epoch": steps, "images": images,
         "n_train": n_train, "n_test": n_test,
-        "params": n_params, "messages_per_step": messages, "bytes_per_step": n_params * wire,
+        "params": n_params, "messages_per_step": messages,
+        "bytes_per_step": n_params * wire * ((1 - local) + local * math.ceil(steps / cfg.local_steps) / steps
+                                             if local else 1),
+        "local_steps": cfg.local_steps, "local_share": local,
         "algorithm": cl.algorithm,
         "step_time": step,
         "step": {"compute": compute, "data": data, "straggler": straggler, "comm": comm,
@@ -190,6 +220,10 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
         "first_epoch_time": time_ + cl.warmup_s,
         "images_per_s": images / time_ if time_ > 0 else None,
     }
+    return _with_speedup(out, cfg, p, cl, profile, baseline_np, n_train, n_test)
+
+
+def _with_speedup(out: dict, cfg: Config, p: int, cl, profile: str, baseline_np, n_train, n_test) -> dict:
     if baseline_np is not None:
         base = out if baseline_np == p else predict(cfg, baseline_np, cl, profile,
                                                     n_train=n_train, n_test=n_test)
@@ -198,6 +232,30 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
                     "efficiency": efficiency(S, p, baseline_np),
                     "karp_flatt": karp_flatt(S, p, baseline_np),
                     "train_speedup": speedup(base["time"], out["time"])})
+    return out
+
+
+# per-epoch figures a batch ramp averages over its epochs (the rest are the first epoch's)
+_EPOCH_SUMS = ("compute", "data", "straggler", "comm", "comm_exposed", "overhead", "time", "epoch_time",
+               "images", "steps_per_epoch")
+
+
+def _ramped(cfg: Config, p: int, cl, profile: str, n_train: int, n_test: int) -> dict:
+    """A batch ramp (``cfg.batch_ramp``): each epoch predicted at its own batch, averaged per epoch."""
+    from dataclasses import replace
+
+    parts = [predict(replace(cfg, batch_size=cfg.batch_at(e), batch_ramp=""), p, cl, profile,
+                     n_train=n_train, n_test=n_test) for e in range(cfg.epochs)]
+    out = dict(parts[0])
+    for k in _EPOCH_SUMS:
+        out[k] = sum(q[k] for q in parts) / cfg.epochs
+    steps = sum(q["steps_per_epoch"] for q in parts)
+    out["step_time"] = out["time"] / out["steps_per_epoch"]
+    out["step"] = {k: sum(q["step"][k] * q["steps_per_epoch"] for q in parts) / steps for k in parts[0]["step"]}
+    out["images_per_s"] = out["images"] / out["time"] if out["time"] > 0 else None
+    out["first_epoch_time"] = parts[0]["first_epoch_time"]
+    out["batch_plan"] = [{"epoch": e + 1, "per_rank_batch": q["per_rank_batch"], "steps": q["steps_per_epoch"]}
+                         for e, q in enumerate(parts)]
     return out
 
 

@@ -64,7 +64,41 @@ def candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
         (f"fixed global batch {8 * np_} + sqrt lr + warmup + {big} epochs",
          {**eight, **sw, "epochs": big} if eight else None),
     ]
-    return [(label, ch) for label, ch in out if ch is not None]
+    return [(label, ch) for label, ch in out + _fast_and_right(cfg, np_, warm) if ch is not None]
+
+
+def _fast_and_right(cfg: Config, np_: int, warm: float) -> list[tuple[str, dict | None]]:
+    """Issue 20's candidates for the same epochs as np=1: local SGD (Stich 2019; Lin et al. 2020: fewer
+    averages, so small per-rank batches -- many steps -- stay cheap on the wire), the few-step recipe's
+    pieces (as airbench trains CIFAR-10 at large batch), alone and together, and batch-size ramps."""
+    eight = {"batch_mode": "global", "batch_size": 8 * np_} if 8 < cfg.per_rank_batch(np_) else None
+    tri = {"schedule": "linear", "warmup_epochs": max(0.5, round(cfg.epochs / 20, 1))}
+    recipe = {"label_smoothing": 0.2, "ema_epochs": 0.5, "nesterov": True, **tri, "tta": True}
+    local8 = {**eight, "local_steps": 8} if eight else None
+    # a batch ramp (Smith et al. 2018; AdaBatch): a quarter of the per-rank batch for the first 30% of the
+    # epochs (4x the steps), half until 60%, then the whole; the lr rule follows each epoch's batch
+    b, e1, e2 = cfg.batch_size, round(cfg.epochs * 0.3), round(cfg.epochs * 0.6)
+    ramp = {"batch_size": b // 4, "batch_ramp": f"{e1}:{b // 2},{e2}:{b}"} \
+        if cfg.batch_mode == "per_rank" and b >= 8 and 0 < e1 < e2 < cfg.epochs else None
+    ramp_label = f"batch ramp {b // 4}-{b // 2}-{b}"
+    return [
+        *[(f"local SGD H={h}", {"local_steps": h}) for h in (2, 4, 8, 16)],
+        (f"post-local SGD H=8 after {warm:g} ep", {"local_steps": 8, "local_after": warm}),
+        ("local SGD H=8 at 8 per rank", local8),
+        ("local SGD H=8 at 8 per rank + sqrt lr", {**local8, "lr_scaling": "sqrt"} if local8 else None),
+        ("label smoothing 0.2", {"label_smoothing": 0.2}),
+        ("weight EMA 0.5 ep", {"ema_epochs": 0.5}),
+        ("nesterov", {"nesterov": True}),
+        ("triangular lr", tri),
+        ("flip TTA", {"tta": True}),
+        ("few-step recipe", recipe),
+        ("few-step recipe + sqrt lr", {**recipe, "lr_scaling": "sqrt"}),
+        ("few-step recipe + local SGD H=8 at 8 per rank", {**recipe, **local8} if local8 else None),
+        (ramp_label, ramp),
+        (f"{ramp_label} + sqrt lr", {**ramp, "lr_scaling": "sqrt"} if ramp else None),
+        (f"{ramp_label}, constant lr", {**ramp, "schedule": "constant"} if ramp else None),
+        (f"{ramp_label} + local SGD H=8", {**ramp, "local_steps": 8} if ramp else None),
+    ]
 
 
 def candidate_labels(cfg: Config, np_: int) -> list[str]:
