@@ -70,7 +70,7 @@ one() {  # seed np label: one point, kept in <here>/np<np>/seed<seed>/<label>/re
 best_three() {  # the three most accurate np=48 candidates of seed 0 (labels, one per line)
     python - "$here/np48/seed0" <<'EOF'
 import json, pathlib, sys
-from pilab import remedies
+from pilab.study import remedies
 from pilab.config import Config
 cfg = Config(width=0.25, train_subset=15000, epochs=10, batch_size=32, lr=0.05, lr_ref_batch=32)
 label_of = {remedies.slug(label): label for label in remedies.candidate_labels(cfg, 48)}
