@@ -96,7 +96,7 @@ def _fast_and_right(cfg: Config, np_: int, warm: float) -> list[tuple[str, dict 
         ("few-step recipe + local SGD H=8 at 8 per rank", {**recipe, **local8} if local8 else None),
         (ramp_label, ramp),
         (f"{ramp_label} + sqrt lr", {**ramp, "lr_scaling": "sqrt"} if ramp else None),
-        (f"{ramp_label}, constant lr", {**ramp, "schedule": "constant"} if ramp else None),
+        (f"{ramp_label} at constant lr", {**ramp, "schedule": "constant"} if ramp else None),
         (f"{ramp_label} + local SGD H=8", {**ramp, "local_steps": 8} if ramp else None),
     ]
 
