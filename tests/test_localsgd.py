@@ -139,3 +139,11 @@ def test_a_batch_ramp_cuts_the_same_shards_into_bigger_batches_and_the_model_pri
     assert [p["steps"] for p in pred["batch_plan"]] == [10, 5] and pred["steps_per_epoch"] == 7.5
     with pytest.raises(ConfigError, match="EPOCH:BATCH"):
         Config(batch_ramp="1-8")
+
+
+def test_every_remedy_label_can_be_named_to_only():
+    from pilab.study import remedies
+    cfg = Config(width=0.25, train_subset=15000, epochs=10, batch_size=32, lr=0.05, lr_ref_batch=32)
+    labels = remedies.candidate_labels(cfg, 48)
+    assert len(labels) == len(set(labels)) == 35
+    assert not [label for label in labels if "," in label]  # --only splits on commas
