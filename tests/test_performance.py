@@ -1,6 +1,7 @@
 """Behaviour of the performance options of issue 12 (never timings): gradients as bucket views, the
 metrics riding with the last bucket, the device-resident data path, vectorised ghost BatchNorm, the
 simulator's fast mode and deferred metrics, the GPU check's code path on a CPU, the bench command."""
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -251,3 +252,28 @@ def test_bench_command_refuses_unknown_sections():
     p = subprocess.run([sys.executable, "-m", "pilab", "bench", "--sections", "nope"], capture_output=True,
                        text=True, cwd=ROOT)
     assert p.returncode == 2 and "nope" in p.stderr
+
+
+@pytest.mark.mpi
+def test_the_wire_job_times_every_contender_against_the_ceiling_and_its_bound():
+    # issue 23: the contenders of one step on the wire, run here on loopback (the network section runs
+    # the same job on its testbed's nodes); the bound is computed from a link fitted as the section does
+    from pilab.bench import network
+    from pilab.launch import run_job
+    res = run_job(2, "pilab.bench.wire", {"master": "127.0.0.1", "quick": True}, timeout=600,
+                  env=dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1"))
+    assert set(res["step_s"]) == {"ceiling", "pilab", "pilab_fp16", "pilab_one_bucket", "ddp_gloo", "ddp_gloo_1mb"}
+    assert all(v["n"] == 2 and v["median"] > 0 for v in res["step_s"].values())
+    assert res["over_ceiling"]["ceiling"]["median"] == 1.0
+    assert 0 < res["forward_s"] < res["step_s"]["ceiling"]["median"]
+    # a 10 MB/s link (alpha 1 ms): 2 nodes send the whole gradient each way, 4 nodes 1.5x it
+    link = {"sizes_bytes": [2 ** 14, 2 ** 20, 2 ** 22], "seconds": [1e-3 + s / 1e7 for s in (2 ** 14, 2 ** 20, 2 ** 22)],
+            "np": 2, "nodes": 2, "rate": "10mbit"}
+    rows = network.wire_rows({"bench": [link], "wire": [{**res, "rate": "10mbit", "nodes": 2},
+                                                        {**res, "rate": "10mbit", "nodes": 4, "np": 8}]})
+    two, four = rows
+    assert two["link_MBps"] == pytest.approx(10, rel=1e-3)
+    assert two["link_s"] == pytest.approx(res["gradient_bytes"] / 1e7, abs=2e-3)  # + the fitted latency
+    assert four["link_s"] - two["link_s"] == pytest.approx(0.5 * res["gradient_bytes"] / 1e7, rel=1e-3)
+    assert two["bound_s"] == max(res["step_s"]["ceiling"]["median"], res["forward_s"] + two["link_s"])
+    assert "pilab / DDP" in network.wire_table(rows)

@@ -66,6 +66,10 @@ RATES, QUICK_RATES = ("100mbit", "1gbit"), ("100mbit",)
 LOCAL_H, LOCAL_RATE = 8, "100mbit"
 LOCAL_POINTS = [(2, 2), (4, 2), (8, 4)]
 LOCAL_TRAIN = dict(TRAIN, train_subset=2 * TRAIN["train_subset"], local_steps=LOCAL_H)
+# One synchronous step on the wire (issue 23; pilab.bench.wire): the contenders on 2 nodes x 1 rank and on
+# 4 nodes x 2 ranks (the Pi layout), at each WIRE_RATES rate, beside the physical bound.
+WIRE_RATES, QUICK_WIRE_RATES = ("200mbit", "1gbit"), ("200mbit",)
+WIRE_LAYOUTS = [(2, 2), (8, 4)]  # (np, nodes)
 
 
 def unavailable() -> str | None:
@@ -326,6 +330,18 @@ def section(quick: bool = False, *, work: str | None = None, mpiexec: str | None
                                     log, mpiexec, LOCAL_TRAIN)
                         row.update(rate=rate, rep=rep)
                         data["train"].append(row)
+        data["wire"] = []
+        for rate in (QUICK_WIRE_RATES if quick else WIRE_RATES):
+            for h in tb.hosts:
+                tb = testbed.shape(tb, h, rate)
+            log(f"bench: network: one step on the wire, links {rate}; load {os.getloadavg()[0]:.1f}")
+            if not any(b["rate"] == rate and b["nodes"] == 2 and b["np"] == 2 for b in data["bench"]):
+                run = bench(tb, 2, 2, log, mpiexec)  # the link rate of the bound
+                run["rate"] = rate
+                data["bench"].append(run)
+            for np_, nodes in WIRE_LAYOUTS:
+                if nodes <= nodes_n:
+                    data["wire"].append(wire(tb, np_, nodes, rate, log, mpiexec, quick))
     finally:
         testbed.down(NAME)
         log(f"bench: network: testbed {NAME} down")
@@ -336,10 +352,70 @@ def section(quick: bool = False, *, work: str | None = None, mpiexec: str | None
     return data
 
 
+# ----------------------------------------------------------------------------------------------
+# one step on the wire: pilab vs DDP-gloo vs the ceiling vs the bound
+# ----------------------------------------------------------------------------------------------
+def wire(tb, np_: int, nodes: int, rate: str, log, mpiexec=None, quick=False) -> dict:
+    """The contenders of ``pilab.bench.wire`` on ``nodes`` of the testbed (block placement)."""
+    from ..launch import run_job
+
+    env = dict(base_env(tb), GLOO_SOCKET_IFNAME=testbed.NODE_IFACE)
+    t = time.monotonic()
+    res = run_job(np_, "pilab.bench.wire", {"master": tb.address(tb.hosts[0]), "quick": quick},
+                  name=f"the wire job (np={np_}, {nodes} nodes, {rate})", mpiexec=mpiexec, env=env,
+                  extra=[*tb.mpiexec_args(), "-hosts", hosts_arg(tb, np_, nodes)], timeout=1800)
+    res.update(nodes=nodes, rate=rate, wall_s=round(time.monotonic() - t, 1))
+    log(f"  wire np={np_} nodes={nodes} {rate}: " + ", ".join(
+        f"{k} {v['median']:.3f}s" for k, v in res["step_s"].items()))
+    return res
+
+
+def wire_rows(data: dict) -> list[dict]:
+    """Each wire run against its bound: max(the ceiling, forward + the time the link needs for the
+    Allreduce's bytes). A node's link carries 2(n-1)/n of the gradient's bytes each way for n nodes (a
+    ring over the nodes, ranks of one node combined over shared memory: the least any Allreduce can
+    send), at the rate fitted from the 2-node Allreduce micro-benchmark at that rate."""
+    rows = []
+    for w in data.get("wire", []):
+        runs = [b for b in data["bench"] if b["rate"] == w["rate"] and b["nodes"] == 2 and b["np"] == 2]
+        fit = pm.fit_alpha_beta(runs, **FIT)
+        n = w["nodes"]
+        link = fit["alpha"] + 2 * (n - 1) / n * w["gradient_bytes"] * fit["beta"]
+        ceiling = w["step_s"]["ceiling"]["median"]
+        bound = max(ceiling, w["forward_s"] + link)
+        med = {k: v["median"] for k, v in w["step_s"].items()}
+        rows.append({"rate": w["rate"], "np": w["np"], "nodes": n, "gradient_mb": w["gradient_bytes"] / 1e6,
+                     "link_MBps": 1 / fit["beta"] / 1e6 if fit["beta"] else None, "link_s": link,
+                     "forward_s": w["forward_s"], "bound_s": bound, "step_s": med,
+                     "over_ceiling": w["over_ceiling"], "pilab_over_ddp": w["pilab_over_ddp"],
+                     "over_bound": {k: v / bound for k, v in med.items()}})
+    return rows
+
+
+def wire_table(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    keys = ("pilab", "pilab_fp16", "pilab_one_bucket", "ddp_gloo", "ddp_gloo_1mb")
+    head = ("| link | ranks x nodes | gradient MB | link MB/s | ceiling s | bound s | "
+            + " | ".join(f"{k} s (/ceiling, /bound)" for k in keys) + " | pilab / DDP |")
+    lines = [head, "|---|---|" + "---:|" * (5 + len(keys))]
+    for r in rows:
+        def cell(k):
+            oc = r["over_ceiling"][k]
+            return (f"{r['step_s'][k]:.3f} ({oc['median']:.2f} [{oc['p10']:.2f}-{oc['p90']:.2f}], "
+                    f"{r['over_bound'][k]:.2f})")
+        pd = r["pilab_over_ddp"]
+        lines.append(f"| {r['rate']} | {r['np'] // r['nodes']} x {r['nodes']} | {r['gradient_mb']:.1f} | "
+                     f"{r['link_MBps'] or 0:.1f} | {r['step_s']['ceiling']:.3f} | {r['bound_s']:.3f} | "
+                     + " | ".join(cell(k) for k in keys) + f" | {pd['median']:.2f} [{pd['p10']:.2f}-{pd['p90']:.2f}] |")
+    return "\n".join(lines)
+
+
 def report(data) -> str:
     """The section's tables (markdown) from its dict or a stored JSON's path, analysed again."""
     if isinstance(data, str):
         data = load_json(data)
     an = analyse(data)
     return "\n\n".join([bench_table(an), table(an), summary(an),
-                         "* outside the goal: communication < 30% of the step, or one node"])
+                         "* outside the goal: communication < 30% of the step, or one node"]
+                        + ([wire_table(wire_rows(data))] if data.get("wire") else []))

@@ -196,7 +196,21 @@ def _network(res: dict) -> list[str]:
             f"Testbed {n['testbed']['name']} ({n['testbed']['subnet']}), links {', '.join(n['rates'])}; "
             f"{'quick settings; ' if n.get('quick') else ''}see `pilab.bench.network` for what each column is. "
             + _when(res), "", bench_table(an), "", table(an), "", summary(an),
-            "* outside the goal: communication < 30% of the step, or one node", ""]
+            "* outside the goal: communication < 30% of the step, or one node", ""] + _wire(n)
+
+
+def _wire(n: dict) -> list[str]:
+    from .network import wire_rows, wire_table
+    rows = wire_rows(n)
+    if not rows:
+        return []
+    return ["### One step on the wire: pilab, DDP-gloo, the ceiling and the bound", "",
+            "Each contender's step (the slowest rank's, median over rounds; contenders alternated round by "
+            "round) with its ratio to the no-exchange ceiling (median [p10-p90] over rounds) and to the bound: "
+            "max(ceiling, forward + the link time of the Allreduce's bytes, 2(n-1)/n of the gradient per node "
+            "link at the measured rate). Model: " + f"{n['wire'][0]['model']} {n['wire'][0]['width']}, "
+            f"{n['wire'][0]['per_rank_batch']} images per rank, 1 thread (`pilab.bench.wire`).", "",
+            wire_table(rows), ""]
 
 
 def _comm(ranks: dict) -> list[str]:

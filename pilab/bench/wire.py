@@ -1,0 +1,157 @@
+"""One synchronous step on the wire (issue 23): every rank of a job on a testbed node runs this module,
+and the contenders take turns, round by round, each on its own copy of the model, the same batches::
+
+    mpiexec -hosts 10.84.0.11:1,10.84.0.12:1 ... python -m pilab.bench.wire OUT.json --master 10.84.0.11
+
+* ``ceiling``: forward, backward, optimizer -- no exchange at all (also times the forward alone);
+* ``pilab``: the engine's step (GradSync, default 1 MiB buckets posted during backward);
+* ``pilab_fp16``: the same with fp16 compression (half the bytes);
+* ``pilab_one_bucket``: one 64 MiB bucket, posted when backward ends (no overlap);
+* ``ddp_gloo``: PyTorch DDP over gloo with its defaults (25 MiB buckets), BatchNorm buffers per rank as
+  in pilab; ``ddp_gloo_1mb``: DDP with 1 MiB buckets, so the comparison is not only bucket size.
+
+``pilab.bench.network`` launches it on its testbed (gloo's rendezvous at ``--master``, node01's address
+on the testbed, its sockets on the nodes' ``eth0``) and adds the physical bound from the measured link
+rate. Each contender's step per round is the slowest rank's median of ``--repeat`` steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import engine
+from ..config import Config
+from ..launch import mpi
+from ..optim import build_optimizer
+from .stats import ratios, summary
+
+MPI = mpi()  # this module runs on the ranks of a launched job only
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+PORT = 29471  # gloo's rendezvous on the testbed's own addresses (nothing else listens there)
+CONTENDERS = ("ceiling", "pilab", "pilab_fp16", "pilab_one_bucket", "ddp_gloo", "ddp_gloo_1mb")
+
+
+def _nap_barrier() -> None:
+    req = COMM.Ibarrier()
+    while not req.Test():
+        time.sleep(1e-3)
+
+
+def _slowest(seconds: float) -> float:
+    return COMM.allreduce(seconds, op=MPI.MAX)
+
+
+def run(cfg: Config, rounds: int, repeat: int, master: str) -> dict:
+    """The contenders' step times (slowest rank per round) and their per-round ratios to the ceiling."""
+    import torch.distributed as tdist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(PORT))
+    tdist.init_process_group("gloo", rank=RANK, world_size=SIZE)
+    ds = engine.load_data(cfg, COMM)
+    sessions = {"pilab": engine.Session(cfg, engine.MPIRanks(COMM), data=ds),
+                "pilab_fp16": engine.Session(Config(**{**cfg.to_dict(), "compression": "fp16"}),
+                                             engine.MPIRanks(COMM), data=ds),
+                "pilab_one_bucket": engine.Session(Config(**{**cfg.to_dict(), "bucket_mb": 64.0}),
+                                                   engine.MPIRanks(COMM), data=ds)}
+    base = sessions["pilab"]
+    loader, spe = base.ranks.loader, base.steps_per_epoch
+    counter = {"k": 0}
+
+    def batch():
+        k = counter["k"]
+        counter["k"] += 1
+        return loader.batch(*divmod(k % spe, spe))
+
+    forward = []
+
+    def plain(model, opt, timed=False):
+        def step():
+            x, y = batch()
+            opt.zero_grad(set_to_none=False)
+            t = time.perf_counter()
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            if timed:
+                forward.append(time.perf_counter() - t)
+            loss.backward()
+            opt.step()
+            (out.argmax(1) == y).sum().item()
+        return step
+
+    def model():
+        torch.manual_seed(cfg.seed)
+        return engine.base_model(cfg, torch.device("cpu"))
+
+    steps = {}
+    m = model()
+    steps["ceiling"] = plain(m, build_optimizer(m, cfg, 0.01), timed=True)
+
+    def engine_step(session):
+        def step():
+            k = counter["k"]
+            counter["k"] += 1
+            session.step(*divmod(k % spe, spe))
+        return step
+    for key, s in sessions.items():
+        steps[key] = engine_step(s)
+    with warnings.catch_warnings():  # broadcast_buffers=False: BN statistics stay per rank, as in pilab
+        warnings.simplefilter("ignore", FutureWarning)
+        ddp = DDP(model(), broadcast_buffers=False)
+        ddp1 = DDP(model(), broadcast_buffers=False, bucket_cap_mb=1)
+    steps["ddp_gloo"] = plain(ddp, build_optimizer(ddp.module, cfg, 0.01))
+    steps["ddp_gloo_1mb"] = plain(ddp1, build_optimizer(ddp1.module, cfg, 0.01))
+    timings = {k: [] for k in CONTENDERS}
+    for r in range(-1, rounds):  # round -1: the warm-up, not kept
+        order = CONTENDERS[r % len(CONTENDERS):] + CONTENDERS[:r % len(CONTENDERS)]
+        for k in order:
+            _nap_barrier()
+            ts = []
+            for _ in range(repeat):
+                t = time.perf_counter()
+                steps[k]()
+                ts.append(time.perf_counter() - t)
+            if r >= 0:
+                timings[k].append(_slowest(float(np.median(ts))))
+    n_params = sum(p.numel() for p in base.model.parameters() if p.requires_grad)
+    for s in sessions.values():
+        s.ranks.close()
+    tdist.destroy_process_group()
+    fwd = _slowest(float(np.median(forward[repeat:] or forward)))
+    return {"np": SIZE, "model": cfg.model, "width": cfg.width, "per_rank_batch": cfg.batch_size,
+            "threads": cfg.threads, "rounds": rounds, "steps_per_round": repeat, "params": n_params,
+            "gradient_bytes": 4 * n_params, "forward_s": fwd,
+            "step_s": {k: summary(v) for k, v in timings.items()},
+            "over_ceiling": {k: summary(ratios(timings, k, "ceiling")) for k in CONTENDERS},
+            "pilab_over_ddp": summary(ratios(timings, "pilab", "ddp_gloo")),
+            "raw": timings}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="one synchronous step on the wire, contenders alternated (mpiexec)")
+    p.add_argument("out")
+    p.add_argument("--master", required=True, help="rank 0's address on the testbed (gloo's rendezvous)")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--rounds", type=int, default=5)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    # the issue's setting: torchvision-layout MobileNetV2 1.0, 64 images per rank, one thread
+    cfg = Config(model="mobilenetv2", width=0.25 if a.quick else 1.0, batch_size=16 if a.quick else 64,
+                 threads=1, train_subset=1024 if a.quick else 4096, test_subset=100, straggler_threshold=0)
+    res = run(cfg, 2 if a.quick else a.rounds, 2, a.master)
+    if RANK == 0:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1, default=float)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
