@@ -24,6 +24,10 @@ taken down after an error or Ctrl-C too. On the nodes' namespaces:
    gradients are one 1 MB bucket, ready at the end of backward, so none of it is hidden) and the
    training time of the epoch.
 
+5. one synchronous step on the wire (``pilab.bench.wire``, issue 23): pilab (default buckets, fp16, one
+   bucket) against DDP-gloo (its defaults and 1 MiB buckets) and the no-exchange ceiling, alternated round
+   by round, on 2 nodes x 1 rank and 4 nodes x 2 ranks at WIRE_RATES, beside the bound (``wire_rows``).
+
 All nodes of the testbed share this machine's cores: a node gets ``cores / nodes`` of them
 (``Cluster.available_cores``), and np = 4 and 8 are oversubscribed (more ranks than the 2 cores).
 "share-aware" also scales by the cores each job actually got on a machine shared with other work (CPU
