@@ -406,7 +406,7 @@ def _spiking_cnn(num_classes: int, width: float, timesteps: int = DEFAULT_TIMEST
     return SpikingCNN(num_classes, width, timesteps)
 
 
-# The names and widths are declared in model_names (torch-free, so that Config validation and `--help`
+# The names and widths are declared in pilab.models.names (torch-free, so that Config validation and `--help`
 # need no torch); the builders registered here must be exactly those.
 assert tuple(_REGISTRY) == MODEL_NAMES and tuple(sorted(_TAKES_TIMESTEPS)) == tuple(sorted(SPIKING_MODELS)), \
     "pilab/models/zoo.py and pilab/models/names.py disagree on the models"

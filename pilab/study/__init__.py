@@ -13,6 +13,8 @@ One module per concern (importing this package imports none of them)::
     paper      a study beside the published Pi-cluster figures
     tables     what the CLI prints and a notebook shows (plots.Table, plots.Paragraph)
     report     the only writer of a study's files: JSON, CSV, markdown, HTML (plots' figures), PNG
+    energy     power models, RAPL, meter logs, energy to target
+    verdict    the one logic that judges a study's rows (imports nothing from pilab: plots uses it)
 
     from pilab.study import scaling, tables
     study = scaling.study(cfg, nps=(1, 2), simulate_nps=(8,), out="runs/demo")
