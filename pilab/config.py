@@ -125,7 +125,7 @@ class Config:
             if not isinstance(value, want) or (want is int and isinstance(value, bool)):
                 raise ConfigError(
                     f"{f.name}={value!r} has the wrong type; give a {want.__name__}")
-        from .model_names import MODEL_NAMES, check_width
+        from .models.names import MODEL_NAMES, check_width
 
         if self.model not in MODEL_NAMES:
             raise ConfigError(

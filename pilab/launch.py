@@ -100,7 +100,7 @@ def under_mpi() -> bool:
 
 
 def mpi():
-    """The ``mpi4py.MPI`` module: the one place pilab imports mpi4py (``pilab.dist`` aside, which
+    """The ``mpi4py.MPI`` module: the one place pilab imports mpi4py (``pilab.engine.dist`` aside, which
     holds the communication itself). Only ranks call it -- importing mpi4py initialises MPI, which a
     process that only predicts, plots or launches must not do::
 
@@ -173,7 +173,7 @@ def run_job(np_: int, module: str, payload: Mapping[str, Any] | None = None, *, 
             env: Mapping[str, str] | None = None, timeout: float | None = None, cwd: str | None = None,
             answer_dir: str | None = None) -> dict:
     """Run ``mpiexec -n np python -m module ANSWER.json <payload as flags>`` and return the JSON its
-    rank 0 wrote to ANSWER.json; every rank-side entry module (``pilab.harness``, ``pilab.bench.ranks``,
+    rank 0 wrote to ANSWER.json; every rank-side entry module (``pilab.engine.harness``, ``pilab.bench.ranks``,
     ``pilab.perfmodel.ranks`` …) takes that path first and its payload as flags (:func:`job_argv`)::
 
         res = launch.run_job(2, "pilab.bench.ranks", {"quick": True}, env={"OMP_NUM_THREADS": "1"})

@@ -26,7 +26,7 @@ from bokeh.models import ColumnDataSource, Div, HoverTool, LabelSet, Legend, Ran
 from bokeh.palettes import Category10
 from bokeh.plotting import figure
 
-from . import verdict as judging
+from .study import verdict as judging
 
 __all__ = ["setup_notebook", "show", "LivePlot", "loss_figure", "accuracy_figure",
            "throughput_figure", "timeline_figure", "result_layout", "speedup_figure",
@@ -267,7 +267,7 @@ def _summary(result: Mapping) -> str:
 
 def run_summary(result: Mapping) -> "Paragraph":
     """What one run showed, in words from its numbers: how it trained, whether it learned (against
-    chance and the verdict floor, pilab.verdict), and where rank 0's wall time went::
+    chance and the verdict floor, pilab.study.verdict), and where rank 0's wall time went::
 
         plots.run_summary(result)          # the last line of a notebook cell
     """
@@ -329,7 +329,7 @@ class LivePlot:
 
     Step events stream into the loss and throughput plots, epoch events into the accuracy plot and the
     per-rank time split; a start event clears everything for the new run. Safe to call from the
-    watcher thread of a :class:`pilab.cluster.Run` (updates are serialised).
+    watcher thread of a :class:`pilab.lab.cluster.Run` (updates are serialised).
     """
 
     def __init__(self):
@@ -410,7 +410,7 @@ class LivePlot:
             self.ranks.data = _rank_columns(self._per_rank, self.marks)
 
     def _straggler(self, event: Mapping) -> None:
-        """Mark each straggler's bar and show the warning line (``pilab.stragglers``)."""
+        """Mark each straggler's bar and show the warning line (``pilab.engine.stragglers``)."""
         for s in event.get("stragglers") or []:
             self.marks[int(s["rank"])] = f"{s['kind']} +{100 * s['slowdown']:.0f}%"
         n = len(self.timeline.y_range.factors)
@@ -426,7 +426,7 @@ class LivePlot:
 # scaling studies
 # ----------------------------------------------------------------------------------------------
 def _rows(study: Mapping) -> list[Mapping]:
-    # judged by pilab.verdict (the one logic), so a committed older study.json draws the same verdicts
+    # judged by pilab.study.verdict (the one logic), so a committed older study.json draws the same verdicts
     return judging.judge_study(study)["rows"] if study.get("rows") else []
 
 
@@ -484,7 +484,7 @@ def efficiency_figure(study: Mapping) -> figure:
     src = _row_source(study)
     p = _np_fig("efficiency and communication", "fraction")
     rows = _rows(study)
-    # the axis fits the data: np below the speed baseline can read above 100% (pilab.verdict)
+    # the axis fits the data: np below the speed baseline can read above 100% (pilab.study.verdict)
     top = max([r["efficiency"] for r in rows if r.get("efficiency") is not None] + [1.0])
     p.y_range = Range1d(0, top * 1.12 if top > 1.0 else 1.05)
     noted = [r for r in rows if r.get("efficiency_note") and r.get("efficiency") is not None]
@@ -576,7 +576,7 @@ def _table(study: Mapping) -> Div:
 
 
 def study_cells(study: Mapping, *, steps: bool = False) -> tuple[tuple, list[tuple], list[str]]:
-    """(head, rows of cells, notes under the table) of a study, judged by pilab.verdict: the report's
+    """(head, rows of cells, notes under the table) of a study, judged by pilab.study.verdict: the report's
     table, and the narrower one ``pilab.study.tables.table`` shows in a notebook (``steps=True``: each row's kind,
     global batch and optimizer steps -- what fast-but-wrong is about -- instead of images/s, the
     communication share and energy per epoch, which the dashboard plots)."""

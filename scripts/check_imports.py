@@ -17,33 +17,39 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 
 # Each part of the package and its layer: a module may import only lower layers (the rule in
 # docs/architecture.md: front-ends -> study -> engine -> {dist, data, models}). A part is a module or a
-# package, named from pilab down ("study"); a module belongs to the longest part that names it.
+# package, named from pilab down ("study", "engine.dist"); a module belongs to the longest part that names it.
 LAYERS = {
-    "model_names": 0, "optim": 0, "launch": 0, "files": 0, "embedded": 0, "buckets": 0, "verdict": 0,
-    "signals": 0,  # installing signal handlers and putting the old ones back; no pilab imports
-    "plots": 0.5,  # draws what pilab.verdict judged
-    "models": 1, "config": 1, "testbed": 1,
-    "memory": 1.5,  # predicted memory per rank: config and the models only (the doctor and train use it)
-    "watchdog": 2, "stragglers": 2,
-    "dist": 2, "data": 2, "checkpoint": 2,
-    "layers": 3, "ema": 3,  # ema: the weights' moving average (torch only)
-    "localsgd": 3,  # local SGD's plan and the simulator's per-rank weights (torch only)
-    "engine": 4,
-    "train": 5, "simulate": 5,
-    "harness": 5.2,  # one guarded run on the ranks (vote, signals, abort, watchdog): CLI, engines, the study's jobs
-    "perfmodel": 6, "energy": 6.5,  # energy: uses the perfmodel's Pi facts; the study uses it
+    "launch": 0, "files": 0, "embedded": 0,
+    "engine.optim": 0, "engine.buckets": 0, "models.names": 0,
+    "engine.signals": 0,  # installing signal handlers and putting the old ones back; no pilab imports
+    "study.verdict": 0,  # the one logic that judges a study's rows; no pilab imports
+    "plots": 0.5,  # draws what pilab.study.verdict judged
+    "models.zoo": 1, "config": 1, "testbed": 1,
+    "models.memory": 1.5,  # predicted memory per rank: config and the models only (the doctor and train use it)
+    "engine.watchdog": 2, "engine.stragglers": 2,
+    "engine.dist": 2, "data": 2, "engine.checkpoint": 2,
+    "engine.layers": 3, "engine.ema": 3,  # ema: the weights' moving average (torch only)
+    "engine.localsgd": 3,  # local SGD's plan and the simulator's per-rank weights (torch only)
+    "engine.loop": 4,
+    "engine.train": 5, "engine.simulate": 5,
+    "engine.harness": 5.2,  # one guarded run on the ranks (vote, signals, abort, watchdog): CLI, engines, the
+                            # study's jobs
+    "perfmodel": 6, "study.energy": 6.5,  # energy: uses the perfmodel's Pi facts; the study uses it
     "bench": 6.8,  # benchmarks: the engine, the launcher, the harness's jobs and the performance model they check
     "study": 7,  # the scaling study, its analysis, comparisons, remedies, ablations, the paper, reports
-    "cluster": 9,
+    "lab.cluster": 9,
     "doctor": 9.5,  # preflight: the launcher, the perfmodel's bench, the Pi profile's address
-    "widgets": 10,
+    "lab.widgets": 10,
     "cli": 11,
     "__main__": 12, "__init__": 12,
+    # The packages engine/, models/ and lab/ hold modules of several layers; their __init__ imports nothing.
+    # A module in them that is not named above takes the package's layer.
+    "engine": 4, "models": 1, "lab": 10,
 }
 # Third-party modules only these parts may import (anywhere in them): ipywidgets is the notebook
 # panel's; mpi4py is loaded through pilab.launch.mpi() (importing it initialises MPI, which a process
 # that only plots, predicts or launches must not do) and used directly only by the communication layer.
-ONLY_IN = {"ipywidgets": {"widgets"}, "mpi4py": {"dist", "launch"}}
+ONLY_IN = {"ipywidgets": {"lab.widgets"}, "mpi4py": {"engine.dist", "launch"}}
 # Third-party modules that only these modules may import at module level: Bokeh costs ~1 s to import,
 # and a rank, the engine or a benchmark never draws. The view draws the figures; the study's report is
 # the one place that puts them into a page. Elsewhere Bokeh is imported inside the function that draws.
@@ -81,14 +87,16 @@ def imports_of(path: Path) -> list[tuple[str, int, bool]]:
                     target = ".".join(base + ([child.module] if child.module else []))
                 else:
                     target = child.module or ""
-                if child.module is None:
-                    # "from . import a, b": a name is a submodule, or an attribute of the package
-                    for a in child.names:
-                        sub = ROOT.parent.joinpath(*target.split("."), a.name)
-                        is_module = sub.is_dir() or sub.with_suffix(".py").exists()
-                        out.append((f"{target}.{a.name}" if is_module else target, child.lineno, in_func))
-                else:
-                    out.append((target, child.lineno, in_func))
+                # "from . import a, b" or "from .engine import loop": a name is a submodule, or an
+                # attribute of the module or package (each module imported counts once)
+                targets = []
+                for a in child.names:
+                    sub = ROOT.parent.joinpath(*target.split("."), a.name)
+                    is_module = sub.is_dir() or sub.with_suffix(".py").exists()
+                    name = f"{target}.{a.name}" if is_module else target
+                    if name not in targets:
+                        targets.append(name)
+                out.extend((t, child.lineno, in_func) for t in targets)
             visit(child, func)
     visit(tree, False)
     return out
@@ -161,7 +169,7 @@ def _module_of(target: str) -> str | None:
         path = ROOT.parent.joinpath(*bits)
         if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
             return ".".join(bits)
-        bits = bits[:-1]  # "pilab.cluster.client.Engines" -> the module pilab.cluster.client
+        bits = bits[:-1]  # "pilab.lab.cluster.client.Engines" -> the module pilab.lab.cluster.client
     return None
 
 

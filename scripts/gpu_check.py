@@ -40,7 +40,7 @@ def default_data() -> str:
 def run_one(cfg, np_: int, ds, log=print) -> dict:
     import torch
 
-    from pilab import engine
+    from pilab.engine import loop as engine
     t_wall = time.perf_counter()
     s = engine.Session(cfg, engine.VirtualRanks(np_, defer_metrics=True), data=ds)
     dev = s.device

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from pilab import data as data_mod
-from pilab import dist, engine, layers, train
+from pilab.engine import dist, loop as engine, layers, train
 from pilab.config import Config
 
 torch.set_num_threads(1)
@@ -39,7 +39,7 @@ def gathered_states(model):
 
 def reference_state(cfg: Config, ds, np_: int) -> list[dict]:
     """One process averaging the same per-rank gradients: per-rank BN buffers kept apart by hand."""
-    from pilab.optim import build_optimizer, lr_at, set_lr
+    from pilab.engine.optim import build_optimizer, lr_at, set_lr
     b = cfg.per_rank_batch(np_)
     loaders = [data_mod.ShardLoader(ds, np_, r, b, seed=cfg.seed, policy=cfg.sharding,
                                     augment=cfg.augment) for r in range(np_)]
@@ -198,7 +198,7 @@ def case_train(out):
         res["syncbn_train_loss_finite"] = bool(np.isfinite(rs["steps"]["loss"]).all())
 
     # 6) the simulator reproduces this MPI run
-    from pilab import simulate
+    from pilab.engine import simulate
     sim_cfg = replace(cfg, eval_every=100)
     if RANK == 0:
         _, sim_model = simulate.train(sim_cfg, SIZE, data=ds)
@@ -256,7 +256,7 @@ def case_local(out):
     import os
     import tempfile
 
-    from pilab import localsgd, simulate
+    from pilab.engine import localsgd, simulate
     cfg = replace(BASE, train_subset=240, epochs=2, max_steps=0, eval_every=1, local_steps=4, local_after=0.5,
                   batch_ramp="1:16",
                   label_smoothing=0.1, ema_epochs=0.3, tta=True, schedule="linear", warmup_epochs=0.2, nesterov=True)
@@ -362,7 +362,7 @@ def case_stop(out):
 def case_spiking(out):
     """The spiking CNN (tests/test_spiking.py): every rank's own state before the buffer sync, and the
     synced state after a full run, against the virtual-rank simulator of the same run."""
-    from pilab import simulate
+    from pilab.engine import simulate
     cfg = Config(model="spiking_cnn", width=0.25, timesteps=3, train_subset=128, test_subset=64,
                  batch_size=8, epochs=1, max_steps=4, lr=0.05, lr_ref_batch=16, threads=1, seed=3)
     ds = train.load_data(cfg, COMM)

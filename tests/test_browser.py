@@ -119,7 +119,7 @@ def test_static_layouts_render_to_html():
         assert data["speedup"] == [r["speedup"] for r in rows]
         assert data["efficiency"] == [r["efficiency"] for r in rows]
         assert data["final_test_acc"] == [r["final_test_acc"] for r in rows]
-        assert data["verdict"] == ["reference", "FAST-BUT-WRONG (20 points below np=1)"]  # pilab.verdict
+        assert data["verdict"] == ["reference", "FAST-BUT-WRONG (20 points below np=1)"]  # pilab.study.verdict
         assert data["ideal"] == [1.0, 4.0]
 
     result = _result()
@@ -133,7 +133,7 @@ def test_static_layouts_render_to_html():
 
 
 def test_control_panel_builds_the_config_it_shows():
-    from pilab import widgets
+    from pilab.lab import widgets
     from pilab.config import Config
 
     panel = widgets.ControlPanel(None, widgets.quickstart_config(epochs=3))
@@ -292,7 +292,7 @@ IDLE_STEP_S = 0.066  # MobileNetV2-CIFAR width 0.25, 32 images, one thread, idle
 def reference_step_cpu() -> float:
     """CPU seconds of one MobileNetV2-0.25 training step of 32 images on one thread (best of 5 x 3),
     measured now: the yardstick that scales the budget to how busy this box is."""
-    code = ("import time, torch\ntorch.set_num_threads(1)\nfrom pilab.models import build_model\n"
+    code = ("import time, torch\ntorch.set_num_threads(1)\nfrom pilab.models.zoo import build_model\n"
             "m = build_model('mobilenetv2_cifar', 10, 0.25)\nopt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)\n"
             "x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))\n"
             "def step():\n    opt.zero_grad(); torch.nn.functional.cross_entropy(m(x), y).backward(); opt.step()\n"

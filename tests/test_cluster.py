@@ -1,4 +1,4 @@
-"""pilab.cluster against real ipyparallel engines that are MPI ranks (mpiexec -n 2 on this machine).
+"""pilab.lab.cluster against real ipyparallel engines that are MPI ranks (mpiexec -n 2 on this machine).
 
 One cluster serves most tests (starting one costs ~8 s); the test that kills an engine starts its own.
 Timings are written to test-artifacts/cluster_timings.json.
@@ -23,7 +23,7 @@ pytest.importorskip("mpi4py")
 
 from ipyparallel import interactive  # noqa: E402  (engines get these test helpers by value)
 
-from pilab import cluster  # noqa: E402
+from pilab.lab import cluster  # noqa: E402
 from pilab.config import Config  # noqa: E402
 
 pytestmark = pytest.mark.mpi
@@ -222,7 +222,7 @@ def test_stop_ends_all_ranks_within_a_step_and_a_second_run_works(lab):
 # run.wait(), and gets SIGINT from the test (what JupyterLab's stop button sends the kernel).
 _WAITING_CLIENT = """
 import json, pickle, sys, time
-from pilab import cluster
+from pilab.lab import cluster
 profile, cluster_id, cfg = sys.argv[1], sys.argv[2], pickle.loads(bytes.fromhex(sys.argv[3]))
 lab = cluster.connect(profile=profile, cluster_id=cluster_id)
 try:
@@ -304,7 +304,7 @@ def _check_scatter(seed):
     import numpy as np
     from mpi4py import MPI
 
-    from pilab import cluster as cl
+    from pilab.lab import cluster as cl
     from pilab import data
 
     comm = MPI.COMM_WORLD
@@ -333,7 +333,7 @@ def test_px_cell_interrupt_sets_the_stop_flag(lab):
     # What `%%px` does on a kernel interrupt: SIGINT to the engines while the cell runs.
     lab.push(cfg=replace(TINY, epochs=50))
     ar = lab.view.execute(
-        "from mpi4py import MPI\nfrom pilab import cluster, train\n"
+        "from mpi4py import MPI\nfrom pilab.lab import cluster; from pilab.engine import train\n"
         "cbs = [cluster.publish] if MPI.COMM_WORLD.rank == 0 else []\n"
         "with cluster.stop_flag() as stop:\n"
         "    result, model = train.train(cfg, MPI.COMM_WORLD, stop=stop, callbacks=cbs)\n",

@@ -193,7 +193,8 @@ def test_a_job_payload_becomes_the_entry_modules_flags():
 
 
 def test_python_entry_points_import_without_mpi(tmp_path):
-    code = ("from pilab import train, simulate, cluster, engine, dist, checkpoint; from pilab.study import scaling; "
+    code = ("from pilab.engine import train, simulate, loop as engine, dist, checkpoint; "
+            "from pilab.lab import cluster; from pilab.study import scaling; "
             "from pilab.config import Config; "
             "r = train.run(Config(width=0.25, train_subset=64, test_subset=20, batch_size=16, epochs=1, "
             "threads=1)); print(dist.MPI is None, r['np'])")
@@ -396,7 +397,7 @@ def trained(tmp_path_factory):
 
 def test_keep_k_checkpoints_and_a_checksum(trained):
     assert files_in(trained) == ["checkpoint-e0002.pt", "checkpoint-e0003.pt", "checkpoint.pt", "result.json"]
-    from pilab import checkpoint
+    from pilab.engine import checkpoint
     latest = torch.load(trained / "checkpoint.pt", weights_only=True)
     assert latest["epoch"] == 3 and latest["np"] == 1 and latest["format"] == checkpoint.FORMAT
     assert latest["sha256"] == checkpoint.digest(latest)
@@ -485,7 +486,7 @@ def test_disk_full_keeps_the_previous_checkpoint_and_says_so(trained, tmp_path):
         kept = files_in(out)
         assert kept == ["checkpoint-e0001.pt", "checkpoint.pt", "result.json"], kept
         ck = torch.load(out / "checkpoint.pt", weights_only=True)
-        from pilab import checkpoint
+        from pilab.engine import checkpoint
         assert ck["epoch"] == 1 and checkpoint.digest(ck) == ck["sha256"]
         r = json.loads((out / "result.json").read_text())
         assert r["stopped_early"] and r["epochs_done"] == 2 and "No space left" in r["write_error"]
@@ -632,7 +633,7 @@ def test_every_sample_once_per_epoch_in_the_simulator_at_48(tmp_path):
 # ----------------------------------------------------------------------------------------------
 _KERNEL = """
 import json, os, signal, sys
-from pilab import cluster
+from pilab.lab import cluster
 profile, how = sys.argv[1], sys.argv[2]
 lab = cluster.start(n=2, profile=profile)
 pids = [lab.ipp_cluster.controller.process.pid] + [r["pid"] for r in lab.ranks] + \\

@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pilab import localsgd, simulate
-from pilab.checkpoint import CheckpointError
+from pilab.engine import localsgd, simulate
+from pilab.engine.checkpoint import CheckpointError
 from pilab.config import Config, ConfigError
-from pilab.ema import WeightAverage
-from pilab.optim import lr_at
+from pilab.engine.ema import WeightAverage
+from pilab.engine.optim import lr_at
 
 TINY = Config(width=0.25, train_subset=160, test_subset=50, batch_size=8, epochs=2, lr=0.05, lr_ref_batch=8,
               threads=1, seed=5, local_steps=4, local_after=0.5, ema_epochs=0.5, label_smoothing=0.1)

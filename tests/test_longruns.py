@@ -22,7 +22,7 @@ import torch
 
 from conftest import MPIEXEC, REPO, mpi_env
 
-from pilab import engine
+from pilab.engine import loop as engine
 from pilab.config import Config
 
 ARTIFACTS = REPO / "test-artifacts"

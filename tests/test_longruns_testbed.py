@@ -109,7 +109,8 @@ def test_straggler_warnings(tb, tmp_path, case):
 def test_the_panel_marks_the_straggler_bar_and_says_why(tb, tmp_path):
     # the widgets fed with a real run's events: a CPU-limited node02, its start / epoch / straggler
     # events as rank 0 emitted them (a callback on the run's own events, replayed into the panel)
-    from pilab import plots, widgets
+    from pilab import plots
+    from pilab.lab import widgets
     if CPU_RUN:  # the same CPU-limited run: one run, not two, on this shared machine
         r = CPU_RUN[0]
     else:

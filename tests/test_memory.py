@@ -1,4 +1,4 @@
-"""Memory per rank (pilab.memory): what the cuts keep identical, and the prediction against a real rank."""
+"""Memory per rank (pilab.models.memory): what the cuts keep identical, and the prediction against a real rank."""
 import json
 import subprocess
 import sys
@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pilab import data, engine, memory, models, optim
+from pilab import data
+from pilab.engine import loop as engine, optim
+from pilab.models import memory, zoo as models
 from conftest import MPIEXEC, mpi_env
 from pilab.config import Config, ConfigError
 
@@ -97,7 +99,7 @@ def test_training_never_imports_torch_dynamo(tmp_path):
     code = f"""
 import sys
 from dataclasses import replace
-from pilab import engine
+from pilab.engine import loop as engine
 from pilab.config import Config
 for opt in ("sgd", "lars"):
     out = {str(tmp_path)!r} + "/" + opt
@@ -106,7 +108,8 @@ for opt in ("sgd", "lars"):
     engine.train(cfg, engine.MPIRanks(None))
     engine.train(replace(cfg, max_steps=0, resume=out + "/checkpoint.pt"), engine.MPIRanks(None))
     engine.train(replace(cfg, out=""), engine.VirtualRanks(2))
-from pilab import memory, perfmodel
+from pilab.models import memory
+from pilab import perfmodel
 for model, width in (("mobilenetv2_cifar", 1.0), ("mobilenetv2", 0.5), ("squeezenet1_1", 1.0)):
     assert memory.predict_peak_bytes(Config(model=model, width=width), np_=2) > 0
     assert perfmodel.gradient_layout(model, width) and perfmodel.bn_bytes(model, width) >= 0

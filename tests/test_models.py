@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pilab.config import Config, ConfigError
-from pilab.models import (MODEL_NAMES, activation_elements, build_model, check_width, count_parameters, forward_macs,
+from pilab.models.zoo import (MODEL_NAMES, activation_elements, build_model, check_width, count_parameters, forward_macs,
                           train_flops_per_image)
 
 torch.set_num_threads(1)

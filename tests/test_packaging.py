@@ -117,7 +117,7 @@ def test_binder_install_path_in_a_clean_venv(tmp_path):
     install_s = time.monotonic() - t
     # What a Binder kernel does first: start 2 MPI engines from the installed stack, under start.
     check = ("import os\n"
-             "from pilab import cluster\n"
+             "from pilab.lab import cluster\n"
              "assert os.environ['PILAB_NB_SMALL'] == '1'\n"
              "lab = cluster.start(n=2)\n"
              "print('ranks', [r['rank'] for r in lab.ranks])\n"

@@ -117,7 +117,7 @@ def _cal(**kw) -> pm.Calibration:
 
 
 def test_width_moves_compute_between_activation_and_flop_ratios():
-    from pilab.models import activation_elements, train_flops_per_image
+    from pilab.models.zoo import activation_elements, train_flops_per_image
     m = "mobilenetv2_cifar"
     acts = activation_elements(m, 0.5) / activation_elements(m, 0.25)
     flops = train_flops_per_image(m, 0.5) / train_flops_per_image(m, 0.25)
@@ -141,7 +141,7 @@ def test_width_moves_compute_between_activation_and_flop_ratios():
 
 
 def test_per_step_work_makes_small_batches_dearer_per_image():
-    from pilab.models import train_flops_per_image
+    from pilab.models.zoo import train_flops_per_image
     cal = _cal(step_work_per_tensor=pm.STEP_WORK_PER_TENSOR_CPU,
                flops_per_image=train_flops_per_image("mobilenetv2_cifar", 0.25))
 
@@ -158,8 +158,8 @@ def test_per_step_work_makes_small_batches_dearer_per_image():
 
 def test_gradient_layout_matches_gradsync_buckets():
     import torch
-    from pilab.dist import GradSync
-    from pilab.models import build_model
+    from pilab.engine.dist import GradSync
+    from pilab.models.zoo import build_model
     for width in (0.25, 1.0):
         with torch.device("meta"):
             model = build_model("mobilenetv2_cifar", width=width)
@@ -281,7 +281,7 @@ def test_cli_bad_numbers_are_one_line_errors(argv, capsys):
 # ---- a real np=1 run -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def np1_result():
-    from pilab import train
+    from pilab.engine import train
     return train.run(Config(width=0.25, train_subset=256, test_subset=100, epochs=1, batch_size=32,
                             threads=1))
 

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pilab import data as data_mod
-from pilab import engine
+from pilab.engine import loop as engine
 from pilab.config import Config, ConfigError
-from pilab.dist import GradSync
-from pilab.layers import GhostBatchNorm2d, RankContext
+from pilab.engine.dist import GradSync
+from pilab.engine.layers import GhostBatchNorm2d, RankContext
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import mpi_env
-from pilab import verdict
+from pilab.study import verdict
 from pilab.config import Config, ConfigError
 from pilab.study import ablation, analysis, compare, points, remedies, report, scaling, tables
 
@@ -329,7 +329,7 @@ def test_scale_on_the_pi_target_predicts_every_point_and_keeps_this_machines_tim
         assert r["efficiency"] == pytest.approx(r["speedup"] * 2 / n)
         # time to target counts training and evaluation up to the first evaluation that reaches it
         run = st["runs"][str(n)]
-        if st["target_accuracy"] is None:  # a reference that did not learn sets no target (pilab.verdict)
+        if st["target_accuracy"] is None:  # a reference that did not learn sets no target (pilab.study.verdict)
             assert not st["reference_learned"] and r["target_reached"] is None and r["time_to_target"] is None
             continue
         first = next((i for i, e in enumerate(run["epochs"]) if e["test_acc"] >= st["target_accuracy"]), None)
@@ -355,7 +355,7 @@ def test_scale_on_the_pi_target_predicts_every_point_and_keeps_this_machines_tim
     # np=1 against one Pi node (np=2): its efficiency is marked and explained under the table
     assert cells[1].split()[6].endswith("%*") and "* np=1 is below the speed baseline np=2" in p.stdout
     # energy on the Pi, from the power model over the predicted times (training + evaluations)
-    from pilab import energy
+    from pilab.study import energy
     for r in st["rows"]:
         run = st["runs"][str(r["np"])]
         secs = [pred[r["np"]]["time"] + pred[r["np"]]["eval_time"] for _ in run["epochs"]]

@@ -343,7 +343,7 @@ def test_pi_profile_engines_register_across_the_nodes(tb, monkeypatch):
 
         return MPI.COMM_WORLD.allreduce(MPI.COMM_WORLD.Get_rank())
 
-    from pilab import cluster
+    from pilab.lab import cluster
     from pilab.config import Config
 
     for k, v in tb.env_vars().items():
@@ -364,7 +364,7 @@ def test_pi_profile_engines_register_across_the_nodes(tb, monkeypatch):
         # a %%px-style cell: the same code on every engine
         cfg = Config(width=0.25, train_subset=256, test_subset=100, epochs=1, batch_size=16, threads=1)
         lab.push(cfg=cfg)
-        lab.view.execute("from mpi4py import MPI\nfrom pilab import train\n"
+        lab.view.execute("from mpi4py import MPI\nfrom pilab.engine import train\n"
                          "px_result = train.run(cfg, MPI.COMM_WORLD)", block=True)
         hosts = lab.view.pull("px_result", block=True)[0]["env"]["hostnames"]
         assert hosts == ["node01", "node01", "node02", "node02"]
@@ -383,7 +383,7 @@ def test_a_notebook_run_losing_a_link_names_the_node(tb, monkeypatch):
     # ranks' watchdogs (hang_s) find node02 unreachable and end themselves; the notebook's run.wait()
     # raises an error naming the ranks and host -- by itself, before wait's own timeout of hang_s + 30.
     pytest.importorskip("ipyparallel")
-    from pilab import cluster
+    from pilab.lab import cluster
     from pilab.config import Config
 
     for k, v in tb.env_vars().items():

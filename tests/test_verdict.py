@@ -1,4 +1,4 @@
-"""pilab.verdict: the one logic behind every table, report and notebook verdict, on crafted runs.
+"""pilab.study.verdict: the one logic behind every table, report and notebook verdict, on crafted runs.
 
 Each case is one the notebooks and the README showed contradicting their own tables (issue 24)."""
 import re
@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 import pytest
 
-from pilab import verdict
+from pilab.study import verdict
 from pilab.study import analysis, compare, tables
 
 

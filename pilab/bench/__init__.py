@@ -9,7 +9,7 @@ The one home of pilab's benchmarks: a library package, so that the command works
 pilab and its pieces are importable (tests call them on tiny settings). Every figure is a ratio against
 a baseline measured in the same run: contenders alternate round by round (the order rotated), one ratio
 per round, reported as median and p10-p90 / min-max. Sections that need ranks run as MPI jobs
-(``pilab.launch.run_job`` over ``pilab.bench.ranks`` / ``pilab.bench.memory`` / ``pilab.harness``; a
+(``pilab.launch.run_job`` over ``pilab.bench.ranks`` / ``pilab.bench.memory`` / ``pilab.engine.harness``; a
 failed job raises ``launch.JobError``).
 
 * ``one_rank``: pilab's one-rank step vs a bare PyTorch loop; ``models``: images/s per model and layout;
@@ -22,7 +22,7 @@ failed job raises ``launch.JobError``).
 * ``sync``: the ways to average a step's gradients at np=2 (per-tensor and fused blocking Allreduce,
   GradSync with and without polling, fp16, MPICH's async progress thread);
 * ``memory``: peak RSS per rank itemised at the study's setting (``pilab.bench.memory``, real ranks),
-  and ``pilab.memory``'s prediction against it over 3 widths x 2 batch sizes.
+  and ``pilab.models.memory``'s prediction against it over 3 widths x 2 batch sizes.
 
 Only when named (minutes each): ``deviation``, the fast mode's deviation after 100 steps at np=48;
 ``perfmodel``, the performance model calibrated here and checked against held-out real runs

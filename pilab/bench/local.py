@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import data as data_mod
-from .. import engine
+from ..engine import loop as engine
 from ..config import Config
-from ..models import build_model
-from ..optim import build_optimizer
+from ..models.zoo import build_model
+from ..engine.optim import build_optimizer
 from .stats import alternate, ratios, summary
 
 

@@ -16,7 +16,7 @@ what it holds, and rank 0 writes, per rank:
 * ``allocator``: the rest of the peak: gradients in flight in the backward, glibc's free lists and
   oneDNN's primitive caches;
 * ``phases``: the high-water mark of load, set-up, training steps and evaluation; ``peak`` is their
-  largest, ``predicted`` is ``pilab.memory.predict_peak_bytes`` for the same setting.
+  largest, ``predicted`` is ``pilab.models.memory.predict_peak_bytes`` for the same setting.
 """
 from __future__ import annotations
 
@@ -48,9 +48,9 @@ RUNTIME = _status()["VmRSS"] if sys.platform.startswith("linux") else 0
 import torch  # noqa: E402  (after the first reading: the runtime includes torch)
 from ..launch import mpi  # noqa: E402
 
-from .. import engine  # noqa: E402
+from ..engine import loop as engine  # noqa: E402
 from ..config import Config  # noqa: E402
-from ..memory import breakdown  # noqa: E402
+from ..models.memory import breakdown  # noqa: E402
 
 RUNTIME_WITH_TORCH = _status()["VmRSS"]
 

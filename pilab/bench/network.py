@@ -12,7 +12,7 @@ taken down after an error or Ctrl-C too. On the nodes' namespaces:
    link, MPICH's shared memory; np 4 is oversubscribed), and at each link rate with one rank on each of
    2 nodes (the inter-node link), 4 nodes, and 2 ranks on each of 2 and 4 nodes (held out);
 2. an np=1 training run on node01 (the compute calibration);
-3. real training runs (``pilab.harness`` jobs, as ``pilab train`` runs them) at np = 2, 4, 8 on 1, 2 and
+3. real training runs (``pilab.engine.harness`` jobs, as ``pilab train`` runs them) at np = 2, 4, 8 on 1, 2 and
    4 nodes (block placement, ranks 0.. on node01) at each rate, the rates alternating so that the
    machine's load hits each alike;
    and, at LOCAL_RATE, local-SGD runs (LOCAL_H steps between parameter averages) at np 2, 4, 8 on 2-4 nodes;

@@ -10,7 +10,7 @@ micro-benchmark, then its predictions against held-out real runs::
 2. the micro-benchmark at np=2 and 3 (``perfmodel.run_comm_bench``) -> alpha, beta;
 3. a real np=1 run (width 0.25, 32 images per rank, one thread) -> the calibration;
 4. held-out real runs (np=2, np=3, np=2 at width 0.5, np=2 at 16 images per rank), each a
-   ``pilab.harness`` job like the study's points, predicted vs measured: the training time of the
+   ``pilab.engine.harness`` job like the study's points, predicted vs measured: the training time of the
    epoch (``epochs[0].time``, first-step warm-up included) and the evaluation time.
 
 The machine may be shared (Linux's autogroup scheduling gives each busy session an equal share of the
@@ -47,12 +47,12 @@ def cpu_seconds() -> float:
 
 def train(np_: int, cfg: Config, mpiexec: str | None = None, *, hang_s: float | None = None,
           **job) -> tuple[dict, float]:
-    """One real run (``pilab.harness`` on np ranks, as ``pilab train`` runs them; np=1 under
+    """One real run (``pilab.engine.harness`` on np ranks, as ``pilab train`` runs them; np=1 under
     ``mpiexec -n 1`` like the study's np=1 point); (result, cores the job got on average). ``job``:
     more keywords for ``launch.run_job`` (``extra``, ``env``, ``timeout``)."""
     job.setdefault("env", dict(os.environ, OMP_NUM_THREADS=str(cfg.threads)))
     cpu0, t0 = cpu_seconds(), time.perf_counter()
-    result = run_job(np_, "pilab.harness", {"config": cfg.to_dict(), "hang_s": hang_s},
+    result = run_job(np_, "pilab.engine.harness", {"config": cfg.to_dict(), "hang_s": hang_s},
                      name=f"train np={np_}", mpiexec=mpiexec, **job)
     return result, (cpu_seconds() - cpu0) / (time.perf_counter() - t0)
 
@@ -64,7 +64,7 @@ def compute_split(points=SPLIT_POINTS, steps: int = 6) -> dict:
     import numpy as np
     import torch
 
-    from ..models import activation_elements, build_model, train_flops_per_image
+    from ..models.zoo import activation_elements, build_model, train_flops_per_image
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -29,11 +29,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 import torch.nn.functional as F
-from .. import engine, train
+from ..engine import loop as engine, train
 from ..config import Config
-from ..dist import GradSync, broadcast_module_, reduce_sums
+from ..engine.dist import GradSync, broadcast_module_, reduce_sums
 from ..launch import mpi, mpi_library
-from ..optim import build_optimizer
+from ..engine.optim import build_optimizer
 from .stats import ratios, summary
 
 MPI = mpi()  # this module runs on the ranks of a launched job only

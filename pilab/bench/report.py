@@ -346,7 +346,7 @@ def _memory_per_rank(res: dict) -> list[str]:
         out += ["Before: the same command's figures in " + ", ".join(f"`{b['file']}`" for b in shown)
                 + " (runtime / data / model / activations / allocator: peak).", ""]
     if mem["table"]:
-        out += ["The prediction (`pilab.memory.predict_peak_bytes`) against the measured peak, 3 widths x 2 "
+        out += ["The prediction (`pilab.models.memory.predict_peak_bytes`) against the measured peak, 3 widths x 2 "
                 "batch sizes (full training set, 1,000 test images, eval batch 50, 2 threads, 2 steps; the "
                 "larger rank's peak):", "", "| width | per rank | measured MB | predicted MB | error |",
                 "|---|---|---|---|---|"]

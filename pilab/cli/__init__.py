@@ -28,7 +28,7 @@ import sys
 from ..config import ConfigError
 from ..launch import LaunchError, launcher_rank
 from . import bench, compare, data, doctor, perfmodel, remedies, scale, simulate, testbed, train
-from ..harness import EXIT_WRITE
+from ..engine.harness import EXIT_WRITE
 from .common import EXIT_USAGE, Parser, UsageError
 
 __all__ = ["main", "build_parser", "UsageError", "EXIT_USAGE"]
@@ -47,10 +47,10 @@ def build_parser() -> Parser:
 
 
 def _library_errors() -> tuple:
-    # pilab.data and pilab.dist import torch (seconds): an error of theirs can only have been raised once
+    # pilab.data and pilab.engine.dist import torch (seconds): an error of theirs can only have been raised once
     # they were imported, so look their types up instead of importing them for a one-line message.
     errors = [UsageError, ConfigError, LaunchError]
-    for module, name in (("pilab.data.dataset", "DataError"), ("pilab.dist", "LauncherError")):
+    for module, name in (("pilab.data.dataset", "DataError"), ("pilab.engine.dist", "LauncherError")):
         if module in sys.modules:
             errors.append(getattr(sys.modules[module], name))
     return tuple(errors)
@@ -86,6 +86,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _is_write_fault(e: OSError) -> bool:
     """Disk full, quota, read-only file system, no permission: the machine's fault, one line."""
-    from ..checkpoint import WriteError
+    from ..engine.checkpoint import WriteError
     return isinstance(e, WriteError) or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
                                                     errno.EPERM)

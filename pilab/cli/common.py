@@ -12,7 +12,7 @@ import sys
 from dataclasses import fields
 
 from ..config import CHOICES, Config
-from ..harness import print_stragglers
+from ..engine.harness import print_stragglers
 
 EXIT_USAGE = 2
 
@@ -88,7 +88,7 @@ def strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 
 def progress_callbacks(quiet: bool):
     """A tqdm bar over all steps and one line per epoch (rank 0 only: callbacks run there); straggler
-    warnings (``pilab.stragglers``) are printed with or without the bar."""
+    warnings (``pilab.engine.stragglers``) are printed with or without the bar."""
     if quiet:
         return [print_stragglers]
     from tqdm.auto import tqdm  # only when a bar is wanted: tqdm.auto probes for a notebook
@@ -138,7 +138,7 @@ def _saved_config(out: str) -> tuple[dict | None, dict | None, str | None]:
             return None, None, res_path
     ck = os.path.join(out, "checkpoint.pt")
     if os.path.exists(ck):
-        from .. import checkpoint
+        from ..engine import checkpoint
         try:
             return checkpoint.read(ck)["config"], None, None
         except checkpoint.CheckpointError:
@@ -161,7 +161,7 @@ def check_out_dir(cfg, *, overwrite: bool, command: str = "train") -> bool:
     out = cfg.out
     if not out or not os.path.isdir(out):
         return False
-    from .. import checkpoint
+    from ..engine import checkpoint
     present = [n for n in RUN_FILES if os.path.exists(os.path.join(out, n))] + \
         [p for _, p in checkpoint.epoch_files(out)]
     if not present:
@@ -192,7 +192,7 @@ def check_out_dir(cfg, *, overwrite: bool, command: str = "train") -> bool:
 def clear_out_dir(out: str) -> None:
     """Remove the run files of an earlier run in ``out`` (result.json, checkpoints) before a new run
     writes there, so nothing of the old run is mistaken for the new one's."""
-    from .. import checkpoint
+    from ..engine import checkpoint
     for p in [os.path.join(out, n) for n in RUN_FILES] + [p for _, p in checkpoint.epoch_files(out)]:
         with contextlib.suppress(FileNotFoundError):
             os.remove(p)
@@ -200,7 +200,7 @@ def clear_out_dir(out: str) -> None:
 
 def mpi_or_error() -> None:
     """LaunchError with the way to get an MPI library, where mpi4py cannot load one."""
-    from ..dist import MPI
+    from ..engine.dist import MPI
     from ..launch import MPI_HINT, LaunchError
     if MPI is None:
         raise LaunchError(f"this command needs an MPI library and mpi4py cannot load one; install it "

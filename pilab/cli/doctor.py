@@ -49,7 +49,7 @@ def _hosts(args, doctor):
         return doctor.parse_hosts(args.hosts, args.ranks_per_node), None
     path = args.hostfile or os.environ.get("HYDRA_HOST_FILE") or os.environ.get("PILAB_HOSTFILE")
     if not path:
-        from ..cluster.profiles import profile_dir
+        from ..lab.cluster.profiles import profile_dir
         path = os.path.join(profile_dir("pi"), "hosts")
         if not os.path.isfile(path):
             raise UsageError(f"no hosts: give --hostfile FILE or --hosts a,b (or create {path} from "

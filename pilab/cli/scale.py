@@ -12,7 +12,7 @@ import sys
 from dataclasses import replace
 
 from ..config import ConfigError
-from ..signals import exit_code_for, sigterm_as_interrupt
+from ..engine.signals import exit_code_for, sigterm_as_interrupt
 from .common import UsageError, add_config_arguments, config_from_args, ints
 
 
@@ -65,7 +65,7 @@ def check_study_dir(cfg, *, overwrite: bool, resume: bool) -> None:
     and an unfinished study of these settings unless ``resume`` (or ``overwrite``)."""
     import json
 
-    from ..checkpoint import RESUMABLE
+    from ..engine.checkpoint import RESUMABLE
     from .common import _differences
     out = cfg.out
     path = os.path.join(out, "study.json") if out else ""

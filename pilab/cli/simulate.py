@@ -8,8 +8,8 @@ import os
 import sys
 
 from ..config import Config, ConfigError
-from ..harness import EXIT_WRITE
-from ..signals import exit_code_for, interruptible
+from ..engine.harness import EXIT_WRITE
+from ..engine.signals import exit_code_for, interruptible
 from .common import add_config_arguments, check_out_dir, clear_out_dir, config_from_args, progress_callbacks
 
 DEFAULTS = Config(out="runs/simulate")
@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
 
 
 def run(args, argv) -> int:
-    from .. import simulate
+    from ..engine import simulate
     cfg = config_from_args(args, DEFAULTS)
     if args.np < 1:
         raise ConfigError(f"--np {args.np} must be >= 1")

@@ -18,7 +18,7 @@ import time
 
 from ..config import Config, ConfigError
 from ..launch import pilab_command, under_mpi
-from ..signals import exit_code_for, handled, interruptible
+from ..engine.signals import exit_code_for, handled, interruptible
 from .common import (EXIT_USAGE, UsageError, add_config_arguments, check_out_dir, clear_out_dir,
                      config_from_args, mpi_or_error, progress_callbacks, strip_flags)
 
@@ -41,10 +41,10 @@ def add_parser(sub) -> None:
     t.add_argument("--hang-s", type=float, default=None,
                    help="end the job, naming the unreachable or stuck rank, after this many seconds "
                         "without a step on a rank (default: $PILAB_HANG_S or 120; 0: never; see "
-                        "pilab.watchdog)")
+                        "pilab.engine.watchdog)")
     t.add_argument("--node-memory", default="host",
                    help="memory of one node, for the warning before launch when ranks per node x the "
-                        "predicted peak per rank (pilab.memory) exceed it: pi4b_4gb, pi4b_8gb, host "
+                        "predicted peak per rank (pilab.models.memory) exceed it: pi4b_4gb, pi4b_8gb, host "
                         "(this machine's MemTotal; the default) or a size such as 4GB")
     t.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks that share one node's memory, for that warning (default: with --np all "
@@ -55,7 +55,7 @@ def add_parser(sub) -> None:
 
 
 def _check_memory_flags(args) -> None:
-    from ..memory import node_bytes
+    from ..models.memory import node_bytes
     if args.ranks_per_node is not None and args.ranks_per_node < 1:
         raise ConfigError(f"--ranks-per-node {args.ranks_per_node} must be >= 1")
     node_bytes(args.node_memory)
@@ -63,8 +63,8 @@ def _check_memory_flags(args) -> None:
 
 def _memory_warning(cfg: Config, args, np_: int, ranks_per_node: int) -> None:
     """One line on stderr when ``ranks_per_node`` ranks of ``cfg`` are predicted not to fit in
-    ``--node-memory``; the run goes on (the prediction is within ~15%, see pilab.memory)."""
-    from .. import memory
+    ``--node-memory``; the run goes on (the prediction is within ~15%, see pilab.models.memory)."""
+    from ..models import memory
     line = memory.fit_warning(cfg, np_=np_, ranks_per_node=ranks_per_node,
                               node_bytes=memory.node_bytes(args.node_memory))
     if line:
@@ -78,7 +78,7 @@ def run(args, argv) -> int:
     if args.np is not None and not under_mpi():
         return _launch(cfg, args, argv)
     if not under_mpi():
-        from ..engine import load_data
+        from ..engine.loop import load_data
         ds = load_data(cfg)
         cfg.check_world(1, len(ds.y_train))
         _memory_warning(cfg, args, 1, args.ranks_per_node or 1)
@@ -95,7 +95,7 @@ def _check_output(cfg: Config, args, np_: int) -> bool:
     True when the old run files in --out are to be replaced."""
     stale = check_out_dir(cfg, overwrite=args.overwrite)
     if cfg.resume:
-        from .. import checkpoint
+        from ..engine import checkpoint
         checkpoint.load(cfg.resume, cfg, np_)
     return stale
 
@@ -128,7 +128,7 @@ def _launch(cfg: Config, args, argv) -> int:
         if proc.poll() is None:
             proc.send_signal(signum)
     with handled((signal.SIGINT, signal.SIGTERM), forward):
-        from ..watchdog import watch_launcher
+        from ..engine.watchdog import watch_launcher
         t_launch, tail = time.time(), [""]
         rc = watch_launcher(proc, tail=tail)
         if rc != 0 and cfg.out:
@@ -141,7 +141,7 @@ def _launch(cfg: Config, args, argv) -> int:
 def _keep_after_launcher(cfg: Config, np_: int, rc: int, said: str, t_launch: float) -> None:
     """mpiexec failed and no rank wrote result.json (a node's processes killed, a node powered off: the
     launcher ends the others with SIGKILL): keep what the last checkpoint says was done."""
-    from ..engine import result_from_checkpoint
+    from ..engine.loop import result_from_checkpoint
     from ..files import save_json
     path = os.path.join(cfg.out, "result.json")
     if os.path.exists(path) and os.path.getmtime(path) >= t_launch:
@@ -157,21 +157,21 @@ def _keep_after_launcher(cfg: Config, np_: int, rc: int, said: str, t_launch: fl
 
 def _train_alone(cfg: Config, quiet: bool, stop=None, data=None) -> dict:
     """One process without mpiexec: no MPI library needed."""
-    from .. import train
-    from ..engine import Keeper
+    from ..engine import train
+    from ..engine.loop import Keeper
     return train.run(cfg, None, callbacks=progress_callbacks(quiet), stop=stop, data=data, keeper=Keeper())
 
 
 def _train_rank(cfg: Config, args) -> int:
     """One rank of an mpiexec job: the settings checked on every rank and voted on, then the guarded
-    run (``pilab.harness``)."""
+    run (``pilab.engine.harness``)."""
     from ..launch import mpi
     MPI = mpi()  # LaunchError naming the fix without an MPI library
 
-    from .. import harness
-    from ..dist import check_launcher
-    from ..engine import Handoff, load_data
-    from ..watchdog import hang_s_from_env
+    from ..engine import harness
+    from ..engine.dist import check_launcher
+    from ..engine.loop import Handoff, load_data
+    from ..engine.watchdog import hang_s_from_env
     comm = MPI.COMM_WORLD
     check_launcher(comm)
 
@@ -220,7 +220,7 @@ def _report(result: dict, cfg: Config, signum: int | None = None, *, speak: bool
     """Print the summary (rank 0 only: ``speak``) and return the exit code (``harness.exit_code``): 0;
     74 when a checkpoint or the result could not be written; 128 + the signal when stopped by one (130
     when another rank's signal or a stop request ended the run)."""
-    from ..harness import exit_code
+    from ..engine.harness import exit_code
     write_error = result.get("write_error")
     if speak:
         last = result["epochs"][-1] if result["epochs"] else {}
@@ -238,7 +238,7 @@ def _report(result: dict, cfg: Config, signum: int | None = None, *, speak: bool
 
 def interrupted_line(result: dict, cfg: Config) -> str:
     """One line: where the run stopped, what it kept, how to continue."""
-    from .. import checkpoint
+    from ..engine import checkpoint
     ck = checkpoint.latest(cfg.out) if cfg.out else None
     return (f"pilab: {result.get('stop_reason') or 'stopped early'}: stopped after step "
             f"{result['steps_done']} of {result['total_steps']} ({result['epochs_done']} of "

@@ -157,7 +157,7 @@ class _Listener:
 def controller_address(hostfile: str | None, env: dict | None = None) -> tuple[str, str]:
     """(bind, advertised) address of the Pi profile's controller: ``$PILAB_CONTROLLER_IP`` for both,
     else all interfaces and the address that routes to the first host (profiles/profile_pi)."""
-    from ..cluster.profiles import lan_address
+    from ..lab.cluster.profiles import lan_address
     addr = (os.environ if env is None else env).get("PILAB_CONTROLLER_IP", "")
     return (addr or "0.0.0.0"), (addr or lan_address(hostfile))
 
@@ -248,8 +248,8 @@ def _needs_snn(cfg) -> bool:
 
 
 def predicted_peak(cfg, np_: int) -> int:
-    """Predicted peak RSS of one of ``np_`` ranks training ``cfg``, in bytes (``pilab.memory``)."""
-    from ..memory import predict_peak_bytes
+    """Predicted peak RSS of one of ``np_`` ranks training ``cfg``, in bytes (``pilab.models.memory``)."""
+    from ..models.memory import predict_peak_bytes
     return int(predict_peak_bytes(cfg, np_=np_))
 
 
@@ -298,7 +298,7 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
     tmp_dir = tempfile.TemporaryDirectory(prefix="pilab-doctor-")
     tmp = tmp_dir.name
     hostfile = hostfile or _hostfile(tmp, "all", hosts)
-    from ..cluster.profiles import lan_address
+    from ..lab.cluster.profiles import lan_address
     toward = lan_address(hostfile)  # the head's own address on the hosts' network: the route MPI takes
     bind, advertised = controller_address(hostfile, env)
     try:

@@ -87,7 +87,7 @@ def calibrate(np1_result: Mapping[str, Any], comm_bench: Any, *, source: str = "
     ``step_work_per_tensor``: see ``STEP_WORK_PER_TENSOR_CPU`` (0: compute proportional to the batch).
     """
     # torch-free import of this package: the model registry loads only when a calibration is made
-    from ..models import activation_elements, train_flops_per_image
+    from ..models.zoo import activation_elements, train_flops_per_image
 
     if int(np1_result.get("np", 0)) != 1:
         raise ConfigError(f"calibrate needs the result of an np=1 run; this one has "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from ..buckets import bucket_assignment
+from ..engine.buckets import bucket_assignment
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,7 +26,7 @@ def gradient_layout(model: str, width: float) -> tuple[tuple[int, float], ...]:
     import torch  # here, not at the top: see the module docstring
     from torch import nn
 
-    from ..models import probe_model
+    from ..models.zoo import probe_model
 
     net = probe_model(model, width=width)
     order: list[nn.Module] = []
@@ -79,7 +79,7 @@ def work_per_image(model: str, width: float, flops_per_activation: float = 0.0,
 
         work_per_image("mobilenetv2_cifar", 0.5, FLOPS_PER_ACTIVATION_CPU) / 1e9   # ~0.78
     """
-    from ..models import activation_elements, train_flops_per_image  # torch: see the module docstring
+    from ..models.zoo import activation_elements, train_flops_per_image  # torch: see the module docstring
 
     work = train_flops_per_image(model, width, timesteps=timesteps)
     if flops_per_activation:
@@ -92,7 +92,7 @@ def bn_bytes(model: str, width: float) -> int:
     """Bytes of BatchNorm running mean + var (what sync_buffers_ broadcasts before evaluation)."""
     from torch import nn  # here, not at the top: see the module docstring
 
-    from ..models import probe_model
+    from ..models.zoo import probe_model
 
     return sum(2 * m.num_features * 4 for m in probe_model(model, width=width).modules()
                if isinstance(m, nn.BatchNorm2d))

@@ -111,7 +111,7 @@ def _gradient_comm(cfg: Config, layout, averaging: str, compute: float, cl: Clus
 
 def _local_share(cfg: Config, p: int) -> float:
     """The share of a run's steps that are local-SGD steps (``cfg.local_steps`` > 1 after
-    ``cfg.local_after`` synchronous epochs; see ``pilab.localsgd``)."""
+    ``cfg.local_after`` synchronous epochs; see ``pilab.engine.localsgd``)."""
     if cfg.local_steps <= 1 or p == 1:
         return 0.0
     return max(0.0, 1.0 - cfg.local_after / cfg.epochs)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import simulate
-from .. import verdict as judging
+from ..engine import simulate
+from . import verdict as judging
 from ..config import Config, ConfigError
-from ..engine import load_data
+from ..engine.loop import load_data
 from .points import step_events
 from .remedies import _point
 

@@ -1,5 +1,5 @@
 """The numbers of a strong-scaling study: one row per np from the runs' results, judged by
-:mod:`pilab.verdict`, with time (measured here or predicted by the performance model for a target
+:mod:`pilab.study.verdict`, with time (measured here or predicted by the performance model for a target
 machine) and energy columns::
 
     from pilab.study import analysis
@@ -16,8 +16,9 @@ import os
 import sys
 from dataclasses import asdict, dataclass, replace
 
-from .. import energy, perfmodel
-from .. import verdict as judging
+from . import energy
+from .. import perfmodel
+from . import verdict as judging
 from ..config import Config, ConfigError
 from ..launch import LaunchError
 from ..perfmodel import efficiency, karp_flatt, speedup
@@ -53,7 +54,7 @@ def time_to_target(result: dict, target: float, epoch_times: list[float] | None 
     Training time and the time of every evaluation up to that one count; ``epoch_times`` and
     ``eval_times`` (per epoch) replace the measured ``epochs[].time`` / ``eval_time`` (predicted
     times for another machine). An epoch without an evaluation contributes no evaluation time."""
-    if target is None:  # no target: the reference did not learn (pilab.verdict)
+    if target is None:  # no target: the reference did not learn (pilab.study.verdict)
         return None
     elapsed = 0.0
     train = epoch_times or [e["time"] for e in result["epochs"]]
@@ -115,7 +116,7 @@ def rows_from_runs(runs: dict[int, dict], criteria: Criteria = Criteria(),
         raise ConfigError(f"baseline np={p0} is not among the runs {nps}; measure it or pick another")
     pa = nps[0]
     base_acc = final_value(runs[pa], "test_acc")
-    # None where the reference did not learn: no target at or below chance (pilab.verdict)
+    # None where the reference did not learn: no target at or below chance (pilab.study.verdict)
     target_acc = judging.target_accuracy(base_acc, asdict(criteria))
     primary = target or "this machine"
     here = {p: _times(runs[p], predicted.get(p), "this machine") for p in nps}
@@ -130,7 +131,7 @@ def rows_from_runs(runs: dict[int, dict], criteria: Criteria = Criteria(),
     rows = [_row(p, runs[p], here[p], there[p], primary, p0, t0, ttt0, target_acc) for p in nps]
     for r in rows:
         r.update(run_energy(runs[r["np"]], there[r["np"]], primary, target_acc))
-    # the verdict of every row: pilab.verdict, the one logic the tables, reports and notebooks share
+    # the verdict of every row: pilab.study.verdict, the one logic the tables, reports and notebooks share
     rows = judging.judge(rows, reference_np=pa, speed_baseline_np=p0, reference_acc=base_acc,
                          criteria=asdict(criteria))
     meta = {"baseline_np": p0, "baseline_predicted_only": p0 not in runs,
@@ -146,7 +147,7 @@ def _images_per_epoch(run: dict) -> int:
 
 def _row(p, r, here, there, machine, p0, t0, ttt0, target_acc) -> dict:
     """The row of one np: speed on ``machine`` (``there``), this machine's time beside it; its verdict
-    comes after (pilab.verdict.judge)."""
+    comes after (pilab.study.verdict.judge)."""
     def mean(t):
         return sum(t["train"]) / len(t["train"]) if t else None
     tpe = mean(there)
@@ -177,7 +178,7 @@ def _row(p, r, here, there, machine, p0, t0, ttt0, target_acc) -> dict:
     }
 
 
-# The power model of each target machine with one (pilab.energy); this machine has none: only its RAPL
+# The power model of each target machine with one (pilab.study.energy); this machine has none: only its RAPL
 # counters, where readable, give its energy.
 POWER_MODELS = {"pi4b_cluster": "pi4b"}
 
@@ -208,7 +209,7 @@ def run_energy(run: dict, times: dict | None, machine: str, target_acc: float) -
 
 
 def verdict(study_: dict, *, within: float = 0.05) -> str:
-    """One plain-language paragraph from the numbers (:func:`pilab.verdict.summary`, the one logic)."""
+    """One plain-language paragraph from the numbers (:func:`pilab.study.verdict.summary`, the one logic)."""
     return judging.summary(judging.judge_study(study_), within=within)
 
 

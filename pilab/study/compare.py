@@ -13,7 +13,7 @@ from __future__ import annotations
 import glob
 import os
 
-from .. import verdict as judging
+from . import verdict as judging
 from ..plots import DOCS
 from .points import _load_json
 

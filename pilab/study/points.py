@@ -13,7 +13,7 @@ import math
 import os
 import tempfile
 
-from .. import checkpoint
+from ..engine import checkpoint
 from ..config import Config, ConfigError
 from ..files import dumps, save_json, sha256_file
 

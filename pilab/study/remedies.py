@@ -26,10 +26,11 @@ import os
 import re
 from dataclasses import replace
 
-from .. import perfmodel, simulate
-from .. import verdict as judging
+from .. import perfmodel
+from ..engine import simulate
+from . import verdict as judging
 from ..config import Config, ConfigError, small_mode
-from ..engine import load_data
+from ..engine.loop import load_data
 from .analysis import POWER_MODELS, calibrate_from, run_energy, target_baseline, time_to_target
 from .points import finished_run, reused_run, same_training, step_events
 
@@ -188,7 +189,7 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=
     known = list(known)
     ref, reference_acc, calibration, plan = _reference(cfg, sim_cfg, ds, known, cands, reference_acc,
                                                        calibration, callbacks, log, mpiexec)
-    # None where the reference has not learned: no target at chance (pilab.verdict, as in the study)
+    # None where the reference has not learned: no target at chance (pilab.study.verdict, as in the study)
     target = judging.target_accuracy(reference_acc, {"target_fraction": target_fraction})
     base = _whole_run_time(cfg, target_baseline(calibration) or 1, calibration) if calibration else None
     rows = []

@@ -24,7 +24,7 @@ from bokeh.models import Div
 from bokeh.resources import INLINE
 
 from .. import plots
-from .. import verdict as judging
+from . import verdict as judging
 from ..files import atomic_write_text, save_json
 from ..plots import html_table
 from . import paper

@@ -24,7 +24,8 @@ import re
 import time
 from dataclasses import asdict, replace
 
-from .. import energy, simulate
+from . import energy
+from ..engine import simulate
 from ..config import DEMO, Config, ConfigError, small_mode
 from ..launch import run_job
 from . import report
@@ -88,9 +89,9 @@ def models_sweep() -> dict:
 
 def run_measured(cfg: Config, np_: int, out: str, *, mpiexec: str | None = None,
                  hostfile: str | None = None, timeout: float | None = None) -> dict:
-    """One real MPI job (``pilab.harness`` on np ranks, as ``pilab train`` runs them); returns its
+    """One real MPI job (``pilab.engine.harness`` on np ranks, as ``pilab train`` runs them); returns its
     result.json. Raises ``launch.JobError`` (a RuntimeError) with the job's exit code and last lines."""
-    return run_job(np_, "pilab.harness", {"config": replace(cfg, out=out).to_dict()}, name=f"np={np_} run",
+    return run_job(np_, "pilab.engine.harness", {"config": replace(cfg, out=out).to_dict()}, name=f"np={np_} run",
                    mpiexec=mpiexec, hostfile=hostfile, timeout=timeout, answer_dir=out)
 
 

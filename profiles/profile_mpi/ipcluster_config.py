@@ -1,10 +1,10 @@
 # ipyparallel profile: N engines that are the MPI ranks of one `mpiexec` on this machine.
 #
 #   ipcluster start -n 4 --profile-dir profiles/profile_mpi        # from a shell, or from Python:
-#   from pilab import cluster; lab = cluster.start(n=4)             # uses this profile
+#   from pilab.lab import cluster; lab = cluster.start(n=4)             # uses this profile
 #
 # Each engine is one MPI rank (mpi4py's COMM_WORLD spans the engines), so `%%px` cells can call
-# collectives. Engine ids are registration order, not ranks: pilab.cluster maps them to ranks.
+# collectives. Engine ids are registration order, not ranks: pilab.lab.cluster maps them to ranks.
 c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
 
 from pilab.launch import find_mpiexec  # noqa: E402

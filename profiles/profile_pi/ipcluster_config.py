@@ -3,7 +3,7 @@
 #
 #   cp profiles/profile_pi/hosts.template profiles/profile_pi/hosts     # edit names/slots once
 #   ipcluster start --profile-dir profiles/profile_pi                   # from a shell, or:
-#   from pilab import cluster; lab = cluster.start(profile="pi")         # from a notebook
+#   from pilab.lab import cluster; lab = cluster.start(profile="pi")         # from a notebook
 #
 # Settings read from the environment (all optional):
 #   PILAB_HOSTFILE=path        hostfile in MPICH's `host:slots` form (default: hosts beside this file)
@@ -14,10 +14,10 @@
 #
 # Every node needs the same venv at the same absolute path as the head node (engines are started as
 # this Python's `-m ipyparallel.engine`) and this profile directory at the same path (shared home or
-# identical clone). The data set does not need to be on the nodes: see pilab.cluster.scatter_shards.
+# identical clone). The data set does not need to be on the nodes: see pilab.lab.cluster.scatter_shards.
 import os
 
-from pilab.cluster import hostfile_slots, lan_address
+from pilab.lab.cluster import hostfile_slots, lan_address
 from pilab.launch import find_mpiexec
 
 c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)

@@ -5,14 +5,14 @@ badly (a bad setting on one rank, an exception, a signal, a peer gone off the ne
     outcome = harness.guarded_run(cfg, comm, data=Handoff(ds), hang_s=120)
     outcome.result, outcome.model, outcome.signum
 
-    mpiexec -n 2 python -m pilab.harness ANSWER.json --config '{"epochs": 1, ...}'   # the study's points
+    mpiexec -n 2 python -m pilab.engine.harness ANSWER.json --config '{"epochs": 1, ...}'   # the study's points
 
 Two ways a rank lives, one function (``where``):
 
 * ``"job"``, a process of an ``mpiexec`` job (``pilab train``, the study's measured points): SIGINT and
   SIGTERM stop every rank after the same step, a second one exits at once; an exception aborts the
   job; the watchdog ends a rank on any verdict; rank 0 keeps what was done in ``<out>/result.json``.
-* ``"engine"``, an ipyparallel engine that outlives the run (``pilab.cluster.engine_train``): the
+* ``"engine"``, an ipyparallel engine that outlives the run (``pilab.lab.cluster.engine_train``): the
   caller's stop flag is polled; an exception goes back to the client and the engine lives on; the
   watchdog ends a rank only when a peer is unreachable (a stuck one is the client's to report).
 
@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .config import Config, ConfigError
+from ..config import Config, ConfigError
 from .signals import exit_code_for, interruptible
 
 __all__ = ["guarded_run", "Outcome", "vote", "Refused", "exit_code", "EXIT_WRITE", "print_stragglers"]
@@ -46,7 +46,7 @@ class Refused(Exception):
 
 # What a rank's check may raise for a bad setting (anything else is a bug: it propagates).
 def _refusals() -> tuple:
-    from .data import DataError
+    from ..data import DataError
     return (ConfigError, DataError, ValueError)
 
 
@@ -101,7 +101,7 @@ def guarded_run(cfg: Config, comm, *, data=None, callbacks=(), hang_s: float = 1
     if stop is not None:
         raise ValueError("a job installs its own stop flag (SIGINT, SIGTERM); stop= is for engines")
     from .dist import abort_on_error
-    from .engine import Keeper, failure_reason
+    from .loop import Keeper, failure_reason
     rank0 = comm.Get_rank() == 0
     # An abort keeps what was done: rank 0 writes result.json (stopped_early, the reason naming the
     # rank and host) when its watchdog ends it, when it fails itself, or when another rank tells it
@@ -151,13 +151,13 @@ def exit_code(result: dict, signum: int | None = None) -> int:
 
 
 def print_stragglers(ev) -> None:
-    """A callback that prints the straggler monitor's warnings (``pilab.stragglers``) on stderr."""
+    """A callback that prints the straggler monitor's warnings (``pilab.engine.stragglers``) on stderr."""
     if ev["kind"] == "straggler":
         print(ev["line"], file=sys.stderr, flush=True)
 
 
 def _mpi():
-    from .launch import mpi
+    from ..launch import mpi
     return mpi()
 
 
@@ -165,7 +165,7 @@ def _mpi():
 # the job: one guarded run launched by pilab.launch.run_job (the study's measured points)
 # ----------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
-    """Every rank of ``mpiexec -n N python -m pilab.harness ANSWER.json --config JSON [--hang-s S]``:
+    """Every rank of ``mpiexec -n N python -m pilab.engine.harness ANSWER.json --config JSON [--hang-s S]``:
     the run ``pilab train`` makes under mpiexec (the vote, the guards, result.json in the config's
     ``out``), without the CLI; rank 0 writes the result to ANSWER.json as well."""
     p = argparse.ArgumentParser(description="one guarded training run on the ranks of this job")
@@ -174,8 +174,8 @@ def main(argv=None) -> int:
     p.add_argument("--hang-s", type=float, default=None, help="watchdog (default: $PILAB_HANG_S or 120)")
     a = p.parse_args(argv)
     from .dist import check_launcher
-    from .engine import Handoff, load_data
-    from .files import save_json
+    from .loop import Handoff, load_data
+    from ..files import save_json
     from .watchdog import hang_s_from_env
     comm = _mpi().COMM_WORLD
     check_launcher(comm)

@@ -6,7 +6,7 @@
 
 The profile files (``profiles/profile_*/ipcluster_config.py``) call :func:`hostfile_slots` and
 :func:`lan_address` when ipyparallel loads them. ipyparallel itself is imported inside :func:`start` and
-:func:`connect`: ranks started by plain ``mpiexec`` import ``pilab.cluster`` (for ``scatter_shards``,
+:func:`connect`: ranks started by plain ``mpiexec`` import ``pilab.lab.cluster`` (for ``scatter_shards``,
 ``rank_state``) without its client stack.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import psutil  # an ipyparallel dependency
 from .client import Engines
 from .errors import ClusterError
 
-# The repository root: pilab/cluster/profiles.py is three levels below it.
+# The repository root: pilab/lab/cluster/profiles.py is three levels below it.
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -6,7 +6,7 @@
         result = train.run(cfg, None, stop=stop)
 
 Used by the CLI (a run's Ctrl-C and SIGTERM, a launcher's forwarding), the rank harness
-(``pilab.harness``) and the notebook engines' stop flag (``pilab.cluster.stop_flag``). No pilab imports.
+(``pilab.engine.harness``) and the notebook engines' stop flag (``pilab.lab.cluster.stop_flag``). No pilab imports.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 external meter's log), and energy to a target accuracy; for a spiking net, an estimate on neuromorphic
 hardware from its synaptic operations.
 
-    from pilab import energy
+    from pilab.study import energy
     e = energy.energy_of_run(result)                            # model:pi4b over the nodes the run used
     e = energy.energy_of_run(result, count="cluster")           # ... with the whole 24-board cluster on
     e = energy.energy_of_run(result, epoch_times=predicted)     # priced over the Pi's predicted epochs
@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 from typing import Mapping, Optional, Sequence, Union
 
-from .files import load_json
-from .perfmodel.presets import PI_CORES_PER_NODE, PI_NODES, PI_RANKS_PER_NODE
+from ..files import load_json
+from ..perfmodel.presets import PI_CORES_PER_NODE, PI_NODES, PI_RANKS_PER_NODE
 
 __all__ = ["PowerModel", "POWER_MODELS", "resolve_power", "energy_of_run", "energy_to_target",
            "read_rapl", "rapl_joules", "RaplWindow", "read_meter_csv", "meter_energy",

@@ -4,7 +4,7 @@ Three levels, as in Horovod's torch package:
 
 * primitives: ``allreduce_``, ``broadcast_``, ``world`` — thin, in-place (trailing ``_``), ``root=`` keyword;
 * helpers built on them: ``broadcast_module_``, ``broadcast_optimizer_state_``, ``sync_buffers_``,
-  ``reduce_sums``, ``gather_floats`` (SyncBatchNorm, built on ``allreduce_``, is in ``pilab.layers``);
+  ``reduce_sums``, ``gather_floats`` (SyncBatchNorm, built on ``allreduce_``, is in ``pilab.engine.layers``);
 * the optimizer-side piece: ``GradSync``, fused gradient buckets averaged with ``Iallreduce`` while
   backward is still running.
 
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .buckets import bucket_assignment
-from .launch import launcher_size
+from ..launch import launcher_size
 
 try:  # mpi4py is a dependency, but keep single-process use importable without an MPI library:
     from mpi4py import MPI  # ImportError without mpi4py, RuntimeError without the library it needs
@@ -329,7 +329,7 @@ class GradSync:
         self._meta_request = None
         self._t0 = 0.0
         self._hooks = []
-        # False for a local-SGD step (pilab.localsgd): the gradients stay this rank's, only meta travels
+        # False for a local-SGD step (pilab.engine.localsgd): the gradients stay this rank's, only meta travels
         self.exchange = True
         self._pflat: list | None = None  # average_parameters_'s buffers, made on first use
         self.views = views and self.size > 1
@@ -510,7 +510,7 @@ class GradSync:
 
         In the gradient buckets' layout and order, each bucket divided by the world size and summed by
         Allreduce: the sums are formed as the gradients' are, which the simulator reproduces
-        (``pilab.localsgd.VirtualReplicas.average_``)."""
+        (``pilab.engine.localsgd.VirtualReplicas.average_``)."""
         if self.size == 1:
             return 0
         if self._pflat is None:

@@ -34,7 +34,7 @@ def begin_stream() -> None:
 
 def publish(event: dict) -> None:
     """A ``train.run`` callback that sends rank 0's events to the client (ipyparallel datapub), where
-    :class:`pilab.cluster.Run` hands them to the notebook's callbacks. The ``end`` event is not sent:
+    :class:`pilab.lab.cluster.Run` hands them to the notebook's callbacks. The ``end`` event is not sent:
     the result comes back as the task's return value."""
     global _next_seq
     if event.get("kind") == "end":

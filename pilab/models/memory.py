@@ -1,6 +1,6 @@
 """Memory per rank: the predicted peak RSS of one training rank, and the nodes it has to fit in.
 
-    from pilab.memory import predict_peak_bytes, NODE_MEMORY, fit_warning
+    from pilab.models.memory import predict_peak_bytes, NODE_MEMORY, fit_warning
     peak = predict_peak_bytes(cfg)                 # bytes, one rank, the whole training set on it
     peak = predict_peak_bytes(cfg, np_=48)         # this rank's shard only (static sharding)
     fit_warning(cfg, np_=2, ranks_per_node=2, node_bytes=NODE_MEMORY["pi4b_4gb"])   # None: it fits
@@ -31,7 +31,7 @@ import functools
 import os
 import sys
 
-from .config import EVAL_CHUNK, Config, ConfigError
+from ..config import EVAL_CHUNK, Config, ConfigError
 
 __all__ = ["predict_peak_bytes", "breakdown", "NODE_MEMORY", "NODE_RESERVE_BYTES", "node_bytes",
            "fit_warning", "limit_allocator_caches", "MemoryConfigError"]
@@ -67,7 +67,7 @@ class MemoryConfigError(ConfigError):
 def _model_facts(model: str, width: float, timesteps: int) -> tuple[int, int, int]:
     """(parameters, activation elements of one image, elements of the largest layer output), measured
     on ``models.probe_model`` (the global RNG untouched)."""
-    from .models import _TAKES_TIMESTEPS, activation_elements, count_parameters, largest_output_elements, \
+    from .zoo import _TAKES_TIMESTEPS, activation_elements, count_parameters, largest_output_elements, \
         probe_model
     ts = timesteps if model in _TAKES_TIMESTEPS else None
     return (count_parameters(probe_model(model, width=width, timesteps=ts)), activation_elements(model, width, timesteps=ts),

@@ -1,4 +1,4 @@
-"""The cluster helper's error type, raised by every part of :mod:`pilab.cluster`::
+"""The cluster helper's error type, raised by every part of :mod:`pilab.lab.cluster`::
 
     try:
         lab = cluster.start(n=4)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import ConfigError
+from ...config import ConfigError
 
 
 def scatter_shards(ds, comm, *, seed: int = 0, root: int = 0):
@@ -22,9 +22,9 @@ def scatter_shards(ds, comm, *, seed: int = 0, root: int = 0):
     those rows. ``root`` returns ``ds`` itself. Labels (8 bytes an image) are broadcast to all.
     """
     # Imported here: mpi4py initialises MPI and pilab.data loads torch; the notebook client imports
-    # pilab.cluster without either.
-    from .. import data as data_mod
-    from ..launch import mpi
+    # pilab.lab.cluster without either.
+    from ... import data as data_mod
+    from ...launch import mpi
     MPI = mpi()
 
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -76,7 +76,7 @@ def load_scattered(cfg, comm, *, root: int = 0):
 
         train.run(cfg, comm, data=cluster.load_scattered(cfg, comm))
     """
-    from .. import data as data_mod  # torch: see scatter_shards
+    from ... import data as data_mod  # torch: see scatter_shards
 
     if cfg.sharding != "static":
         raise ConfigError("scattered data needs sharding='static'; 'reshuffle' reads the whole set on "

@@ -1,6 +1,6 @@
 """The CNNs pilab trains, by registry name, plus parameter and FLOP counts for the performance model.
 
-    from pilab.models import build_model, count_parameters, train_flops_per_image
+    from pilab.models.zoo import build_model, count_parameters, train_flops_per_image
     model = build_model("mobilenetv2_cifar", num_classes=10, width=0.5)
     logits = model(images.to(memory_format=torch.channels_last))   # (N, 3, 32, 32) -> (N, 10)
     count_parameters(build_model("mobilenetv2"))                     # 2_236_682
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model_names import (MODEL_NAMES, SNN_INSTALL_HINT, SPIKING_MODELS, SPIKING_WIDTH_RANGE,  # noqa: F401
+from .names import (MODEL_NAMES, SNN_INSTALL_HINT, SPIKING_MODELS, SPIKING_WIDTH_RANGE,  # noqa: F401
                           WIDTH_RANGE, check_width)
 
 # t (expansion), c (output channels), n (blocks), s (stride of the first block), as in the paper.
@@ -406,10 +406,10 @@ def _spiking_cnn(num_classes: int, width: float, timesteps: int = DEFAULT_TIMEST
     return SpikingCNN(num_classes, width, timesteps)
 
 
-# The names and widths are declared in model_names (torch-free, so that Config validation and `--help`
+# The names and widths are declared in pilab.models.names (torch-free, so that Config validation and `--help`
 # need no torch); the builders registered here must be exactly those.
 assert tuple(_REGISTRY) == MODEL_NAMES and tuple(sorted(_TAKES_TIMESTEPS)) == tuple(sorted(SPIKING_MODELS)), \
-    "pilab/models.py and pilab/model_names.py disagree on the models"
+    "pilab/models/zoo.py and pilab/models/names.py disagree on the models"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -544,7 +544,7 @@ def activation_elements(name: str, width: float = 1.0, num_classes: int = 10,
 def largest_output_elements(name: str, width: float = 1.0, num_classes: int = 10,
                             image_size: int = 32, timesteps: Optional[int] = None) -> int:
     """Elements of the largest output any leaf layer writes for one image: what an evaluation batch
-    (no autograd) holds at its peak is a few of these per image (``pilab.memory``)::
+    (no autograd) holds at its peak is a few of these per image (``pilab.models.memory``)::
 
         largest_output_elements("mobilenetv2_cifar", width=1.0)   # 144 channels x 32 x 32
     """

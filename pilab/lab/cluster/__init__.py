@@ -3,7 +3,7 @@
 Each ipyparallel engine is one MPI rank, so ``%%px`` cells and :meth:`Engines.train` run collectives
 across them. The helper starts and stops a cluster only when asked to::
 
-    from pilab import cluster
+    from pilab.lab import cluster
     lab = cluster.start(n=2)                   # 2 engines = 2 ranks of one mpiexec (profiles/profile_mpi)
     lab                                        # rank -> engine id, host, pid, in rank order
     run = lab.train(cfg, np_=2, callbacks=[live])   # returns at once; rank 0's events reach `live`
@@ -19,14 +19,14 @@ helper, reachable while the engine computes) to send SIGINT; while training, the
 sets a flag (:func:`stop_flag`), which ``train.run`` polls every step and OR-reduces over the ranks, so
 all ranks leave after the same step. A ``%%px`` cell interrupted from the notebook sends the same SIGINT.
 
-Where things live (everything below is importable from ``pilab.cluster`` itself):
+Where things live (everything below is importable from ``pilab.lab.cluster`` itself):
 
-- :mod:`~pilab.cluster.profiles`: profiles, hostfiles, the LAN address; :func:`start` and :func:`connect`;
-- :mod:`~pilab.cluster.client`: :class:`Engines`, :class:`Run`, :class:`LocalRun` (the notebook side);
-- :mod:`~pilab.cluster.rank`: what runs inside each engine (:func:`whoami`, :func:`stop_flag`,
+- :mod:`~pilab.lab.cluster.profiles`: profiles, hostfiles, the LAN address; :func:`start` and :func:`connect`;
+- :mod:`~pilab.lab.cluster.client`: :class:`Engines`, :class:`Run`, :class:`LocalRun` (the notebook side);
+- :mod:`~pilab.lab.cluster.rank`: what runs inside each engine (:func:`whoami`, :func:`stop_flag`,
   :func:`engine_train`, :func:`rank_state`);
-- :mod:`~pilab.cluster.events`: rank 0's events to the notebook, both halves (:func:`publish` and its reader);
-- :mod:`~pilab.cluster.scatter`: rank 0 sends each rank its data shard (:func:`scatter_shards`).
+- :mod:`~pilab.lab.cluster.events`: rank 0's events to the notebook, both halves (:func:`publish` and its reader);
+- :mod:`~pilab.lab.cluster.scatter`: rank 0 sends each rank its data shard (:func:`scatter_shards`).
 
 The launcher (``mpiexec``) is found by :func:`pilab.launch.find_mpiexec`.
 """

@@ -13,7 +13,7 @@ digest of all of those (tensor bytes, dtypes, shapes, the metadata), recomputed 
 A mid-epoch checkpoint also holds ``step_in_epoch``, the epoch's partial sums, every rank's BatchNorm
 buffers and torch RNG state (``ranks``), and ``order_np`` (the np whose data order the epoch follows).
 
-    from pilab import checkpoint
+    from pilab.engine import checkpoint
     checkpoint.save(out, payload, keep=2)                   # raises WriteError; old files untouched
     ck = checkpoint.load("runs/x/checkpoint.pt", cfg, np_=2)  # raises CheckpointError naming the fix
 
@@ -30,7 +30,7 @@ import re
 
 import torch
 
-from .config import Config, ConfigError
+from ..config import Config, ConfigError
 
 __all__ = ["CheckpointError", "WriteError", "save", "load", "verify", "digest", "latest", "FORMAT"]
 

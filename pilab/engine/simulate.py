@@ -8,22 +8,22 @@ same seeds, and gradients are averaged over ranks. Weights after N steps match a
 ~1e-6, so accuracy at np=48 can be studied on a laptop (or a GPU) without 48 processes::
 
     from pilab.config import Config
-    from pilab import simulate
+    from pilab.engine import simulate
     result = simulate.run(Config(width=0.5, epochs=3), np_=48)     # same schema as train.run
 
     python -m pilab simulate --np 48 --width 0.5 --epochs 3
 
 Virtual ranks are processed one at a time on CPU (``ranks_per_chunk=1``: bit-identical per-rank arithmetic)
 with gradient accumulation, so memory stays bounded at any np; on CUDA several ranks share a forward pass
-(exact up to float summation order). The loop is ``pilab.engine``'s, run on ``engine.VirtualRanks``; the
-per-rank layers are in ``pilab.layers``.
+(exact up to float summation order). The loop is ``pilab.engine.loop``'s, run on ``engine.VirtualRanks``; the
+per-rank layers are in ``pilab.engine.layers``.
 """
 from __future__ import annotations
 
 from torch import nn
 
-from . import engine
-from .config import Config
+from . import loop as engine
+from ..config import Config
 from .layers import GhostBatchNorm2d, use_ghost_batchnorm, virtual_state  # noqa: F401  (re-exported)
 
 __all__ = ["run", "train", "check_supported", "virtual_state", "GhostBatchNorm2d", "use_ghost_batchnorm"]

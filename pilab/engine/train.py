@@ -4,7 +4,7 @@ From Python (one process, or every rank of an MPI job)::
 
     from mpi4py import MPI
     from pilab.config import Config
-    from pilab import train
+    from pilab.engine import train
     result = train.run(Config(epochs=2, width=0.5), comm=MPI.COMM_WORLD)
 
 From the shell: ``mpiexec -n 2 python -m pilab train --epochs 2`` or ``python -m pilab train --np 2``.
@@ -13,15 +13,15 @@ From the shell: ``mpiexec -n 2 python -m pilab train --epochs 2`` or ``python -m
 goes on; ``stop`` is polled on every rank each step and any rank's True stops all ranks together after
 that step. The result (returned on every rank, written by rank 0 as ``<out>/result.json``) holds the
 config, environment, per-epoch metrics, per-step timings and peak memory per rank. The loop itself is
-``pilab.engine``'s, run on ``engine.MPIRanks(comm)``.
+``pilab.engine.loop``'s, run on ``engine.MPIRanks(comm)``.
 """
 from __future__ import annotations
 
 from torch import nn
 
-from . import engine
-from .config import Config
-from .engine import load_data  # noqa: F401  (part of this module's API: rank 0 decodes first)
+from . import loop as engine
+from ..config import Config
+from .loop import load_data  # noqa: F401  (part of this module's API: rank 0 decodes first)
 
 __all__ = ["run", "train", "load_data"]
 

@@ -1,12 +1,12 @@
 """The notebook side: a connected set of MPI engines (:class:`Engines`), and the runs on them
 (:class:`Run`; :class:`LocalRun` for a kernel without engines) with their failure reporting::
 
-    lab = cluster.start(n=2)                   # see pilab.cluster.profiles
+    lab = cluster.start(n=2)                   # see pilab.lab.cluster.profiles
     run = lab.train(cfg, np_=2, callbacks=[live])   # returns at once; rank 0's events reach `live`
     run.stop()                                 # every rank stops after its current step
     result = run.wait()                        # never hangs: a dead or stuck rank raises ClusterError
 
-A watcher thread per run reads rank 0's events (:class:`pilab.cluster.events.EventReader`) and watches the
+A watcher thread per run reads rank 0's events (:class:`pilab.lab.cluster.events.EventReader`) and watches the
 engines: an unregistered engine is a dead rank, an error from one rank while the others wait in a collective
 is a failed run, and no event for ``hang_s`` seconds is a hung one. Each is reported with the ranks, hosts,
 pids and (for local engines) their process status.
@@ -383,7 +383,7 @@ class Run:
                            "new cluster", e)
                 return
             quiet = time.monotonic() - self._last_event
-            # the ranks' own watchdogs (pilab.watchdog) look first: they can name an unreachable node
+            # the ranks' own watchdogs (pilab.engine.watchdog) look first: they can name an unreachable node
             if quiet > self.hang_s + WATCHDOG_GRACE_S:
                 status = _local_status(lab, ranks)
                 self._fail("hung", f"no progress from rank 0 for {quiet:.0f} s (hang_s={self.hang_s}) "
@@ -455,7 +455,7 @@ class LocalRun(Run):
             self._flag.set()
 
     def _work(self, cfg) -> None:
-        from .. import train  # torch, only once a local run starts: importing pilab.cluster stays light
+        from ...engine import train  # torch, only once a local run starts: importing pilab.lab.cluster stays light
 
         try:
             self.result = train.run(cfg, None, callbacks=[self._dispatch], stop=self._flag)
@@ -467,7 +467,7 @@ class LocalRun(Run):
             self._done.set()
 
 
-WATCHDOG_MARK = "pilab: watchdog:"  # = pilab.watchdog.MARK
+WATCHDOG_MARK = "pilab: watchdog:"  # = pilab.engine.watchdog.MARK
 WATCHDOG_GRACE_S = 20.0  # seconds the ranks' watchdogs get to probe their peers and end
 
 

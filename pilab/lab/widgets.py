@@ -1,6 +1,6 @@
 """A control panel for training runs in a notebook: settings, Start/Stop, progress, live plots.
 
-    from pilab import cluster, widgets
+    from pilab.lab import cluster, widgets
     lab = cluster.start(n=2)
     panel = widgets.ControlPanel(lab, widgets.quickstart_config())
     panel                      # shows the controls and the live plots
@@ -20,9 +20,9 @@ import os
 
 import ipywidgets as W
 
-from . import plots
-from .config import CHOICES, Config, ConfigError, small_mode
-from .model_names import MODEL_NAMES, WIDTH_RANGE
+from .. import plots
+from ..config import CHOICES, Config, ConfigError, small_mode
+from ..models.names import MODEL_NAMES, WIDTH_RANGE
 
 __all__ = ["ControlPanel", "Progress", "quickstart_config", "small_mode"]
 
@@ -63,7 +63,7 @@ def _dropdown(name: str, options, value, **kw):
 
 class ControlPanel:
     """Settings, Start/Stop buttons, a progress bar and live plots for runs on ``lab``'s engines
-    (a :class:`pilab.cluster.Engines`, or None to train in this kernel). See the module docstring.
+    (a :class:`pilab.lab.cluster.Engines`, or None to train in this kernel). See the module docstring.
 
     ``settings_only=True`` shows just the settings, for a cell below that reads ``panel.config()``
     (a study picks its own process counts, so a process slider or live plots would mislead)::
@@ -190,7 +190,7 @@ class ControlPanel:
             self._say("stopping after the current step…")
 
     def wait(self, timeout: float | None = None) -> dict | None:
-        """Wait for the current run (see :meth:`pilab.cluster.Run.wait`) and return its result."""
+        """Wait for the current run (see :meth:`pilab.lab.cluster.Run.wait`) and return its result."""
         if self.run is None:
             return None
         self.result = self.run.wait(timeout)

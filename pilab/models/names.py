@@ -1,12 +1,12 @@
 """The models pilab can build, by name, and the widths each takes -- without importing torch.
 
-``Config`` validation and the command line's ``--help`` need these facts; importing ``pilab.models``
+``Config`` validation and the command line's ``--help`` need these facts; importing ``pilab.models.zoo``
 (torch, ~2.5 s) for them would make every bad-argument error and every ``--help`` wait for torch::
 
-    from pilab.model_names import MODEL_NAMES, check_width
+    from pilab.models.names import MODEL_NAMES, check_width
     check_width("mobilenetv2_cifar", 0.5)        # None, or ValueError naming the fix
 
-``pilab/models.py`` registers one builder per name here and checks at import that the two lists agree.
+``pilab/models/zoo.py`` registers one builder per name here and checks at import that the two lists agree.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ prints one line naming the ranks and hosts that did not answer (or the rank the 
 ends this process. Every rank does the same, on every node, so no process is left behind even on a
 node nobody can reach any more::
 
-    from pilab.watchdog import Watchdog
+    from pilab.engine.watchdog import Watchdog
     with Watchdog(comm, hang_s=120) as wd:             # a collective: call it on every rank
         train.run(cfg, comm, stop=wd.polled(stop))     # each poll of `stop` is one step of progress
 

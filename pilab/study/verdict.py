@@ -2,7 +2,7 @@
 paragraph above the table says, so the CLI table, the HTML/PNG report, ``compare`` and the notebooks
 cannot disagree with each other or with their numbers::
 
-    from pilab import verdict
+    from pilab.study import verdict
     st = verdict.judge_study(study)          # a copy: every row gets verdict, verdict_why, efficiency_note
     [(r["np"], verdict.label(r), r["verdict_why"]) for r in st["rows"]]
     verdict.summary(st)                      # the paragraph; verdict.footnotes(st): notes under a table

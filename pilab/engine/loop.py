@@ -10,10 +10,10 @@
   accumulated in rank order as MPI sums them, the same buffer policy over the virtual rows.
 
 Everything else — data, schedule, step log, epoch record, evaluation cadence, events, result — is this
-module's, once. The public entry points are thin: ``pilab.train.run(cfg, comm=...)`` and
-``pilab.simulate.run(cfg, np_=...)``::
+module's, once. The public entry points are thin: ``pilab.engine.train.run(cfg, comm=...)`` and
+``pilab.engine.simulate.run(cfg, np_=...)``::
 
-    from pilab import engine
+    from pilab.engine import loop as engine
     result, model = engine.train(Config(epochs=1), engine.VirtualRanks(4))
     session = engine.Session(cfg, engine.MPIRanks(comm))      # one step at a time (tests)
     session.step(epoch=0, step=0)
@@ -40,19 +40,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import __version__, checkpoint, localsgd
-from . import data as data_mod
+from .. import __version__
+from . import checkpoint, localsgd
+from .. import data as data_mod
 from .checkpoint import RESUMABLE, CheckpointError, WriteError  # noqa: F401  (RESUMABLE: re-exported)
-from .config import EVAL_CHUNK, Config, ConfigError
-from .launch import mpi, mpi_versions
+from ..config import EVAL_CHUNK, Config, ConfigError
+from ..launch import mpi, mpi_versions
 from .ema import WeightAverage
 from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
                    reduce_sums, sync_buffers_, world)
-from .files import save_json
+from ..files import save_json
 from .layers import (RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_,
                      use_ghost_batchnorm, use_rank_dropout)
-from .memory import limit_allocator_caches
-from .models import build_model
+from ..models.memory import limit_allocator_caches
+from ..models.zoo import build_model
 from .optim import build_optimizer, lr_at, set_lr
 
 __all__ = ["train", "Session", "Keeper", "failure_reason", "result_from_checkpoint", "MPIRanks", "VirtualRanks",
@@ -242,7 +243,7 @@ class MPIRanks:
         # meta: [loss sum, correct, stop votes] ride with the last gradient bucket (plus every rank's
         # ready time, which GradSync adds), so a step has one synchronisation point, not two.
         # ... and so does each rank's network time of the step before (one slot per rank), which
-        # rank 0's straggler monitor compares live (pilab.stragglers)
+        # rank 0's straggler monitor compares live (pilab.engine.stragglers)
         self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, compression=cfg.compression,
                               meta=len(_META) + self.np_)
         self._prev_net = 0.0
@@ -315,7 +316,7 @@ class MPIRanks:
         """Every rank's own state, in rank order on rank 0 (None elsewhere): its BatchNorm running
         statistics (per rank with bn=local until settled) and its torch RNG state. A collective."""
         mine = {"bn": [b.detach().cpu().clone() for b in bn_buffers(model)], "rng": torch.get_rng_state()}
-        if self.local:  # local SGD: this rank's own parameters and momentum (see pilab.localsgd)
+        if self.local:  # local SGD: this rank's own parameters and momentum (see pilab.engine.localsgd)
             mine["local"] = localsgd.rank_state(self.params, self.optimizer)
         if self.comm is None or self.np_ == 1:
             return [mine]
@@ -363,7 +364,7 @@ class MPIRanks:
 
 
 class VirtualRanks:
-    """``np_`` ranks emulated in this process, exactly (see ``pilab.simulate``)."""
+    """``np_`` ranks emulated in this process, exactly (see ``pilab.engine.simulate``)."""
 
     simulated = True
     rank = 0
@@ -480,7 +481,7 @@ class VirtualRanks:
 
     def _local_step(self, cfg: Config, model, optimizer, epoch: int, step: int, ph, stop, save) -> StepResult:
         """A local-SGD step: each rank's own forward, backward and optimizer step on its own weights
-        (``pilab.localsgd.VirtualReplicas``), then, if due, the average MPI forms."""
+        (``pilab.engine.localsgd.VirtualReplicas``), then, if due, the average MPI forms."""
         np_, device = self.np_, self.device
         t0 = time.perf_counter()
         t_data, loss_sum, correct = 0.0, 0.0, 0.0
@@ -650,7 +651,7 @@ class Session:
         if ck.get("has_ranks") and self.resumed_np == self.np_:
             ranks.restore_rank_states(self.model, ck["ranks"] if self.rank == 0 else None)
         # The weights' moving average (cfg.ema_epochs: its time constant), updated where every rank's
-        # weights are the same: the same average on every rank with no communication (pilab.ema)
+        # weights are the same: the same average on every rank with no communication (pilab.engine.ema)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.ema = WeightAverage(self.params, math.exp(-1 / (cfg.ema_epochs * spe))) if cfg.ema_epochs else None
         self.enter_epoch(self.start_epoch)
@@ -723,7 +724,7 @@ class Session:
     def save_checkpoint(self, epoch: int, global_step: int, history: list, *, step_in_epoch: int = 0,
                         partial: dict | None = None, states: list | None = None) -> str:
         """``<out>/checkpoint-eNNNN.pt`` (``-sNNNNN`` mid-epoch; + ``checkpoint.pt``), checksummed (see
-        ``pilab.checkpoint``); raises ``WriteError`` with the earlier checkpoints intact. ``epoch`` is
+        ``pilab.engine.checkpoint``); raises ``WriteError`` with the earlier checkpoints intact. ``epoch`` is
         the number of full epochs done, ``step_in_epoch`` the steps of the next one done."""
         ck = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
               "epoch": epoch, "step": global_step, "np": self.np_, "config": self.cfg.to_dict(),
@@ -937,7 +938,7 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
         result["checkpoints"] = _checkpoint_summary(s)
         result["last_checkpoint"] = result["checkpoints"]["last"]
     result["stop_reason"] = stop_reason
-    result["started_at"], result["ended_at"] = run_started_at, time.time()  # see pilab.energy
+    result["started_at"], result["ended_at"] = run_started_at, time.time()  # see pilab.study.energy
     if write_error:
         result["write_error"] = write_error
     if s.rank == 0 and cfg.out:

@@ -2,12 +2,13 @@
 
     %%px
     from mpi4py import MPI
-    from pilab import cluster, train
+    from pilab.lab import cluster
+    from pilab.engine import train
     with cluster.stop_flag() as stop:              # a kernel interrupt stops every rank after a step
         result, model = train.train(cfg, MPI.COMM_WORLD, stop=stop)
     cluster.rank_state(MPI.COMM_WORLD, model, result)    # a table of what each rank holds, on rank 0
 
-mpi4py, torch and ``pilab.train`` are imported inside the functions that need them: importing mpi4py
+mpi4py, torch and ``pilab.engine.train`` are imported inside the functions that need them: importing mpi4py
 initialises MPI, and the notebook client imports this module (to send :func:`engine_train` to the
 engines) without becoming an MPI process or loading torch.
 """
@@ -19,7 +20,7 @@ import signal
 import socket
 import time
 
-from ..signals import handled
+from ...engine.signals import handled
 from .errors import ClusterError
 from .events import begin_stream, publish
 from .scatter import load_scattered
@@ -27,7 +28,7 @@ from .scatter import load_scattered
 
 def whoami() -> dict:
     """This engine's MPI rank, world size, host and pid."""
-    from ..launch import mpi
+    from ...launch import mpi
     MPI = mpi()  # on the engines only (see the module docstring)
 
     return {"rank": MPI.COMM_WORLD.Get_rank(), "size": MPI.COMM_WORLD.Get_size(),
@@ -81,8 +82,8 @@ def engine_train(cfg, np_: int | None = None, *, stream: bool = True, scatter: b
 
         lab.view.apply_async(cluster.engine_train, cfg, 2)     # what Engines.train does
     """
-    from ..harness import guarded_run  # these two on the engines only (see the module docstring)
-    from ..launch import mpi
+    from ...engine.harness import guarded_run  # these two on the engines only (see the module docstring)
+    from ...launch import mpi
     MPI = mpi()
 
     world = MPI.COMM_WORLD

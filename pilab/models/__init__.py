@@ -1,0 +1,3 @@
+"""The models: names and widths (``names``, no torch), the builders (``zoo``), predicted memory
+(``memory``). Importing this package imports none of them.
+"""
