@@ -1,8 +1,10 @@
 """The paper-size study beside the published figures (pilab.paper, `pilab compare --paper`): on a tiny real
 study of the real archive, and on whatever points of docs/paper-size/ have finished."""
+import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -98,9 +100,13 @@ def test_compare_paper_sets_a_tiny_real_study_beside_the_published_figures(tiny_
 
 def test_the_full_set_gets_its_image_counts_from_the_runs_for_the_performance_model(tiny_study, cifar_archive):
     r = json.loads((tiny_study / "np1" / "result.json").read_text())
-    whole = Config(data=str(cifar_archive), width=0.25)  # train_subset=0: the model cannot size it
+    whole = Config(data=str(cifar_archive), width=0.25)  # train_subset=0: all the images
+    # the study loaded the archive, so its cache gives the counts; a copy never loaded has none
+    assert perfmodel.predict(whole, 2, "pi4b_cluster")["n_train"] == 50000
+    other = tiny_study.parent / "never-loaded.tar.gz"
+    shutil.copyfile(cifar_archive, other)
     with pytest.raises(ConfigError, match="n_train"):
-        perfmodel.predict(whole, 2, "pi4b_cluster")
+        perfmodel.predict(dataclasses.replace(whole, data=str(other)), 2, "pi4b_cluster")
     sized = analysis.sized_for_model(whole, {1: r})
     assert (sized.train_subset, sized.test_subset) == (r["data"]["n_train"], r["data"]["n_test"])
     assert perfmodel.predict(sized, 2, "pi4b_cluster")["n_train"] == 480

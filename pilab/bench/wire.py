@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import engine
+from ..engine import loop as engine
 from ..config import Config
 from ..launch import mpi
-from ..optim import build_optimizer
+from ..engine.optim import build_optimizer
 from .stats import ratios, summary
 
 MPI = mpi()  # this module runs on the ranks of a launched job only
