@@ -38,12 +38,17 @@ def _processes_of_job(tag: str, out: str) -> list:
     return found
 
 
+def case_at(np_: int, case: str, tmp_path_factory) -> tuple[int, dict]:
+    """(np, what rank 0 wrote) of one mpi_worker case at np ranks; its exit status checked."""
+    out = tmp_path_factory.mktemp(f"{case}{np_}") / "res.json"
+    p = launch(np_, case, out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return np_, json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
 def measured(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"np{request.param}") / "res.json"
-    p = launch(request.param, "train", out)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return request.param, json.loads(out.read_text())
+    return case_at(request.param, "train", tmp_path_factory)
 
 
 def test_matches_single_process_average_of_rank_gradients(measured):
@@ -168,10 +173,7 @@ def test_stop_on_one_rank_stops_all_after_the_same_step(tmp_path):
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
 def local_run(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"local{request.param}") / "res.json"
-    p = launch(request.param, "local", out)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return request.param, json.loads(out.read_text())
+    return case_at(request.param, "local", tmp_path_factory)
 
 
 def test_local_sgd_ranks_hold_their_own_weights_until_an_average(local_run):

@@ -30,6 +30,7 @@ from ..engine import loop as engine
 from ..config import Config
 from ..launch import mpi
 from ..engine.optim import build_optimizer
+from .ranks import nap_barrier, slowest
 from .stats import ratios, summary
 
 MPI = mpi()  # this module runs on the ranks of a launched job only
@@ -37,16 +38,6 @@ COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 PORT = 29471  # gloo's rendezvous on the testbed's own addresses (nothing else listens there)
 CONTENDERS = ("ceiling", "pilab", "pilab_fp16", "pilab_one_bucket", "ddp_gloo", "ddp_gloo_1mb")
-
-
-def _nap_barrier() -> None:
-    req = COMM.Ibarrier()
-    while not req.Test():
-        time.sleep(1e-3)
-
-
-def _slowest(seconds: float) -> float:
-    return COMM.allreduce(seconds, op=MPI.MAX)
 
 
 def run(cfg: Config, rounds: int, repeat: int, master: str) -> dict:
@@ -113,19 +104,19 @@ def run(cfg: Config, rounds: int, repeat: int, master: str) -> dict:
     for r in range(-1, rounds):  # round -1: the warm-up, not kept
         order = CONTENDERS[r % len(CONTENDERS):] + CONTENDERS[:r % len(CONTENDERS)]
         for k in order:
-            _nap_barrier()
+            nap_barrier()
             ts = []
             for _ in range(repeat):
                 t = time.perf_counter()
                 steps[k]()
                 ts.append(time.perf_counter() - t)
             if r >= 0:
-                timings[k].append(_slowest(float(np.median(ts))))
+                timings[k].append(slowest(float(np.median(ts))))
     n_params = sum(p.numel() for p in base.model.parameters() if p.requires_grad)
     for s in sessions.values():
         s.ranks.close()
     tdist.destroy_process_group()
-    fwd = _slowest(float(np.median(forward[repeat:] or forward)))
+    fwd = slowest(float(np.median(forward[repeat:] or forward)))
     return {"np": SIZE, "model": cfg.model, "width": cfg.width, "per_rank_batch": cfg.batch_size,
             "threads": cfg.threads, "rounds": rounds, "steps_per_round": repeat, "params": n_params,
             "gradient_bytes": 4 * n_params, "forward_s": fwd,
