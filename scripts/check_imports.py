@@ -34,7 +34,8 @@ LAYERS = {
     "engine.train": 5, "engine.simulate": 5,
     "engine.harness": 5.2,  # one guarded run on the ranks (vote, signals, abort, watchdog): CLI, engines, the
                             # study's jobs
-    "perfmodel": 6, "study.energy": 6.5,  # energy: uses the perfmodel's Pi facts; the study uses it
+    "perfmodel": 6, "study.meters": 6.4, "study.energy": 6.5,  # meters: RAPL and power-meter logs (no pilab
+    # imports); energy: uses the perfmodel's Pi facts and the meters; the study uses it
     "bench": 6.8,  # benchmarks: the engine, the launcher, the harness's jobs and the performance model they check
     "study": 7,  # the scaling study, its analysis, comparisons, remedies, ablations, the paper, reports
     "lab.cluster": 9,

@@ -13,7 +13,8 @@ One module per concern (importing this package imports none of them)::
     paper      a study beside the published Pi-cluster figures
     tables     what the CLI prints and a notebook shows (plots.Table, plots.Paragraph)
     report     the only writer of a study's files: JSON, CSV, markdown, HTML (plots' figures), PNG
-    energy     power models, RAPL, meter logs, energy to target
+    energy     power models, energy of a run (modelled or measured) and to target
+    meters     measured energy: RAPL counters, a power meter's log
     verdict    the one logic that judges a study's rows (imports nothing from pilab: plots uses it)
 
     from pilab.study import scaling, tables
