@@ -513,3 +513,20 @@ def test_a_study_stores_each_run_once_by_reference(tmp_path):
     docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "fast-but-wrong")
     with open(os.path.join(docs, "naive", "study.json")) as f:
         assert all(set(r) >= {"file", "sha256"} for r in json.load(f)["runs"].values())
+
+
+def test_remedies_resume_continues_a_candidate_from_its_checkpoint(tmp_path):
+    # a search that stopped part-way through a candidate (here: its run cut at step 4 by max_steps, the
+    # epoch's checkpoint kept) goes on from that checkpoint with resume, instead of starting it again
+    from dataclasses import replace
+    cfg = Config(width=0.25, train_subset=256, test_subset=100, epochs=2, batch_size=16, threads=1,
+                 lr_ref_batch=16, checkpoint_every=1)
+    out = tmp_path / "rem"
+    remedies.search(replace(cfg, max_steps=4), 4, only=["linear lr"], reference_acc=0.3, out=str(out))
+    assert json.loads((out / "linear-lr" / "result.json").read_text())["steps_done"] == 4
+    res = remedies.search(cfg, 4, only=["linear lr"], reference_acc=0.3, out=str(out), resume=True)
+    assert res["candidates"][0]["kept"] == "continued from checkpoint.pt"
+    r = json.loads((out / "linear-lr" / "result.json").read_text())
+    assert (r["resumed_from_step"], r["steps_done"], r["stopped_early"]) == (4, 8, False)
+    # a checkpoint of other settings is not continued: that candidate runs from its start
+    assert remedies._part_way(str(out / "linear-lr"), replace(cfg, lr=0.5), 4) == ""

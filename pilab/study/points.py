@@ -40,7 +40,9 @@ def finished_run(path: str, p: int, cfg: Config, simulated: bool) -> dict | None
 _LR_RULE = ("lr", "lr_scaling", "lr_ref_batch")
 
 
-_NOT_TRAINING = ("out", "resume", "checkpoint_every", "keep")
+# how a run is kept and watched, not what it computes
+_NOT_TRAINING = ("out", "resume", "checkpoint_every", "keep", "checkpoint_minutes", "checkpoint_every_steps",
+                 "straggler_threshold", "straggler_steps")
 
 
 def same_training(saved: dict, cfg: Config, p: int) -> bool:

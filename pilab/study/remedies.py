@@ -27,7 +27,7 @@ import re
 from dataclasses import replace
 
 from .. import perfmodel
-from ..engine import simulate
+from ..engine import checkpoint, simulate
 from . import verdict as judging
 from ..config import Config, ConfigError, small_mode
 from ..engine.loop import load_data
@@ -290,18 +290,34 @@ def _candidate_run(c: Config, np_: int, ds, out, name: str, resume: bool, reuse,
     """The candidate's simulated run: kept from ``out`` (resume), taken from a study (reuse) or from
     ``known`` results, or run now and kept in ``out/<name>``; and where it came from ("" = run now)."""
     d = os.path.join(out, name) if out else None
+    part = ""  # a checkpoint of this candidate's run that an earlier search left part-way
     if resume and d:
         r = finished_run(os.path.join(d, "result.json"), np_, c, True)
         if r is not None:
             return r, "kept from the earlier search"
+        part = _part_way(d, c, np_)
     r = reused_run(reuse, np_, c, True, os.path.join(d, "result.json") if d else None)
     if r is not None:
         return r, f"reused from {r['reused_from']}"
     r = known_run(known, c, np_)
     if r is not None:
         return r, f"the run of '{r['known_as']}'" if r.get("known_as") else "a run already made"
-    res = simulate.run(replace(c, out=d or ""), np_, data=ds, callbacks=[step_events(callbacks)])
-    return res, ""
+    res = simulate.run(replace(c, out=d or "", resume=part), np_, data=ds, callbacks=[step_events(callbacks)])
+    return res, f"continued from {os.path.basename(part)}" if part else ""
+
+
+def _part_way(d: str, c: Config, np_: int) -> str:
+    """The newest checkpoint in ``d`` that ``c``'s run at ``np_`` can go on from, or "" (none, or another
+    run's): a search interrupted part-way through a candidate (a session that ended, Ctrl-C) continues it
+    with ``resume`` when its runs checkpoint (``--checkpoint-every``, ``--checkpoint-minutes``)."""
+    path = checkpoint.latest(d)
+    if not path:
+        return ""
+    try:
+        checkpoint.verify(checkpoint.read(path), c, np_, path)
+    except ConfigError:
+        return ""
+    return path
 
 
 def known_run(runs, c: Config, np_: int) -> dict | None:

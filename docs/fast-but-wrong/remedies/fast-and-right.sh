@@ -11,8 +11,8 @@
 #   seed 0      np=1 baseline (the reference), then every candidate, most telling first
 #   seeds 1, 2  np=1 (baseline and few-step recipe) and the three most accurate np=48 candidates of seed 0
 #
-# Each point is <out>/np<N>/seed<S>/<candidate>/result.json, kept once finished (`--resume`), so running
-# this again continues where it stopped; JOBS=2 (default) runs two points at a time. A point is ~10-25
+# Each point is <out>/np<N>/seed<S>/<candidate>/result.json, kept once finished (`--resume`; one cut
+# short goes on from its checkpoint), so running this again continues where it stopped; JOBS=2 (default) runs two points at a time. A point is ~10-25
 # minutes on an idle core (small per-rank batches cost more per image). Each invocation of `pilab
 # remedies --only` also leaves that seed's remedies.json with the point it ran; the table over seeds
 # (mean +- sd) is made once the points are in.
@@ -65,7 +65,10 @@ one() {  # seed np label: one point, kept in <here>/np<np>/seed<seed>/<label>/re
         ref=(--reference-acc 1.0)  # the reference itself: its own target is set when the table is made
     fi
     echo "fast-and-right.sh: $(date -u +%FT%TZ) seed $seed np=$np $label" >&2
+    # each point checkpoints every epoch and every 10 minutes: one cut short (a session that ended) goes on
+    # from its checkpoint when this runs again
     python -m pilab remedies --np "$np" "${proto[@]}" --seed "$seed" "${ref[@]}" --target pi4b_cluster \
+        --checkpoint-every 1 --checkpoint-minutes 10 --keep 1 \
         --out "$out" --resume --only "$label" ${extra[@]+"${extra[@]}"} >/dev/null
 }
 
