@@ -14,9 +14,8 @@
 # Each point is <out>/np<N>/seed<S>/<candidate>/result.json, kept once finished (`--resume`; one cut
 # short goes on from its checkpoint), so running this again continues where it stopped; JOBS=2 (default)
 # runs two points at a time. A point is ~10-25 minutes on an idle core (small per-rank batches cost more
-# per image). Each invocation of `pilab
-# remedies --only` also leaves that seed's remedies.json with the point it ran; the table over seeds
-# (mean +- sd) is made once the points are in.
+# per image). Each invocation of `pilab remedies --only` also leaves that seed's remedies.json with the
+# point it ran; the table over seeds (mean +- sd) is made once the points are in.
 set -euo pipefail
 main() {
 cd "$(dirname "$0")/../../.."
