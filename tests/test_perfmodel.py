@@ -10,7 +10,7 @@ import pytest
 
 from conftest import MPIEXEC, mpi_env
 from pilab import perfmodel as pm
-from pilab.config import Config
+from pilab.config import Config, ConfigError
 from pilab.perfmodel.allreduce import _critical_counts
 
 
@@ -332,3 +332,10 @@ def test_all_images_of_a_loaded_archive_are_counted_from_its_cache(cifar_archive
     cfg = Config(data=str(cifar_archive), width=0.25, train_subset=15000, test_subset=0)
     assert predict(cfg, 48, "pi4b_cluster")["n_test"] == 10000  # not an error asking for n_test=
     assert predict(dataclasses.replace(cfg, train_subset=0), 2, "pi4b_cluster")["n_train"] == 50000
+
+
+def test_a_setting_with_no_step_at_that_np_is_refused_with_the_fix():
+    # was a ZeroDivisionError in `pilab compare --paper` of two tiny studies (64 images at np=48)
+    from pilab.perfmodel.predict import predict
+    with pytest.raises(ConfigError, match="fewer than its batch of 8; use at least 384 training images"):
+        predict(Config(width=0.25, train_subset=64, test_subset=32, batch_size=8), 48, "pi4b_cluster", baseline_np=2)

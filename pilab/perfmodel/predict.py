@@ -165,6 +165,9 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
         return _with_speedup(out, cfg, p, cl, profile, baseline_np, n_train, n_test)
     b = cfg.per_rank_batch(p)
     steps = epoch_accounting(n_train, p, b, cfg.sharding, seed=cfg.seed)["steps"]
+    if steps < 1:  # no step to time (a speedup would divide by zero)
+        raise ConfigError(f"np={p}: each rank holds at most {-(-n_train // p)} of the {n_train} training images, "
+                          f"fewer than its batch of {b}; use at least {p * b} training images (or a smaller batch)")
     place = _placement(cfg, p, cl)
     layout = gradient_layout(cfg.model, cfg.width)
     rank = _rank_costs(cfg, p, b, cl, place, len(layout))
