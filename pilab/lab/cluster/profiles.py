@@ -26,7 +26,7 @@ from .client import Engines
 from .errors import ClusterError
 
 # The repository root: pilab/lab/cluster/profiles.py is three levels below it.
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 
 def profile_dir(profile: str = "mpi") -> str:
