@@ -41,11 +41,11 @@ def instrument():
         used.append((epoch, self.rank, [int(i) for i in idx], [int(v) for v in y]))
         return x, y
 
-    def evaluate(model, ds, comm, device, *batch):  # batch: the evaluation batch size, when given
+    def evaluate(model, ds, comm, device, *batch, **options):  # batch: the evaluation batch size; options: tta
         hook = model.register_forward_pre_hook(
             lambda m, args: seen.extend(_digest(row) for row in args[0].to(memory_format=torch.contiguous_format)))
         try:
-            return orig_eval(model, ds, comm, device, *batch)
+            return orig_eval(model, ds, comm, device, *batch, **options)
         finally:
             hook.remove()
 

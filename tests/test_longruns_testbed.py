@@ -95,7 +95,10 @@ def test_straggler_warnings(tb, tmp_path, case):
     kind = "compute" if case == "cpu" else "network"
     assert lines and lines[0].startswith(f"pilab: straggler ({kind}):"), lines
     mine = [s for s in r["stragglers"] if s["kind"] == kind]
-    assert mine and r["stragglers"][0]["kind"] == kind, r["stragglers"]
+    # the first one flagged is flagged for the right reason (on a loaded machine rank 0 may be flagged
+    # later too: waiting for node02's exchange shows up as its own network time)
+    first = min(r["stragglers"], key=lambda s: s["first_step"])
+    assert mine and first["kind"] == kind, r["stragglers"]
     if case == "cpu":
         assert "rank 1 (node02)" in lines[0] and "vcgencmd get_throttled" in lines[0], lines
         assert [(s["rank"], s["host"]) for s in mine] == [(1, "node02")]
@@ -130,7 +133,10 @@ def test_the_panel_marks_the_straggler_bar_and_says_why(tb, tmp_path):
         live(ev)
         panel._on_event(ev)
     factors = list(live.timeline.y_range.factors)
-    assert factors[0] == "0" and factors[1].startswith("1 ! compute +"), factors
+    # rank 1's bar is marked as the compute straggler; rank 0's is not (a network mark may join it on a
+    # loaded machine: waiting for rank 1's exchange)
+    assert factors[0] in ("0",) or factors[0].startswith("0 ! network +"), factors
+    assert factors[1].startswith("1 ! compute +"), factors
     assert list(live.ranks.data["rank"]) == factors  # the bar and its axis label agree
     assert "node02" in live.note.text and "vcgencmd" in live.note.text
     assert "straggler (compute)" in panel.status.value and "rank 1 (node02)" in panel.status.value
