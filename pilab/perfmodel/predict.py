@@ -247,8 +247,9 @@ def _ramped(cfg: Config, p: int, cl, profile: str, n_train: int, n_test: int) ->
     """A batch ramp (``cfg.batch_ramp``): each epoch predicted at its own batch, averaged per epoch."""
     from dataclasses import replace
 
-    parts = [predict(replace(cfg, batch_size=cfg.batch_at(e), batch_ramp=""), p, cl, profile,
-                     n_train=n_train, n_test=n_test) for e in range(cfg.epochs)]
+    by_batch = {b: predict(replace(cfg, batch_size=b, batch_ramp=""), p, cl, profile, n_train=n_train,
+                           n_test=n_test) for _, b in cfg.ramp()}  # once per batch, not per epoch
+    parts = [by_batch[cfg.batch_at(e)] for e in range(cfg.epochs)]
     out = dict(parts[0])
     for k in _EPOCH_SUMS:
         out[k] = sum(q[k] for q in parts) / cfg.epochs
