@@ -867,7 +867,7 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
                           window=2 * cfg.straggler_steps)
     if keeper is not None and s.rank == 0 and cfg.out:
         keeper.attach(lambda reason: _keep(s, epochs_log, steps_log, t_wall, run_started_at, reason, monitor),
-                      os.path.join(cfg.out, "result.json"))
+                      os.path.join(cfg.out, "result.json"), progress=lambda: len(steps_log["loss"]))
     try:
         for epoch in range(s.start_epoch, cfg.epochs):
             if gstep >= s.total_steps:
@@ -969,14 +969,32 @@ class Keeper:
             train.run(cfg, comm, stop=wd.polled(), keeper=keeper)
     """
 
+    SETTLE_S, SETTLE_MAX_S = 0.5, 3.0
+
     def __init__(self):
         import threading
         self._lock = threading.RLock()  # a signal handler may call it on the thread that holds it
         self._write = None
+        self._progress = None
         self.written: str | None = None  # the path written
 
-    def attach(self, write, path: str = "") -> None:
-        self._write, self._path = write, path
+    def attach(self, write, path: str = "", progress=None) -> None:
+        """``write(reason)`` writes the result; ``progress()`` counts the steps the run has recorded."""
+        self._write, self._path, self._progress = write, path, progress
+
+    def _settle(self) -> None:
+        # Called from another thread (a peer said it failed, the watchdog fired), the training thread
+        # may be between a step's finished exchange and its record: a failed peer lets it finish at most
+        # that one step, so wait until the count stops moving (briefly: the peer waits for our "ok").
+        import threading
+        if self._progress is None or threading.current_thread() is threading.main_thread():
+            return
+        end, last, since = time.monotonic() + self.SETTLE_MAX_S, self._progress(), time.monotonic()
+        while time.monotonic() < end and time.monotonic() - since < self.SETTLE_S:
+            time.sleep(0.05)
+            now = self._progress()
+            if now != last:
+                last, since = now, time.monotonic()
 
     def cleanup(self) -> None:
         """Remove a temporary file a write cut short left (a process about to ``os._exit``)."""
@@ -988,6 +1006,8 @@ class Keeper:
                 pass
 
     def __call__(self, reason: str) -> str | None:
+        if self._write is not None and self.written is None:
+            self._settle()
         with self._lock:
             if self._write is None or self.written is not None:
                 return self.written
