@@ -61,9 +61,11 @@ def reference_state(cfg: Config, ds, np_: int) -> list[dict]:
             x, y = loaders[r].batch(epoch, step)
             torch.manual_seed(layers.step_seed(cfg.seed, epoch, step, r))
             model.zero_grad(set_to_none=False)
-            F.cross_entropy(model(x), y).backward()
+            # each rank's gradient divided by np as MPI forms it: folded into backward's seed (GradSync.backward)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward(dist.grad_seed(loss, np_))
             for acc, p in zip(grads, params):
-                acc += p.grad / np_
+                acc += p.grad
             bufs[r] = {k: v.clone() for k, v in model.named_buffers()}
         for p, gr in zip(params, grads):
             p.grad.copy_(gr)

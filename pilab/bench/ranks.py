@@ -109,6 +109,7 @@ def comm_section(cfg: Config, rounds: int, repeat: int, buckets) -> dict:
                 if name == "raw":
                     COMM.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
                 elif name == "gradsync":
+                    gs.seeded = True  # as in training: backward (GradSync.backward) already divided them
                     gs.finish()
                 else:
                     bare()
@@ -137,7 +138,7 @@ def comm_section(cfg: Config, rounds: int, repeat: int, buckets) -> dict:
             for _ in range(repeat):
                 t = time.perf_counter()
                 opt.zero_grad(set_to_none=False)
-                F.cross_entropy(m(x), y).backward()
+                g.backward(F.cross_entropy(m(x), y))
                 cs = g.finish()
                 st.append(time.perf_counter() - t)
                 ex.append(cs.exposed)

@@ -47,7 +47,7 @@ from .checkpoint import RESUMABLE, CheckpointError, WriteError  # noqa: F401  (R
 from ..config import EVAL_CHUNK, Config, ConfigError
 from ..launch import mpi, mpi_versions
 from .ema import WeightAverage
-from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
+from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats, grad_seed,
                    reduce_sums, sync_buffers_, world)
 from ..files import save_json
 from .layers import (RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_,
@@ -275,7 +275,7 @@ class MPIRanks:
         nets = sync.meta[len(_META):len(_META) + self.np_]
         nets[:] = 0.0
         nets[self.rank] = self._prev_net
-        loss.backward()
+        sync.backward(loss)
         cstats = sync.finish()
         optimizer.step()
         averaged, sent = 0.0, cstats.bytes_sent
@@ -421,8 +421,8 @@ class VirtualRanks:
 
     def start(self, cfg: Config, model: nn.Module, optimizer) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # Averaged gradient, built as MPI builds it: each rank's mean-loss gradient divided by np,
-        # summed in rank order (GradSync pre-divides, then Allreduce sums).
+        # Averaged gradient, built as MPI builds it: each rank's backward seeded with 1/np (so its
+        # gradient comes out divided, as GradSync.backward does), the ranks' gradients summed in rank order.
         self.avg = [torch.zeros_like(p) for p in self.params]
         self.optimizer = optimizer
         self.replicas = None  # local SGD: every rank's weights and momentum, made at the first local step
@@ -455,12 +455,16 @@ class VirtualRanks:
                 out = model(x)
                 loss = F.cross_entropy(out.float(), y, label_smoothing=cfg.label_smoothing)
             optimizer.zero_grad(set_to_none=False)
-            loss.backward()  # the mean loss over these ranks' images (one rank: exactly its loss)
-            if not one_chunk:
-                grads = [p.grad for p in self.params]
-                # as MPI sums them: each rank's gradient divided by np, added in rank order
-                torch._foreach_add_(self.avg, torch._foreach_div(grads, np_) if r1 - r0 == 1
-                                    else torch._foreach_mul(grads, (r1 - r0) / np_))
+            if one_chunk:
+                loss.backward()  # the mean loss over every rank's images: the average itself
+            elif r1 - r0 == 1:
+                # as MPI forms it (GradSync.backward): each rank's backward seeded with 1/np, so its
+                # gradient comes out divided, and the ranks' gradients added in rank order
+                loss.backward(grad_seed(loss, np_))
+                torch._foreach_add_(self.avg, [p.grad for p in self.params])
+            else:  # several ranks per forward (the mean over their images): weighted by their share
+                loss.backward()
+                torch._foreach_add_(self.avg, torch._foreach_mul([p.grad for p in self.params], (r1 - r0) / np_))
             with torch.no_grad():
                 if self.defer_metrics:
                     loss_sum = loss_sum + loss.detach() * (b * (r1 - r0))
