@@ -61,9 +61,9 @@ def reference_state(cfg: Config, ds, np_: int) -> list[dict]:
             x, y = loaders[r].batch(epoch, step)
             torch.manual_seed(layers.step_seed(cfg.seed, epoch, step, r))
             model.zero_grad(set_to_none=False)
-            # each rank's gradient divided by np as MPI forms it: folded into backward's seed (GradSync.backward)
+            # each rank's gradient divided by np as MPI forms it: the loss scaled by 1/np (GradSync.backward)
             loss = F.cross_entropy(model(x), y)
-            loss.backward(dist.grad_seed(loss, np_))
+            dist.share_of_mean(loss, np_).backward()
             for acc, p in zip(grads, params):
                 acc += p.grad
             bufs[r] = {k: v.clone() for k, v in model.named_buffers()}

@@ -241,7 +241,8 @@ def test_prediction_within_15_percent_of_a_real_rank(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
     predicted = r["predicted"]["peak"]
-    assert predicted == memory.predict_peak_bytes(Config.from_dict(r["config"]), np_=2)
+    assert r["malloc"] == "fast"  # two such ranks fit this machine: malloc keeps freed memory
+    assert predicted == memory.predict_peak_bytes(Config.from_dict(r["config"]), np_=2, allocator="fast")
     for rank in r["ranks"]:
         assert abs(predicted - rank["peak"]) <= 0.15 * rank["peak"], (predicted, rank)
         parts = ("runtime", "data", "model", "activations", "allocator")

@@ -12,7 +12,8 @@ per round, reported as median and p10-p90 / min-max. Sections that need ranks ru
 (``pilab.launch.run_job`` over ``pilab.bench.ranks`` / ``pilab.bench.memory`` / ``pilab.engine.harness``; a
 failed job raises ``launch.JobError``).
 
-* ``one_rank``: pilab's one-rank step vs a bare PyTorch loop; ``models``: images/s per model and layout;
+* ``one_rank``: pilab's one-rank step vs a bare PyTorch loop; ``malloc``: that step with malloc "fast"
+  (freed memory kept) vs "lean" (returned at once), a fresh process each; ``models``: images/s per model and layout;
 * ``data``: ShardLoader vs a per-sample Dataset + DataLoader; ``cache``: decoding the data set vs the
   cached reload; ``simulator``: exact vs fast, np 1/8/48;
 * ``checkpoint``: one mid-epoch checkpoint (ms, bytes) and its share of the 10-minute multi-node interval;
@@ -40,7 +41,8 @@ import os
 import platform
 import time
 
-SECTIONS = ("one_rank", "models", "data", "cache", "simulator", "checkpoint", "cli", "ranks", "sync", "memory")
+SECTIONS = ("one_rank", "malloc", "models", "data", "cache", "simulator", "checkpoint", "cli", "ranks", "sync",
+            "memory")
 # not in the default run: the fast mode's 100-step deviation (~7 min here), the performance model
 # against real runs (~4 min), its network half on a testbed (~15 min, root)
 EXTRA_SECTIONS = ("deviation", "perfmodel", "network")
@@ -117,6 +119,9 @@ def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", mark
         cfg = Config(width=0.25 if q else 1.0, batch_size=16 if q else 64, threads=1,
                      train_subset=512 if q else 0)
         timed("one_rank", lambda: local.one_rank(cfg, 5 if q else 10, 2 if q else 3))
+    if "malloc" in sections:
+        mcfg = Config(width=0.25 if q else 1.0, batch_size=16 if q else 64, threads=1, train_subset=512 if q else 0)
+        timed("malloc", lambda: local.malloc(mcfg, 2 if q else 5, 2 if q else 4))
     if "models" in sections:
         models = [("mobilenetv2_cifar", 0.25), ("mobilenetv2", 0.25), ("squeezenet1_1", 1.0)] if q else local.MODELS
         timed("models", lambda: local.models(16 if q else 64, 5, 1 if q else 2, models))
@@ -207,14 +212,17 @@ def memory_section(quick: bool, mpiexec: str | None = None, log=print, before=()
     else:
         settings = [dict(data=data, **MEMORY_STUDY, eval_batch=MEMORY_TABLE_EVAL_BATCH),
                     dict(data=data, **MEMORY_STUDY)]
-    for st in settings:
-        log(f"bench: memory at {st}")
-        out["rows"].append(memory_job(st, mpiexec))
+    # The goal is what a rank needs: malloc "lean" (pilab.models.memory); the first setting once more as a
+    # rank runs where it fits ("fast": freed memory kept for the next step), to show what that costs.
+    lean, fast = {"PILAB_ALLOCATOR": "lean"}, {"PILAB_ALLOCATOR": "fast"}
+    for st, env in [(st, lean) for st in settings] + [(settings[0], fast)]:
+        log(f"bench: memory at {st}, {env}")
+        out["rows"].append(memory_job(st, mpiexec, env=env))
     table = [] if quick else [dict(data=data, width=w, batch_size=b, threads=2, steps=2, test_subset=1000,
                                    eval_batch=MEMORY_TABLE_EVAL_BATCH) for w, b in MEMORY_TABLE]
     for st in table:
         log(f"bench: memory prediction at {st}")
-        out["table"].append(memory_job(st, mpiexec))
+        out["table"].append(memory_job(st, mpiexec, env=lean))
     return out
 
 

@@ -266,3 +266,50 @@ def cli_startup(rounds: int, repeat: int = 2) -> dict:
     s = alternate({"python": start("-c", "pass"), "help": start("-m", "pilab", "--help")}, rounds, repeat)
     return {"seconds": {n: summary(v) for n, v in s.items()}, "help_over_python": summary(ratios(s, "help", "python")),
             "goal_s": 1.0, "raw": s}
+
+
+def _malloc_child(cfg: Config, mode: str, steps: int, queue) -> None:
+    """One process (malloc is per process): PILAB_ALLOCATOR=mode, a Session, 2 untimed steps, then
+    ``steps`` timed ones; puts (seconds per step, minor page faults per step, kernel share) on ``queue``."""
+    import os
+    import resource
+    os.environ["PILAB_ALLOCATOR"] = mode
+    torch.set_num_threads(cfg.threads)
+    session = engine.Session(cfg, engine.MPIRanks(None))
+    spe = session.steps_per_epoch
+    for k in range(2):
+        session.step(*divmod(k % spe, spe))
+    r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    for k in range(2, 2 + steps):
+        session.step(*divmod(k % spe, spe))
+    seconds, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    queue.put((seconds / steps, (r1.ru_minflt - r0.ru_minflt) / steps,
+               (r1.ru_stime - r0.ru_stime) / cpu if cpu else 0.0, session.allocator))
+    session.ranks.close()
+
+
+def malloc(cfg: Config, rounds: int, steps: int) -> dict:
+    """pilab's one-rank step with malloc "fast" (freed memory kept for the next step) vs "lean" (blocks
+    from 1 MiB up returned at once; ``pilab.models.memory``): each contender a fresh process per round,
+    the order rotated; seconds per step, minor page faults per step and the share of CPU time spent in
+    the kernel."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    modes = ["fast", "lean"]
+    raw = {m: {"step": [], "faults": [], "kernel": []} for m in modes}
+    for r in range(rounds):
+        for mode in modes[r % 2:] + modes[:r % 2]:
+            q = ctx.Queue()
+            p = ctx.Process(target=_malloc_child, args=(cfg, mode, steps, q))
+            p.start()
+            step, faults, kernel, used = q.get(timeout=600)
+            p.join()
+            if used != mode:
+                raise RuntimeError(f"malloc bench: the rank ran with {used!r}, not {mode!r}")
+            raw[mode]["step"].append(step)
+            raw[mode]["faults"].append(faults)
+            raw[mode]["kernel"].append(kernel)
+    return {"model": cfg.model, "width": cfg.width, "batch": cfg.batch_size, "threads": cfg.threads, "steps": steps,
+            **{m: {k: summary(v) for k, v in raw[m].items()} for m in modes}, "raw": raw,
+            "ratio_lean_over_fast": summary([a / b for a, b in zip(raw["lean"]["step"], raw["fast"]["step"])])}

@@ -104,7 +104,7 @@ def measure(cfg: Config, steps: int, comm) -> dict:
     runtime = RUNTIME_WITH_TORCH
     return {"rank": comm.Get_rank(), "peak": peak, "phases": phases, "runtime": runtime,
             "python_only": RUNTIME, "data": data, "model": model, "activations": saved[0],
-            "allocator": peak - runtime - data - model - saved[0],
+            "allocator": peak - runtime - data - model - saved[0], "malloc": sess.allocator,
             "maxrss_self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
@@ -131,7 +131,8 @@ def main(argv=None) -> int:
                "env": {k: os.environ[k] for k in ("MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_",
                                                   "ONEDNN_PRIMITIVE_CACHE_CAPACITY") if k in os.environ},
                "ranks": ranks, "peak_max": max(r["peak"] for r in ranks),
-               "predicted": breakdown(cfg, np_=comm.Get_size())}
+               "malloc": ranks[0]["malloc"],
+               "predicted": breakdown(cfg, np_=comm.Get_size(), allocator=ranks[0]["malloc"])}
         tmp = a.out + ".tmp"
         with open(tmp, "w") as f:
             json.dump(res, f, indent=1)

@@ -45,7 +45,7 @@ def markdown_report(res: dict) -> str:
         + (f"; the rank job: `{ranks['command']}`" if ranks.get("command") else ""),
         "",
     ]
-    for part in (_one_rank(res), _models(res), _data(res), _cache(res), _comm(ranks), _sync(res), _e2e(ranks),
+    for part in (_one_rank(res), _malloc(res), _models(res), _data(res), _cache(res), _comm(ranks, res), _sync(res), _e2e(ranks, res),
                  _memory(ranks), _memory_per_rank(res), _simulator(res), _checkpoint(res), _cli(res), _perfmodel(res),
                  _network(res), _gpu(res)):
         out += part
@@ -64,6 +64,22 @@ def _one_rank(res: dict) -> list[str]:
                 f"| speed ratio bare time / pilab time | {_r(o['ratio_bare_over_pilab'], 3)} — "
                 f"{_goal(o['ratio_bare_over_pilab'], '>=', 0.98)} |", ""]
     return out
+
+
+def _malloc(res: dict) -> list[str]:
+    m = res.get("malloc")
+    if not m:
+        return []
+    rows = [f"| {mode} | {_ms(m[mode]['step'])} | {_r(m[mode]['faults'], 0)} | {_r(m[mode]['kernel'])} |"
+            for mode in ("fast", "lean")]
+    return ["## malloc: freed memory kept for the next step vs returned at once", "",
+            f"{m['model']} width {m['width']}, batch {m['batch']}, {m['threads']} thread; pilab's one-rank step, "
+            f"each contender a fresh process per round (malloc is per process), {m['steps']} timed steps after 2. "
+            "*fast*: glibc keeps freed blocks (mmap threshold 1 GiB, no trimming) — what a rank uses where it "
+            "fits; *lean*: blocks from 1 MiB up mapped on their own and returned at once — the lowest peak, "
+            "for a node where fast would not fit (`pilab.models.memory.choose_allocator`). " + _when(res), "",
+            "| malloc | step | minor page faults per step | kernel share of CPU time |", "|---|---|---|---|",
+            *rows, "", f"Step time lean / fast: {_r(m['ratio_lean_over_fast'])}.", ""]
 
 
 def _models(res: dict) -> list[str]:
@@ -213,13 +229,14 @@ def _wire(n: dict) -> list[str]:
             wire_table(rows), ""]
 
 
-def _comm(ranks: dict) -> list[str]:
+def _comm(ranks: dict, res: dict) -> list[str]:
     out: list[str] = []
     if ranks.get("comm"):
         c = ranks["comm"]
         bw = c["bandwidth"]
         out += ["## Communication (np=2, shared memory)", "",
-                f"Gradients of the e2e model: {bw['bytes'] / 2 ** 20:.1f} MiB in {bw['buckets']} bucket(s) of 1 MiB.",
+                f"Gradients of the e2e model: {bw['bytes'] / 2 ** 20:.1f} MiB in {bw['buckets']} bucket(s) of 1 MiB "
+                "(GradSync sends buckets that are ready together as one message). " + _when(res),
                 "", "| figure | value |", "|---|---|",
                 f"| raw Allreduce GB/s | {_r(bw['raw_gb_per_s'])} |",
                 f"| GradSync exchange GB/s (all buckets, no overlap) | {_r(bw['gradsync_gb_per_s'])} |",
@@ -248,7 +265,7 @@ def _comm(ranks: dict) -> list[str]:
     return out
 
 
-def _e2e(ranks: dict) -> list[str]:
+def _e2e(ranks: dict, res: dict) -> list[str]:
     out: list[str] = []
     if ranks.get("e2e"):
         e = ranks["e2e"]
@@ -259,7 +276,7 @@ def _e2e(ranks: dict) -> list[str]:
                 "the slower rank). *ceiling*: no exchange; *floor*: plus one 8-byte Allreduce per step; *DDP-gloo*: "
                 "torch DDP (defaults, broadcast_buffers=False) over gloo on 127.0.0.1; *pilab before*: GradSync as it "
                 "was before issue 12; *pilab spin*: today's pilab with MPI's busy Waitall; *np=1*: rank 0 alone "
-                "(rank 1 asleep).", "",
+                "(rank 1 asleep). " + _when(res), "",
                 "| contender | step |", "|---|---|"]
         for k in ("ceiling", "floor", "pilab", "pilab_spin", "pilab_before", "ddp_gloo", "np1"):
             out.append(f"| {k} | {_ms(st.get(k))} |")
@@ -323,7 +340,9 @@ def _memory_per_rank(res: dict) -> list[str]:
            "the rank's shard (uint8) and its share of the test set; model: parameters, gradient buckets, momentum; "
            "activations: what autograd saved in a step's forward; allocator: the rest of the peak (the code "
            "pages of the kernels a step ran, oneDNN's caches, glibc's free lists, gradients in flight). Goal: "
-           "peak <= 900 MB per rank at the study's setting.", "",
+           "peak <= 900 MB per rank at the study's setting with malloc lean (what a rank needs; a rank keeps "
+           "freed memory for its next step, malloc fast, where the node has room: "
+           "`pilab.models.memory.choose_allocator`).", "",
            "| setting | runtime | data | model | activations | allocator | peak (load / set-up / train / eval) | "
            "predicted | goal |" + (" before |" if before else ""), "|---|---|---|---|---|---|---|---|---|"
            + ("---|" if before else "")]
@@ -335,11 +354,12 @@ def _memory_per_rank(res: dict) -> list[str]:
         was = before.get(_memory_setting(row))
         if was is not None:
             shown.append(was)
+        malloc = row.get("malloc", "lean")
         out.append(f"| width {c['width']}, {c['batch_size']} per rank, {c['threads']} threads, eval batch "
-                   f"{c['eval_batch']} | {_mb(r['runtime'])} | {_mb(r['data'])} | {_mb(r['model'])} | "
+                   f"{c['eval_batch']}, malloc {malloc} | {_mb(r['runtime'])} | {_mb(r['data'])} | {_mb(r['model'])} | "
                    f"{_mb(r['activations'])} | {_mb(r['allocator'])} | **{_mb(r['peak'])}** ({_mb(ph['load'])} / "
                    f"{_mb(ph['setup'])} / {_mb(ph['train'])} / {_mb(ph['eval'])}) | {_mb(row['predicted']['peak'])} | "
-                   f"{'met' if r['peak'] <= 900e6 else 'NOT met'} |"
+                   f"{('met' if r['peak'] <= 900e6 else 'NOT met') if malloc == 'lean' else 'n/a'} |"
                    + (f" {_before_cell(was)} |" if before else ""))
     out += [""] + [f"- `{row['command']}`" for row in mem["rows"]] + [""]
     if shown:

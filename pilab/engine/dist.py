@@ -236,10 +236,12 @@ class StepComm:
     tests: int = 0  # Testall calls made from the gradient hooks this step
 
 
-def grad_seed(loss: torch.Tensor, size: int) -> torch.Tensor:
-    """The gradient that starts backward from ``loss`` when the average over ``size`` ranks is folded into
-    it (``GradSync.backward``; the simulator uses the same value, so its sums match MPI's bit for bit)."""
-    return torch.full_like(loss, 1.0 / size)
+def share_of_mean(loss: torch.Tensor, size: int) -> torch.Tensor:
+    """``loss`` times 1/size: its backward starts from 1/size, so each gradient comes out as this rank's
+    share of the average over ``size`` ranks (``GradSync.backward``; the simulator's ranks use the same,
+    so its sums match MPI's bit for bit). A product, not ``backward(gradient=...)``: torch checks an
+    explicit gradient's shape with its symbolic-shape module, whose import brings sympy (~70 MB a rank)."""
+    return loss * (1.0 / size)
 
 
 class _Bucket:
@@ -295,7 +297,7 @@ class GradSync:
 
     Each rank's gradient is divided by the world size before it is sent (so the sum is the mean, and with
     ``compression="fp16"`` the sum of np halves cannot overflow): for free when the caller runs backward
-    through ``sync.backward(loss)``, which seeds autograd with 1/size; by a pass over each bucket
+    through ``sync.backward(loss)``, which scales the loss by 1/size; by a pass over each bucket
     otherwise. With ``compression="fp16"`` the bucket is sent as half precision: half the bytes.
 
         sync = GradSync(model, comm, bucket_mb=1.0, meta=2)
@@ -395,18 +397,18 @@ class GradSync:
         self._t0 = t0
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` with the average's 1/size folded into autograd's seed: the gradients come
-        out already divided, so a bucket is sent as it is (no pass over its bytes to divide it, which cost
+        """``loss.backward()`` with the average's 1/size folded into the loss (``share_of_mean``): the
+        gradients come out already divided, so a bucket is sent as it is (no pass over its bytes to divide it, which cost
         GradSync a seventh of its shared-memory bandwidth). A local-SGD step keeps its own gradient::
 
             sync.backward(loss)     # instead of loss.backward()
             sync.finish()
 
-        The simulator seeds its ranks' backward passes alike (``pilab.engine.loop.VirtualRanks``), so the
+        The simulator scales its ranks' losses alike (``pilab.engine.loop.VirtualRanks``), so the
         two still form the same sums bit for bit."""
         if self.size > 1 and self.exchange:
             self.seeded = True
-            loss.backward(grad_seed(loss, self.size))
+            share_of_mean(loss, self.size).backward()
         else:
             loss.backward()
 

@@ -47,12 +47,12 @@ from .checkpoint import RESUMABLE, CheckpointError, WriteError  # noqa: F401  (R
 from ..config import EVAL_CHUNK, Config, ConfigError
 from ..launch import mpi, mpi_versions
 from .ema import WeightAverage
-from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats, grad_seed,
-                   reduce_sums, sync_buffers_, world)
+from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
+                   reduce_sums, share_of_mean, sync_buffers_, world)
 from ..files import save_json
 from .layers import (RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_,
                      use_ghost_batchnorm, use_rank_dropout)
-from ..models.memory import limit_allocator_caches
+from ..models import memory
 from ..models.zoo import build_model
 from .optim import build_optimizer, lr_at, set_lr
 
@@ -421,8 +421,8 @@ class VirtualRanks:
 
     def start(self, cfg: Config, model: nn.Module, optimizer) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # Averaged gradient, built as MPI builds it: each rank's backward seeded with 1/np (so its
-        # gradient comes out divided, as GradSync.backward does), the ranks' gradients summed in rank order.
+        # Averaged gradient, built as MPI builds it: each rank's loss scaled by 1/np before backward (so
+        # its gradient comes out divided, as GradSync.backward does), the ranks' gradients summed in rank order.
         self.avg = [torch.zeros_like(p) for p in self.params]
         self.optimizer = optimizer
         self.replicas = None  # local SGD: every rank's weights and momentum, made at the first local step
@@ -458,9 +458,9 @@ class VirtualRanks:
             if one_chunk:
                 loss.backward()  # the mean loss over every rank's images: the average itself
             elif r1 - r0 == 1:
-                # as MPI forms it (GradSync.backward): each rank's backward seeded with 1/np, so its
-                # gradient comes out divided, and the ranks' gradients added in rank order
-                loss.backward(grad_seed(loss, np_))
+                # as MPI forms it (GradSync.backward): each rank's loss scaled by 1/np, so its gradient
+                # comes out divided, and the ranks' gradients added in rank order
+                share_of_mean(loss, np_).backward()
                 torch._foreach_add_(self.avg, [p.grad for p in self.params])
             else:  # several ranks per forward (the mean over their images): weighted by their share
                 loss.backward()
@@ -593,9 +593,14 @@ class Session:
         if isinstance(data, Handoff):
             data = data.take()
         ranks.check(cfg)
-        limit_allocator_caches()  # freed activations go back to the OS: a lower peak, the same numbers
         self.cfg, self.ranks = cfg, ranks
         self.np_, self.rank = ranks.np_, ranks.rank
+        # malloc kept "fast" (a step reuses the last step's freed memory, no page faults) where this
+        # node's ranks fit with it, else "lean" (pilab.models.memory); the numbers computed are the same
+        self.allocator = memory.choose_allocator(cfg, np_=None if ranks.simulated else self.np_,
+                                                 ranks_per_node=local_ranks(ranks),
+                                                 node_bytes=memory.host_memory_bytes())
+        memory.tune_allocator(self.allocator)
         self.device = resolve_device(cfg)
         self.threads = ranks.threads(cfg)
         torch.set_num_threads(self.threads)
@@ -956,6 +961,18 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
     return result, s.model
 
 
+def local_ranks(ranks) -> int:
+    """The ranks on this node, as the launcher says (Hydra's MPI_LOCALNRANKS, Open MPI's local size);
+    one for a single process (the simulator, np=1, an unknown launcher)."""
+    if getattr(ranks, "simulated", False):
+        return 1
+    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
 def failure_reason(rank: int, e: BaseException) -> str:
     """One line naming the rank, its host and the exception (a result's ``stop_reason``)."""
     text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
@@ -1139,7 +1156,7 @@ def _result(s: Session, epochs_log: list, steps_log: dict, bytes_per_step: int, 
     train_total = sum(e["time"] for e in new)
     images_total = sum(e["images"] for e in new)
     return {
-        "pilab_version": __version__, **s.ranks.extras(), "config": cfg.to_dict(),
+        "pilab_version": __version__, **s.ranks.extras(), "config": cfg.to_dict(), "allocator": s.allocator,
         "np": s.np_, "threads": s.threads,
         "per_rank_batch": cfg.per_rank_batch(s.np_), "global_batch": cfg.global_batch(s.np_), "peak_lr": s.peak_lr,
         "warmup_steps": s.warmup_steps, "steps_per_epoch": s.steps_per_epoch,
