@@ -205,3 +205,41 @@ def test_a_runs_summary_says_whether_it_learned():
     assert "to 33.0%: well above chance" in words and "2 ranks" in words and "32 per rank" in words
     run["epochs"][-1]["test_acc"] = 0.11
     assert "near chance" in plots.run_summary(run)
+
+
+def test_the_seeds_table_of_the_committed_fast_and_right_points(tmp_path):
+    # the committed points of docs/fast-but-wrong/remedies/full-test (real 10-epoch runs, all 10,000 test
+    # images): each row is its result.json's final accuracy, judged against the np=1 baseline
+    import json
+    import shutil
+    from pathlib import Path
+    from pilab.study import seeds
+    root = Path(__file__).resolve().parents[1] / "docs" / "fast-but-wrong" / "remedies" / "full-test"
+    tab = seeds.table(str(root))
+    ref = json.loads((root / "np1" / "seed0" / "baseline" / "result.json").read_text())["epochs"][-1]["test_acc"]
+    assert tab["reference_acc"] == ref and abs(tab["target"] - (ref - 0.01)) < 1e-12
+    rows = {(r["np"], r["slug"]): r for r in tab["rows"]}
+    base48 = json.loads((root / "np48" / "seed0" / "baseline" / "result.json").read_text())
+    r = rows[(48, "baseline")]
+    assert r["acc_mean"] == base48["epochs"][-1]["test_acc"] and r["acc_sd"] is None and r["n"] == 1
+    assert r["delta_vs_np1_same_recipe"] == r["acc_mean"] - ref and r["goal"] is False
+    assert r["time_to_target_speedup"] is None  # 0.37 never reaches the target: no time, not a number
+    assert r["predicted_pi_speedup"] > 15  # fast (and wrong)
+    assert rows[(1, "baseline")]["delta_vs_np1_baseline"] == 0.0
+    text = seeds.markdown(tab)
+    assert "| baseline | 48 |" in text and "no candidate meets it yet" in text
+    # a second seed of the np=48 baseline: mean and sample sd over the two
+    copy = tmp_path / "study"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("*.pt", "*.html", "*.png", "remedies.json"))
+    twin = dict(base48, epochs=[dict(e) for e in base48["epochs"]])
+    twin["epochs"][-1]["test_acc"] = base48["epochs"][-1]["test_acc"] + 0.02
+    (copy / "np48" / "seed1" / "baseline").mkdir(parents=True)
+    (copy / "np48" / "seed1" / "baseline" / "result.json").write_text(json.dumps(twin))
+    r2 = {(r["np"], r["slug"]): r for r in seeds.table(str(copy))["rows"]}[(48, "baseline")]
+    assert r2["n"] == 2 and abs(r2["acc_mean"] - (r["acc_mean"] + 0.01)) < 1e-12
+    assert abs(r2["acc_sd"] - 0.02 / 2 ** 0.5) < 1e-12
+    # without the np=1 baseline: one line, exit 2, nothing written
+    shutil.rmtree(copy / "np1")
+    p = subprocess.run([sys.executable, "-m", "pilab.study.seeds", str(copy), "--out", str(tmp_path / "t")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "no finished np=1 baseline" in p.stderr and not list(tmp_path.glob("t.*"))

@@ -15,7 +15,8 @@
 # short goes on from its checkpoint), so running this again continues where it stopped; JOBS=2 (default)
 # runs two points at a time. A point is ~10-25 minutes on an idle core (small per-rank batches cost more
 # per image). Each invocation of `pilab remedies --only` also leaves that seed's remedies.json with the
-# point it ran; the table over seeds (mean +- sd) is made once the points are in.
+# point it ran. The table over seeds (mean +- sd, the predicted Pi and time-to-target speedups, the goal per
+# row) is made at the end, and from whatever is finished by `bash fast-and-right.sh --table`.
 set -euo pipefail
 main() {
 cd "$(dirname "$0")/../../.."
@@ -31,6 +32,7 @@ self=$(realpath "$0")
 read -r -a extra <<<"${FAST_RIGHT_ARGS:-}"
 
 if [[ ${1:-} == --one ]]; then one "$2" "$3" "$4"; return; fi
+if [[ ${1:-} == --table ]]; then table; return; fi
 
 first=("1|baseline"
        "48|baseline" "48|local SGD H=8 at 8 per rank" "48|few-step recipe" "1|few-step recipe"
@@ -52,6 +54,11 @@ for seed in 1 2; do
     printf "$seed|%s\n" "1|few-step recipe" "${best[@]/#/48|}" | tr '\n' '\0' | xargs -0 -P "${JOBS:-2}" -I{} \
         bash -c 'IFS="|" read -r s n l <<<"$1"; exec bash "$0" --one "$s" "$n" "$l"' "$self" {}
 done
+table
+}
+
+table() {  # the table over seeds of every finished point: <here>/table.md and table.json (pilab.study.seeds)
+    python -m pilab.study.seeds "$here" --out "$here/table"
 }
 
 one() {  # seed np label: one point, kept in <here>/np<np>/seed<seed>/<label>/result.json

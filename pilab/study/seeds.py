@@ -1,0 +1,177 @@
+"""The table over seeds of a fast-and-right study: every candidate at np=48 and at np=1, final accuracy
+as mean ± sd over the seeds it ran, beside the predicted Pi speedup and the MLPerf-style time-to-target
+speedup over one node; the goal of issue 20 judged per row.
+
+A study is a folder of finished points ``<root>/np<N>/seed<S>/<slug>/result.json`` (what
+docs/fast-but-wrong/remedies/fast-and-right.sh writes, one ``pilab remedies --only`` per point)::
+
+    tab = seeds.table("docs/fast-but-wrong/remedies/full-test")
+    print(seeds.markdown(tab))
+    python -m pilab.study.seeds docs/fast-but-wrong/remedies/full-test --out table   # table.md, table.json
+
+The target (MLPerf / DAWNBench rules, ``analysis.time_to_target``): the np=1 baseline's mean accuracy
+less ``GOAL_POINTS``. "One node" is the Pi cluster's speed baseline (2 ranks on one Pi 4B, its whole run
+predicted by ``pilab.perfmodel``), and it reaches the target after the epochs the np=1 baseline needed
+(mean over seeds): the accuracy curve of np=2 at 32 images a rank is taken to be np=1's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+from ..config import Config
+from . import remedies
+from .analysis import target_baseline, time_to_target
+
+GOAL_POINTS = 0.01  # np=48 within 1 point of np=1 (mean of the seeds)
+GOAL_SPEEDUP = 15.0  # predicted Pi whole-run speedup over one node, and time-to-target speedup
+CALIBRATION = "pi4b_cluster"
+
+
+def points(root: str) -> dict[tuple[int, str], dict[int, dict]]:
+    """{(np, slug): {seed: result}} of every finished point under ``root`` (a point cut short is left out)."""
+    out: dict[tuple[int, str], dict[int, dict]] = {}
+    for np_dir in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if not (np_dir.startswith("np") and np_dir[2:].isdigit()):
+            continue
+        for seed_dir in sorted(os.listdir(os.path.join(root, np_dir))):
+            if not (seed_dir.startswith("seed") and seed_dir[4:].isdigit()):
+                continue
+            d = os.path.join(root, np_dir, seed_dir)
+            for name in sorted(os.listdir(d)):
+                path = os.path.join(d, name, "result.json")
+                if not os.path.isfile(path):
+                    continue
+                with open(path) as f:
+                    r = json.load(f)
+                if r.get("stopped_early") or r.get("steps_done") != r.get("total_steps"):
+                    continue
+                out.setdefault((int(np_dir[2:]), name), {})[int(seed_dir[4:])] = r
+    return out
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float | None]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def _epochs_to(res: dict, target: float) -> int | None:
+    """The first epoch (1-based) whose test accuracy reaches ``target``; None if none does."""
+    for i, e in enumerate(res["epochs"], 1):
+        if (e.get("test_acc") or 0) >= target:
+            return i
+    return None
+
+
+def table(root: str, *, calibration: str = CALIBRATION) -> dict:
+    """The rows of the study under ``root`` (see the module docstring); raises ValueError without the
+    np=1 baseline (every row is judged against it)."""
+    from .. import perfmodel
+    pts = points(root)
+    base_pts = pts.get((1, "baseline"))
+    if not base_pts:
+        raise ValueError(f"{root}: no finished np=1 baseline (np1/seed*/baseline/result.json); run it first")
+    ref_acc, ref_sd = _mean_sd([r["epochs"][-1]["test_acc"] for r in base_pts.values()])
+    target = ref_acc - GOAL_POINTS
+    first_ref = next(iter(base_pts.values()))
+    proto = Config.from_dict(first_ref["config"])
+    # the image counts from the runs themselves: the data set need not be at hand to make the table
+    counts = {"n_train": first_ref["data"]["n_train"], "n_test": first_ref["data"]["n_test"]}
+    one_node = perfmodel.predict(remedies._on(proto, calibration), target_baseline(calibration), calibration,
+                                 **counts)["epoch_time"] * proto.epochs
+    ref_epochs = [_epochs_to(r, target) for r in base_pts.values()]
+    node_ttt = one_node * statistics.fmean(ref_epochs) / proto.epochs if all(ref_epochs) else None
+    rows = []
+    for (np_, name), runs in sorted(pts.items(), key=lambda kv: (kv[0][1] != "baseline", kv[0][1], -kv[0][0])):
+        labels = {remedies.slug(label): label for label in remedies.candidate_labels(proto, np_)}
+        accs = [r["epochs"][-1]["test_acc"] for r in runs.values()]
+        mean, sd = _mean_sd(accs)
+        first = runs[min(runs)]
+        c = Config.from_dict(first["config"])
+        pred = perfmodel.predict(remedies._on(c, calibration), np_, calibration, **counts)
+        whole = pred["epoch_time"] * len(first["epochs"])
+        ttts = [time_to_target(r, target, [pred["time"]] * len(r["epochs"]), [pred["eval_time"]] * len(r["epochs"]))
+                for r in runs.values()]
+        same = pts.get((1, name))
+        vs = _mean_sd([r["epochs"][-1]["test_acc"] for r in same.values()])[0] if same and np_ != 1 else None
+        reached = all(t is not None for t in ttts)
+        ttt_speedup = node_ttt / statistics.fmean(ttts) if reached and node_ttt else None
+        speedup = one_node / whole if whole else None
+        rows.append({
+            "np": np_, "slug": name, "label": labels.get(name, name), "seeds": sorted(runs), "n": len(runs),
+            "acc_mean": mean, "acc_sd": sd, "accs": accs,
+            "delta_vs_np1_baseline": mean - ref_acc,
+            "np1_same_recipe": vs, "delta_vs_np1_same_recipe": mean - vs if vs is not None else None,
+            "predicted_pi_speedup": speedup, "time_to_target_s": statistics.fmean(ttts) if reached else None,
+            "time_to_target_speedup": ttt_speedup,
+            "goal": (np_ > 1 and mean >= ref_acc - GOAL_POINTS and (speedup or 0) >= GOAL_SPEEDUP
+                     and (ttt_speedup or 0) >= GOAL_SPEEDUP)})
+    return {"root": root, "calibration": calibration, "reference_acc": ref_acc, "reference_sd": ref_sd,
+            "reference_seeds": sorted(base_pts), "target": target, "one_node_time_s": one_node,
+            "one_node_time_to_target_s": node_ttt, "goal_points": GOAL_POINTS, "goal_speedup": GOAL_SPEEDUP,
+            "rows": rows}
+
+
+def _acc(mean: float, sd: float | None, n: int) -> str:
+    return f"{mean:.4f} ± {sd:.4f} (n={n})" if sd is not None else f"{mean:.4f} (n=1)"
+
+
+def _x(v: float | None) -> str:
+    return "—" if v is None or not math.isfinite(v) else f"{v:.1f}×"
+
+
+def _pts(v: float | None) -> str:
+    return "—" if v is None else f"{100 * v:+.1f}"
+
+
+def markdown(tab: dict) -> str:
+    """The table as markdown: one row per (candidate, np), the reference first."""
+    lines = [f"Reference: np=1 baseline {_acc(tab['reference_acc'], tab['reference_sd'], len(tab['reference_seeds']))} "
+             f"on all 10,000 test images; target {tab['target']:.4f} (1 point below); one node "
+             f"({tab['calibration']}, 2 ranks) {tab['one_node_time_s'] / 60:.0f} min for the whole run, "
+             + (f"{tab['one_node_time_to_target_s'] / 60:.0f} min to the target." if tab["one_node_time_to_target_s"]
+                else "never at the target."), "",
+             "| candidate | np | final accuracy (mean ± sd) | vs np=1 baseline (points) | vs np=1 same recipe "
+             "(points) | predicted Pi speedup | time-to-target speedup | goal |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in tab["rows"]:
+        lines.append(f"| {r['label']} | {r['np']} | {_acc(r['acc_mean'], r['acc_sd'], r['n'])} | "
+                     f"{_pts(r['delta_vs_np1_baseline'])} | {_pts(r['delta_vs_np1_same_recipe'])} | "
+                     f"{_x(r['predicted_pi_speedup'])} | {_x(r['time_to_target_speedup'])} | "
+                     f"{'met' if r['goal'] else ('—' if r['np'] == 1 else 'not met')} |")
+    met = [r for r in tab["rows"] if r["goal"]]
+    lines += ["", f"Goal (np=48 within {100 * tab['goal_points']:.0f} point of np=1 in the same epochs, predicted "
+              f"Pi speedup and time-to-target speedup >= {tab['goal_speedup']:.0f}): "
+              + (", ".join(r["label"] for r in met) if met else "no candidate meets it yet") + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pilab.study.seeds",
+                                description="the table over seeds of a fast-and-right study (markdown + JSON)")
+    p.add_argument("root", help="the study's folder (np<N>/seed<S>/<candidate>/result.json)")
+    p.add_argument("--out", default="", help="write OUT.md and OUT.json (default: print the markdown)")
+    a = p.parse_args(argv)
+    try:
+        tab = table(a.root)
+    except ValueError as e:
+        print(f"pilab: {e}", file=sys.stderr)
+        return 2
+    text = markdown(tab)
+    if not a.out:
+        print(text, end="")
+        return 0
+    from ..files import save_json
+    save_json(tab, a.out + ".json")
+    tmp = a.out + ".md.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, a.out + ".md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
