@@ -74,6 +74,7 @@ def pilab_command(np_: int, args: Sequence[str], **kwargs) -> list[str]:
 # MPICH/Hydra, PMIx, Open MPI, Slurm's srun
 _SIZE_VARS = ("PMI_SIZE", "PMIX_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS")
 _RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 
 
 def launcher_size() -> int:
@@ -81,6 +82,14 @@ def launcher_size() -> int:
 
     Read from the environment so that asking does not load an MPI library."""
     for var in _SIZE_VARS:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def launcher_local_size() -> int:
+    """The ranks on this node as the launcher's environment says (0 when not under mpiexec)."""
+    for var in _LOCAL_SIZE_VARS:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return 0

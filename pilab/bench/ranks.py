@@ -374,7 +374,7 @@ def _gradsync(**kw):
 
         def average():
             st = gs.finish()
-            return st.buckets, st.bytes_sent, st.exposed
+            return st.messages, st.bytes_sent, st.exposed
         average.gs = gs
         return average
     return make

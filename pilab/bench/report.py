@@ -45,8 +45,8 @@ def markdown_report(res: dict) -> str:
         + (f"; the rank job: `{ranks['command']}`" if ranks.get("command") else ""),
         "",
     ]
-    for part in (_one_rank(res), _malloc(res), _models(res), _data(res), _cache(res), _comm(ranks, res), _sync(res), _e2e(ranks, res),
-                 _memory(ranks), _memory_per_rank(res), _simulator(res), _checkpoint(res), _cli(res), _perfmodel(res),
+    for part in (_one_rank(res), _malloc(res), _models(res), _data(res), _cache(res), _comm(ranks, res), _sync(res),
+                 _e2e(ranks, res), _memory(ranks), _memory_per_rank(res), _simulator(res), _checkpoint(res), _cli(res), _perfmodel(res),
                  _network(res), _gpu(res)):
         out += part
     return "\n".join(out)

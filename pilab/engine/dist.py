@@ -252,7 +252,6 @@ class _Bucket:
         self.flat = flat[offset:offset + self.numel]
         self.wire = wire[offset:offset + self.numel] if wire is not None else self.flat
         self.pending = 0
-        self.request = None
         self.views: list = []  # per parameter: its slot of `flat` with the parameter's strides, or None
 
 
@@ -382,7 +381,6 @@ class GradSync:
     def _reset(self):
         for b in self.buckets:
             b.pending = len(b.params)
-            b.request = None
         self._next = 0  # buckets are posted strictly in index order: same collective order on all ranks
         self._ready = [False] * len(self.buckets)
         self._inflight: list = []
@@ -474,8 +472,6 @@ class GradSync:
         self.stats.bytes_sent += wire.numel() * wire.element_size()
         request = self.comm.Iallreduce(MPI.IN_PLACE, msg, op=MPI.SUM)
         self.stats.messages += 1
-        for b in run:
-            b.request = request
         self._requests.append(request)
         self._inflight.append(request)
 

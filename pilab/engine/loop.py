@@ -45,7 +45,7 @@ from . import checkpoint, localsgd
 from .. import data as data_mod
 from .checkpoint import RESUMABLE, CheckpointError, WriteError  # noqa: F401  (RESUMABLE: re-exported)
 from ..config import EVAL_CHUNK, Config, ConfigError
-from ..launch import mpi, mpi_versions
+from ..launch import launcher_local_size, mpi, mpi_versions
 from .ema import WeightAverage
 from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
                    reduce_sums, share_of_mean, sync_buffers_, world)
@@ -962,15 +962,11 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
 
 
 def local_ranks(ranks) -> int:
-    """The ranks on this node, as the launcher says (Hydra's MPI_LOCALNRANKS, Open MPI's local size);
-    one for a single process (the simulator, np=1, an unknown launcher)."""
+    """The ranks on this node, as the launcher says (``launch.launcher_local_size``); one for a single
+    process (the simulator, np=1, an unknown launcher)."""
     if getattr(ranks, "simulated", False):
         return 1
-    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-    return 1
+    return max(1, launcher_local_size())
 
 
 def failure_reason(rank: int, e: BaseException) -> str:
