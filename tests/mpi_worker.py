@@ -48,7 +48,7 @@ def reference_state(cfg: Config, ds, np_: int) -> list[dict]:
     model = engine.base_model(cfg, torch.device("cpu"))
     opt = build_optimizer(model, cfg, cfg.peak_lr(np_))
     bufs = [{k: v.clone() for k, v in model.named_buffers()} for _ in range(np_)]
-    params = [p for p in model.parameters()]
+    params = [p for p in model.parameters() if p is not model.unused] + [model.unused]
     for g in range(total):
         epoch, step = divmod(g, spe)
         set_lr(opt, lr_at(g, peak_lr=cfg.peak_lr(np_), total_steps=cfg.epochs * spe,
@@ -394,7 +394,44 @@ def case_spiking(out):
             json.dump(res, f, indent=1)
 
 
+def case_grads(out):
+    """GradSync where a gradient is not where backward usually puts it: the usual step (every gradient
+    accumulated into its slot of the buffer), after ``zero_grad(set_to_none=True)`` (backward makes new
+    tensors), after a gradient replaced by hand, and a parameter backward never reaches. Each step's
+    ``p.grad`` against the mean over the ranks of their own gradients (``torch.autograd.grad``, which
+    fires no hook), and whether ``p.grad`` is its slot of the buffer again afterwards."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    model.unused = torch.nn.Parameter(torch.ones(4))  # no gradient, ever: averaged as zeros
+    sync = dist.GradSync(model, COMM, bucket_mb=1e-4)  # several buckets of a few parameters
+    params = [p for p in model.parameters() if p is not model.unused] + [model.unused]
+    gen = torch.Generator().manual_seed(100 + RANK)
+    rows = []
+    for how in ("usual", "set_to_none", "replaced", "usual"):
+        x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+        loss = F.cross_entropy(model(x), y)
+        own = torch.autograd.grad(loss, params[:-1], retain_graph=True)
+        expected = [sum(g) / SIZE for g in zip(*COMM.allgather([g.numpy() for g in own]))] + [np.zeros(4)]
+        if how == "set_to_none":
+            model.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=False)
+            if how == "replaced":
+                params[0].grad = torch.zeros_like(params[0])
+        sync.begin(0.0)
+        sync.backward(loss)
+        sync.finish()
+        flat = sync._flat
+        lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * 4
+        rows.append({"how": how,
+                     "max_diff": max(float(np.abs(p.grad.numpy() - e).max()) for p, e in zip(params, expected)),
+                     "grads_in_buffer": all(lo <= p.grad.data_ptr() < hi for p in params)})
+    if RANK == 0:
+        with open(out, "w") as f:
+            json.dump({"rows": rows, "buckets": len(sync.buckets)}, f, indent=1)
+
+
 if __name__ == "__main__":
     case, out = sys.argv[1], sys.argv[2]
     {"train": case_train, "fault": case_fault, "stop": case_stop, "spiking": case_spiking,
-     "local": case_local}[case](out)
+     "local": case_local, "grads": case_grads}[case](out)

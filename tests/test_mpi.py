@@ -195,3 +195,16 @@ def test_local_sgd_resumes_between_two_averages_as_if_never_stopped(local_run):
     _, r = local_run
     assert r["resumed_from_step"] == r["first_local_step"] + 1
     assert max(r["resume_diff_per_rank"]) == 0.0, r["resume_diff_per_rank"]
+
+
+@pytest.mark.mpi
+def test_gradients_backward_put_elsewhere_are_averaged_all_the_same(tmp_path_factory):
+    """GradSync's quick check that every gradient is already its slot of the buffer, and the slow path
+    behind it: new gradient tensors after zero_grad(set_to_none=True), one replaced by hand, a parameter
+    with no gradient at all -- each step's p.grad is the mean of the ranks' own, and its slot again."""
+    _, r = case_at(2, "grads", tmp_path_factory)
+    assert r["buckets"] > 1
+    assert [x["how"] for x in r["rows"]] == ["usual", "set_to_none", "replaced", "usual"]
+    for x in r["rows"]:
+        assert x["max_diff"] <= 1e-6, x
+        assert x["grads_in_buffer"], x

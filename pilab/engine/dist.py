@@ -20,6 +20,7 @@ Run under ``mpiexec -n 2 python -m pilab train``.
 from __future__ import annotations
 
 import itertools
+import operator
 import sys
 import time
 import traceback
@@ -253,6 +254,10 @@ class _Bucket:
         self.wire = wire[offset:offset + self.numel] if wire is not None else self.flat
         self.pending = 0
         self.views: list = []  # per parameter: its slot of `flat` with the parameter's strides, or None
+        self.all_views = False  # every parameter has a slot: no per-parameter copy into or out of `flat`
+
+
+_GRAD = operator.attrgetter("grad")
 
 
 def _dense(p: torch.Tensor) -> bool:
@@ -338,6 +343,7 @@ class GradSync:
         # alignment ~10% slower than the same bytes at numpy's (2.7 vs 3.0 ms for 8.9 MB, np=2, here)
         self._flat = torch.from_numpy(np.zeros(total, dtype=np.float32))
         self._wire = torch.zeros(total, dtype=torch.float16) if self.fp16 else self._flat
+        self._wire_np = _buf(self._wire)  # sliced per message: a numpy slice is cheaper than a tensor's
         offsets = list(itertools.accumulate([0] + [sum(p.numel() for p in g) for g in groups]))
         self.buckets: list[_Bucket] = [_Bucket(g, self._flat, self._wire if self.fp16 else None, off)
                                        for g, off in zip(groups, offsets)]
@@ -357,6 +363,7 @@ class GradSync:
         if self.size > 1:
             for b in self.buckets:
                 b.views = self._make_views(b) if self.views else [None] * len(b.params)
+                b.all_views = all(v is not None for v in b.views)
             for p in params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._reset()
@@ -437,6 +444,19 @@ class GradSync:
 
     def _prepare(self, b: _Bucket):
         """The bucket's bytes made ready to send: every gradient in its slot, divided, cast for fp16."""
+        # The usual case first, in one pass at C speed: backward accumulated every gradient into its slot
+        # (the per-parameter loop below took 0.09 ms of a 2 ms exchange of 8.9 MB on shared memory)
+        if not (b.all_views and all(map(operator.is_, map(_GRAD, b.params), b.views))):
+            self._gather(b)
+        if not self.seeded:  # pre-divide: the sum is then the mean, and fp16 cannot overflow
+            b.flat.div_(self.size)
+        if self.fp16:
+            b.wire.copy_(b.flat)
+
+    @staticmethod
+    def _gather(b: _Bucket):
+        """Every gradient of ``b`` into its slot: those backward put elsewhere (a replaced or dropped
+        ``p.grad``) copied, and the slot made ``p.grad`` again; parameters without a slot copied."""
         offset = 0
         for p, view in zip(b.params, b.views):
             n = p.numel()
@@ -456,20 +476,16 @@ class GradSync:
             else:
                 b.flat[offset:offset + n].copy_(p.grad.reshape(-1))
             offset += n
-        if not self.seeded:  # pre-divide: the sum is then the mean, and fp16 cannot overflow
-            b.flat.div_(self.size)
-        if self.fp16:
-            b.wire.copy_(b.flat)
 
     def _send(self, run: list):
         lo, hi = run[0].offset, run[-1].offset + run[-1].numel
-        wire = self._wire[lo:hi]
-        msg = [_buf(wire), self.half_type] if self.fp16 else _buf(wire)
+        wire = self._wire_np[lo:hi]
+        msg = [wire, self.half_type] if self.fp16 else wire
         now = time.perf_counter()
         if not self.stats.posts:
             self.stats.first_post = now
         self.stats.posts.extend([now] * len(run))  # one time per bucket, whatever the messages
-        self.stats.bytes_sent += wire.numel() * wire.element_size()
+        self.stats.bytes_sent += wire.nbytes
         request = self.comm.Iallreduce(MPI.IN_PLACE, msg, op=MPI.SUM)
         self.stats.messages += 1
         self._requests.append(request)
@@ -524,9 +540,11 @@ class GradSync:
         if self._meta_request is None:  # no buckets at all (nothing trainable): the metrics still travel
             self._post_meta()
         self._wait(stats.bytes_sent - sent)
+        if self.fp16:
+            self._flat.copy_(self._wire)
         for b in self.buckets:
-            if self.fp16:
-                b.flat.copy_(b.wire)
+            if b.all_views:  # every gradient is already its slot of the averaged buffer
+                continue
             offset = 0
             for p, view in zip(b.params, b.views):
                 n = p.numel()
