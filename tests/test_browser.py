@@ -32,6 +32,7 @@ import time
 import urllib.request
 
 import pytest
+from conftest import IDLE_STEP_S, reference_step_cpu
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(REPO, "notebooks")
@@ -286,24 +287,7 @@ WIDGET_AS_TEXT = re.compile(r"^(HBox|VBox|GridBox|IntProgress|FloatProgress|HTML
 
 # The budget the notebooks' first cells promise, and the step it is measured in (see the docstring).
 BUDGET_S = 180.0
-IDLE_STEP_S = 0.066  # MobileNetV2-CIFAR width 0.25, 32 images, one thread, idle core (docs/spiking.md)
-
-
-def reference_step_cpu() -> float:
-    """CPU seconds of one MobileNetV2-0.25 training step of 32 images on one thread (best of 5 x 3),
-    measured now: the yardstick that scales the budget to how busy this box is."""
-    code = ("import time, torch\ntorch.set_num_threads(1)\nfrom pilab.models.zoo import build_model\n"
-            "m = build_model('mobilenetv2_cifar', 10, 0.25)\nopt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)\n"
-            "x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))\n"
-            "def step():\n    opt.zero_grad(); torch.nn.functional.cross_entropy(m(x), y).backward(); opt.step()\n"
-            "for _ in range(3): step()\nbest = 1e9\nfor _ in range(5):\n    c = time.process_time()\n"
-            "    for _ in range(3): step()\n    best = min(best, (time.process_time() - c) / 3)\nprint(best)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stderr
-    return float(out.stdout.strip().splitlines()[-1])
-
-
+# the step it is measured in: conftest's IDLE_STEP_S and reference_step_cpu (shared with the suite's clock)
 def tree_cpu(proc) -> float:
     """CPU seconds of ``proc`` (the kernel) and all it started: its own, its waited-for children's
     (runs, engines, the controller once stopped), and its descendants still alive."""
