@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import MPIEXEC, mpi_env
+from conftest import MPIEXEC, REPO, mpi_env
 from pilab import perfmodel as pm
 from pilab.config import Config, ConfigError
 from pilab.perfmodel.allreduce import _critical_counts
@@ -339,3 +339,39 @@ def test_a_setting_with_no_step_at_that_np_is_refused_with_the_fix():
     from pilab.perfmodel.predict import predict
     with pytest.raises(ConfigError, match="fewer than its batch of 8; use at least 384 training images"):
         predict(Config(width=0.25, train_subset=64, test_subset=32, batch_size=8), 48, "pi4b_cluster", baseline_np=2)
+
+
+def test_exchange_beside_a_measured_compute_time():
+    """perfmodel.exchange: the network half of one step, the compute given. One bucket posted when
+    backward ends waits its whole Allreduce; buckets posted during backward hide behind it; fp16 halves
+    the bytes; one rank exchanges nothing; a forward longer than the step is refused."""
+    cl = pm.cluster_from_calibration(_cal(), nodes=2, ranks_per_node=1, inter=pm.Link(50e-6, 1 / 24e6))
+    cfg = Config(model="mobilenetv2_cifar", width=0.5)
+    n_bytes = sum(n for n, _ in pm.gradient_layout(cfg.model, cfg.width)) * pm.ELEMENT_BYTES
+    one = pm.exchange(dataclasses.replace(cfg, bucket_mb=64.0), 2, cl, 0.2, forward_s=0.05, metrics=False)
+    assert one["messages"] == 1
+    assert one["exposed"] == pytest.approx(pm.allreduce_time(n_bytes, 2, cl))
+    assert one["step"] == pytest.approx(0.2 + one["exposed"])
+    many = pm.exchange(cfg, 2, cl, 0.2, forward_s=0.05, metrics=False)
+    assert many["messages"] > 1 and many["exposed"] < one["exposed"]
+    half = pm.exchange(dataclasses.replace(cfg, compression="fp16"), 2, cl, 0.2, forward_s=0.05, metrics=False)
+    assert half["comm"] < 0.6 * many["comm"]
+    assert pm.exchange(cfg, 2, cl, 0.2, forward_s=0.05)["exposed"] > many["exposed"]  # + the metrics
+    assert pm.exchange(cfg, 1, cl, 0.2)["exposed"] == 0.0
+    with pytest.raises(ConfigError, match="forward_s"):
+        pm.exchange(cfg, 2, cl, 0.2, forward_s=0.3)
+
+
+def test_wire_model_rows_from_the_committed_network_run():
+    """The model against every wire point of the committed run (issue 23 item 4; the table in
+    docs/perfmodel.md): a row per contender and point, and where nothing overlaps -- one bucket after
+    backward, the link's whole Allreduce exposed -- the step within 15% at every point."""
+    from pilab.bench import network
+    data = json.load(open(REPO / "benchmarks" / "results" / "bench_network-2026-12-02-1419.json"))["network"]
+    rows = network.wire_model_rows(data)
+    assert len(rows) == len(data["wire"]) * len(network.WIRE_MODEL) == 20
+    for r in rows:
+        assert r["step_predicted"] >= r["ceiling_s"]
+        if r["contender"] == "pilab_one_bucket":
+            assert abs(r["step_ratio"] - 1) <= 0.15, r
+    assert "Within 15%" in network.wire_model_table(rows)

@@ -53,7 +53,7 @@ from .fit import fit_alpha_beta
 from .layout import bn_bytes, buckets_for, gradient_layout, work_per_image
 from .machine import ALGORITHMS, Cluster, Link
 from .metrics import efficiency, karp_flatt, speedup
-from .predict import PROFILES, pi_table, predict, predict_table
+from .predict import PROFILES, exchange, pi_table, predict, predict_table
 from .presets import (PI_BASELINE_NP, PI_CORES_PER_NODE, PI_GBE_GOODPUT, PI_NODES, PI_RANKS_PER_NODE,
                       PI_STUDY_NPS, PI_TABLE_NPS, PI_THREADS_PER_RANK, PRESETS, PUBLISHED, pi4b_cluster,
                       pi_config, published_table, resolve_cluster)
@@ -65,7 +65,7 @@ __all__ = [
     "comm_bench", "run_comm_bench", "DEFAULT_SIZES", "fit_alpha_beta", "calibrate",
     "this_box", "pi4b_cluster", "cluster_from_calibration", "PRESETS", "resolve_cluster",
     "gradient_layout", "buckets_for", "work_per_image", "bn_bytes",
-    "PROFILES", "predict", "predict_table", "pi_config", "pi_table",
+    "PROFILES", "predict", "predict_table", "exchange", "pi_config", "pi_table",
     "markdown_table", "pi_table_markdown", "TABLE_COLUMNS", "PI_TABLE_COLUMNS",
     "FLOPS_PER_ACTIVATION_CPU", "STEP_WORK_PER_TENSOR_CPU", "BACKWARD_FRACTION", "THREAD_EXPONENT",
     "ELEMENT_BYTES", "METRIC_BYTES",

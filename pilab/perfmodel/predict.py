@@ -109,6 +109,42 @@ def _gradient_comm(cfg: Config, layout, averaging: str, compute: float, cl: Clus
     return len(buckets), comm, max(0.0, end - (t_fwd + t_bwd))
 
 
+def exchange(cfg, np_: int, cluster, compute_s: float, *, forward_s: float | None = None,
+             metrics: bool = True) -> dict:
+    """The gradient exchange of one synchronous step of ``cfg`` at ``np_`` ranks on ``cluster``, beside
+    a compute time given in seconds (a measured step without any exchange: forward, backward and the
+    optimizer) instead of one the model derives -- the network half alone, as the wire benchmark
+    (``pilab.bench.wire``) measures it::
+
+        exchange(Config(model="mobilenetv2", bucket_mb=1.0), 2, cl, 0.183, forward_s=0.046)["step"]
+
+    ``forward_s``: the forward's share of ``compute_s`` (default: the cluster's ``backward_fraction``);
+    buckets are posted as backward fills them and go one at a time on the wire (as in ``predict``), the
+    bytes halved for fp16. ``metrics``: pilab's per-step Allreduce of the metrics, after the gradients.
+    Returns messages, comm (seconds on the wire), exposed (what the step waits after backward) and step
+    (``compute_s`` + exposed)."""
+    import dataclasses
+    cfg = _as_config(cfg)
+    cl = resolve_cluster(cluster)
+    p = int(np_)
+    if forward_s is not None:
+        if not 0 <= forward_s <= compute_s:
+            raise ConfigError(f"forward_s={forward_s} must be within [0, compute_s={compute_s}]")
+        cl = dataclasses.replace(cl, backward_fraction=1 - forward_s / compute_s if compute_s else 0.0)
+    if p == 1:
+        return {"messages": 0, "comm": 0.0, "exposed": 0.0, "step": compute_s}
+    crowded = _placement(cfg, p, cl)["crowded"]
+
+    def ar(nbytes):
+        return allreduce_time(nbytes, p, cl, None, crowded)
+    messages, comm, exposed = _gradient_comm(cfg, gradient_layout(cfg.model, cfg.width), "buckets",
+                                             compute_s, cl, ar)
+    if metrics:
+        comm += ar(METRIC_BYTES)
+        exposed += ar(METRIC_BYTES)
+    return {"messages": messages, "comm": comm, "exposed": exposed, "step": compute_s + exposed}
+
+
 def _local_share(cfg: Config, p: int) -> float:
     """The share of a run's steps that are local-SGD steps (``cfg.local_steps`` > 1 after
     ``cfg.local_after`` synchronous epochs; see ``pilab.engine.localsgd``)."""
