@@ -48,7 +48,7 @@ def reference_state(cfg: Config, ds, np_: int) -> list[dict]:
     model = engine.base_model(cfg, torch.device("cpu"))
     opt = build_optimizer(model, cfg, cfg.peak_lr(np_))
     bufs = [{k: v.clone() for k, v in model.named_buffers()} for _ in range(np_)]
-    params = [p for p in model.parameters() if p is not model.unused] + [model.unused]
+    params = [p for p in model.parameters()]
     for g in range(total):
         epoch, step = divmod(g, spe)
         set_lr(opt, lr_at(g, peak_lr=cfg.peak_lr(np_), total_steps=cfg.epochs * spe,
