@@ -141,15 +141,18 @@ def train(tb, np_: int, nodes: int, out: str, log, mpiexec=None, settings=TRAIN)
 FIT = {"min_bytes": 16 * 1024, "stat": "seconds"}  # see perfmodel.fit_alpha_beta
 
 
+def inter_links(data: dict, fit=FIT) -> dict:
+    """The inter-node link fitted per rate, from the 2-node x 1-rank micro-benchmarks: the training
+    runs' rates first, then any other rate benchmarked so (the wire's)."""
+    two = [b for b in data["bench"] if b["rate"] is not None and b["nodes"] == 2 and b["np"] == 2]
+    rates = list(data.get("rates", [])) + sorted({b["rate"] for b in two} - set(data.get("rates", [])))
+    return {rate: pm.fit_alpha_beta([b for b in two if b["rate"] == rate], **fit) for rate in rates}
+
+
 def links(data: dict, fit=FIT) -> dict:
-    """Fitted links: intra (one node), inter per rate (2 nodes x 1 rank)."""
+    """Fitted links: intra (one node), inter per rate (``inter_links``)."""
     intra_runs = [b for b in data["bench"] if b["nodes"] == 1]
-    intra = pm.fit_alpha_beta(intra_runs, **fit)
-    out = {"intra": intra, "inter": {}}
-    for rate in data["rates"]:
-        runs = [b for b in data["bench"] if b["rate"] == rate and b["nodes"] == 2 and b["np"] == 2]
-        out["inter"][rate] = pm.fit_alpha_beta(runs, **fit)
-    return out
+    return {"intra": pm.fit_alpha_beta(intra_runs, **fit), "inter": inter_links(data, fit)}
 
 
 def cluster_for(cal, fits, rate, np_, nodes, cores, cores_got=None):
@@ -162,15 +165,18 @@ def cluster_for(cal, fits, rate, np_, nodes, cores, cores_got=None):
         inter=pm.Link(inter["alpha"], inter["beta"]), available_cores=avail)
 
 
+def calibration(data: dict, **kw):
+    """The model's calibration from the section's np=1 run on node01 and its one-node micro-benchmarks."""
+    return pm.calibrate(data["np1"]["result"], [b for b in data["bench"] if b["nodes"] == 1],
+                        source="testbed node01 np=1", **kw)
+
+
 def analyse(data: dict) -> dict:
     fits = links(data)
     cores = data["cores"]
     np1 = data["np1"]
-    cal = pm.calibrate(np1["result"], [b for b in data["bench"] if b["nodes"] == 1],
-                              source="testbed node01 np=1")
-    cal_share = pm.calibrate(np1["result"], [b for b in data["bench"] if b["nodes"] == 1],
-                                    source="testbed node01 np=1",
-                                    available_cores=min(np1["cores_got"], TRAIN["threads"]))
+    cal = calibration(data)
+    cal_share = calibration(data, available_cores=min(np1["cores_got"], TRAIN["threads"]))
     # the micro-benchmark's own held-out points: 1 MB Allreduce, predicted vs measured
     bench_rows = []
     for b in data["bench"]:
@@ -380,9 +386,9 @@ def wire_rows(data: dict) -> list[dict]:
     ring over the nodes, ranks of one node combined over shared memory: the least any Allreduce can
     send), at the rate fitted from the 2-node Allreduce micro-benchmark at that rate."""
     rows = []
+    fits = inter_links(data) if data.get("wire") else {}
     for w in data.get("wire", []):
-        runs = [b for b in data["bench"] if b["rate"] == w["rate"] and b["nodes"] == 2 and b["np"] == 2]
-        fit = pm.fit_alpha_beta(runs, **FIT)
+        fit = fits[w["rate"]]
         n = w["nodes"]
         link = fit["alpha"] + 2 * (n - 1) / n * w["gradient_bytes"] * fit["beta"]
         ceiling = w["step_s"]["ceiling"]["median"]
@@ -412,14 +418,10 @@ def wire_model_rows(data: dict) -> list[dict]:
     if not data.get("wire") or not data.get("np1"):
         return []
     fits = links(data)
-    cal = pm.calibrate(data["np1"]["result"], [b for b in data["bench"] if b["nodes"] == 1],
-                       source="testbed node01 np=1")
+    cal = calibration(data)
     rows = []
     for w in data["wire"]:
         rate, np_, nodes = w["rate"], w["np"], w["nodes"]
-        if rate not in fits["inter"]:
-            runs = [b for b in data["bench"] if b["rate"] == rate and b["nodes"] == 2 and b["np"] == 2]
-            fits["inter"][rate] = pm.fit_alpha_beta(runs, **FIT)
         cl = cluster_for(cal, fits, rate, np_, nodes, data["cores"])
         ceiling = w["step_s"]["ceiling"]["median"]
         for k, (change, metrics) in WIRE_MODEL.items():

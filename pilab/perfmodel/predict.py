@@ -140,8 +140,9 @@ def exchange(cfg, np_: int, cluster, compute_s: float, *, forward_s: float | Non
     messages, comm, exposed = _gradient_comm(cfg, gradient_layout(cfg.model, cfg.width), "buckets",
                                              compute_s, cl, ar)
     if metrics:
-        comm += ar(METRIC_BYTES)
-        exposed += ar(METRIC_BYTES)
+        metric = ar(METRIC_BYTES)
+        comm += metric
+        exposed += metric
     return {"messages": messages, "comm": comm, "exposed": exposed, "step": compute_s + exposed}
 
 
