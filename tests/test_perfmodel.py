@@ -362,6 +362,31 @@ def test_exchange_beside_a_measured_compute_time():
         pm.exchange(cfg, 2, cl, 0.2, forward_s=0.3)
 
 
+def test_exchange_with_a_transfer_slowed_while_backward_runs_and_fp16_summed_in_software():
+    """Cluster.overlap_rate: across nodes a posted bucket keeps that share of its speed until backward
+    ends (pilab.bench.wire's probe measures it); 0: nothing moves before, so every second of the exchange
+    is exposed; 1: as before. gamma_fp16: seconds per fp16 byte added to every bucket's Allreduce."""
+    cl = pm.cluster_from_calibration(_cal(), nodes=2, ranks_per_node=1, inter=pm.Link(50e-6, 1 / 24e6))
+    cfg = Config(model="mobilenetv2_cifar", width=0.5)
+    args = dict(forward_s=0.05, metrics=False)
+    full = pm.exchange(cfg, 2, cl, 0.2, **args)
+    assert pm.exchange(cfg, 2, dataclasses.replace(cl, overlap_rate=1.0), 0.2, **args) == full
+    half = pm.exchange(cfg, 2, dataclasses.replace(cl, overlap_rate=0.5), 0.2, **args)
+    none = pm.exchange(cfg, 2, dataclasses.replace(cl, overlap_rate=0.0), 0.2, **args)
+    assert full["exposed"] < half["exposed"] < none["exposed"]
+    assert none["exposed"] == pytest.approx(none["comm"]) and half["comm"] == full["comm"]
+    # one node: the rate is the inter-node transfer's, so it changes nothing there
+    one_node = dataclasses.replace(cl, nodes=1, ranks_per_node=2)
+    assert pm.exchange(cfg, 2, dataclasses.replace(one_node, overlap_rate=0.0), 0.2, **args) == \
+        pm.exchange(cfg, 2, one_node, 0.2, **args)
+    f16 = dataclasses.replace(cfg, compression="fp16")
+    numel = sum(n for n, _ in pm.gradient_layout(cfg.model, cfg.width))
+    slow16 = pm.exchange(f16, 2, dataclasses.replace(cl, gamma_fp16=1e-8), 0.2, **args)
+    assert slow16["comm"] == pytest.approx(pm.exchange(f16, 2, cl, 0.2, **args)["comm"] + numel * 2 * 1e-8)
+    with pytest.raises(ConfigError, match="overlap_rate=1.5 must be a fraction"):
+        dataclasses.replace(cl, overlap_rate=1.5)
+
+
 def test_wire_model_rows_from_the_committed_network_run():
     """The model against every wire point of the committed run (issue 23 item 4; the table in
     docs/perfmodel.md): a row per contender and point, and where nothing overlaps -- one bucket after
@@ -375,3 +400,24 @@ def test_wire_model_rows_from_the_committed_network_run():
         if r["contender"] == "pilab_one_bucket":
             assert abs(r["step_ratio"] - 1) <= 0.15, r
     assert "Within 15%" in network.wire_model_table(rows)
+
+
+def test_wire_model_rows_take_each_runs_probe():
+    """Each wire run's probe (pilab.bench.wire) sets the overlap rate and the fp16 cost the model uses at
+    that point; a run without one (before 2026-12-03), or whose probe found nothing left after backward
+    in most rounds (the rate only bounded from below), is modelled at full rate."""
+    from pilab.bench import network
+    data = json.load(open(REPO / "benchmarks" / "results" / "bench_network-2026-12-03.json"))["network"]
+    rows = network.wire_model_rows(data)
+    per_run = len(network.WIRE_MODEL)
+    for i, w in enumerate(data["wire"]):
+        for r in rows[i * per_run:(i + 1) * per_run]:
+            assert r["overlap_rate"] == network.probe_rate(w) and r["gamma_fp16"] == w["probe"]["gamma_fp16"]
+    slowed = [r for r in rows if r["overlap_rate"] < 1 and r["contender"] == "pilab"]
+    assert all(r["step_predicted"] >= r["step_predicted_full_rate"] for r in slowed)
+    assert any(r["step_predicted"] > 1.1 * r["step_predicted_full_rate"] for r in slowed)
+    w = data["wire"][0]
+    assert network.probe_rate({k: v for k, v in w.items() if k != "probe"}) == 1.0
+    saturated = dict(w, probe=dict(w["probe"], overlap_rate=0.3, saturated=3))
+    assert network.probe_rate(saturated) == 1.0 and network.probe_rate(dict(saturated, probe=dict(
+        saturated["probe"], saturated=2))) == 0.3

@@ -266,6 +266,11 @@ def test_the_wire_job_times_every_contender_against_the_ceiling_and_its_bound():
     assert all(v["n"] == 2 and v["median"] > 0 for v in res["step_s"].values())
     assert res["over_ceiling"]["ceiling"]["median"] == 1.0
     assert 0 < res["forward_s"] < res["step_s"]["ceiling"]["median"]
+    # the probe: one Allreduce of the gradient's bytes alone and posted as backward starts, per round
+    probe = res["probe"]
+    assert len(res["probe_rounds"]) == 2 and 0 <= probe["saturated"] <= 2
+    assert 0 <= probe["overlap_rate"] <= 1 and probe["alone_s"] > 0 and probe["backward_s"] > 0
+    assert probe["alone16_s"] > 0 and probe["gamma_fp16"] >= 0  # MPICH has a half-precision type
     # a 10 MB/s link (alpha 1 ms): 2 nodes send the whole gradient each way, 4 nodes 1.5x it
     link = {"sizes_bytes": [2 ** 14, 2 ** 20, 2 ** 22], "seconds": [1e-3 + s / 1e7 for s in (2 ** 14, 2 ** 20, 2 ** 22)],
             "np": 2, "nodes": 2, "rate": "10mbit"}

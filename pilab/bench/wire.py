@@ -10,6 +10,12 @@ and the contenders take turns, round by round, each on its own copy of the model
 * ``ddp_gloo``: PyTorch DDP over gloo with its defaults (25 MiB buckets), BatchNorm buffers per rank as
   in pilab; ``ddp_gloo_1mb``: DDP with 1 MiB buckets, so the comparison is not only bucket size.
 
+Beside them, not a contender, **the probe** measures two properties of the testbed's nodes that the
+performance model takes as given (``perfmodel.Cluster.overlap_rate`` and ``gamma_fp16``): one Allreduce
+of the gradient's bytes alone, the same posted as backward starts (polled from the gradient hooks as
+GradSync polls) -- how much of it moves while backward computes, as a share of its rate alone -- and the
+same elements in fp16 alone (MPICH's software half-precision sum, per byte beyond the transfer).
+
 ``pilab.bench.network`` launches it on its testbed (gloo's rendezvous at ``--master``, node01's address
 on the testbed, its sockets on the nodes' ``eth0``) and adds the physical bound from the measured link
 rate. Each contender's step per round is the slowest rank's median of ``--repeat`` steps.
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 import warnings
@@ -29,6 +36,7 @@ import torch.nn.functional as F
 from ..engine import loop as engine
 from ..config import Config
 from ..launch import mpi
+from ..engine.dist import SLEEP_S, SPIN_S, _fp16_type
 from ..engine.optim import build_optimizer
 from .ranks import nap_barrier, slowest
 from .stats import ratios, summary
@@ -38,6 +46,81 @@ COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 PORT = 29471  # gloo's rendezvous on the testbed's own addresses (nothing else listens there)
 CONTENDERS = ("ceiling", "pilab", "pilab_fp16", "pilab_one_bucket", "ddp_gloo", "ddp_gloo_1mb")
+PROBE_MAX_FACTOR = 8  # the probe's message: up to 8x the gradient's bytes (see run)
+POLL_EVERY = 1  # the probe polls from every gradient hook, as GradSync does by default
+
+
+class Probe:
+    """The transfer's progress while backward computes, and fp16's reduction cost (see the module's
+    docstring): ``alone()``, ``busy(x, y)`` and ``alone16()`` each return seconds on this rank."""
+
+    def __init__(self, model, nbytes: int):
+        self.model = model
+        self.half = _fp16_type()
+        self.resize(nbytes)
+        self.req, self.hooked = None, 0
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def resize(self, nbytes: int):
+        self.nbytes = nbytes
+        self.buf = np.ones(nbytes // 4, dtype=np.float32)
+        self.out = np.empty_like(self.buf)
+        self.buf16 = self.buf.astype(np.float16)
+        self.out16 = np.empty_like(self.buf16)
+
+    def _on_grad(self, _p):
+        self.hooked += 1
+        if self.req is not None and self.hooked % POLL_EVERY == 0:
+            self.req.Test()
+
+    @staticmethod
+    def _wait(req):
+        spin_until = time.perf_counter() + SPIN_S  # as GradSync waits: poll, then nap between polls
+        while not req.Test():
+            if time.perf_counter() > spin_until:
+                time.sleep(SLEEP_S)
+
+    def alone(self) -> float:
+        t = time.perf_counter()
+        self._wait(COMM.Iallreduce(self.buf, self.out))
+        return time.perf_counter() - t
+
+    def alone16(self) -> float | None:
+        if self.half is None:
+            return None
+        t = time.perf_counter()
+        self._wait(COMM.Iallreduce([self.buf16, self.half], [self.out16, self.half]))
+        return time.perf_counter() - t
+
+    def busy(self, x, y) -> tuple[float, float]:
+        """(backward's seconds with the Allreduce posted at its start, the wait after it)."""
+        self.model.zero_grad(set_to_none=False)
+        loss = F.cross_entropy(self.model(x), y)
+        t0 = time.perf_counter()
+        self.req = req = COMM.Iallreduce(self.buf, self.out)
+        loss.backward()
+        t1 = time.perf_counter()
+        self._wait(req)
+        self.req = None
+        return t1 - t0, time.perf_counter() - t1
+
+
+def probe_figures(alone, busy, alone16, nbytes: int) -> dict:
+    """The probe's figures from one round's medians on this rank, the slowest rank's where they differ:
+    overlap_rate = (alone - tail) / backward, the share of its rate alone that the transfer kept while
+    backward ran (1: all of it; ``saturated`` when nothing was left after backward, so it is a lower
+    bound), and gamma_fp16 = (alone16 - alone / 2) / (nbytes / 2): seconds per fp16 byte beyond moving it."""
+    a = slowest(float(np.median(alone)))
+    bwd = float(np.median([b for b, _ in busy]))
+    tail = float(np.median([w for _, w in busy]))
+    rate = COMM.allreduce(min(1.0, max(0.0, (a - tail) / bwd)) if bwd > 0 else 1.0, op=MPI.MIN)
+    out = {"alone_s": a, "backward_s": slowest(bwd), "tail_s": slowest(tail), "overlap_rate": rate,
+           "saturated": bool(COMM.allreduce(tail < 2e-3, op=MPI.LAND))}
+    if alone16:
+        a16 = slowest(float(np.median(alone16)))
+        out.update(alone16_s=a16, gamma_fp16=max(0.0, (a16 - a / 2) / (nbytes / 2)))
+    return out
 
 
 def run(cfg: Config, rounds: int, repeat: int, master: str) -> dict:
@@ -100,7 +183,10 @@ def run(cfg: Config, rounds: int, repeat: int, master: str) -> dict:
         ddp1 = DDP(model(), broadcast_buffers=False, bucket_cap_mb=1)
     steps["ddp_gloo"] = plain(ddp, build_optimizer(ddp.module, cfg, 0.01))
     steps["ddp_gloo_1mb"] = plain(ddp1, build_optimizer(ddp1.module, cfg, 0.01))
+    n_params = sum(p.numel() for p in base.model.parameters() if p.requires_grad)
+    probe = Probe(model(), 4 * n_params)
     timings = {k: [] for k in CONTENDERS}
+    probes = []
     for r in range(-1, rounds):  # round -1: the warm-up, not kept
         order = CONTENDERS[r % len(CONTENDERS):] + CONTENDERS[:r % len(CONTENDERS)]
         for k in order:
@@ -112,7 +198,18 @@ def run(cfg: Config, rounds: int, repeat: int, master: str) -> dict:
                 ts.append(time.perf_counter() - t)
             if r >= 0:
                 timings[k].append(slowest(float(np.median(ts))))
-    n_params = sum(p.numel() for p in base.model.parameters() if p.requires_grad)
+        nap_barrier()  # the probe, once per round after the contenders
+        alone, busy, alone16 = [], [], []
+        for _ in range(repeat):
+            alone.append(probe.alone())
+            busy.append(probe.busy(*batch()))
+            alone16.append(probe.alone16())
+        if r >= 0:
+            probes.append(probe_figures(alone, busy, None if None in alone16 else alone16, probe.nbytes))
+        else:  # after the warm-up: a message big enough that backward cannot hide it all at full speed
+            # (else the probe only bounds the rate from below); the same factor on every rank
+            a, b = slowest(float(np.median(alone))), slowest(float(np.median([x for x, _ in busy])))
+            probe.resize(4 * n_params * min(PROBE_MAX_FACTOR, max(1, math.ceil(2 * b / a))))
     for s in sessions.values():
         s.ranks.close()
     tdist.destroy_process_group()
@@ -123,7 +220,10 @@ def run(cfg: Config, rounds: int, repeat: int, master: str) -> dict:
             "step_s": {k: summary(v) for k, v in timings.items()},
             "over_ceiling": {k: summary(ratios(timings, k, "ceiling")) for k in CONTENDERS},
             "pilab_over_ddp": summary(ratios(timings, "pilab", "ddp_gloo")),
-            "raw": timings}
+            "probe_bytes": probe.nbytes,
+            "probe": {k: float(np.median([p[k] for p in probes])) for k in probes[0]
+                      if k != "saturated"} | {"saturated": sum(p["saturated"] for p in probes)},
+            "probe_rounds": probes, "raw": timings}
 
 
 def main(argv=None) -> int:

@@ -36,7 +36,7 @@ class Link:
 _POSITIVE = ("cores_per_node", "ref_threads", "train_gflops", "eval_gflops")
 _NON_NEGATIVE = ("nodes", "ranks_per_node", "data_s_per_image", "step_overhead_s", "compute_cv",
                  "gamma", "short_msg_bytes", "oversub_alpha", "available_cores",
-                 "flops_per_activation", "step_work_per_tensor")
+                 "flops_per_activation", "step_work_per_tensor", "gamma_fp16")
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,11 @@ class Cluster:
     short_msg_bytes: int = 2048  # "mpich": recursive doubling up to this size, Rabenseifner above
     backward_fraction: float = BACKWARD_FRACTION
     overlap: float = 1.0  # fraction of the remaining backward that can hide posted buckets
+    # share of its own rate that an Allreduce across nodes keeps while the ranks compute backward (the
+    # CPU the kernel's TCP and the MPI progress get then; measured by pilab.bench.wire's probe: 0.2-0.6
+    # on the testbed); 1: full rate, as the model assumed before
+    overlap_rate: float = 1.0
+    gamma_fp16: float = 0.0  # seconds per byte of an fp16 Allreduce beyond moving it (MPICH's software sum)
     oversub_alpha: float = 0.0  # extra s per Allreduce round when a node has more ranks than cores
     available_cores: float = 0.0  # cores one job gets per node on a shared machine (0: all of them)
     flops_per_activation: float = 0.0  # memory-bound cost per activation element (0: FLOPs only)
@@ -77,9 +82,11 @@ class Cluster:
             ok = isinstance(v, (int, float)) and (v > 0 if name in _POSITIVE else v >= 0)
             if not ok:
                 raise ConfigError(f"cluster {self.name!r}: {name}={v!r} must be {least}")
-        if not 0 <= self.backward_fraction <= 1 or not 0 <= self.overlap <= 1:
-            raise ConfigError(f"cluster {self.name!r}: backward_fraction and overlap are fractions "
-                              f"in [0, 1], not {self.backward_fraction} and {self.overlap}")
+        fractions = {k: getattr(self, k) for k in ("backward_fraction", "overlap", "overlap_rate")}
+        bad = {k: v for k, v in fractions.items() if not 0 <= v <= 1}
+        if bad:
+            raise ConfigError(f"cluster {self.name!r}: " + ", ".join(f"{k}={v}" for k, v in bad.items())
+                              + " must be a fraction in [0, 1]")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"cluster {self.name!r}: algorithm={self.algorithm!r}; choose one of "
                               f"{', '.join(ALGORITHMS)}")

@@ -89,24 +89,32 @@ def _rank_costs(cfg: Config, p: int, b: int, cl: Cluster, place: dict, n_tensors
 
 
 def _gradient_comm(cfg: Config, layout, averaging: str, compute: float, cl: Cluster,
-                   ar: Callable[[float], float]) -> tuple[int, float, float]:
-    """(messages, comm seconds, exposed seconds) per step for averaging the gradients (p > 1)."""
+                   ar: Callable[[float], float], rate: float = 1.0) -> tuple[int, float, float]:
+    """(messages, comm seconds, exposed seconds) per step for averaging the gradients (p > 1).
+    ``rate``: the share of its speed a transfer keeps while backward runs (``Cluster.overlap_rate``
+    where the job spans nodes)."""
     if averaging == "per_tensor":
         comm = sum(ar(n * ELEMENT_BYTES) for n, _ in layout)
         return len(layout), comm, comm
-    wire = 2 if cfg.compression == "fp16" else ELEMENT_BYTES
+    fp16 = cfg.compression == "fp16"
+    wire = 2 if fp16 else ELEMENT_BYTES
     buckets = buckets_for(layout, cfg.bucket_mb)
     t_fwd = compute * (1 - cl.backward_fraction)
     t_bwd = compute * cl.backward_fraction
+    done = t_fwd + t_bwd
     end = 0.0
     comm = 0.0
     for numel, ready in buckets:  # posted in order as they fill; one at a time on the wire
-        t = ar(numel * wire)
+        t = ar(numel * wire) + (numel * wire * cl.gamma_fp16 if fp16 else 0.0)
         # overlap < 1: only that share of the remaining backward can hide communication
-        post = t_fwd + t_bwd * (1 - cl.overlap * (1 - ready))
-        end = max(end, post) + t
+        start = max(end, t_fwd + t_bwd * (1 - cl.overlap * (1 - ready)))
+        if rate < 1.0 and start < done:  # slowed until backward ends, then at full speed
+            slow = (done - start) * rate  # the part of t moved before backward ends
+            end = start + (t / rate if rate else 0.0) if slow >= t else done + t - slow
+        else:
+            end = start + t
         comm += t
-    return len(buckets), comm, max(0.0, end - (t_fwd + t_bwd))
+    return len(buckets), comm, max(0.0, end - done)
 
 
 def exchange(cfg, np_: int, cluster, compute_s: float, *, forward_s: float | None = None,
@@ -133,17 +141,22 @@ def exchange(cfg, np_: int, cluster, compute_s: float, *, forward_s: float | Non
         cl = dataclasses.replace(cl, backward_fraction=1 - forward_s / compute_s if compute_s else 0.0)
     if p == 1:
         return {"messages": 0, "comm": 0.0, "exposed": 0.0, "step": compute_s}
-    crowded = _placement(cfg, p, cl)["crowded"]
+    place = _placement(cfg, p, cl)
 
     def ar(nbytes):
-        return allreduce_time(nbytes, p, cl, None, crowded)
+        return allreduce_time(nbytes, p, cl, None, place["crowded"])
     messages, comm, exposed = _gradient_comm(cfg, gradient_layout(cfg.model, cfg.width), "buckets",
-                                             compute_s, cl, ar)
+                                             compute_s, cl, ar, _overlap_rate(cl, place))
     if metrics:
         metric = ar(METRIC_BYTES)
         comm += metric
         exposed += metric
     return {"messages": messages, "comm": comm, "exposed": exposed, "step": compute_s + exposed}
+
+
+def _overlap_rate(cl: Cluster, place: dict) -> float:
+    """``cl.overlap_rate`` where the job spans nodes (it is the inter-node transfer's), else 1."""
+    return cl.overlap_rate if place["nodes"] > 1 else 1.0
 
 
 def _local_share(cfg: Config, p: int) -> float:
@@ -214,7 +227,7 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
         return allreduce_time(nbytes, p, cl, None, place["crowded"])
     metric = ar(METRIC_BYTES) if p > 1 else 0.0
     messages, comm, exposed = (0, 0.0, 0.0) if p == 1 else \
-        _gradient_comm(cfg, layout, averaging, compute, cl, ar)
+        _gradient_comm(cfg, layout, averaging, compute, cl, ar, _overlap_rate(cl, place))
     comm += metric
     exposed += metric
     overhead = cl.step_overhead_s
