@@ -12,9 +12,10 @@ and the contenders take turns, round by round, each on its own copy of the model
 
 Beside them, not a contender, **the probe** measures two properties of the testbed's nodes that the
 performance model takes as given (``perfmodel.Cluster.overlap_rate`` and ``gamma_fp16``): one Allreduce
-of the gradient's bytes alone, the same posted as backward starts (polled from the gradient hooks as
-GradSync polls) -- how much of it moves while backward computes, as a share of its rate alone -- and the
-same elements in fp16 alone (MPICH's software half-precision sum, per byte beyond the transfer).
+alone, the same posted as backward starts (polled from the gradient hooks as GradSync polls) -- how much
+of it moves while backward computes, as a share of its rate alone -- and the same elements in fp16 alone
+(MPICH's software half-precision sum, per byte beyond the transfer). Its message is the gradient's bytes,
+or up to 8x that where backward would hide all of it at full speed (then the rate is only bounded).
 
 ``pilab.bench.network`` launches it on its testbed (gloo's rendezvous at ``--master``, node01's address
 on the testbed, its sockets on the nodes' ``eth0``) and adds the physical bound from the measured link
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from ..engine import loop as engine
 from ..config import Config
 from ..launch import mpi
-from ..engine.dist import SLEEP_S, SPIN_S, _fp16_type
+from ..engine.dist import SLEEP_S, SPIN_S, fp16_type
 from ..engine.optim import build_optimizer
 from .ranks import nap_barrier, slowest
 from .stats import ratios, summary
@@ -56,7 +57,7 @@ class Probe:
 
     def __init__(self, model, nbytes: int):
         self.model = model
-        self.half = _fp16_type()
+        self.half = fp16_type()
         self.resize(nbytes)
         self.req, self.hooked = None, 0
         for p in model.parameters():

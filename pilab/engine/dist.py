@@ -214,7 +214,7 @@ def check_launcher(comm) -> None:
 # ----------------------------------------------------------------------------------------------
 # fused, overlapped gradient averaging
 # ----------------------------------------------------------------------------------------------
-def _fp16_type():
+def fp16_type():
     """MPI datatype for IEEE half precision, or None if this MPI library has none."""
     t = getattr(MPI, "FLOAT16_T", None) if MPI is not None else None
     if t is None or t == MPI.DATATYPE_NULL:
@@ -330,7 +330,7 @@ class GradSync:
         self.rank, self.size = world(comm)
         self.poll, self.poll_every, self.wait = poll, poll_every, wait
         self.fp16 = compression == "fp16"
-        self.half_type = _fp16_type() if self.fp16 else None
+        self.half_type = fp16_type() if self.fp16 else None
         if self.fp16 and self.size > 1 and self.half_type is None:
             raise RuntimeError("compression=fp16 needs an MPI library with a half-precision type "
                                "(MPICH >= 4.1); use compression=none")
