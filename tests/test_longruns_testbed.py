@@ -56,11 +56,13 @@ def tb():
 def _one_rank_per_node(tb, out, *extra):
     """np 2, one rank on each node (each has a core to itself: timings mean what they say), one epoch
     of 16 steps of 8 images per rank (small steps: the exchange is a visible part of them), warnings
-    after 4 steps beyond the threshold."""
+    after 4 steps beyond a threshold of 50%. Not the default 20%: on a fast day here a healthy 1 Gbit/s
+    exchange of these tiny steps is itself 17-25% of their compute (measured 2026-12-03, 7 runs: 3 were
+    flagged), while the faults below are ~10x (a tenth of a core; a tenth of the link)."""
     from pilab.launch import find_mpiexec
     cmd = [find_mpiexec(), *tb.mpiexec_args(), "-hosts", f"{tb.address('node01')}:1,{tb.address('node02')}:1",
            "-n", "2", sys.executable, "-m", "pilab", "train", *TINY, "--batch-size", "8", "--epochs", "1",
-           "--hang-s", "0", "--straggler-steps", "4", "--out", str(out), *extra]
+           "--hang-s", "0", "--straggler-steps", "4", "--straggler-threshold", "0.5", "--out", str(out), *extra]
     p = run_on_testbed(tb, cmd, env=tb.env(mpi_env()), timeout=400, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [x for x in p.stderr.splitlines() if x.startswith("pilab: straggler")]
