@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ..engine import loop as engine
 from ..config import Config
 from ..launch import mpi
-from ..engine.dist import SLEEP_S, SPIN_S, fp16_type
+from ..engine.dist import fp16_type, wait_polling
 from ..engine.optim import build_optimizer
 from .ranks import nap_barrier, slowest
 from .stats import ratios, summary
@@ -75,23 +75,16 @@ class Probe:
         if self.req is not None and self.hooked % POLL_EVERY == 0:
             self.req.Test()
 
-    @staticmethod
-    def _wait(req):
-        spin_until = time.perf_counter() + SPIN_S  # as GradSync waits: poll, then nap between polls
-        while not req.Test():
-            if time.perf_counter() > spin_until:
-                time.sleep(SLEEP_S)
-
     def alone(self) -> float:
         t = time.perf_counter()
-        self._wait(COMM.Iallreduce(self.buf, self.out))
+        wait_polling([COMM.Iallreduce(self.buf, self.out)])
         return time.perf_counter() - t
 
     def alone16(self) -> float | None:
         if self.half is None:
             return None
         t = time.perf_counter()
-        self._wait(COMM.Iallreduce([self.buf16, self.half], [self.out16, self.half]))
+        wait_polling([COMM.Iallreduce([self.buf16, self.half], [self.out16, self.half])])
         return time.perf_counter() - t
 
     def busy(self, x, y) -> tuple[float, float]:
@@ -102,7 +95,7 @@ class Probe:
         self.req = req = COMM.Iallreduce(self.buf, self.out)
         loss.backward()
         t1 = time.perf_counter()
-        self._wait(req)
+        wait_polling([req])
         self.req = None
         return t1 - t0, time.perf_counter() - t1
 
