@@ -63,7 +63,7 @@ class Config:
     epochs: int = 10  # passes over the training set (the original study used 10)
     batch_mode: str = "per_rank"  # per_rank: batch_size per rank (global grows with np) | global: split
     batch_size: int = 32  # images per rank (per_rank) or in the global batch (global)
-    batch_ramp: str = ""  # batch-size ramp: "EPOCH:BATCH,..." -- from each of those epochs (0-based) on, that batch (in batch_size's sense), e.g. batch_size=8 with "3:16,6:32"; "" = batch_size throughout
+    batch_ramp: str = ""  # batch-size ramp: "EPOCH:BATCH,..." -- from each of those epochs (0-based) on, that batch (in batch_size's sense), e.g. batch_size=8 with "3:16,6:32"; or "gns:MAX" -- at each epoch's end the batch doubles (up to MAX) while the global batch stays within the gradient noise scale measured over that epoch (McCandlish et al. 2018; needs np >= 2); "" = batch_size throughout
     max_steps: int = 0  # stop after this many optimizer steps in total; 0 = no limit
     # --- optimizer ---
     optimizer: str = "sgd"  # sgd | lars
@@ -159,6 +159,9 @@ class Config:
         if self.ghost_batch and self.bn == "sync":
             raise ConfigError("ghost_batch needs bn='local'; SyncBatchNorm already spans ranks")
         self.ramp()  # raises ConfigError for a malformed ramp
+        if self.gns_max and self.local_steps > 1:
+            raise ConfigError(f"batch_ramp={self.batch_ramp!r} measures the gradient noise at every gradient "
+                              "average, which local SGD (local_steps > 1) skips; use an explicit ramp with it")
         if self.local_steps < 1:
             raise ConfigError(f"local_steps={self.local_steps} must be >= 1 (1: average gradients every step)")
         if not 0 <= self.local_after <= self.epochs:
@@ -181,7 +184,7 @@ class Config:
             Config(batch_size=8, batch_ramp="3:16,6:32", epochs=10).ramp()   # [(0, 8), (3, 16), (6, 32)]
         """
         plan = [(0, self.batch_size)]
-        if not self.batch_ramp.strip():
+        if not self.batch_ramp.strip() or self.gns_max:  # a noise-driven ramp is chosen while training
             return plan
         for part in self.batch_ramp.split(","):
             try:
@@ -194,6 +197,32 @@ class Config:
                                   f"{self.epochs - 1} and batches be >= 1")
             plan.append((e, b))
         return plan
+
+    @property
+    def gns_max(self) -> int:
+        """MAX of a noise-driven ramp (``batch_ramp="gns:MAX"``), in batch_size's sense; 0 for any other."""
+        head, _, tail = self.batch_ramp.strip().partition(":")
+        if head.strip().lower() != "gns":
+            return 0
+        try:
+            top = int(tail)
+        except ValueError:
+            top = 0
+        if top < 2 * self.batch_size:
+            raise ConfigError(f"batch_ramp={self.batch_ramp!r}: write gns:MAX with MAX >= 2 x batch_size="
+                              f"{2 * self.batch_size}, e.g. gns:{4 * self.batch_size}")
+        return top
+
+    def gns_ladder(self) -> list[int]:
+        """The batches a noise-driven ramp may choose (batch_size doubled while <= MAX, in batch_size's
+        sense)::
+
+            Config(batch_size=8, batch_ramp="gns:32").gns_ladder()   # [8, 16, 32]
+        """
+        out = [self.batch_size]
+        while self.gns_max and out[-1] * 2 <= self.gns_max:
+            out.append(out[-1] * 2)
+        return out
 
     def batch_at(self, epoch: int) -> int:
         """``batch_size`` in effect at ``epoch`` (0-based) under the ramp (in batch_size's sense)."""
@@ -227,8 +256,12 @@ class Config:
         if np_ > n_train:
             raise ConfigError(
                 f"np={np_} exceeds the {n_train} training images; use fewer processes")
-        for epoch, _ in self.ramp():
-            b = self.per_rank_batch(np_, epoch)
+        if self.gns_max and np_ < 2:
+            raise ConfigError(f"batch_ramp={self.batch_ramp!r} measures the gradient noise from the ranks' own "
+                              "gradients and needs np >= 2; use an explicit ramp (e.g. '3:16,6:32') at np=1")
+        batches = [dataclasses.replace(self, batch_size=b, batch_ramp="").per_rank_batch(np_) for b in self.gns_ladder()] if self.gns_max else \
+            [self.per_rank_batch(np_, epoch) for epoch, _ in self.ramp()]
+        for b in batches:
             if self.ghost_batch and b % self.ghost_batch:
                 raise ConfigError(
                     f"ghost_batch={self.ghost_batch} does not divide the per-rank batch {b}")

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 LAYERS = {
     "launch": 0, "files": 0, "embedded": 0,
     "engine.optim": 0, "engine.buckets": 0, "models.names": 0,
+    "engine.noise": 0,  # the gradient noise scale and the batch it chooses (arithmetic only)
     "engine.signals": 0,  # installing signal handlers and putting the old ones back; no pilab imports
     "study.verdict": 0,  # the one logic that judges a study's rows; no pilab imports
     "plots": 0.5,  # draws what pilab.study.verdict judged

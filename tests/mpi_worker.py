@@ -333,6 +333,30 @@ def _train_no_sync(cfg, ds):
     return {k: v.detach().clone() for k, v in session.model.state_dict().items()}
 
 
+def case_gns(out):
+    """A noise-driven batch ramp (batch_ramp="gns:16") over real ranks: every rank measures the same noise
+    scale and chooses the same batches, and the whole run matches the simulator's."""
+    from pilab.engine import simulate
+    cfg = replace(BASE, train_subset=240, epochs=3, max_steps=0, batch_size=4, batch_ramp="gns:16")
+    ds = train.load_data(cfg, COMM)
+    result, model = train.train(cfg, COMM, data=ds)
+    mine = {"noise": [e["noise_scale"] for e in result["epochs"]], "plan": result["batch_plan"],
+            "chosen": result["batch_ramp_chosen"]}
+    every = COMM.gather(mine, root=0)
+    states = gathered_states(model)
+    if RANK == 0:
+        sim, sim_model = simulate.train(cfg, SIZE, data=ds)
+        res = {"ranks": every, "simulator": {"noise": [e["noise_scale"] for e in sim["epochs"]],
+                                             "plan": sim["batch_plan"], "chosen": sim["batch_ramp_chosen"]},
+               "simulator_diff_per_rank": [max_diff(simulate.virtual_state(sim_model, r), states[r])
+                                           for r in range(SIZE)],
+               "test_acc": [e["test_acc"] for e in result["epochs"]],
+               "simulator_test_acc": [e["test_acc"] for e in sim["epochs"]],
+               "lr": result["steps"]["lr"], "simulator_lr": sim["steps"]["lr"]}
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def case_fault(out):
     """Rank 1 raises at its 3rd step; abort_on_error must take the whole job down."""
     calls = {"n": 0}
@@ -438,7 +462,7 @@ if __name__ == "__main__":
         sys.exit(0)
     try:
         {"train": case_train, "stop": case_stop, "spiking": case_spiking,
-         "local": case_local, "grads": case_grads}[case](out)
+         "local": case_local, "grads": case_grads, "gns": case_gns}[case](out)
     except BaseException:
         # A rank that fails must not leave the others waiting in a collective until the test's timeout
         # (420 s): print why, then end the whole job at once.

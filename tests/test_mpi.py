@@ -197,6 +197,19 @@ def test_local_sgd_resumes_between_two_averages_as_if_never_stopped(local_run):
     assert max(r["resume_diff_per_rank"]) == 0.0, r["resume_diff_per_rank"]
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_noise_driven_ramp_chooses_the_same_batches_on_every_rank_and_in_the_simulator(np_, tmp_path_factory):
+    _, r = case_at(np_, "gns", tmp_path_factory)
+    first = r["ranks"][0]
+    assert all(x == first for x in r["ranks"])  # every rank measured the same noise, chose the same batches
+    assert first["chosen"], first  # ... and the ramp did grow the batch (the noise scale allows it here)
+    assert first["plan"] == r["simulator"]["plan"] and first["chosen"] == r["simulator"]["chosen"]
+    assert first["noise"][:-1] == pytest.approx(r["simulator"]["noise"][:-1], rel=1e-4)
+    assert max(r["simulator_diff_per_rank"]) <= 1e-5, r["simulator_diff_per_rank"]
+    assert r["test_acc"] == r["simulator_test_acc"]
+    assert r["lr"] == pytest.approx(r["simulator_lr"], rel=1e-9)
+
+
 @pytest.mark.mpi
 def test_gradients_backward_put_elsewhere_are_averaged_all_the_same(tmp_path_factory):
     """GradSync's quick check that every gradient is already its slot of the buffer, and the slow path

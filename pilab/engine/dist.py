@@ -20,6 +20,7 @@ Run under ``mpiexec -n 2 python -m pilab train``.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import sys
 import time
@@ -274,6 +275,21 @@ SPIN_BYTES_PER_S = 1e9
 SLEEP_S = 50e-6  # then one nap between Testall calls (Linux timer slack adds ~50 us)
 
 
+def squared_norm(tensors) -> float:
+    """The squared L2 norm of ``tensors`` together, in float64 and the same bits wherever the same values
+    are: each tensor in its logical order, summed by numpy (pairwise, one thread, whatever torch's thread
+    count or the tensor's memory layout), the tensors' sums added exactly (``math.fsum``, so their order
+    does not matter either). An MPI rank's bucket slots and the simulator's ``p.grad`` agree bit for bit.
+
+        squared_norm([p.grad for p in params])
+    """
+    out = []
+    for t in tensors:
+        a = t.detach().reshape(-1)
+        out.append(float(np.square(a.cpu().numpy(), dtype=np.float64).sum()))
+    return math.fsum(out)
+
+
 def wait_polling(reqs, spin_s: float = SPIN_S) -> None:
     """Wait for ``reqs`` as GradSync does: Testall busily for ``spin_s``, then with a nap between calls.
     MPICH moves a shared-memory Allreduce only inside MPI calls, so napping between calls slows a
@@ -311,7 +327,8 @@ class GradSync:
     ``meta`` float64 slots ride with the last bucket (their own tiny Iallreduce, posted the moment the
     last bucket is, completed by the same wait): the caller writes per-step metrics into
     ``sync.meta[:meta]`` before backward; after ``finish()`` they hold the sums over ranks, and
-    ``sync.meta[meta + r]`` holds rank r's ready time (its last post, seconds after ``begin(t0)``).
+    ``sync.meta[meta + r]`` holds rank r's ready time (its last post, seconds after ``begin(t0)``), and
+    with ``norms=True`` ``sync.meta[meta + size + r]`` rank r's squared gradient norm as sent.
     So the step needs no second collective — and no second point where ranks wait for each other.
 
     Each rank's gradient is divided by the world size before it is sent (so the sum is the mean, and with
@@ -332,7 +349,7 @@ class GradSync:
 
     def __init__(self, model: nn.Module, comm, *, bucket_mb: float = 1.0,
                  compression: str = "none", poll: bool = True, poll_every: int = 1,
-                 views: bool = True, wait: str = "sleep", meta: int = 0):
+                 views: bool = True, wait: str = "sleep", meta: int = 0, norms: bool = False):
         if wait not in WAITS:
             raise ValueError(f"wait={wait!r}; use one of {', '.join(WAITS)}")
         if poll_every < 1:
@@ -367,7 +384,13 @@ class GradSync:
             for p in b.params:
                 self._where[id(p)] = i
         self.n_meta = meta
-        self.meta = np.zeros(meta + self.size, dtype=np.float64)
+        # norms: each rank's squared gradient norm as sent (of its share g_r / size) in one slot per rank
+        # after the ready times, summed with them: rank r's value is in every rank's meta, exactly
+        # (the other ranks add zeros). For the gradient noise scale (pilab.engine.noise).
+        self.norms = norms and self.size > 1
+        self.meta = np.zeros(meta + self.size * (2 if self.norms else 1), dtype=np.float64)
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._sq = [0.0] * len(params)
         self._meta_request = None
         self._t0 = 0.0
         self._hooks = []
@@ -465,8 +488,18 @@ class GradSync:
             self._gather(b)
         if not self.seeded:  # pre-divide: the sum is then the mean, and fp16 cannot overflow
             b.flat.div_(self.size)
+        if self.norms:
+            self._norms(b)
         if self.fp16:
             b.wire.copy_(b.flat)
+
+    def _norms(self, b: _Bucket) -> None:
+        """Each of ``b``'s gradients' squared norm, as sent, into its parameter's place."""
+        offset = 0
+        for p, view in zip(b.params, b.views):
+            n = p.numel()
+            self._sq[self._index[id(p)]] = squared_norm([view if view is not None else b.flat[offset:offset + n]])
+            offset += n
 
     @staticmethod
     def _gather(b: _Bucket):
@@ -511,6 +544,8 @@ class GradSync:
         self.stats.ready = now
         self.meta[self.n_meta:] = 0.0
         self.meta[self.n_meta + self.rank] = now - self._t0
+        if self.norms and self.exchange:
+            self.meta[self.n_meta + self.size + self.rank] = math.fsum(self._sq)
         self._meta_request = self.comm.Iallreduce(MPI.IN_PLACE, self.meta, op=MPI.SUM)
         self._inflight.append(self._meta_request)
 

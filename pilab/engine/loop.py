@@ -33,7 +33,7 @@ import resource
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -41,14 +41,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import __version__
-from . import checkpoint, localsgd
+from . import checkpoint, localsgd, noise
 from .. import data as data_mod
 from .checkpoint import RESUMABLE, CheckpointError, WriteError  # noqa: F401  (RESUMABLE: re-exported)
 from ..config import EVAL_CHUNK, Config, ConfigError
 from ..launch import launcher_local_size, mpi, mpi_versions
 from .ema import WeightAverage
 from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
-                   reduce_sums, share_of_mean, sync_buffers_, world)
+                   reduce_sums, share_of_mean, squared_norm, sync_buffers_, world)
 from ..files import save_json
 from .layers import (RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_,
                      use_ghost_batchnorm, use_rank_dropout)
@@ -192,6 +192,10 @@ class StepResult:
     # every rank's compute of this step and network time of the step before (s; MPI ranks only)
     ranks_compute: object = None
     ranks_network: object = None
+    # a noise-driven batch ramp (batch_ramp="gns:MAX"): every rank's squared gradient norm as sent (of its
+    # share g_r / np), and the averaged gradient's (see pilab.engine.noise)
+    ranks_grad_sq: object = None
+    avg_grad_sq: float | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,7 +249,7 @@ class MPIRanks:
         # ... and so does each rank's network time of the step before (one slot per rank), which
         # rank 0's straggler monitor compares live (pilab.engine.stragglers)
         self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, compression=cfg.compression,
-                              meta=len(_META) + self.np_)
+                              meta=len(_META) + self.np_, norms=bool(cfg.gns_max))
         self._prev_net = 0.0
         self.optimizer, self.local = optimizer, cfg.local_steps > 1
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -277,6 +281,10 @@ class MPIRanks:
         nets[self.rank] = self._prev_net
         sync.backward(loss)
         cstats = sync.finish()
+        grad_sq = avg_sq = None
+        if sync.norms and sync.exchange:  # every rank's, exact (see GradSync's norms); the average's
+            n0 = len(_META) + 2 * self.np_
+            grad_sq, avg_sq = sync.meta[n0:n0 + self.np_].copy(), squared_norm([p.grad for p in self.params])
         optimizer.step()
         averaged, sent = 0.0, cstats.bytes_sent
         if ph.average:  # local SGD: the ranks' parameters and BatchNorm statistics averaged, blocking
@@ -292,7 +300,7 @@ class MPIRanks:
         # Every step starts together (right after the previous step's exchange), so a rank whose last
         # gradient was ready `max(ready) - ready` before the slowest rank's waited that long for it;
         # the rest of the exposed time is the network's.
-        ready = sums[len(_META) + self.np_:]
+        ready = sums[len(_META) + self.np_:len(_META) + 2 * self.np_]
         wait = min(cstats.exposed, max(0.0, float(ready.max() - ready[self.rank]))) if self.np_ > 1 else 0.0
         self._prev_net = cstats.exposed - wait + averaged
         # compute: forward + backward + optimizer, the time spent waiting in finish() (and averaging) taken out
@@ -300,7 +308,8 @@ class MPIRanks:
                           compute=(t2 - t1) - cstats.exposed - averaged, comm=cstats.total + averaged,
                           comm_exposed=cstats.exposed + averaged, data=t1 - t0,
                           bytes_sent=sent, comm_wait=wait, save_votes=saves,
-                          ranks_compute=ready.copy(), ranks_network=sums[len(_META):len(_META) + self.np_].copy())
+                          ranks_compute=ready.copy(), ranks_network=sums[len(_META):len(_META) + self.np_].copy(),
+                          ranks_grad_sq=grad_sq, avg_grad_sq=avg_sq)
 
     def set_batch(self, batch: int) -> None:
         """A batch-size ramp's next batch: the same shard, cut into batches of ``batch``."""
@@ -395,6 +404,9 @@ class VirtualRanks:
         if cfg.local_steps > 1 and cfg.simulate_mode == "fast":
             raise ConfigError("simulate_mode=fast runs several ranks per forward, but local SGD (local_steps > 1) "
                               "gives each rank its own weights; use simulate_mode=exact")
+        if cfg.gns_max and cfg.simulate_mode == "fast":
+            raise ConfigError(f"simulate_mode=fast runs several ranks per forward, but batch_ramp={cfg.batch_ramp!r} "
+                              "needs each rank's own gradient; use simulate_mode=exact")
 
     def build(self, cfg: Config, device, ds, batch: int) -> nn.Module:
         np_ = self.np_
@@ -413,8 +425,9 @@ class VirtualRanks:
         fast = cfg.simulate_mode == "fast"
         auto = max(1, min(np_, (FAST_CHUNK_IMAGES if fast else 256) // batch))
         self.chunk = self.ranks_per_chunk or (auto if fast or device.type == "cuda" else 1)
-        if cfg.local_steps > 1:  # every rank's own weights: one rank per forward
+        if cfg.local_steps > 1 or cfg.gns_max:  # every rank's own weights, or its own gradient's norm
             self.chunk = 1
+        self.norms = bool(cfg.gns_max) and np_ > 1
         self.context = RankContext(cfg.seed)
         self.context.vectorised = fast
         return base_model(cfg, device, ranks=np_, context=self.context)
@@ -437,6 +450,7 @@ class VirtualRanks:
         t_data = 0.0
         loss_sum = correct = 0  # python numbers, or 0-d device tensors with defer_metrics
         one_chunk = self.chunk >= np_  # the chunk's mean gradient is the average: nothing to accumulate
+        grad_sq = [] if self.norms else None
         if not one_chunk:
             torch._foreach_zero_(self.avg)
         self.context.epoch, self.context.step = epoch, step
@@ -461,6 +475,8 @@ class VirtualRanks:
                 # as MPI forms it (GradSync.backward): each rank's loss scaled by 1/np, so its gradient
                 # comes out divided, and the ranks' gradients added in rank order
                 share_of_mean(loss, np_).backward()
+                if grad_sq is not None:  # as GradSync's norms: this rank's share, as it would be sent
+                    grad_sq.append(squared_norm([p.grad for p in self.params]))
                 torch._foreach_add_(self.avg, [p.grad for p in self.params])
             else:  # several ranks per forward (the mean over their images): weighted by their share
                 loss.backward()
@@ -474,6 +490,7 @@ class VirtualRanks:
                     correct += (out.argmax(1) == y).sum().item()
         if not one_chunk:
             torch._foreach_copy_([p.grad for p in self.params], self.avg)
+        avg_sq = squared_norm([p.grad for p in self.params]) if grad_sq is not None else None
         optimizer.step()
         if device.type == "cuda" and not self.defer_metrics:
             torch.cuda.synchronize()
@@ -481,7 +498,8 @@ class VirtualRanks:
         want_stop = bool(stop()) if stop is not None else False
         want_save = bool(save()) if save is not None else False
         return StepResult(loss_sum, correct, float(want_stop), time=total, compute=total - t_data,
-                          comm=0.0, comm_exposed=0.0, data=t_data, save_votes=float(want_save))
+                          comm=0.0, comm_exposed=0.0, data=t_data, save_votes=float(want_save),
+                          ranks_grad_sq=np.array(grad_sq) if grad_sq is not None else None, avg_grad_sq=avg_sq)
 
     def _local_step(self, cfg: Config, model, optimizer, epoch: int, step: int, ph, stop, save) -> StepResult:
         """A local-SGD step: each rank's own forward, backward and optimizer step on its own weights
@@ -616,25 +634,22 @@ class Session:
         self.accounting = data_mod.epoch_accounting(self.ds.y_train, self.np_, self.batch, cfg.sharding,
                                                     seed=cfg.seed)
         self.model = ranks.build(cfg, self.device, self.ds, self.batch)
+        self.first_batch = self.batch
         spe = self.steps_per_epoch = ranks.steps_per_epoch  # the first epoch's (a batch ramp changes it)
-        n_train = len(self.ds.y_train)
-        self.epoch_steps = [spe if cfg.per_rank_batch(self.np_, e) == self.batch else data_mod.epoch_accounting(
-            n_train, self.np_, cfg.per_rank_batch(self.np_, e), cfg.sharding, seed=cfg.seed)["steps"]
-            for e in range(cfg.epochs)]
-        self.epoch_start = list(itertools.accumulate([0] + self.epoch_steps))  # each epoch's first global step
-        # The schedule spans all epochs; max_steps only cuts the run short (an interruption), so a run
-        # resumed from its checkpoint follows the same learning rates as an uninterrupted one.
-        self.schedule_steps = self.epoch_start[-1]
-        self.total_steps = min(self.schedule_steps, cfg.max_steps) if cfg.max_steps else self.schedule_steps
-        whole, part = int(cfg.warmup_epochs), cfg.warmup_epochs % 1
-        self.warmup_steps = round(cfg.warmup_epochs * spe) if not cfg.batch_ramp else \
-            self.epoch_start[whole] + (round(part * self.epoch_steps[whole]) if whole < cfg.epochs else 0)
+        # a noise-driven ramp (batch_ramp="gns:MAX") measures the gradient noise scale over each epoch and
+        # chooses the next epoch's batch from it (pilab.engine.noise); the choices so far are an explicit
+        # ramp, which the rest of the Session follows as it follows a given one
+        self.noise = noise.NoiseScale() if cfg.gns_max else None
+        self._set_plan(replace(cfg, batch_ramp="") if self.noise is not None else cfg)
         self.peak_lr = cfg.peak_lr(self.np_)
         self.optimizer = build_optimizer(self.model, cfg, self.peak_lr)
         ck = _load_checkpoint(cfg, ranks, self.model, self.optimizer) if cfg.resume else {}
         self.start_epoch, self.history = ck.get("epoch", 0), ck.get("history", [])
         self.start_step = ck.get("step_in_epoch", 0)  # steps of start_epoch already done
         self.partial = ck.get("partial")  # that epoch's sums so far
+        if self.noise is not None and ck.get("gns"):  # the batches chosen so far, the noise measured so far
+            self._set_plan(replace(cfg, batch_ramp=ck["gns"]["plan"]))
+            self.noise.restore(ck["gns"]["noise"])
         self.resumed_np = ck.get("np", self.np_)
         if cfg.batch_ramp and self.resumed_np != self.np_:
             raise CheckpointError(f"{cfg.resume} was made at np={self.resumed_np} with a batch ramp, whose epochs "
@@ -678,10 +693,43 @@ class Session:
         self.last_save = time.monotonic()
         self.saves: list[dict] = []  # seconds, bytes, path of each checkpoint written (rank 0)
 
+    def _set_plan(self, bcfg: Config) -> None:
+        """Follow ``bcfg``'s batches (``cfg``, or under a noise-driven ramp the choices so far): every
+        epoch's steps, the global steps where each starts, the schedule's and the run's steps."""
+        cfg, spe = self.cfg, self.steps_per_epoch
+        self.bcfg = bcfg
+        self.epoch_steps = [spe if bcfg.per_rank_batch(self.np_, e) == self.first_batch else data_mod.epoch_accounting(
+            len(self.ds.y_train), self.np_, bcfg.per_rank_batch(self.np_, e), cfg.sharding, seed=cfg.seed)["steps"]
+            for e in range(cfg.epochs)]
+        self.epoch_start = list(itertools.accumulate([0] + self.epoch_steps))  # each epoch's first global step
+        # The schedule spans all epochs; max_steps only cuts the run short (an interruption), so a run
+        # resumed from its checkpoint follows the same learning rates as an uninterrupted one.
+        self.schedule_steps = self.epoch_start[-1]
+        self.total_steps = min(self.schedule_steps, cfg.max_steps) if cfg.max_steps else self.schedule_steps
+        whole, part = int(cfg.warmup_epochs), cfg.warmup_epochs % 1
+        self.warmup_steps = round(cfg.warmup_epochs * spe) if not cfg.batch_ramp else \
+            self.epoch_start[whole] + (round(part * self.epoch_steps[whole]) if whole < cfg.epochs else 0)
+
+    def choose_batch(self, epoch: int) -> dict:
+        """After every step of ``epoch`` (a noise-driven ramp only): the epoch's gradient noise scale and
+        the per-rank batch it chooses for the next epoch, which the plan then follows. The same numbers on
+        every rank (their norms travel exactly), so every rank chooses alike, with no collective."""
+        value = self.noise.value()
+        cur = self.bcfg.per_rank_batch(self.np_, epoch)
+        ladder = [replace(self.cfg, batch_size=b, batch_ramp="").per_rank_batch(self.np_)
+                  for b in self.cfg.gns_ladder()]
+        nxt = noise.next_batch(cur, ladder, self.np_, value)
+        self.noise.reset()
+        if nxt != cur and epoch + 1 < self.cfg.epochs:
+            sense = nxt if self.cfg.batch_mode == "per_rank" else nxt * self.np_
+            self._set_plan(replace(self.cfg, batch_ramp=",".join(filter(None, [self.bcfg.batch_ramp,
+                                                                                f"{epoch + 1}:{sense}"]))))
+        return {"noise_scale": value, "next_per_rank_batch": nxt if epoch + 1 < self.cfg.epochs else None}
+
     def enter_epoch(self, epoch: int) -> int:
         """The ranks set up for ``epoch`` (under a batch ramp: its batch); its number of steps."""
         if epoch < self.cfg.epochs and self.cfg.batch_ramp:
-            b = self.cfg.per_rank_batch(self.np_, epoch)
+            b = self.bcfg.per_rank_batch(self.np_, epoch)
             if b != self.batch:
                 self.batch = b
                 self.ranks.set_batch(b)
@@ -690,11 +738,21 @@ class Session:
         return self.epoch_steps[epoch] if epoch < self.cfg.epochs else 0
 
     def lr(self, global_step: int) -> float:
-        peak = self.peak_lr
-        if self.cfg.batch_ramp:  # the lr rule follows each epoch's global batch
-            peak = self.cfg.peak_lr(self.np_, bisect.bisect_right(self.epoch_start, global_step) - 1)
-        return lr_at(global_step, peak_lr=peak, total_steps=self.schedule_steps,
-                     warmup_steps=self.warmup_steps, schedule=self.cfg.schedule)
+        peak, cfg = self.peak_lr, self.cfg
+        if not cfg.batch_ramp:
+            return lr_at(global_step, peak_lr=peak, total_steps=self.schedule_steps,
+                         warmup_steps=self.warmup_steps, schedule=cfg.schedule)
+        epoch = min(bisect.bisect_right(self.epoch_start, global_step) - 1, cfg.epochs - 1)
+        peak = self.bcfg.peak_lr(self.np_, epoch)  # the lr rule follows each epoch's global batch
+        if self.noise is None:
+            return lr_at(global_step, peak_lr=peak, total_steps=self.schedule_steps,
+                         warmup_steps=self.warmup_steps, schedule=cfg.schedule)
+        # A noise-driven ramp's later epochs have steps not yet known: its schedule runs in epochs, counted
+        # in the first epoch's steps (so that epoch's learning rates are those of a run without the ramp)
+        unit = self.epoch_steps[0]
+        at = (epoch + (global_step - self.epoch_start[epoch]) / self.epoch_steps[epoch]) * unit
+        return lr_at(at, peak_lr=peak, total_steps=cfg.epochs * unit, warmup_steps=cfg.warmup_epochs * unit,
+                     schedule=cfg.schedule)
 
     def step(self, epoch: int, step: int, *, stop=None) -> tuple[StepResult, float]:
         """Train step ``step`` of ``epoch`` on every rank; returns (the step, its learning rate).
@@ -707,6 +765,8 @@ class Session:
         set_lr(self.optimizer, lr)
         st = self.ranks.step(self.cfg, self.model, self.optimizer, epoch, step, stop,
                              lambda: self._save_due(gstep + 1))
+        if self.noise is not None and st.avg_grad_sq is not None:
+            self.noise.add(st.ranks_grad_sq, st.avg_grad_sq, self.batch, self.np_)
         if self.ema is not None:
             self.ema_pending += 1
             ph = localsgd.phase(self.cfg, self.epoch_steps[epoch], epoch, step)
@@ -742,6 +802,8 @@ class Session:
               "ranks": states}
         if self.ema is not None:
             ck.update(ema=self.ema.state(), ema_pending=self.ema_pending)
+        if self.noise is not None:
+            ck["gns"] = {"plan": self.bcfg.batch_ramp, "noise": self.noise.state()}
         return checkpoint.save(self.cfg.out, ck, keep=self.cfg.keep)
 
 
@@ -796,7 +858,8 @@ def _load_checkpoint(cfg: Config, ranks, model, optimizer) -> dict:
             meta = {"epoch": int(ck["epoch"]), "history": list(ck["history"]),
                     "step_in_epoch": int(ck.get("step_in_epoch") or 0), "partial": ck.get("partial"),
                     "np": int(ck.get("np", np_)), "order_np": int(ck.get("order_np") or ck.get("np", np_)),
-                    "has_ranks": states is not None, "ema": ck.get("ema"), "ema_pending": int(ck.get("ema_pending") or 0)}
+                    "has_ranks": states is not None, "ema": ck.get("ema"), "ema_pending": int(ck.get("ema_pending") or 0),
+                    "gns": ck.get("gns")}
         except CheckpointError as e:
             error = str(e)
     if size > 1:
@@ -923,8 +986,11 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
                     stop_reason = (getattr(stop, "reason", None) if s.rank == 0 else None) or \
                         f"stop requested on {int(st.stop_votes)} of {s.np_} rank(s)"
                     break
+            # a noise-driven ramp chooses the next epoch's batch after each whole epoch (before its checkpoint)
+            chosen = s.choose_batch(epoch) if s.noise is not None and acc.steps == s.epoch_steps[epoch] else {}
             record, checkpoint_now = _end_epoch(s, epoch, acc, time.perf_counter() - t_epoch, steps_log,
                                                 stopped, gstep, force=save_at_end)
+            record.update(chosen)
             record["started_at"] = epoch_started_at
             epochs_log.append(record)
             emit({"kind": "epoch", **record})
@@ -1167,6 +1233,7 @@ def _result(s: Session, epochs_log: list, steps_log: dict, bytes_per_step: int, 
         "resumed_from_step": s.epoch_start[s.start_epoch] + s.start_step, "resumed_from_np": s.resumed_np,
         "steps_done": len(steps_log["loss"]) + s.epoch_start[s.start_epoch] + s.start_step,
         "epochs_done": sum(1 for e in epochs_log if e["steps"] == s.epoch_steps[e["epoch"] - 1]),
-        **({"batch_plan": [{"epoch": e + 1, "per_rank_batch": cfg.per_rank_batch(s.np_, e), "steps": n}
+        **({"batch_plan": [{"epoch": e + 1, "per_rank_batch": s.bcfg.per_rank_batch(s.np_, e), "steps": n}
                            for e, n in enumerate(s.epoch_steps)]} if cfg.batch_ramp else {}),
+        **({"batch_ramp_chosen": s.bcfg.batch_ramp} if s.noise is not None else {}),
     }

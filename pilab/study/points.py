@@ -12,6 +12,7 @@ import json
 import math
 import os
 import tempfile
+from dataclasses import replace
 
 from ..engine import checkpoint
 from ..config import Config, ConfigError
@@ -66,6 +67,14 @@ def same_training(saved: dict, cfg: Config, p: int) -> bool:
         return math.isclose(Config.from_dict(saved).peak_lr(p), cfg.peak_lr(p), rel_tol=1e-12)
     except (ConfigError, TypeError, ValueError):
         return False
+
+
+def trained_config(result: dict) -> Config:
+    """The config a finished run trained with, as the performance model should price it: a noise-driven
+    batch ramp (``batch_ramp="gns:MAX"``) replaced by the batches it chose (``batch_ramp_chosen``)."""
+    cfg = Config.from_dict(result["config"])
+    chosen = result.get("batch_ramp_chosen")
+    return replace(cfg, batch_ramp=chosen) if cfg.gns_max and chosen is not None else cfg
 
 
 def reused_run(dirs, p: int, cfg: Config, simulated: bool, dest: str | None) -> dict | None:

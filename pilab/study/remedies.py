@@ -32,7 +32,7 @@ from . import verdict as judging
 from ..config import Config, ConfigError, small_mode
 from ..engine.loop import load_data
 from .analysis import POWER_MODELS, calibrate_from, run_energy, target_baseline, time_to_target
-from .points import finished_run, reused_run, same_training, step_events
+from .points import finished_run, reused_run, same_training, step_events, trained_config
 
 
 def candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
@@ -82,6 +82,7 @@ def _fast_and_right(cfg: Config, np_: int, warm: float) -> list[tuple[str, dict 
     ramp = {"batch_size": b // 4, "batch_ramp": f"{e1}:{b // 2},{e2}:{b}"} \
         if cfg.batch_mode == "per_rank" and b >= 8 and 0 < e1 < e2 < cfg.epochs else None
     ramp_label = f"batch ramp {b // 4}-{b // 2}-{b}"
+    gns = {"batch_size": b // 4, "batch_ramp": f"gns:{b}"} if ramp and np_ > 1 else None
     return [
         *[(f"local SGD H={h}", {"local_steps": h}) for h in (2, 4, 8, 16)],
         (f"post-local SGD H=8 after {warm:g} ep", {"local_steps": 8, "local_after": warm}),
@@ -99,6 +100,11 @@ def _fast_and_right(cfg: Config, np_: int, warm: float) -> list[tuple[str, dict 
         (f"{ramp_label} + sqrt lr", {**ramp, "lr_scaling": "sqrt"} if ramp else None),
         (f"{ramp_label} at constant lr", {**ramp, "schedule": "constant"} if ramp else None),
         (f"{ramp_label} + local SGD H=8", {**ramp, "local_steps": 8} if ramp else None),
+        # ... or one the gradient noise scale drives (McCandlish et al. 2018): from a quarter of the
+        # per-rank batch, doubled at an epoch's end while the global batch stays within the noise scale
+        # measured over that epoch (it needs np >= 2: the ranks' own gradients are the small batches)
+        (f"noise-driven batch ramp {b // 4}-{b}", gns),
+        (f"noise-driven batch ramp {b // 4}-{b} + sqrt lr", {**gns, "lr_scaling": "sqrt"} if gns else None),
     ]
 
 
@@ -340,8 +346,8 @@ def _candidate_row(label, changes, c: Config, np_: int, res: dict, calibration, 
                    base: float | None) -> dict:
     """One candidate's line: accuracy, and with a calibration its predicted time, speedup, energy."""
     epoch_time = pred = None
-    if calibration is not None:
-        pred = perfmodel.predict(_on(c, calibration), np_, calibration)
+    if calibration is not None:  # a noise-driven ramp priced at the batches it chose
+        pred = perfmodel.predict(_on(trained_config(res) if c.gns_max else c, calibration), np_, calibration)
         epoch_time = pred["time"]
     times = [epoch_time] * len(res["epochs"]) if epoch_time else None
     last = res["epochs"][-1]

@@ -26,6 +26,7 @@ import sys
 from ..config import Config
 from . import remedies
 from .analysis import target_baseline, time_to_target
+from .points import trained_config
 
 GOAL_POINTS = 0.01  # np=48 within 1 point of np=1 (mean of the seeds)
 GOAL_SPEEDUP = 15.0  # predicted Pi whole-run speedup over one node, and time-to-target speedup
@@ -89,12 +90,12 @@ def table(root: str, *, calibration: str = CALIBRATION) -> dict:
         labels = {remedies.slug(label): label for label in remedies.candidate_labels(proto, np_)}
         accs = [r["epochs"][-1]["test_acc"] for r in runs.values()]
         mean, sd = _mean_sd(accs)
-        first = runs[min(runs)]
-        c = Config.from_dict(first["config"])
-        pred = perfmodel.predict(remedies._on(c, calibration), np_, calibration, **counts)
-        whole = pred["epoch_time"] * len(first["epochs"])
-        ttts = [time_to_target(r, target, [pred["time"]] * len(r["epochs"]), [pred["eval_time"]] * len(r["epochs"]))
-                for r in runs.values()]
+        # each seed's run priced as it trained (a noise-driven ramp: at the batches that seed's run chose)
+        preds = [perfmodel.predict(remedies._on(trained_config(r), calibration), np_, calibration, **counts)
+                 for r in runs.values()]
+        whole = statistics.fmean(p["epoch_time"] * len(r["epochs"]) for p, r in zip(preds, runs.values()))
+        ttts = [time_to_target(r, target, [p["time"]] * len(r["epochs"]), [p["eval_time"]] * len(r["epochs"]))
+                for p, r in zip(preds, runs.values())]
         same = pts.get((1, name))
         vs = _mean_sd([r["epochs"][-1]["test_acc"] for r in same.values()])[0] if same and np_ != 1 else None
         reached = all(t is not None for t in ttts)

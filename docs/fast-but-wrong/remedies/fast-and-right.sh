@@ -4,7 +4,7 @@
 # method sets the batch, lr 0.05 per 32) but every accuracy on all 10,000 test images (a 2,000-image test
 # set has a standard error of ~1.1 points at 63%). Candidates (`pilab remedies --help` lists them):
 # local SGD (H = 2, 4, 8, 16), post-local SGD, local SGD with 8 images per rank (4x the steps), batch-size
-# ramps (8 -> 16 -> 32 per rank), and the few-step recipe's pieces (label smoothing, weight EMA, Nesterov, triangular lr, flip TTA) alone and
+# ramps (8 -> 16 -> 32 per rank, at set epochs or as the measured gradient noise scale allows), and the few-step recipe's pieces (label smoothing, weight EMA, Nesterov, triangular lr, flip TTA) alone and
 # together -- each recipe at np=48 and at np=1, since the comparison is np=48 against np=1 with the same
 # recipe. Every np=48 point is an exact 48-rank simulation; np=1 is one process.
 #
@@ -40,6 +40,7 @@ first=("1|baseline"
        "48|post-local SGD H=8 after 2 ep" "48|few-step recipe + sqrt lr"
        "48|batch ramp 8-16-32" "48|batch ramp 8-16-32 + sqrt lr" "48|batch ramp 8-16-32 + local SGD H=8"
        "48|batch ramp 8-16-32 at constant lr"
+       "48|noise-driven batch ramp 8-32" "48|noise-driven batch ramp 8-32 + sqrt lr"
        "48|local SGD H=2" "48|local SGD H=4" "48|local SGD H=8" "48|local SGD H=16")
 for part in "label smoothing 0.2" "weight EMA 0.5 ep" "nesterov" "triangular lr" "flip TTA"; do
     first+=("48|$part" "1|$part")

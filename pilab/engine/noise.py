@@ -1,0 +1,70 @@
+"""The gradient noise scale, measured from what data-parallel training already has, and the batch a
+noise-driven ramp (``batch_ramp="gns:MAX"``) chooses from it.
+
+McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", appendix A): with the squared norm
+of a gradient over a small batch (each rank's own, ``b`` images) and over a big one (the average over the
+ranks, ``B = np * b`` images), unbiased estimates of the true gradient's squared norm and of the
+per-image gradient variance's trace are
+
+    |G|^2 = (B |g_B|^2 - b |g_b|^2) / (B - b)         S = (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
+
+and the noise scale ``B_noise = S / |G|^2`` (in images) is the batch beyond which a larger batch buys
+little: the critical batch. Each step gives one pair of estimates, far too noisy alone; as the paper
+does, their means over many steps (here: an epoch's) are divided, not the per-step ratios::
+
+    ns = NoiseScale()
+    ns.add(rank_sq, avg_sq, per_rank_batch=8, np_=48)    # every synchronous step
+    ns.value()                                           # images; then ns.reset() for the next epoch
+    next_batch(8, [8, 16, 32], 48, ns.value())           # the ramp's choice for the next epoch
+
+``rank_sq`` are each rank's squared gradient norms *as sent*, i.e. of its share ``g_r / np`` of the
+average (``pilab.engine.dist.squared_norm``; GradSync's per-rank slots carry them, exactly, so every rank
+and the simulator hold the same numbers and choose the same batch).
+"""
+from __future__ import annotations
+
+import math
+
+
+class NoiseScale:
+    """Sums of the per-step estimates of ``|G|^2`` and ``S`` since the last ``reset``."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.g2 = self.s = 0.0
+        self.steps = 0
+
+    def add(self, rank_sq, avg_sq: float, per_rank_batch: int, np_: int) -> None:
+        """One synchronous step: ``rank_sq`` (per rank, of ``g_r / np``) and the average's ``avg_sq``."""
+        small = math.fsum(rank_sq) / len(rank_sq) * np_ ** 2  # the ranks' mean |g_r|^2
+        b, big_b = per_rank_batch, per_rank_batch * np_
+        self.g2 += (big_b * avg_sq - b * small) / (big_b - b)
+        self.s += (small - avg_sq) / (1 / b - 1 / big_b)
+        self.steps += 1
+
+    def value(self) -> float | None:
+        """The noise scale in images (the epoch's mean ``S`` over its mean ``|G|^2``); None before any
+        step, infinity where the gradient's estimated norm is not positive (noise dominates)."""
+        if not self.steps:
+            return None
+        return self.s / self.g2 if self.g2 > 0 else math.inf
+
+    def state(self) -> dict:
+        return {"g2": self.g2, "s": self.s, "steps": self.steps}
+
+    def restore(self, d: dict | None) -> None:
+        self.reset()
+        if d:
+            self.g2, self.s, self.steps = float(d["g2"]), float(d["s"]), int(d["steps"])
+
+
+def next_batch(current: int, ladder: list[int], np_: int, noise_scale: float | None) -> int:
+    """The per-rank batch for the next epoch: the largest of ``ladder`` (per-rank batches, rising) whose
+    global batch stays within ``noise_scale``, never smaller than ``current`` (the ramp only grows: a
+    noisier late estimate is no reason to give back the cheap large steps)."""
+    if noise_scale is None:
+        return current
+    fits = [b for b in ladder if b * np_ <= noise_scale]
+    return max([current] + fits)
