@@ -841,6 +841,37 @@ def remedies_figure(res: Mapping):
     return row(p, q)
 
 
+def seeds_figure(tab: Mapping):
+    """A fast-and-right study over seeds (:func:`pilab.study.seeds.table`): each row's final accuracy (mean,
+    with its seeds' sd) against its predicted whole-run time on the Pi cluster (log scale), np=1 as squares,
+    the Pareto front in red and named, the target dashed."""
+    from bokeh.models import FixedTicker, Whisker
+    rows = tab["rows"]
+    t = [r["predicted_pi_time_s"] / 60 for r in rows]
+    acc = [r["acc_mean"] for r in rows]
+    sd = [r["acc_sd"] or 0.0 for r in rows]
+    src = ColumnDataSource({"t": t, "acc": acc, "lo": [a - d for a, d in zip(acc, sd)],
+                            "hi": [a + d for a, d in zip(acc, sd)], "n": [r["n"] for r in rows],
+                            "label": [f"{r['label']} (np={r['np']})" for r in rows],
+                            "name": [f"{r['label']} (np={r['np']})" if r.get("front") else "" for r in rows],
+                            "marker": ["square" if r["np"] == 1 else "circle" for r in rows],
+                            "color": ["#d62728" if r.get("front") else "#4c78a8" for r in rows]})
+    p = _fig(f"final test accuracy vs predicted whole-run time on {tab['calibration']}",
+             "predicted whole run on the Pi cluster (min, log scale)", "test accuracy (all 10,000 images)",
+             x_axis_type="log", width=760, height=440)
+    p.scatter("t", "acc", marker="marker", size=10, color="color", source=src)
+    p.add_layout(Whisker(base="t", lower="lo", upper="hi", source=src, line_color="gray"))
+    p.add_layout(LabelSet(x="t", y="acc", text="name", source=src, x_offset=8, y_offset=-5, text_font_size="9pt"))
+    p.line([min(t) * 0.8, max(t) * 1.25], [tab["target"]] * 2, color="gray", line_dash="dashed",
+           legend_label=f"target {tab['target']:.3f} (np=1 - {100 * tab['goal_points']:.0f} point)")
+    p.x_range = Range1d(min(t) * 0.8, max(t) * 2.5)  # room on the right for the names
+    p.xaxis.ticker = FixedTicker(ticks=[v * 10 ** k for k in range(-1, 4) for v in (1, 2, 5)])
+    p.y_range = Range1d(0.0, min(1.0, max(acc + [tab["target"]]) + 0.08))
+    p.legend.location = "bottom_right"
+    p.add_tools(HoverTool(tooltips=[("", "@label"), ("time", "@t{0.0} min"), ("acc", "@acc{0.000} (n=@n)")]))
+    return p
+
+
 def compare_figures(cmp: dict) -> list:
     """One figure per np of a comparison (:func:`pilab.study.compare.compare`): each study's test
     accuracy per epoch, chance dotted."""

@@ -65,6 +65,11 @@ def test_a_noise_driven_ramp_follows_its_own_measurements(ramped):
     plain, _ = simulate.train(replace(CFG, batch_ramp="", max_steps=eps[0]["steps"]), 4)
     assert res["steps"]["lr"][:eps[0]["steps"]] == plain["steps"]["lr"]
     assert res["steps"]["loss"][:eps[0]["steps"]] == plain["steps"]["loss"]
+    # what the CLI prints: the batch it ended at, and from when
+    from pilab.cli.common import batch_text
+    grown = next(p for p in res["batch_plan"] if p["per_rank_batch"] != 4)
+    assert batch_text(res).startswith(f"global batch=16, ramped to {grown['per_rank_batch'] * 4} from epoch "
+                                       f"{grown['epoch']}")
     # the performance model prices the run at the batches it chose
     pred = predict(trained_config(res), 4, "pi4b_cluster")
     assert [p["steps"] for p in pred["batch_plan"]] == [p["steps"] for p in res["batch_plan"]]

@@ -228,6 +228,22 @@ def test_the_seeds_table_of_the_committed_fast_and_right_points(tmp_path):
     assert rows[(1, "baseline")]["delta_vs_np1_baseline"] == 0.0
     text = seeds.markdown(tab)
     assert "| baseline | 48 |" in text and "no candidate meets it yet" in text
+    # the Pareto front over predicted Pi time, accuracy and energy: a row is on it exactly when no other row
+    # is at least as good on all three and better on one
+    def beats(q, p):
+        axes = [(p["predicted_pi_time_s"] - q["predicted_pi_time_s"]), (q["acc_mean"] - p["acc_mean"]),
+                (p["energy_j"] - q["energy_j"])]
+        return all(d >= 0 for d in axes) and any(d > 0 for d in axes)
+    for p in tab["rows"]:
+        assert p["front"] == (not any(beats(q, p) for q in tab["rows"])), p["label"]
+    assert rows[(1, "few-step-recipe")]["front"]  # the most accurate row
+    assert not rows[(48, "local-sgd-h-8-at-8-per-rank-sqrt-lr")]["front"]  # at chance, and no faster
+    # the CLI: the markdown, the JSON and the report with its figure
+    p = subprocess.run([sys.executable, "-m", "pilab.study.seeds", str(root), "--out", str(tmp_path / "tab")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "tab.md").read_text() == text
+    assert "final test accuracy vs predicted whole-run time" in (tmp_path / "tab.html").read_text()
     # a second seed of the np=48 baseline: mean and sample sd over the two
     copy = tmp_path / "study"
     shutil.copytree(root, copy, ignore=shutil.ignore_patterns("*.pt", "*.html", "*.png", "remedies.json"))

@@ -86,6 +86,19 @@ def strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
     return out
 
 
+def batch_text(result: dict) -> str:
+    """``global batch=64``, and where a batch ramp changed it, to what from which epoch (1-based)::
+
+        batch_text(result)   # "global batch=16, ramped to 64 from epoch 2"
+    """
+    text = f"global batch={result['global_batch']}"
+    plan = result.get("batch_plan") or []
+    for before, p in zip(plan, plan[1:]):
+        if p["per_rank_batch"] != before["per_rank_batch"]:
+            text += f", ramped to {p['per_rank_batch'] * result['np']} from epoch {p['epoch']}"
+    return text
+
+
 def progress_callbacks(quiet: bool):
     """A tqdm bar over all steps and one line per epoch (rank 0 only: callbacks run there); straggler
     warnings (``pilab.engine.stragglers``) are printed with or without the bar."""
@@ -99,11 +112,13 @@ def progress_callbacks(quiet: bool):
         if kind == "straggler":
             state["bar"].write(ev["line"], file=sys.stderr)
         elif kind == "start":
-            done = ev["start_epoch"] * ev["steps_per_epoch"]
+            done = ev.get("steps_done", ev["start_epoch"] * ev["steps_per_epoch"])
             state["bar"] = tqdm(total=ev["total_steps"], initial=done, unit="step",
                                 desc=f"np={ev['np']}", dynamic_ncols=True, file=sys.stderr)
         elif kind == "step":
             bar = state["bar"]
+            if ev.get("total_steps") and ev["total_steps"] != bar.total:  # a noise-driven ramp chose a batch
+                bar.total = ev["total_steps"]
             bar.update(1)
             bar.set_postfix(loss=f"{ev['loss']:.3f}", img_s=f"{ev['images_per_s']:.0f}", refresh=False)
         elif kind == "epoch":

@@ -10,7 +10,8 @@ import sys
 from ..config import Config, ConfigError
 from ..engine.harness import EXIT_WRITE
 from ..engine.signals import exit_code_for, interruptible
-from .common import add_config_arguments, check_out_dir, clear_out_dir, config_from_args, progress_callbacks
+from .common import (add_config_arguments, batch_text, check_out_dir, clear_out_dir, config_from_args,
+                     progress_callbacks)
 
 DEFAULTS = Config(out="runs/simulate")
 
@@ -41,7 +42,7 @@ def run(args, argv) -> int:
         res = simulate.run(cfg, args.np, callbacks=progress_callbacks(args.quiet), stop=stop,
                            ranks_per_chunk=args.ranks_per_chunk)
     last = res["epochs"][-1] if res["epochs"] else {}
-    print(f"simulated np={args.np} global batch={res['global_batch']} peak lr={res['peak_lr']:.4g} "
+    print(f"simulated np={args.np} {batch_text(res)} peak lr={res['peak_lr']:.4g} "
           f"final test acc {last.get('test_acc')}")
     if cfg.out and "result.json" not in res.get("write_error", ""):
         print(f"result: {os.path.join(cfg.out, 'result.json')}")

@@ -19,7 +19,7 @@ import time
 from ..config import Config, ConfigError
 from ..launch import pilab_command, under_mpi
 from ..engine.signals import exit_code_for, handled, interruptible
-from .common import (EXIT_USAGE, UsageError, add_config_arguments, check_out_dir, clear_out_dir,
+from .common import (EXIT_USAGE, UsageError, add_config_arguments, batch_text, check_out_dir, clear_out_dir,
                      config_from_args, mpi_or_error, progress_callbacks, strip_flags)
 
 DEFAULTS = Config(out="runs/train")
@@ -224,7 +224,7 @@ def _report(result: dict, cfg: Config, signum: int | None = None, *, speak: bool
     write_error = result.get("write_error")
     if speak:
         last = result["epochs"][-1] if result["epochs"] else {}
-        print(f"np={result['np']} threads/rank={result['threads']} global batch={result['global_batch']} "
+        print(f"np={result['np']} threads/rank={result['threads']} {batch_text(result)} "
               f"wall {result['wall_time']:.1f}s  {result['images_per_s'] or 0:.0f} img/s  "
               f"final test acc {last.get('test_acc')}")
         if cfg.out and not (write_error and "result.json" in write_error):

@@ -924,6 +924,7 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
 
     emit({"kind": "start", "np": s.np_, "steps_per_epoch": spe, "epochs": cfg.epochs,
           "start_epoch": s.start_epoch, "start_step": s.start_step, "total_steps": s.total_steps,
+          "steps_done": s.epoch_start[min(s.start_epoch, cfg.epochs)] + s.start_step,
           "config": cfg.to_dict(),
           **({"simulated": True} if ranks.simulated else {})})
     steps_log = {k: [] for k in STEP_KEYS}

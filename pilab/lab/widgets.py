@@ -202,6 +202,8 @@ class ControlPanel:
             self.progress.max = max(int(event.get("total_steps") or 1), 1)
             self._say(f"running on {event.get('np')} process(es)")
         elif kind == "step":
+            if event.get("total_steps"):  # a noise-driven batch ramp changes it as it chooses
+                self.progress.max = max(int(event["total_steps"]), 1)
             self.progress.value = int(event["global_step"])
             self.progress.description = f"{event['global_step']}/{event.get('total_steps', '?')}"
         elif kind == "epoch":

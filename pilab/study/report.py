@@ -217,6 +217,26 @@ def write_remedies(res: dict, out: str) -> dict:
     return paths
 
 
+def write_seeds(tab: dict, prefix: str, *, columns: tuple, cells: list, reference: str, goal: str) -> dict:
+    """``<prefix>.html`` (the figure over seeds, then the table: ``columns`` and ``cells``, with the ``reference``
+    and ``goal`` lines) and ``<prefix>.png`` where a browser is available, for a fast-and-right study's table
+    (:mod:`pilab.study.seeds`, which gives them); their paths."""
+    head = ("<h2>Fast and right at np=48 in np=1's epochs: every point on all 10,000 test images</h2>"
+            "<p>Red: the Pareto front (no other row is faster on the Pi, more accurate and cheaper in energy "
+            "at once); squares: np=1; whiskers: the sd over seeds.</p>"
+            f"<p>{escape(reference)}</p>")
+    html_path = prefix + ".html"
+    atomic_write_text(html_path, file_html(column(Div(text=head, width=1000), plots.seeds_figure(tab),
+                                                  Div(text=html_table(columns, cells) + f"<p>{escape(goal)}</p>",
+                                                      width=1000)),
+                                           INLINE, "pilab fast and right"))
+    paths = {"html": html_path}
+    png = export_png(html_path, prefix + ".png")
+    if png:
+        paths["png"] = png
+    return paths
+
+
 def write_compare(cmp: dict, out: str, side: dict | None = None) -> dict:
     """compare.json, compare.html (``side``: the studies beside the paper first, from
     :func:`pilab.paper.beside_paper`) and compare.png where a browser is available; their paths."""

@@ -25,6 +25,7 @@ import sys
 
 from ..config import Config
 from . import remedies
+from . import analysis
 from .analysis import target_baseline, time_to_target
 from .points import trained_config
 
@@ -94,6 +95,10 @@ def table(root: str, *, calibration: str = CALIBRATION) -> dict:
         preds = [perfmodel.predict(remedies._on(trained_config(r), calibration), np_, calibration, **counts)
                  for r in runs.values()]
         whole = statistics.fmean(p["epoch_time"] * len(r["epochs"]) for p, r in zip(preds, runs.values()))
+        energies = [analysis.run_energy(r, {"train": [p["time"]] * len(r["epochs"]),
+                                            "eval": [p["eval_time"]] * len(r["epochs"]),
+                                            "comm_exposed_share": p["comm_exposed"] / p["time"]},
+                                        calibration, target)["energy_j"] for p, r in zip(preds, runs.values())]
         ttts = [time_to_target(r, target, [p["time"]] * len(r["epochs"]), [p["eval_time"]] * len(r["epochs"]))
                 for p, r in zip(preds, runs.values())]
         same = pts.get((1, name))
@@ -106,10 +111,18 @@ def table(root: str, *, calibration: str = CALIBRATION) -> dict:
             "acc_mean": mean, "acc_sd": sd, "accs": accs,
             "delta_vs_np1_baseline": mean - ref_acc,
             "np1_same_recipe": vs, "delta_vs_np1_same_recipe": mean - vs if vs is not None else None,
-            "predicted_pi_speedup": speedup, "time_to_target_s": statistics.fmean(ttts) if reached else None,
+            "predicted_pi_speedup": speedup, "predicted_pi_time_s": whole,
+            "energy_j": statistics.fmean(energies) if None not in energies else None,
+            "time_to_target_s": statistics.fmean(ttts) if reached else None,
             "time_to_target_speedup": ttt_speedup,
             "goal": (np_ > 1 and mean >= ref_acc - GOAL_POINTS and (speedup or 0) >= GOAL_SPEEDUP
                      and (ttt_speedup or 0) >= GOAL_SPEEDUP)})
+    # the Pareto front over every row (no np=48 row reaches the target yet, so not only the "right" ones):
+    # no other row is faster on the Pi, more accurate and cheaper in energy at once
+    have_energy = all(r["energy_j"] is not None for r in rows)
+    for r, on in zip(rows, remedies.pareto(rows, time_key="predicted_pi_time_s", acc_key="acc_mean",
+                                           energy_key="energy_j" if have_energy else None)):
+        r["front"] = on
     return {"root": root, "calibration": calibration, "reference_acc": ref_acc, "reference_sd": ref_sd,
             "reference_seeds": sorted(base_pts), "target": target, "one_node_time_s": one_node,
             "one_node_time_to_target_s": node_ttt, "goal_points": GOAL_POINTS, "goal_speedup": GOAL_SPEEDUP,
@@ -128,33 +141,52 @@ def _pts(v: float | None) -> str:
     return "—" if v is None else f"{100 * v:+.1f}"
 
 
+HEAD = ("candidate", "np", "final accuracy (mean ± sd)", "vs np=1 baseline (points)", "vs np=1 same recipe (points)",
+        "predicted Pi time (min)", "predicted Pi speedup", "energy (kJ)", "time-to-target speedup", "front", "goal")
+
+
+def cells(tab: dict) -> list[list[str]]:
+    """The table's rows as text, in ``HEAD``'s columns (the markdown and the HTML report share them)."""
+    out = []
+    for r in tab["rows"]:
+        kj = "—" if r.get("energy_j") is None else f"{r['energy_j'] / 1e3:.0f}"
+        out.append([r["label"], str(r["np"]), _acc(r["acc_mean"], r["acc_sd"], r["n"]),
+                    _pts(r["delta_vs_np1_baseline"]), _pts(r["delta_vs_np1_same_recipe"]),
+                    f"{r['predicted_pi_time_s'] / 60:.1f}", _x(r["predicted_pi_speedup"]), kj,
+                    _x(r["time_to_target_speedup"]), "yes" if r.get("front") else "",
+                    "met" if r["goal"] else ("—" if r["np"] == 1 else "not met")])
+    return out
+
+
+def reference_line(tab: dict) -> str:
+    return (f"Reference: np=1 baseline {_acc(tab['reference_acc'], tab['reference_sd'], len(tab['reference_seeds']))} "
+            f"on all 10,000 test images; target {tab['target']:.4f} (1 point below); one node "
+            f"({tab['calibration']}, 2 ranks) {tab['one_node_time_s'] / 60:.0f} min for the whole run, "
+            + (f"{tab['one_node_time_to_target_s'] / 60:.0f} min to the target." if tab["one_node_time_to_target_s"]
+               else "never at the target."))
+
+
+def goal_line(tab: dict) -> str:
+    met = [r for r in tab["rows"] if r["goal"]]
+    return (f"Goal (np=48 within {100 * tab['goal_points']:.0f} point of np=1 in the same epochs, predicted "
+            f"Pi speedup and time-to-target speedup >= {tab['goal_speedup']:.0f}): "
+            + (", ".join(r["label"] for r in met) if met else "no candidate meets it yet") + ".")
+
+
 def markdown(tab: dict) -> str:
     """The table as markdown: one row per (candidate, np), the reference first."""
-    lines = [f"Reference: np=1 baseline {_acc(tab['reference_acc'], tab['reference_sd'], len(tab['reference_seeds']))} "
-             f"on all 10,000 test images; target {tab['target']:.4f} (1 point below); one node "
-             f"({tab['calibration']}, 2 ranks) {tab['one_node_time_s'] / 60:.0f} min for the whole run, "
-             + (f"{tab['one_node_time_to_target_s'] / 60:.0f} min to the target." if tab["one_node_time_to_target_s"]
-                else "never at the target."), "",
-             "| candidate | np | final accuracy (mean ± sd) | vs np=1 baseline (points) | vs np=1 same recipe "
-             "(points) | predicted Pi speedup | time-to-target speedup | goal |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in tab["rows"]:
-        lines.append(f"| {r['label']} | {r['np']} | {_acc(r['acc_mean'], r['acc_sd'], r['n'])} | "
-                     f"{_pts(r['delta_vs_np1_baseline'])} | {_pts(r['delta_vs_np1_same_recipe'])} | "
-                     f"{_x(r['predicted_pi_speedup'])} | {_x(r['time_to_target_speedup'])} | "
-                     f"{'met' if r['goal'] else ('—' if r['np'] == 1 else 'not met')} |")
-    met = [r for r in tab["rows"] if r["goal"]]
-    lines += ["", f"Goal (np=48 within {100 * tab['goal_points']:.0f} point of np=1 in the same epochs, predicted "
-              f"Pi speedup and time-to-target speedup >= {tab['goal_speedup']:.0f}): "
-              + (", ".join(r["label"] for r in met) if met else "no candidate meets it yet") + "."]
-    return "\n".join(lines) + "\n"
+    lines = [reference_line(tab), "", "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
+    lines += ["| " + " | ".join(c) + " |" for c in cells(tab)]
+    return "\n".join(lines + ["", goal_line(tab)]) + "\n"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pilab.study.seeds",
-                                description="the table over seeds of a fast-and-right study (markdown + JSON)")
+                                description="the table over seeds of a fast-and-right study (markdown + JSON + "
+                                "figure)")
     p.add_argument("root", help="the study's folder (np<N>/seed<S>/<candidate>/result.json)")
-    p.add_argument("--out", default="", help="write OUT.md and OUT.json (default: print the markdown)")
+    p.add_argument("--out", default="", help="write OUT.md, OUT.json, OUT.html and OUT.png (the figure, where a "
+                   "browser is available; default: print the markdown)")
     a = p.parse_args(argv)
     try:
         tab = table(a.root)
@@ -171,6 +203,9 @@ def main(argv=None) -> int:
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, a.out + ".md")
+    from .report import write_seeds  # Bokeh: only where a figure is made
+    write_seeds(tab, a.out, columns=HEAD, cells=cells(tab), reference=reference_line(tab),
+                goal=goal_line(tab))  # OUT.html, and OUT.png where a browser is available
     return 0
 
 

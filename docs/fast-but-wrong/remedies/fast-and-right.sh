@@ -58,7 +58,7 @@ done
 table
 }
 
-table() {  # the table over seeds of every finished point: <here>/table.md and table.json (pilab.study.seeds)
+table() {  # the table over seeds of every finished point: <here>/table.md, .json and .png, the figure with its front (pilab.study.seeds)
     python -m pilab.study.seeds "$here" --out "$here/table"
 }
 
