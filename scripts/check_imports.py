@@ -31,6 +31,7 @@ LAYERS = {
     "engine.dist": 2, "data": 2, "engine.checkpoint": 2,
     "engine.layers": 3, "engine.ema": 3,  # ema: the weights' moving average (torch only)
     "engine.localsgd": 3,  # local SGD's plan and the simulator's per-rank weights (torch only)
+    "engine.ranks": 3.5,  # the rank backends (MPI ranks, the simulator's virtual ranks) the loop drives
     "engine.loop": 4,
     "engine.train": 5, "engine.simulate": 5,
     "engine.harness": 5.2,  # one guarded run on the ranks (vote, signals, abort, watchdog): CLI, engines, the

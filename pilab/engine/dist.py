@@ -447,7 +447,7 @@ class GradSync:
             sync.backward(loss)     # instead of loss.backward()
             sync.finish()
 
-        The simulator scales its ranks' losses alike (``pilab.engine.loop.VirtualRanks``), so the
+        The simulator scales its ranks' losses alike (``pilab.engine.ranks.VirtualRanks``), so the
         two still form the same sums bit for bit."""
         if self.size > 1 and self.exchange:
             self.seeded = True
