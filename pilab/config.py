@@ -63,7 +63,7 @@ class Config:
     epochs: int = 10  # passes over the training set (the original study used 10)
     batch_mode: str = "per_rank"  # per_rank: batch_size per rank (global grows with np) | global: split
     batch_size: int = 32  # images per rank (per_rank) or in the global batch (global)
-    batch_ramp: str = ""  # batch-size ramp: "EPOCH:BATCH,..." -- from each of those epochs (0-based) on, that batch (in batch_size's sense), e.g. batch_size=8 with "3:16,6:32"; or "gns:MAX" -- at each epoch's end the batch doubles (up to MAX) while the global batch stays within the gradient noise scale measured over that epoch (McCandlish et al. 2018; needs np >= 2); "" = batch_size throughout
+    batch_ramp: str = ""  # batch-size ramp: "EPOCH:BATCH,..." -- from each of those epochs (0-based) on, that batch (in batch_size's sense), e.g. batch_size=8 with "3:16,6:32"; or "gns:MAX" -- at each epoch's end the batch becomes the largest of batch_size x 2^k (up to MAX, never smaller than before) whose global batch is within the gradient noise scale measured over that epoch (McCandlish et al. 2018; needs np >= 2); "" = batch_size throughout
     max_steps: int = 0  # stop after this many optimizer steps in total; 0 = no limit
     # --- optimizer ---
     optimizer: str = "sgd"  # sgd | lars

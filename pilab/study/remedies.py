@@ -101,7 +101,7 @@ def _fast_and_right(cfg: Config, np_: int, warm: float) -> list[tuple[str, dict 
         (f"{ramp_label} at constant lr", {**ramp, "schedule": "constant"} if ramp else None),
         (f"{ramp_label} + local SGD H=8", {**ramp, "local_steps": 8} if ramp else None),
         # ... or one the gradient noise scale drives (McCandlish et al. 2018): from a quarter of the
-        # per-rank batch, doubled at an epoch's end while the global batch stays within the noise scale
+        # per-rank batch, at an epoch's end the largest doubling whose global batch is within the noise scale
         # measured over that epoch (it needs np >= 2: the ranks' own gradients are the small batches)
         (f"noise-driven batch ramp {b // 4}-{b}", gns),
         (f"noise-driven batch ramp {b // 4}-{b} + sqrt lr", {**gns, "lr_scaling": "sqrt"} if gns else None),
