@@ -1,4 +1,4 @@
-"""The one training loop, and the two ways to run its ranks.
+"""The one training loop, over either of the two ways to run its ranks.
 
 ``train(cfg, ranks)`` runs synchronous data-parallel SGD over a *rank backend*:
 
