@@ -3,6 +3,7 @@ estimator against a known truth, the ramp's choices, its schedule, a resume afte
 run. Its agreement with real ``mpiexec`` ranks is tests/test_mpi.py's (case gns)."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -41,6 +42,11 @@ def test_the_ramp_takes_the_largest_batch_within_the_noise_scale_and_never_shrin
     assert noise.next_batch(4, ladder, 4, 10.0) == 4
     assert noise.next_batch(16, ladder, 4, 10.0) == 16  # a noisier epoch gives nothing back
     assert noise.next_batch(8, ladder, 4, None) == 8
+    assert noise.next_batch(4, ladder, 4, float("inf")) == 16  # noise dominates: the largest batch
+    # ... which the epoch's record says in words, JSON having no infinity
+    rec = noise.record(float("inf"))
+    assert rec["noise_scale"] is None and "noise dominates" in rec["noise_scale_note"]
+    assert noise.record(1823.5) == {"noise_scale": 1823.5}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +59,7 @@ def test_a_noise_driven_ramp_follows_its_own_measurements(ramped):
     res, _ = ramped
     eps = res["epochs"]
     assert all(e["noise_scale"] > 0 for e in eps)
+    json.dumps(res, allow_nan=False)  # strict JSON: an unbounded noise scale is recorded as None and a note
     plan = [p["per_rank_batch"] for p in res["batch_plan"]]
     assert plan[0] == 4
     for e in range(1, len(eps)):  # each epoch trains at the batch the one before chose

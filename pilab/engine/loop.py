@@ -208,7 +208,7 @@ class Session:
             sense = nxt if self.cfg.batch_mode == "per_rank" else nxt * self.np_
             self._set_plan(replace(self.cfg, batch_ramp=",".join(filter(None, [self.bcfg.batch_ramp,
                                                                                 f"{epoch + 1}:{sense}"]))))
-        return {"noise_scale": value, "next_per_rank_batch": nxt if epoch + 1 < self.cfg.epochs else None}
+        return {**noise.record(value), "next_per_rank_batch": nxt if epoch + 1 < self.cfg.epochs else None}
 
     def enter_epoch(self, epoch: int) -> int:
         """The ranks set up for ``epoch`` (under a batch ramp: its batch); its number of steps."""

@@ -60,6 +60,19 @@ class NoiseScale:
             self.g2, self.s, self.steps = float(d["g2"]), float(d["s"]), int(d["steps"])
 
 
+def record(noise_scale: float | None) -> dict:
+    """The epoch record's entry: ``noise_scale`` in images, or None and a note where it is unbounded
+    (JSON has no infinity)::
+
+        record(1823.2)          # {"noise_scale": 1823.2}
+        record(math.inf)        # {"noise_scale": None, "noise_scale_note": "..."}
+    """
+    if noise_scale is None or math.isfinite(noise_scale):
+        return {"noise_scale": noise_scale}
+    return {"noise_scale": None, "noise_scale_note": "the gradient's estimated squared norm was not positive "
+                                                     "over this epoch: noise dominates (an unbounded noise scale)"}
+
+
 def next_batch(current: int, ladder: list[int], np_: int, noise_scale: float | None) -> int:
     """The per-rank batch for the next epoch: the largest of ``ladder`` (per-rank batches, rising) whose
     global batch stays within ``noise_scale``, never smaller than ``current`` (the ramp only grows: a
