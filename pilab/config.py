@@ -224,6 +224,10 @@ class Config:
             out.append(out[-1] * 2)
         return out
 
+    def gns_ladder_per_rank(self, np_: int) -> list[int]:
+        """``gns_ladder()`` as images per rank at ``np_`` ranks (raises ConfigError if not divisible)."""
+        return [dataclasses.replace(self, batch_size=b, batch_ramp="").per_rank_batch(np_) for b in self.gns_ladder()]
+
     def batch_at(self, epoch: int) -> int:
         """``batch_size`` in effect at ``epoch`` (0-based) under the ramp (in batch_size's sense)."""
         return [b for e, b in self.ramp() if e <= epoch][-1]
@@ -259,7 +263,7 @@ class Config:
         if self.gns_max and np_ < 2:
             raise ConfigError(f"batch_ramp={self.batch_ramp!r} measures the gradient noise from the ranks' own "
                               "gradients and needs np >= 2; use an explicit ramp (e.g. '3:16,6:32') at np=1")
-        batches = [dataclasses.replace(self, batch_size=b, batch_ramp="").per_rank_batch(np_) for b in self.gns_ladder()] if self.gns_max else \
+        batches = self.gns_ladder_per_rank(np_) if self.gns_max else \
             [self.per_rank_batch(np_, epoch) for epoch, _ in self.ramp()]
         for b in batches:
             if self.ghost_batch and b % self.ghost_batch:

@@ -200,9 +200,7 @@ class Session:
         every rank (their norms travel exactly), so every rank chooses alike, with no collective."""
         value = self.noise.value()
         cur = self.bcfg.per_rank_batch(self.np_, epoch)
-        ladder = [replace(self.cfg, batch_size=b, batch_ramp="").per_rank_batch(self.np_)
-                  for b in self.cfg.gns_ladder()]
-        nxt = noise.next_batch(cur, ladder, self.np_, value)
+        nxt = noise.next_batch(cur, self.cfg.gns_ladder_per_rank(self.np_), self.np_, value)
         self.noise.reset()
         if nxt != cur and epoch + 1 < self.cfg.epochs:
             sense = nxt if self.cfg.batch_mode == "per_rank" else nxt * self.np_
@@ -223,11 +221,9 @@ class Session:
 
     def lr(self, global_step: int) -> float:
         peak, cfg = self.peak_lr, self.cfg
-        if not cfg.batch_ramp:
-            return lr_at(global_step, peak_lr=peak, total_steps=self.schedule_steps,
-                         warmup_steps=self.warmup_steps, schedule=cfg.schedule)
-        epoch = min(bisect.bisect_right(self.epoch_start, global_step) - 1, cfg.epochs - 1)
-        peak = self.bcfg.peak_lr(self.np_, epoch)  # the lr rule follows each epoch's global batch
+        if cfg.batch_ramp:  # the lr rule follows each epoch's global batch
+            epoch = min(bisect.bisect_right(self.epoch_start, global_step) - 1, cfg.epochs - 1)
+            peak = self.bcfg.peak_lr(self.np_, epoch)
         if self.noise is None:
             return lr_at(global_step, peak_lr=peak, total_steps=self.schedule_steps,
                          warmup_steps=self.warmup_steps, schedule=cfg.schedule)
