@@ -68,7 +68,7 @@ def module_name(path: Path) -> str:
 
 
 def _allowed_at_module_level(top: str, me: str) -> bool:
-    return me in MODULE_LEVEL_FROM[top]
+    return any(me == m or me.startswith(m + ".") for m in MODULE_LEVEL_FROM[top])
 
 
 def imports_of(path: Path) -> list[tuple[str, int, bool]]:

@@ -1,0 +1,33 @@
+"""Bokeh figures for pilab: live while a run goes on, and from result / study dicts afterwards.
+
+Every function takes plain dicts (a ``train.run`` result, a ``pilab.study.scaling.study`` result, or their JSON) and
+returns a Bokeh figure or layout, so notebooks and the HTML report draw the same pictures::
+
+    from pilab import plots
+    plots.setup_notebook()                 # BokehJS inline: works offline, no CDN
+    live = plots.LivePlot()
+    live.widget()                          # a jupyter_bokeh BokehModel; display it, then:
+    run = lab.train(cfg, callbacks=[live]) # each event streams into the plots
+
+    plots.show(plots.result_layout(result))          # one run: curves + per-rank time split
+    html = bokeh.embed.file_html(plots.report_layout(study), INLINE, "scaling")   # the report
+
+One module per kind of picture: ``base`` (what they all share, the notebook's Table and Paragraph),
+``run`` (one run, live or afterwards), ``study`` (a scaling study and its report page), ``remedies`` (a
+remedies search, a study over seeds) and ``compare`` (studies side by side, the paper).
+"""
+from .base import (DOCS, EPOCH_SOURCE, PART_COLORS, PART_LABELS, PARTS, RANK_SOURCE, STEP_SOURCE, Paragraph,
+                   Table, html_table, setup_notebook, show, show_committed)
+from .compare import compare_figures, models_figure, paper_figures
+from .remedies import remedies_figure, seeds_figure
+from .run import (LivePlot, accuracy_figure, loss_figure, rank_label, result_layout, run_summary,
+                  throughput_figure, timeline_figure)
+from .study import (curves_by_np, efficiency_figure, energy_figure, report_layout, scaling_dashboard,
+                    speedup_figure, study_accuracy_figure, study_cells)
+
+__all__ = ["setup_notebook", "show", "show_committed", "LivePlot", "loss_figure", "accuracy_figure",
+           "throughput_figure", "timeline_figure", "rank_label", "result_layout", "run_summary", "speedup_figure",
+           "efficiency_figure", "study_accuracy_figure", "curves_by_np", "energy_figure", "scaling_dashboard",
+           "report_layout", "study_cells", "remedies_figure", "seeds_figure", "models_figure", "compare_figures",
+           "paper_figures", "Table", "Paragraph", "html_table", "DOCS", "STEP_SOURCE", "EPOCH_SOURCE",
+           "RANK_SOURCE", "PARTS", "PART_LABELS", "PART_COLORS"]
