@@ -91,6 +91,10 @@ def _fast_and_right(cfg: Config, np_: int, warm: float) -> list[tuple[str, dict 
         if cfg.batch_mode == "per_rank" and b >= 8 and 0 < e1 < e2 < cfg.epochs else None
     ramp_label = f"batch ramp {b // 4}-{b // 2}-{b}"
     gns = {"batch_size": b // 4, "batch_ramp": f"gns:{b}"} if ramp and np_ > 1 else None
+    # the same ramp from an eighth (4 per rank at 32): the global batch kept near a tenth to a fifth of the
+    # noise scale measured at each stage (~550-2,700 images in epochs 2-7, rising after), at constant lr
+    small = {"batch_size": b // 8, "batch_ramp": f"{e1}:{b // 4},{e2}:{b // 2}", "schedule": "constant"} \
+        if ramp and b // 8 >= 4 else None
     return [
         *[(f"local SGD H={h}", {"local_steps": h}) for h in (2, 4, 8, 16)],
         (f"post-local SGD H=8 after {warm:g} ep", {"local_steps": 8, "local_after": warm}),
@@ -109,6 +113,7 @@ def _fast_and_right(cfg: Config, np_: int, warm: float) -> list[tuple[str, dict 
         (f"{ramp_label} + sqrt lr", {**ramp, "lr_scaling": "sqrt"} if ramp else None),
         (f"{ramp_label} at constant lr", {**ramp, "schedule": "constant"} if ramp else None),
         (f"{ramp_label} + local SGD H=8", {**ramp, "local_steps": 8} if ramp else None),
+        (f"batch ramp {b // 8}-{b // 4}-{b // 2} at constant lr", small),
         # ... or one the gradient noise scale drives (McCandlish et al. 2018): from a quarter of the
         # per-rank batch, at an epoch's end the largest doubling whose global batch is within the noise scale
         # measured over that epoch (it needs np >= 2: the ranks' own gradients are the small batches)
