@@ -266,3 +266,30 @@ def test_resume_at_another_np_with_sync_bn_matches_to_float_tolerance(tmp_path):
     RECORD["resume_np2_to_np1_sync_bn"] = {"steps_compared": len(a), "max_rel_loss_diff": rel,
                                            "max_abs_loss_diff": loss_diff(a, b)}
     assert rel <= 1e-4, RECORD["resume_np2_to_np1_sync_bn"]
+
+
+def test_a_network_straggler_is_a_slow_link_not_a_small_batch():
+    # The monitor rank 0 feeds (pilab.engine.stragglers): 4 ranks on 2 nodes whose exchange is half of a
+    # 0.1 s step -- what 4 images per rank on a healthy gigabit link look like, and what a 100 Mbit/s link
+    # does to 32. Only the payload's rate tells them apart: 4 MB in 0.05 s is 80 MB/s, 0.5 MB is 10 MB/s.
+    from pilab.engine.stragglers import MIN_RATE, Monitor
+    hosts = ["node01", "node01", "node02", "node02"]
+
+    def run(nbytes, compute=(0.1, 0.1, 0.1, 0.1), steps=12):
+        mon = Monitor(hosts, steps=4, window=8, every_s=60.0, clock=lambda: 0.0)
+        lines = [x for step in range(1, steps + 1) for x in mon.add(step, compute, [0.05] * 4, nbytes)]
+        return lines, mon.summary()
+
+    lines, found = run(4_000_000)  # a healthy link: a large share, but at 80 MB/s
+    assert lines == [] and found == [] and 4_000_000 / 0.05 > MIN_RATE
+    lines, found = run(500_000)  # a slow link: 10 MB/s
+    assert len(lines) == 1 and lines[0].startswith("pilab: straggler (network): ranks 0, 1 (node01); ranks 2, 3 (node02)")
+    assert "moving its payload at 10.0, 10.0, 10.0, 10.0 MB/s" in lines[0] and "ethtool" in lines[0]
+    assert [(f["rank"], f["kind"], f["mb_per_s"]) for f in found] == [(r, "network", 10.0) for r in range(4)]
+    # judged from the 4th step (the first window of 4), flagged after 4 steps beyond it in a row: 7, ..., 12
+    assert found[0]["first_step"] == 7 and found[0]["steps"] == 6
+    lines, found = run(None)  # payload unknown: the share alone decides, as before
+    assert len(lines) == 1 and "MB/s" not in lines[0] and {f["kind"] for f in found} == {"network"}
+    # a slow node is a compute straggler whatever its exchange: node02's rank 3 computes 50% longer
+    lines, found = run(4_000_000, compute=(0.1, 0.1, 0.1, 0.15))
+    assert len(lines) == 1 and lines[0].startswith("pilab: straggler (compute): rank 3 (node02) computes 50% slower")

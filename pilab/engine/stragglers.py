@@ -6,7 +6,7 @@ time) and its network time of the step before (exposed communication minus waiti
 rank) to every rank with the last gradient bucket; rank 0 feeds them here, step by step::
 
     mon = Monitor(hosts=["node01", "node01", "node02", "node02"])
-    for line in mon.add(step, compute=[...], network=[...]):   # per-rank seconds of this step
+    for line in mon.add(step, compute=[...], network=[...], nbytes=1_048_576):  # per-rank seconds
         print(line)                                              # rate-limited: rarely, never per step
     mon.summary()          # result.json's "stragglers": rank, host, steps, slowdown, kind
 
@@ -15,7 +15,10 @@ ranks. A rank ``threshold`` (20%) slower than that for ``steps`` consecutive ste
 straggler: its node is hot or busy (on a Raspberry Pi: ``vcgencmd get_throttled``). A rank whose
 median time in the exchange itself (not waiting for a slower rank) exceeds ``threshold`` of the median
 compute is a *network* straggler: its link is slow (a 100 Mbit/s negotiation, a bad cable, a busy
-switch port). Medians keep one slow step (a page fault, a GC pause) from counting. An Allreduce makes
+switch port) -- where the step's payload is known (``nbytes``), only if the exchange also moved it at less
+than ``min_rate`` (20 MB/s): small per-rank batches (the fast-and-right recipes: 4 images per rank on a
+Pi) make a healthy gigabit exchange 20% of a step and more, but it still moves an Allreduce's payload at
+45 MB/s or faster, while a 100 Mbit/s link cannot pass 12.5 MB/s. Medians keep one slow step (a page fault, a GC pause) from counting. An Allreduce makes
 every rank wait for the slowest link, so with a slow link all ranks whose exchange crosses it show
 network time: the line names them all, with their hosts.
 """
@@ -26,9 +29,12 @@ from collections import deque
 
 import numpy as np
 
-__all__ = ["Monitor", "THRESHOLD", "WINDOW", "STEPS", "EVERY_S"]
+__all__ = ["Monitor", "THRESHOLD", "MIN_RATE", "WINDOW", "STEPS", "EVERY_S"]
 
 THRESHOLD = 0.2  # slower than the median rank by this fraction (compute), or this share in the network
+# bytes/s of Allreduce payload below which an exchange counts as slow: above a 100 Mbit/s link's 12.5 MB/s,
+# below gigabit's ~45 MB/s for a 1 MB gradient over 48 ranks (the ring's latency included)
+MIN_RATE = 20e6
 WINDOW = 20  # steps in the sliding window
 STEPS = 10  # consecutive steps a rank must stay beyond the threshold before a warning
 EVERY_S = 60.0  # at most one line per kind of straggler in this many seconds
@@ -48,9 +54,12 @@ class Monitor:
     """See the module docstring. ``clock`` is ``time.monotonic`` (tests may pass their own)."""
 
     def __init__(self, hosts: list[str], *, threshold: float = THRESHOLD, window: int = WINDOW,
-                 steps: int = STEPS, every_s: float = EVERY_S, clock=time.monotonic):
+                 steps: int = STEPS, every_s: float = EVERY_S, min_rate: float = MIN_RATE, clock=time.monotonic):
         self.hosts, self.n = list(hosts), len(hosts)
         self.threshold, self.window, self.steps, self.every_s = threshold, window, steps, every_s
+        self.min_rate = min_rate
+        self._bytes: deque = deque(maxlen=window)
+        self._rate = None  # each rank's payload rate over the window (bytes/s), when nbytes is given
         self.clock = clock
         self._compute: deque = deque(maxlen=window)
         self._network: deque = deque(maxlen=window)
@@ -59,12 +68,14 @@ class Monitor:
         self.found: dict[tuple[int, str], dict] = {}  # (rank, kind) -> record
         self.lines: list[str] = []
 
-    def add(self, step: int, compute, network) -> list[str]:
-        """One step's per-rank compute and network seconds; returns the warning lines due now."""
+    def add(self, step: int, compute, network, nbytes: int | None = None) -> list[str]:
+        """One step's per-rank compute and network seconds, and ``nbytes``: the payload each rank handed
+        to the exchange those network seconds timed (bytes); returns the warning lines due now."""
         if self.threshold <= 0 or self.n < 2:
             return []
         self._compute.append(np.asarray(compute, dtype=float)[:self.n])
         self._network.append(np.asarray(network, dtype=float)[:self.n])
+        self._bytes.append(nbytes)
         if len(self._compute) < min(self.window, self.steps):
             return []
         c = np.median(np.stack(self._compute), axis=0)  # each rank's median over the window
@@ -73,11 +84,18 @@ class Monitor:
         if ref <= 0:
             return []
         excess = {"compute": c / ref - 1.0, "network": net / ref}
+        self._rate = None
+        if None not in self._bytes:  # payload over time in the exchange, summed over the window (local SGD's
+            # steps send a few bytes, its averaging steps the weights: sums weigh them as the wire did)
+            seconds = np.sum(np.stack(self._network), axis=0)
+            self._rate = np.where(seconds > 0, sum(self._bytes) / np.maximum(seconds, 1e-12), np.inf)
         out = []
         for kind, x in excess.items():
             beyond = x >= self.threshold
             if kind == "network":
                 beyond &= ~(excess["compute"] >= self.threshold)  # a slow node's own time is compute
+                if self._rate is not None:  # a large share at a healthy link's rate is the batch's doing
+                    beyond &= self._rate < self.min_rate
             run = self._run[kind]
             run[:] = np.where(beyond, run + 1, 0)
             due = [r for r in range(self.n) if run[r] >= self.steps]
@@ -87,6 +105,8 @@ class Monitor:
                 rec["steps"] += 1
                 rec["last_step"] = step
                 rec["slowdown"] = round(max(rec["slowdown"], float(x[r])), 3)
+                if kind == "network" and self._rate is not None:  # the slowest it moved the payload
+                    rec["mb_per_s"] = round(min(rec.get("mb_per_s", np.inf), float(self._rate[r]) / 1e6), 2)
             now = self.clock()
             if due and now - self._last_line[kind] >= self.every_s:
                 self._last_line[kind] = now
@@ -101,10 +121,13 @@ class Monitor:
         else:
             what = f"spends {pct} of the median rank's compute time in the exchange itself (not waiting " \
                    "for a slower rank)"
+            if self._rate is not None:
+                what += f", moving its payload at {', '.join(f'{self._rate[r] / 1e6:.1f}' for r in due)} MB/s"
         return (f"pilab: straggler ({kind}): {_ranks(due, self.hosts)} {what} over the last "
                 f"{len(self._compute)} steps (step {step}): {HINT[kind]}")
 
     def summary(self) -> list[dict]:
         """The stragglers found: rank, host, kind, steps (counted beyond the threshold), slowdown (the
-        largest windowed excess: compute over the median rank - 1, or network share), first/last step."""
+        largest windowed excess: compute over the median rank - 1, or network share), first/last step;
+        a network straggler's ``mb_per_s``: the lowest payload rate of its windows beyond the threshold."""
         return [dict(v) for _, v in sorted(self.found.items())]
