@@ -19,8 +19,9 @@ switch port) -- where the step's payload is known (``nbytes``), only if the exch
 than ``min_rate`` (20 MB/s): small per-rank batches (the fast-and-right recipes: 4 images per rank on a
 Pi) make a healthy gigabit exchange 20% of a step and more, but it still moves an Allreduce's payload at
 45 MB/s or faster, while a 100 Mbit/s link cannot pass 12.5 MB/s. Medians keep one slow step (a page
-fault, a GC pause) from counting. An Allreduce makes every rank wait for the slowest link, so with a slow link all ranks whose exchange crosses it show
-network time: the line names them all, with their hosts.
+fault, a GC pause) from counting. An Allreduce makes every rank wait for the slowest link, so with a
+slow link all ranks whose exchange crosses it show network time: the line names them all, with their
+hosts.
 """
 from __future__ import annotations
 
