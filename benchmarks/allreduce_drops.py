@@ -24,15 +24,13 @@ ALGORITHMS = ("auto", "ring", "reduce_scatter_allgather", "recursive_doubling")
 SIZES = (1 << 20, 1 << 22)
 
 
-def dropped() -> int:
-    """Packets dropped so far by every qdisc of this testbed's namespaces."""
+def dropped(tb) -> int:
+    """Packets dropped so far by the qdiscs inside the testbed's nodes (their links' egress)."""
     total = 0
-    for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines():
-        ns = line.split()[0]
-        if ns.startswith(NAME):
-            out = subprocess.run(["ip", "netns", "exec", ns, "tc", "-s", "qdisc"], capture_output=True,
-                                 text=True).stdout
-            total += sum(int(x) for x in re.findall(r"dropped (\d+)", out))
+    for host in tb.hosts:
+        out = subprocess.run(["ip", "netns", "exec", tb.netns(host), "tc", "-s", "qdisc"], capture_output=True,
+                             text=True).stdout
+        total += sum(int(x) for x in re.findall(r"dropped (\d+)", out))
     return total
 
 
@@ -51,11 +49,11 @@ def main(argv=None) -> None:
         for rnd in range(a.rounds):
             for algo in ALGORITHMS:
                 env = dict(network.base_env(tb), MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=algo)
-                before = dropped()
+                before = dropped(tb)
                 run = run_comm_bench((4,), sizes=SIZES, env=env, timeout=600,
                                      extra_args=[*tb.mpiexec_args(), "-hosts", network.hosts_arg(tb, 4, 4)])["runs"][0]
                 jobs.append({"round": rnd, "algorithm": algo, "sizes_bytes": run["sizes_bytes"],
-                             "seconds": run["seconds"], "dropped": dropped() - before})
+                             "seconds": run["seconds"], "dropped": dropped(tb) - before})
                 print(f"round {rnd} {algo:26s} " + ", ".join(
                     f"{s >> 20} MiB {t * 1e3:.0f} ms" for s, t in zip(run["sizes_bytes"], run["seconds"]))
                     + f"; {jobs[-1]['dropped']} packets dropped", flush=True)

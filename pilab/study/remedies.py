@@ -35,11 +35,16 @@ from .analysis import POWER_MODELS, calibrate_from, run_energy, target_baseline,
 from .points import finished_run, reused_run, same_training, step_events, trained_config
 
 
+def _fixed_per_rank(cfg: Config, np_: int) -> int:
+    """Images per rank of "fixed global batch": the size a single rank used, rounded to a multiple of np
+    (>= 2 per rank)."""
+    return max(2, round(cfg.batch_size / np_))
+
+
 def candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
     """(label, changes) pairs: the baseline, single-factor changes, then combined recipes."""
     warm = max(1.0, round(cfg.epochs / 5, 1))
-    # A fixed global batch of the size a single rank used, rounded to a multiple of np (>= 2 per rank).
-    per = max(2, round(cfg.batch_size / np_))
+    per = _fixed_per_rank(cfg, np_)
     fixed_global = {"batch_mode": "global", "batch_size": per * np_}
     # And one of 8 images per rank (Goyal et al.'s per-worker batch is 32; 8 keeps BatchNorm's groups
     # usable and the step count 4x the per-rank batch's), where that lies between the two.
@@ -78,9 +83,8 @@ def _fast_and_right(cfg: Config, np_: int, warm: float) -> list[tuple[str, dict 
     # get as far (McCandlish et al. 2018) -- ~2x at np=48's 1,536, ~1.25x at 384, ~1.1x at 192, where
     # the Pi's predicted whole-run speedup is still ~19x; fewer than 4 images leave BatchNorm nothing to
     # normalise with
-    per = max(2, round(cfg.batch_size / np_))
     four = {"batch_mode": "global", "batch_size": 4 * np_, "lr_scaling": "sqrt", "warmup_epochs": warm} \
-        if per < 4 < cfg.per_rank_batch(np_) else None
+        if _fixed_per_rank(cfg, np_) < 4 < cfg.per_rank_batch(np_) else None
     tri = {"schedule": "linear", "warmup_epochs": max(0.5, round(cfg.epochs / 20, 1))}
     recipe = {"label_smoothing": 0.2, "ema_epochs": 0.5, "nesterov": True, **tri, "tta": True}
     local8 = {**eight, "local_steps": 8} if eight else None
