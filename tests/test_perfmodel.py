@@ -200,6 +200,24 @@ def test_naive_slower_than_pilab_on_the_pi_cluster():
         assert pil["efficiency"] == pytest.approx(pil["speedup"] * 2 / p)
 
 
+def test_sync_batchnorm_pays_two_blocking_allreduces_per_layer():
+    # SyncBatchNorm's statistics cross the network inside forward and backward: nothing hides them
+    cfg = Config(width=0.25, batch_mode="global", batch_size=192)
+    local, sync = (pm.predict(dataclasses.replace(cfg, bn=bn), 48, "pi4b_cluster") for bn in ("local", "sync"))
+    chans = pm.bn_channels("mobilenetv2_cifar", 0.25)
+    assert len(chans) == 52 and pm.bn_bytes("mobilenetv2_cifar", 0.25) == 8 * sum(chans)
+    cl, crowded = pm.pi4b_cluster(), local["oversubscription"] > 1
+    cost = sum(pm.allreduce_time((2 * c + 1) * 8, 48, cl, None, crowded) + pm.allreduce_time(2 * c * 8, 48, cl, None, crowded)
+               for c in chans)
+    assert sync["sync_bn_per_step"] == pytest.approx(cost) and local["sync_bn_per_step"] == 0
+    assert sync["step_time"] == pytest.approx(local["step_time"] + cost)
+    assert sync["step"]["comm_exposed"] - local["step"]["comm_exposed"] == pytest.approx(cost)
+    assert sync["messages_per_step"] == local["messages_per_step"] + 2 * 52
+    # one process has no one to synchronise with
+    assert pm.predict(dataclasses.replace(cfg, bn="sync"), 1, "pi4b_cluster")["step_time"] == \
+        pytest.approx(pm.predict(cfg, 1, "pi4b_cluster")["step_time"])
+
+
 def test_own_cluster_from_calibration_pays_the_inter_node_link():
     cal = _cal(cores_per_node=4)
     slow = pm.Link(1e-4, 1 / 100e6)

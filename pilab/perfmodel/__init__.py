@@ -31,6 +31,7 @@ The model, per optimizer step on every rank (synchronous, so the slowest rank se
     exposed   = pilab: fused buckets posted during backward, queued on the network; what does not fit
                 behind the rest of backward (the last bucket plus any backlog) is exposed.
                 naive: one blocking Allreduce per parameter tensor after backward: all exposed.
+                bn="sync" adds two blocking Allreduces per BatchNorm layer (forward and backward), all exposed.
     epoch     = steps x step + evaluation (pilab: test set sharded over ranks; naive: every rank
                 evaluates the whole test set)
 
@@ -50,7 +51,7 @@ from .assumptions import (BACKWARD_FRACTION, ELEMENT_BYTES, FLOPS_PER_ACTIVATION
 from .bench import DEFAULT_SIZES, comm_bench, run_comm_bench
 from .calibrate import Calibration, calibrate, cluster_from_calibration, this_box
 from .fit import fit_alpha_beta
-from .layout import bn_bytes, buckets_for, gradient_layout, work_per_image
+from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, work_per_image
 from .machine import ALGORITHMS, Cluster, Link
 from .metrics import efficiency, karp_flatt, speedup
 from .predict import PROFILES, exchange, pi_table, predict, predict_table
@@ -64,7 +65,7 @@ __all__ = [
     "Link", "Cluster", "Calibration", "allreduce_rounds", "allreduce_time", "ALGORITHMS",
     "comm_bench", "run_comm_bench", "DEFAULT_SIZES", "fit_alpha_beta", "calibrate",
     "this_box", "pi4b_cluster", "cluster_from_calibration", "PRESETS", "resolve_cluster",
-    "gradient_layout", "buckets_for", "work_per_image", "bn_bytes",
+    "gradient_layout", "buckets_for", "work_per_image", "bn_bytes", "bn_channels",
     "PROFILES", "predict", "predict_table", "exchange", "pi_config", "pi_table",
     "markdown_table", "pi_table_markdown", "TABLE_COLUMNS", "PI_TABLE_COLUMNS",
     "FLOPS_PER_ACTIVATION_CPU", "STEP_WORK_PER_TENSOR_CPU", "BACKWARD_FRACTION", "THREAD_EXPONENT",

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 from ..config import Config, ConfigError
 from .allreduce import allreduce_time
 from .assumptions import ELEMENT_BYTES, METRIC_BYTES, THREAD_EXPONENT
-from .layout import bn_bytes, buckets_for, gradient_layout, work_per_image
+from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, work_per_image
 from .machine import Cluster
 from .metrics import efficiency, karp_flatt, speedup
 from .presets import PI_TABLE_NPS, PUBLISHED, pi4b_cluster, pi_config, published_table, resolve_cluster
@@ -243,6 +243,18 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
         exposed = (1 - local) * exposed + local * (metric + per_step_average)
         messages = (1 - local) * messages + local * (1 + len(buckets_for(layout, cfg.bucket_mb))
                                                      * math.ceil(steps / cfg.local_steps) / steps)
+    # SyncBatchNorm (bn="sync"): every BatchNorm layer Allreduces [sum, sum of squares, count] forward and
+    # [sum dy, sum dy*xhat] backward, in float64 (pilab.engine.layers), blocking: the layer cannot go on
+    # until it has them, so each is on the critical path and none hides behind compute. Each is also a
+    # point where every rank waits for the slowest; the straggler term still counts one per step, so at
+    # large np this is a lower bound.
+    sync_bn = 0.0
+    if cfg.bn == "sync" and p > 1:
+        chans = bn_channels(cfg.model, cfg.width)
+        sync_bn = sum(ar((2 * c + 1) * 8) + ar(2 * c * 8) for c in chans)
+        comm += sync_bn
+        exposed += sync_bn
+        messages += 2 * len(chans)
     step = data + compute + straggler + exposed + overhead
     eval_time = _eval_time(cfg, p, n_test, rank["eval_s_per_image"], evaluation, ar, metric)
     # evaluation runs every eval_every epochs and after the last: its average share per epoch
@@ -266,6 +278,7 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
         "step_time": step,
         "step": {"compute": compute, "data": data, "straggler": straggler, "comm": comm,
                  "comm_exposed": exposed, "overhead": overhead},
+        "sync_bn_per_step": sync_bn,
         "compute": steps * compute, "data": steps * data, "straggler": steps * straggler,
         "comm": steps * comm, "comm_exposed": steps * exposed, "overhead": steps * overhead,
         "time": time_, "eval_time": eval_time, "evals_per_epoch": evals_per_epoch,
