@@ -409,6 +409,21 @@ def test_remedies_on_the_pi_target_get_times_and_a_pareto_front():
     assert "times predicted for pi4b_cluster" in tables.remedies_table(res).splitlines()[0]
 
 
+def test_remedies_run_a_larger_nps_recipe_on_one_process():
+    # the same-recipe comparison: np=4's "8 per rank" recipe (a global batch of 32) run at np=1
+    from pilab.config import ConfigError
+    cfg = Config(width=0.25, train_subset=256, test_subset=100, epochs=1, batch_size=16,
+                 threads=1, lr_ref_batch=16)
+    label = "fixed global batch 32 + sqrt lr + warmup"
+    with pytest.raises(ConfigError, match="is not a candidate at np=1"):
+        remedies.search(cfg, 1, only=[label], reference_acc=0.3)
+    res = remedies.search(cfg, 1, only=[label], recipes_of=4, reference_acc=0.3, calibration="pi4b_cluster")
+    (row,) = res["candidates"]
+    assert res["np"] == 1 and res["recipes_of"] == 4 and row["label"] == label
+    assert row["global_batch"] == row["per_rank_batch"] == 32 and row["steps"] == 256 // 32
+    assert row["changes"] == dict(remedies.candidates(cfg, 4))[label]
+
+
 def test_models_summary_puts_accuracy_speedup_and_energy_side_by_side():
     def study_of(accs8):
         runs = {1: _run(1, [0.3, 0.5, 0.6], 10.0), 2: _run(2, [0.3, 0.5, 0.58], 6.0),

@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--np", type=int, default=48, help="process count to find remedies for (default 48)")
     p.add_argument("--only", default="", help="comma-separated candidate labels to run (default: all; "
                                               "the labels at these settings are listed below)")
+    p.add_argument("--recipes-of", type=int, default=None, metavar="NP",
+                   help="run the candidates as they are at NP ranks (their global batch, their labels) at --np: "
+                        "--np 1 --recipes-of 48 is np=48's recipes on one process, the same-recipe comparison")
     p.add_argument("--reference-acc", type=float, default=None,
                    help="accuracy to aim at (default: the baseline simulated at np=1)")
     p.add_argument("--target", default="pi4b_cluster",
@@ -68,6 +71,8 @@ def run(args, argv) -> int:
     cfg = config_from_args(args, _defaults())
     if args.np < 1:
         raise ConfigError(f"--np {args.np} must be >= 1")
+    if args.recipes_of is not None and args.recipes_of < 1:
+        raise ConfigError(f"--recipes-of {args.recipes_of} must be >= 1 (the np whose candidates to run)")
     target = None if args.target == "none" else args.target
     if target not in (None, "this", "pi4b_cluster") and not os.path.isfile(target):
         raise ConfigError(f"--target {target!r} is neither this, pi4b_cluster, none nor a JSON file")
@@ -76,7 +81,8 @@ def run(args, argv) -> int:
     for d in reuse:
         if not os.path.isdir(d):
             raise ConfigError(f"--reuse {d}: no such study directory; give a pilab scale --out directory")
-    res = remedies.search(cfg, args.np, only=only, reference_acc=args.reference_acc, calibration=target,
+    res = remedies.search(cfg, args.np, only=only, recipes_of=args.recipes_of,
+                          reference_acc=args.reference_acc, calibration=target,
                           mpiexec=args.mpiexec, log=lambda s: print(s, file=sys.stderr, flush=True),
                           out=cfg.out or None, resume=args.resume_search, reuse=reuse)
     res["command"] = command_line(argv)

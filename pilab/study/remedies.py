@@ -190,7 +190,7 @@ def slug(label: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", label.lower()).strip("-")
 
 
-def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=None,
+def search(cfg: Config, np_: int, *, only: list[str] | None = None, recipes_of: int | None = None, calibration=None,
            target_fraction: float = 0.9, reference_acc: float | None = None, data=None,
            callbacks=(), log=None, mpiexec: str | None = None, out: str | None = None,
            resume: bool = False, reuse=(), known=()) -> dict:
@@ -210,10 +210,16 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=
         abl = ablation.ablations(cfg, 4)
         res = remedies.search(cfg, 4, only=["baseline", "linear lr"], known=abl["runs"])   # nothing re-run
 
+    ``recipes_of``: run the candidates as they are defined at that np (their global batch, their labels)
+    at ``np_`` instead -- np=48's recipes on one process, the "same recipe at np=1" a recipe's np=48
+    accuracy is compared with::
+
+        remedies.search(cfg, 1, recipes_of=48, only=["fixed global batch 192 + sqrt lr + warmup"])
+
     ``callbacks`` also receive {"kind": "point", "label", "index", "of"} before each run and its
     {"kind": "step"} events (``widgets.Progress`` shows them).
     """
-    cands = _chosen(candidates(cfg, np_), only, np_)
+    cands = _chosen(candidates(cfg, recipes_of or np_), only, recipes_of or np_)
     ds = data if data is not None else load_data(cfg)  # after the checks: a bad label costs no loading
     sim_cfg = replace(cfg, out="", threads=cfg.threads)
     known = list(known)
@@ -239,7 +245,7 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, calibration=
             cb({"kind": "candidate", **row})
         if log:
             log(f"  {label:<34} test acc {row['final_test_acc']:.3f}" + (f"  ({kept})" if kept else ""))
-    return {"kind": "pilab.remedies", "np": np_, "config": cfg.to_dict(),
+    return {"kind": "pilab.remedies", "np": np_, "recipes_of": recipes_of, "config": cfg.to_dict(),
             "calibration": calibration.to_dict() if hasattr(calibration, "to_dict") else calibration,
             "machine": (calibration if isinstance(calibration, str) else "this machine") if calibration else None,
             "reference_acc": reference_acc, "target_accuracy": target,

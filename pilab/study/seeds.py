@@ -87,8 +87,10 @@ def table(root: str, *, calibration: str = CALIBRATION) -> dict:
     ref_epochs = [_epochs_to(r, target) for r in base_pts.values()]
     node_ttt = one_node * statistics.fmean(ref_epochs) / proto.epochs if all(ref_epochs) else None
     rows = []
+    # an np=1 point may run a larger np's recipe (pilab remedies --recipes-of): named as it is there
+    top = {remedies.slug(label): label for label in remedies.candidate_labels(proto, max(n for n, _ in pts))}
     for (np_, name), runs in sorted(pts.items(), key=lambda kv: (kv[0][1] != "baseline", kv[0][1], -kv[0][0])):
-        labels = {remedies.slug(label): label for label in remedies.candidate_labels(proto, np_)}
+        labels = {**top, **{remedies.slug(label): label for label in remedies.candidate_labels(proto, np_)}}
         accs = [r["epochs"][-1]["test_acc"] for r in runs.values()]
         mean, sd = _mean_sd(accs)
         # each seed's run priced as it trained (a noise-driven ramp: at the batches that seed's run chose)

@@ -14,6 +14,8 @@
 #               and a ramp from there, 4 -> 8 -> 16 per rank at constant lr; and 4 per rank with the
 #               few-step recipe, since 4 per rank ends under-trained)
 #   seeds 1, 2  np=1 (baseline and few-step recipe) and the three most accurate np=48 candidates of seed 0
+#   and their recipes run as np=48 defines them but on one process (`--same SEED LABEL`: pilab remedies
+#               --np 1 --recipes-of 48): the table's "vs np=1 same recipe" for them
 #
 # Each point is <out>/np<N>/seed<S>/<candidate>/result.json, kept once finished (`--resume`; one cut
 # short goes on from its checkpoint), so running this again continues where it stopped; JOBS=2 (default)
@@ -36,6 +38,7 @@ self=$(realpath "$0")
 read -r -a extra <<<"${FAST_RIGHT_ARGS:-}"
 
 if [[ ${1:-} == --one ]]; then one "$2" "$3" "$4"; return; fi
+if [[ ${1:-} == --same ]]; then one "$2" 1 "$3" 48; return; fi
 if [[ ${1:-} == --table ]]; then table; return; fi
 
 first=("1|baseline"
@@ -56,6 +59,9 @@ one 0 1 baseline
 printf '0|%s\n' "${first[@]:1}" | tr '\n' '\0' | xargs -0 -P "${JOBS:-2}" -I{} bash -c \
     'IFS="|" read -r s n l <<<"$1"; exec bash "$0" --one "$s" "$n" "$l"' "$self" {}
 mapfile -t best < <(best_three)
+# ... and their recipes on one process (np=48's global batch, lr and schedule at np=1): what is left of each
+# one's gap there is what running on 48 ranks costs (4 images per BatchNorm, the shards), not the recipe
+for label in "${best[@]}"; do one 0 1 "$label" 48; done
 for seed in 1 2; do
     one "$seed" 1 baseline
     printf "$seed|%s\n" "1|few-step recipe" "${best[@]/#/48|}" | tr '\n' '\0' | xargs -0 -P "${JOBS:-2}" -I{} \
@@ -68,8 +74,9 @@ table() {  # the table over seeds of every finished point: <here>/table.md, .jso
     python -m pilab.study.seeds "$here" --out "$here/table"
 }
 
-one() {  # seed np label: one point, kept in <here>/np<np>/seed<seed>/<label>/result.json
-    local seed=$1 np=$2 label=$3 out="$here/np$2/seed$1" ref=()
+one() {  # seed np label [recipes-of]: one point, kept in <here>/np<np>/seed<seed>/<label>/result.json
+    local seed=$1 np=$2 label=$3 out="$here/np$2/seed$1" ref=() of=()
+    [[ -n ${4:-} ]] && of=(--recipes-of "$4")
     local refjson="$here/np1/seed$seed/baseline/result.json"
     if [[ -f $refjson ]]; then
         ref=(--reference-acc "$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['epochs'][-1]['test_acc'])" "$refjson")")
@@ -83,7 +90,7 @@ one() {  # seed np label: one point, kept in <here>/np<np>/seed<seed>/<label>/re
     # from its checkpoint when this runs again
     python -m pilab remedies --np "$np" "${proto[@]}" --seed "$seed" "${ref[@]}" --target pi4b_cluster \
         --checkpoint-every 1 --checkpoint-minutes 10 --keep 1 \
-        --out "$out" --resume --only "$label" ${extra[@]+"${extra[@]}"} >/dev/null
+        --out "$out" --resume --only "$label" ${of[@]+"${of[@]}"} ${extra[@]+"${extra[@]}"} >/dev/null
 }
 
 best_three() {  # the three most accurate np=48 candidates of seed 0 (labels, one per line)
