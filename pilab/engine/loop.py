@@ -413,7 +413,7 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
     gstep = s.epoch_start[min(s.start_epoch, cfg.epochs)] + s.start_step
     s.model.train()
     run_started_at = time.time()  # wall clock (and epoch_started_at): joins a power meter's log
-    monitor, last_bytes = None, None
+    monitor = None
     if s.rank == 0 and not ranks.simulated and s.np_ > 1 and cfg.straggler_threshold > 0:
         from .stragglers import Monitor
         monitor = Monitor(s.env["hostnames"], threshold=cfg.straggler_threshold, steps=cfg.straggler_steps,
@@ -449,9 +449,7 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
                       "images_per_s": images_per_step / st.time, "time": st.time,
                       **{k: getattr(st, k) for k in TIME_KEYS}})
                 if monitor is not None and st.ranks_compute is not None:
-                    # ranks_network is each rank's exchange of the step before: pair it with that step's payload
-                    net_bytes, last_bytes = (last_bytes if last_bytes is not None else st.bytes_sent), st.bytes_sent
-                    for line in monitor.add(gstep, st.ranks_compute, st.ranks_network, net_bytes):
+                    for line in monitor.add(gstep, st.ranks_compute, st.ranks_network, st.network_bytes):
                         emit({"kind": "straggler", "line": line, "global_step": gstep,
                               "stragglers": monitor.summary()})
                 ending = st.stop_votes > 0 or gstep >= s.total_steps

@@ -162,9 +162,11 @@ class StepResult:
     # of comm_exposed: waiting for the slowest rank to finish its backward (the rest is network time)
     comm_wait: float = 0.0
     save_votes: float = 0.0  # ranks that asked for a checkpoint after this step
-    # every rank's compute of this step and network time of the step before (s; MPI ranks only)
+    # every rank's compute of this step and network time of the step before (s; MPI ranks only), and the
+    # payload that network time moved (bytes: that step's bytes_sent, which local SGD makes vary)
     ranks_compute: object = None
     ranks_network: object = None
+    network_bytes: int | None = None
     # a noise-driven batch ramp (batch_ramp="gns:MAX"): every rank's squared gradient norm as sent (of its
     # share g_r / np), and the averaged gradient's (see pilab.engine.noise)
     ranks_grad_sq: object = None
@@ -223,7 +225,7 @@ class MPIRanks:
         # rank 0's straggler monitor compares live (pilab.engine.stragglers)
         self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, compression=cfg.compression,
                               meta=len(_META) + self.np_, norms=bool(cfg.gns_max))
-        self._prev_net = 0.0
+        self._prev_net, self._prev_sent = 0.0, None
         self.optimizer, self.local = optimizer, cfg.local_steps > 1
         self.params = [p for p in model.parameters() if p.requires_grad]
 
@@ -276,12 +278,15 @@ class MPIRanks:
         ready = sums[len(_META) + self.np_:len(_META) + 2 * self.np_]
         wait = min(cstats.exposed, max(0.0, float(ready.max() - ready[self.rank]))) if self.np_ > 1 else 0.0
         self._prev_net = cstats.exposed - wait + averaged
+        # the first step reports no network time yet (0 s): any payload pairs with it
+        net_bytes, self._prev_sent = (sent if self._prev_sent is None else self._prev_sent), sent
         # compute: forward + backward + optimizer, the time spent waiting in finish() (and averaging) taken out
         return StepResult(loss_sum, correct_sum, votes, time=t2 - t0,
                           compute=(t2 - t1) - cstats.exposed - averaged, comm=cstats.total + averaged,
                           comm_exposed=cstats.exposed + averaged, data=t1 - t0,
                           bytes_sent=sent, comm_wait=wait, save_votes=saves,
                           ranks_compute=ready.copy(), ranks_network=sums[len(_META):len(_META) + self.np_].copy(),
+                          network_bytes=net_bytes,
                           ranks_grad_sq=grad_sq, avg_grad_sq=avg_sq)
 
     def set_batch(self, batch: int) -> None:
