@@ -39,7 +39,7 @@ CHOICES = {
     "lr_scaling": ("none", "linear", "sqrt"),
     "schedule": ("cosine", "step", "constant", "linear"),
     "weight_decay_on": ("weights", "all"),
-    "bn": ("local", "sync"),
+    "bn": ("local", "sync", "renorm"),
     "bn_buffers": ("broadcast", "average"),
     "compression": ("none", "fp16"),
     "device": ("cpu", "cuda", "auto"),
@@ -81,7 +81,7 @@ class Config:
     weight_decay_on: str = "weights"  # weights: conv/linear weights only | all parameters
     lars_eta: float = 0.001  # LARS trust coefficient
     # --- BatchNorm ---
-    bn: str = "local"  # local: per-rank statistics (the original study) | sync: across ranks over MPI
+    bn: str = "local"  # local: per-rank statistics (the original study) | sync: across ranks over MPI | renorm: per-rank, Batch Renormalization (Ioffe 2017: corrected towards the running statistics, for small per-rank batches)
     bn_buffers: str = "broadcast"  # before eval/checkpoint: rank 0's running stats | rank average
     ghost_batch: int = 0  # BN statistics over groups of this many images per rank; 0 = whole batch
     # --- communication ---
@@ -157,7 +157,7 @@ class Config:
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
         if self.ghost_batch and self.bn == "sync":
-            raise ConfigError("ghost_batch needs bn='local'; SyncBatchNorm already spans ranks")
+            raise ConfigError("ghost_batch needs bn='local' or 'renorm'; SyncBatchNorm already spans ranks")
         self.ramp()  # raises ConfigError for a malformed ramp
         if self.gns_max and self.local_steps > 1:
             raise ConfigError(f"batch_ramp={self.batch_ramp!r} measures the gradient noise at every gradient "

@@ -357,6 +357,30 @@ def case_gns(out):
             json.dump(res, f, indent=1)
 
 
+def case_renorm(out):
+    """Batch Renormalization (bn="renorm") at 4 images per rank over real ranks, its limits widened within
+    the run: the whole run against the simulator, and against the same run with plain BatchNorm."""
+    from pilab.engine import simulate
+    cfg = replace(BASE, train_subset=240, epochs=3, max_steps=0, batch_size=4, bn="renorm", warmup_epochs=0.5)
+    ds = train.load_data(cfg, COMM)
+    result, model = train.train(cfg, COMM, data=ds)
+    states = gathered_states(model)
+    plain, _ = train.train(replace(cfg, bn="local"), COMM, data=ds)
+    if RANK == 0:
+        sim, sim_model = simulate.train(cfg, SIZE, data=ds)
+        bn = next(m for m in model.modules() if isinstance(m, layers.GhostBatchNorm2d))
+        res = {"simulator_diff_per_rank": [max_diff(simulate.virtual_state(sim_model, r), states[r])
+                                           for r in range(SIZE)],
+               "test_acc": [e["test_acc"] for e in result["epochs"]],
+               "simulator_test_acc": [e["test_acc"] for e in sim["epochs"]],
+               "plain_test_loss": [e["test_loss"] for e in plain["epochs"]],
+               "test_loss": [e["test_loss"] for e in result["epochs"]],
+               "limits": [bn.renorm_limits(t) for t in (0, bn.renorm[0], bn.renorm[1], result["total_steps"])],
+               "renorm": list(bn.renorm), "steps_per_epoch": result["steps_per_epoch"]}
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def case_fault(out):
     """Rank 1 raises at its 3rd step; abort_on_error must take the whole job down."""
     calls = {"n": 0}
@@ -462,7 +486,7 @@ if __name__ == "__main__":
         sys.exit(0)
     try:
         {"train": case_train, "stop": case_stop, "spiking": case_spiking,
-         "local": case_local, "grads": case_grads, "gns": case_gns}[case](out)
+         "local": case_local, "grads": case_grads, "gns": case_gns, "renorm": case_renorm}[case](out)
     except BaseException:
         # A rank that fails must not leave the others waiting in a collective until the test's timeout
         # (420 s): print why, then end the whole job at once.

@@ -4,6 +4,7 @@
 """
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pilab.config import Config, ConfigError
@@ -223,3 +224,30 @@ def test_activation_elements_by_hand():
     state = torch.get_rng_state()
     assert activation_elements("squeezenet1_1") > 0
     assert torch.equal(state, torch.get_rng_state())
+
+
+def test_batch_renormalization_moves_a_small_group_to_the_running_statistics():
+    # Ioffe 2017: with r = sigma_B / sigma and d = (mu_B - mu) / sigma inside their limits, a group's output
+    # is what the running statistics give (as in evaluation) while its gradient still flows through the
+    # group's own mean and variance; with limits (1, 0) it is plain BatchNorm on the group
+    from pilab.engine.layers import use_batch_renorm, use_ghost_batchnorm
+    torch.manual_seed(0)
+    net = use_batch_renorm(use_ghost_batchnorm(nn.Sequential(nn.BatchNorm2d(3)), ranks=1), start=2, full=4)
+    bn = net[0]
+    bn.running_mean.copy_(torch.tensor([0.5, -1.0, 2.0]))
+    bn.running_var.copy_(torch.tensor([2.0, 0.5, 1.5]))
+    bn.weight.data.copy_(torch.tensor([1.5, 0.7, -0.3]))
+    x = torch.randn(4, 3, 5, 5) * 1.2 + 0.4  # the group's statistics are near enough for the limits
+    assert [bn.renorm_limits(t) for t in (0, 2, 3, 4, 9)] == [(1, 0), (1, 0), (2, 2.5), (3, 5), (3, 5)]
+    expect = F.batch_norm(x, bn.running_mean.clone(), bn.running_var.clone(), bn.weight, bn.bias, False, 0.0, bn.eps)
+    bn.num_batches_tracked.fill_(4)
+    xg = x.clone().requires_grad_()
+    y = net(xg)
+    assert torch.allclose(y, expect, atol=1e-5)
+    y.square().sum().backward()  # the group's statistics are in the graph: not evaluation's constant affine map
+    direct = (2 * expect * bn.weight[None, :, None, None] / bn.running_var.add(bn.eps).sqrt()[None, :, None, None])
+    assert not torch.allclose(xg.grad, direct, atol=1e-3)
+    bn.num_batches_tracked.fill_(0)
+    plain = F.batch_norm(x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
+    assert torch.allclose(net(x), plain, atol=1e-5)
+    assert int(bn.num_batches_tracked) == 1

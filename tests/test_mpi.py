@@ -210,6 +210,18 @@ def test_a_noise_driven_ramp_chooses_the_same_batches_on_every_rank_and_in_the_s
     assert r["lr"] == pytest.approx(r["simulator_lr"], rel=1e-9)
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_batch_renormalization_is_exact_in_the_simulator(np_, tmp_path_factory):
+    _, r = case_at(np_, "renorm", tmp_path_factory)
+    spe = r["steps_per_epoch"]
+    assert r["renorm"] == [spe, 2 * spe]  # plain BatchNorm for the first epoch (warmup < 1), then widened
+    assert r["limits"] == [[1.0, 0.0], [1.0, 0.0], [3.0, 5.0], [3.0, 5.0]]
+    assert max(r["simulator_diff_per_rank"]) == 0.0, r["simulator_diff_per_rank"]
+    assert r["test_acc"] == r["simulator_test_acc"]
+    # the corrections did act: the same run with plain BatchNorm ends elsewhere
+    assert r["test_loss"][-1] != r["plain_test_loss"][-1]
+
+
 @pytest.mark.mpi
 def test_gradients_backward_put_elsewhere_are_averaged_all_the_same(tmp_path_factory):
     """GradSync's quick check that every gradient is already its slot of the buffer, and the slow path

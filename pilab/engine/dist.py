@@ -120,11 +120,14 @@ def broadcast_optimizer_state_(optimizer: torch.optim.Optimizer, comm, root: int
 
 
 def bn_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """BatchNorm running statistics (floating buffers); ``num_batches_tracked`` is excluded."""
+    """BatchNorm running statistics (floating buffers); ``num_batches_tracked`` is excluded. Any module
+    holding both (torch's BatchNorm, and pilab.engine.layers' ghost/renormalising one, which this module
+    cannot import: layers builds on it); a BatchNorm that tracks none holds None."""
     out = []
     for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
-            out += [m.running_mean, m.running_var]
+        rm, rv = getattr(m, "running_mean", None), getattr(m, "running_var", None)
+        if isinstance(rm, torch.Tensor) and isinstance(rv, torch.Tensor):
+            out += [rm, rv]
     return out
 
 

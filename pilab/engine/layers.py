@@ -147,6 +147,7 @@ class GhostBatchNorm2d(nn.Module):
 
     def __init__(self, bn: nn.BatchNorm2d, ranks: int, ghost_batch: int = 0, context=None):
         super().__init__()
+        self.renorm = None  # (start, full) steps: Batch Renormalization (use_batch_renorm)
         c = bn.num_features
         self.num_features, self.eps = c, bn.eps
         self.momentum = bn.momentum if bn.momentum is not None else 0.1
@@ -169,19 +170,55 @@ class GhostBatchNorm2d(nn.Module):
         r0, r1 = self.context.ranks if self.context is not None else (0, 1)
         per_rank = x.shape[0] // (r1 - r0)
         g = self.ghost_batch or per_rank
-        if x.shape[0] > g and self.context is not None and self.context.vectorised:
+        if x.shape[0] > g and self.context is not None and self.context.vectorised and self.renorm is None:
             return self._vectorised(x, rm, rv, r0, per_rank, g)
         # One native batch_norm call per group, not a vectorised re-derivation: the native kernel's
         # sums are what an MPI rank computes, so the simulator stays bit-close to real ranks
         # (a hand-written (x - mean) * rsqrt(var) differs by ~1e-3 in gradients after a few layers).
-        outs = [F.batch_norm(part, rm[r0 + i * g // per_rank], rv[r0 + i * g // per_rank],
-                             self.weight, self.bias, True, self.momentum, self.eps)
-                for i, part in enumerate(x.split(g))]
+        if self.renorm is not None:
+            # the step this forward belongs to: the rank-0 chunk counts it after its groups, so later
+            # chunks of the same step (the simulator's) see it counted already
+            t = int(self.num_batches_tracked) - (1 if r0 > 0 else 0)
+            outs = [self._renormalised(part, rm[r0 + i * g // per_rank], rv[r0 + i * g // per_rank], t)
+                    for i, part in enumerate(x.split(g))]
+        else:
+            outs = [F.batch_norm(part, rm[r0 + i * g // per_rank], rv[r0 + i * g // per_rank],
+                                 self.weight, self.bias, True, self.momentum, self.eps)
+                    for i, part in enumerate(x.split(g))]
         if r0 == 0:
             with torch.no_grad():
                 self.num_batches_tracked += 1
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
+
+    def renorm_limits(self, t: int) -> tuple[float, float]:
+        """Batch Renormalization's (r_max, d_max) at step ``t``: plain BatchNorm (1, 0) until the start,
+        then linearly to (3, 5) -- Ioffe 2017's limits -- at the full step."""
+        start, full = self.renorm
+        f = min(1.0, max(0.0, (t - start) / max(1, full - start)))
+        return 1.0 + 2.0 * f, 5.0 * f
+
+    def _renormalised(self, x, rm, rv, t: int):
+        """Batch Renormalization (Ioffe 2017) of one group: normalised by the group's statistics, then
+        corrected by r = sigma_B / sigma and d = (mu_B - mu) / sigma towards the running ones, both clipped
+        and held constant in backward. The output is then close to what the running statistics give,
+        whatever the group's size, while the gradient still flows through the group's mean and variance.
+        Shared by MPI ranks and the simulator's virtual ranks: the same arithmetic on the same group."""
+        var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
+        invstd = torch.rsqrt(var + self.eps)
+        with torch.no_grad():
+            r_max, d_max = self.renorm_limits(t)
+            run_invstd = torch.rsqrt(rv + self.eps)
+            r = ((var + self.eps) * run_invstd * run_invstd).sqrt().clamp(1.0 / r_max, r_max)
+            d = ((mean - rm) * run_invstd).clamp(-d_max, d_max)
+        scale = self.weight * invstd * r
+        shift = self.bias + self.weight * d - mean * scale
+        y = x * scale[None, :, None, None] + shift[None, :, None, None]
+        with torch.no_grad():
+            n = x.numel() // x.shape[1]
+            rm.mul_(1 - self.momentum).add_(mean.detach(), alpha=self.momentum)
+            rv.mul_(1 - self.momentum).add_(var.detach() * (n / max(n - 1, 1)), alpha=self.momentum)
+        return y
 
     def _vectorised(self, x, rm, rv, r0: int, per_rank: int, g: int):
         """All groups at once: one var_mean over (group, image, H, W) -- a view of x, any memory layout
@@ -243,6 +280,15 @@ def use_ghost_batchnorm(model: nn.Module, ranks: int, ghost_batch: int = 0, cont
     """Replace every BatchNorm2d with a GhostBatchNorm2d (in place); returns the model."""
     _replace(model, lambda m: GhostBatchNorm2d(m, ranks, ghost_batch, context)
              if isinstance(m, nn.BatchNorm2d) else None)
+    return model
+
+
+def use_batch_renorm(model: nn.Module, start: int, full: int) -> nn.Module:
+    """Batch Renormalization in every GhostBatchNorm2d (in place): plain BatchNorm for the first ``start``
+    steps (its running statistics settle), the corrections' limits widened to Ioffe's (3, 5) by ``full``."""
+    for m in model.modules():
+        if isinstance(m, GhostBatchNorm2d):
+            m.renorm = (int(start), int(full))
     return model
 
 

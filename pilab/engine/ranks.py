@@ -37,7 +37,7 @@ from ..config import EVAL_CHUNK, Config, ConfigError
 from ..launch import mpi, mpi_versions
 from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
                    reduce_sums, share_of_mean, squared_norm, sync_buffers_, world)
-from .layers import (RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_,
+from .layers import (RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_, use_batch_renorm,
                      use_ghost_batchnorm, use_rank_dropout)
 from ..models.zoo import build_model
 
@@ -81,13 +81,19 @@ def load_data(cfg: Config, comm=None) -> "data_mod.CIFAR10":
     return ds
 
 
-def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=None) -> nn.Module:
+def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=None,
+               steps_per_epoch: int = 1) -> nn.Module:
     """The model with identical initial weights on every rank (seeded; broadcast later anyway);
-    ghost BatchNorm when ``cfg.ghost_batch`` or ``ranks`` > 1 (virtual ranks) asks for it."""
+    ghost BatchNorm when ``cfg.ghost_batch``, ``ranks`` > 1 (virtual ranks) or ``cfg.bn="renorm"`` asks
+    for it. Batch Renormalization is plain BatchNorm through the lr warmup (at least an epoch of
+    ``steps_per_epoch``) while the running statistics settle, its limits widened over as many steps again."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width, timesteps=cfg.timesteps)
-    if cfg.ghost_batch or ranks > 1 or context is not None:
+    if cfg.ghost_batch or ranks > 1 or context is not None or cfg.bn == "renorm":
         use_ghost_batchnorm(model, ranks=ranks, ghost_batch=cfg.ghost_batch, context=context)
+    if cfg.bn == "renorm":
+        start = round(max(1.0, cfg.warmup_epochs) * steps_per_epoch)
+        use_batch_renorm(model, start, 2 * start)
     if context is not None:
         use_rank_dropout(model, context)
     return model.to(device=device, memory_format=torch.channels_last)
@@ -210,7 +216,7 @@ class MPIRanks:
                                            policy=cfg.sharding, augment=cfg.augment)
         self.steps_per_epoch = self.loader.steps_per_epoch
         self.batch, self.device, self.eval_batch, self.tta = batch, device, cfg.eval_batch, cfg.tta
-        model = base_model(cfg, device)
+        model = base_model(cfg, device, steps_per_epoch=self.steps_per_epoch)
         if cfg.bn == "sync":
             convert_sync_batchnorm(model, self.comm)
         return model
@@ -408,7 +414,7 @@ class VirtualRanks:
         self.norms = bool(cfg.gns_max) and np_ > 1
         self.context = RankContext(cfg.seed)
         self.context.vectorised = fast
-        return base_model(cfg, device, ranks=np_, context=self.context)
+        return base_model(cfg, device, ranks=np_, context=self.context, steps_per_epoch=self.steps_per_epoch)
 
     def start(self, cfg: Config, model: nn.Module, optimizer) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
