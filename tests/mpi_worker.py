@@ -198,6 +198,25 @@ def case_train(out):
     rs, _ = train.train(replace(cfg, bn="sync", max_steps=4), COMM, data=ds)
     if RANK == 0:
         res["syncbn_train_loss_finite"] = bool(np.isfinite(rs["steps"]["loss"]).all())
+    # ... and the simulator's one forward over every rank's images is the same SyncBatchNorm: the first
+    # step's loss and update against MPI's, and against the simulator's bn=local (another rule)
+    one = replace(cfg, bn="sync", max_steps=1)
+    r1, m1 = train.train(one, COMM, data=ds)
+    if RANK == 0:
+        from pilab.engine import simulate
+        from pilab.engine.ranks import base_model
+        w0 = base_model(one, torch.device("cpu")).state_dict()
+
+        def update(state):  # the first step's change of every parameter, as one vector
+            return torch.cat([(state[k].double() - w0[k].double()).flatten() for k in w0
+                              if w0[k].is_floating_point() and "running" not in k])
+        mine = update(m1.state_dict())
+        rel = {}
+        for name, c in (("sync", one), ("local", replace(one, bn="local"))):
+            sim, sim_model = simulate.train(c, SIZE, data=ds)
+            rel[name] = float((update(simulate.virtual_state(sim_model)) - mine).norm() / mine.norm())
+            rel[name + "_loss"], rel[name + "_chunk"] = sim["steps"]["loss"][0], sim["ranks_per_chunk"]
+        res["syncbn_simulator"] = dict(rel, loss=r1["steps"]["loss"][0])
 
     # 6) the simulator reproduces this MPI run
     from pilab.engine import simulate

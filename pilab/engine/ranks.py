@@ -85,11 +85,12 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
                steps_per_epoch: int = 1) -> nn.Module:
     """The model with identical initial weights on every rank (seeded; broadcast later anyway);
     ghost BatchNorm when ``cfg.ghost_batch``, ``ranks`` > 1 (virtual ranks) or ``cfg.bn="renorm"`` asks
-    for it. Batch Renormalization is plain BatchNorm through the lr warmup (at least an epoch of
+    for it; plain BatchNorm with ``cfg.bn="sync"`` (MPI ranks convert it to SyncBatchNorm; the simulator
+    runs every virtual rank in one forward, so its statistics are the global batch's). Batch Renormalization is plain BatchNorm through the lr warmup (at least an epoch of
     ``steps_per_epoch``) while the running statistics settle, its limits widened over as many steps again."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width, timesteps=cfg.timesteps)
-    if cfg.ghost_batch or ranks > 1 or context is not None or cfg.bn == "renorm":
+    if cfg.bn != "sync" and (cfg.ghost_batch or ranks > 1 or context is not None or cfg.bn == "renorm"):
         use_ghost_batchnorm(model, ranks=ranks, ghost_batch=cfg.ghost_batch, context=context)
     if cfg.bn == "renorm":
         start = round(max(1.0, cfg.warmup_epochs) * steps_per_epoch)
@@ -380,9 +381,12 @@ class VirtualRanks:
 
     def check(self, cfg: Config) -> None:
         """Refuse settings the simulator does not emulate exactly."""
-        if cfg.bn == "sync":
-            raise ConfigError("the simulator does not emulate bn=sync (statistics over the whole global "
-                              "batch); run it under mpiexec, or use bn=local")
+        if cfg.bn == "sync" and self.ranks_per_chunk not in (0, self.np_):
+            raise ConfigError(f"bn=sync runs all {self.np_} virtual ranks in one forward (BatchNorm over the "
+                              f"global batch), but ranks_per_chunk={self.ranks_per_chunk}; leave it 0")
+        if cfg.bn == "sync" and cfg.gns_max and self.np_ > 1:
+            raise ConfigError(f"bn=sync runs all ranks in one forward, but batch_ramp={cfg.batch_ramp!r} needs "
+                              "each rank's own gradient; use bn=local, or run it under mpiexec")
         if cfg.compression != "none":
             raise ConfigError("the simulator does not emulate compression=fp16; use compression=none")
         if cfg.local_steps > 1 and cfg.simulate_mode == "fast":
@@ -411,6 +415,12 @@ class VirtualRanks:
         self.chunk = self.ranks_per_chunk or (auto if fast or device.type == "cuda" else 1)
         if cfg.local_steps > 1 or cfg.gns_max:  # every rank's own weights, or its own gradient's norm
             self.chunk = 1
+        if cfg.bn == "sync":
+            # SyncBatchNorm's statistics are the global batch's: one forward over every rank's images is
+            # that BatchNorm, and its mean loss's gradient is the ranks' average. The same mathematics as
+            # MPI's SyncBatchNorm, not its arithmetic (MPI sums the statistics in float64, per rank), so
+            # this is the one rule the simulator reproduces only to float rounding (docs/simulator.md).
+            self.chunk = np_
         self.norms = bool(cfg.gns_max) and np_ > 1
         self.context = RankContext(cfg.seed)
         self.context.vectorised = fast

@@ -117,6 +117,13 @@ def _fast_and_right(cfg: Config, np_: int, warm: float) -> list[tuple[str, dict 
         # running ones, with no communication (SyncBatchNorm would cost the Pi ~0.06 s a step)
         (f"fixed global batch {4 * np_} + sqrt lr + warmup + batch renorm", {**four, "bn": "renorm"}
          if four else None),
+        # ... or pay for it: SyncBatchNorm's statistics are the global batch's, as the one process's are
+        # (two blocking Allreduces per BatchNorm layer: the performance model prices them, ~0.06 s of a
+        # 0.25 s Pi step at np=48); the simulator runs it as one forward over all ranks' images
+        (f"fixed global batch {4 * np_} + sqrt lr + warmup + SyncBatchNorm", {**four, "bn": "sync"}
+         if four else None),
+        (f"fixed global batch {4 * np_} + few-step recipe + SyncBatchNorm",
+         {**four, **recipe, "warmup_epochs": warm, "bn": "sync"} if four else None),
         ("label smoothing 0.2", {"label_smoothing": 0.2}),
         ("weight EMA 0.5 ep", {"ema_epochs": 0.5}),
         ("nesterov", {"nesterov": True}),
