@@ -179,12 +179,15 @@ class GhostBatchNorm2d(nn.Module):
             # the step this forward belongs to: the rank-0 chunk counts it after its groups, so later
             # chunks of the same step (the simulator's) see it counted already
             t = int(self.num_batches_tracked) - (1 if r0 > 0 else 0)
-            outs = [self._renormalised(part, rm[r0 + i * g // per_rank], rv[r0 + i * g // per_rank], t)
-                    for i, part in enumerate(x.split(g))]
+
+            def group(part, m, v):
+                return self._renormalised(part, m, v, t)
         else:
-            outs = [F.batch_norm(part, rm[r0 + i * g // per_rank], rv[r0 + i * g // per_rank],
-                                 self.weight, self.bias, True, self.momentum, self.eps)
-                    for i, part in enumerate(x.split(g))]
+            def group(part, m, v):
+                return F.batch_norm(part, m, v, self.weight, self.bias, True, self.momentum, self.eps)
+        # group i belongs to rank r0 + i * g // per_rank and updates that rank's running-statistics row
+        outs = [group(part, rm[r0 + i * g // per_rank], rv[r0 + i * g // per_rank])
+                for i, part in enumerate(x.split(g))]
         if r0 == 0:
             with torch.no_grad():
                 self.num_batches_tracked += 1

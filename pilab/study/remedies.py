@@ -232,7 +232,8 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, recipes_of: 
     ``callbacks`` also receive {"kind": "point", "label", "index", "of"} before each run and its
     {"kind": "step"} events (``widgets.Progress`` shows them).
     """
-    cands = _chosen(candidates(cfg, recipes_of or np_), only, recipes_of or np_)
+    defined_at = recipes_of or np_  # the np whose recipes (global batch, labels) are run at np_
+    cands = _chosen(candidates(cfg, defined_at), only, defined_at)
     ds = data if data is not None else load_data(cfg)  # after the checks: a bad label costs no loading
     sim_cfg = replace(cfg, out="", threads=cfg.threads)
     known = list(known)
