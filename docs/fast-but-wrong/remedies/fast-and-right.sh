@@ -54,6 +54,7 @@ first=("1|baseline"
        "48|fixed global batch 192 + sqrt lr + warmup + batch renorm"
        "48|fixed global batch 192 + sqrt lr + warmup + SyncBatchNorm"
        "48|fixed global batch 192 + few-step recipe + SyncBatchNorm"
+       "48|fixed global batch 192 + few-step recipe without TTA + SyncBatchNorm"
        "48|local SGD H=2" "48|local SGD H=4" "48|local SGD H=8" "48|local SGD H=16")
 for part in "label smoothing 0.2" "weight EMA 0.5 ep" "nesterov" "triangular lr" "flip TTA"; do
     first+=("48|$part" "1|$part")
