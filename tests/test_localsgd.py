@@ -47,6 +47,17 @@ def test_the_fast_simulator_refuses_local_sgd():
         simulate.train(replace(TINY, simulate_mode="fast", data="embedded"), 4)
 
 
+def test_the_simulator_runs_sync_batchnorm_as_one_forward_and_refuses_what_that_cannot_be():
+    sync = replace(TINY, local_steps=1, local_after=0.0, ema_epochs=0.0, bn="sync", data="embedded", epochs=1,
+                   max_steps=2)
+    res = simulate.run(sync, 4)
+    assert res["ranks_per_chunk"] == 4 and res["steps_done"] == 2  # every rank's images in one forward
+    with pytest.raises(ConfigError, match="ranks_per_chunk=2; leave it 0"):
+        simulate.run(sync, 4, ranks_per_chunk=2)
+    with pytest.raises(ConfigError, match="needs each rank's own gradient"):
+        simulate.run(replace(sync, batch_size=4, batch_ramp="gns:8"), 4)
+
+
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
     d = tmp_path_factory.mktemp("whole")
