@@ -10,7 +10,8 @@
 #   np=1, 2     real runs (`pilab train`, np=2 under mpiexec)
 #   np=4..48    exact virtual-rank simulations (bit-identical to real MPI ranks on CPU)
 #   rules       naive (the same lr at every np, as the original study) and sqrt + 2-epoch warmup (the
-#               committed 15,000-image study's best rule)
+#               committed 15,000-image study's best rule); and at np=48 only, fast-right: issue 20's
+#               fast-and-right remedy (4 per rank, sqrt lr, warmup, the few-step recipe, SyncBatchNorm)
 #
 # Each point is written to <rule>/np<N>/result.json as it finishes: a point already finished is skipped,
 # one interrupted part-way goes on from its last checkpoint (`--resume`; every point, real or simulated,
@@ -112,6 +113,10 @@ rule() {
     case $1 in
         naive) echo --lr-scaling none ;;
         sqrt-warmup) echo --lr-scaling sqrt --warmup-epochs 2 ;;
+        # issue 20's fast-and-right remedy (docs/fast-but-wrong/remedies/): a fixed global batch of 4 per
+        # rank at np=48, sqrt lr, 2-epoch warmup, the few-step recipe, SyncBatchNorm; at np=48 only
+        fast-right) echo --batch-mode global --batch-size 192 --lr-scaling sqrt --warmup-epochs 2 --bn sync \
+            --label-smoothing 0.2 --ema-epochs 0.5 --nesterov --schedule linear --tta ;;
         *) echo "run.sh: unknown rule $1" >&2; exit 2 ;;
     esac
 }
@@ -129,8 +134,9 @@ point() {  # one (rule, np) point
 }
 
 # 2. the points, most telling first: the reference, then whether np=48 collapses at the full size under
-# each rule, then np=8 (the paper's 52.3%), the other reference and one node (np=2), then the rest.
-order=("naive 1" "naive 48" "sqrt-warmup 48" "naive 8" "sqrt-warmup 8" "sqrt-warmup 1" "naive 2"
+# each rule, then np=8 (the paper's 52.3%), the fast-and-right remedy at np=48, the other reference and one
+# node (np=2), then the rest.
+order=("naive 1" "naive 48" "sqrt-warmup 48" "naive 8" "sqrt-warmup 8" "fast-right 48" "sqrt-warmup 1" "naive 2"
        "sqrt-warmup 2" "naive 16" "sqrt-warmup 16" "naive 4" "sqrt-warmup 4" "naive 24" "sqrt-warmup 24"
        "naive 32" "sqrt-warmup 32")
 for p in "${order[@]}"; do
