@@ -86,8 +86,9 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
     """The model with identical initial weights on every rank (seeded; broadcast later anyway);
     ghost BatchNorm when ``cfg.ghost_batch``, ``ranks`` > 1 (virtual ranks) or ``cfg.bn="renorm"`` asks
     for it; plain BatchNorm with ``cfg.bn="sync"`` (MPI ranks convert it to SyncBatchNorm; the simulator
-    runs every virtual rank in one forward, so its statistics are the global batch's). Batch Renormalization is plain BatchNorm through the lr warmup (at least an epoch of
-    ``steps_per_epoch``) while the running statistics settle, its limits widened over as many steps again."""
+    runs every virtual rank in one forward, so its statistics are the global batch's). Batch
+    Renormalization is plain BatchNorm through the lr warmup (at least an epoch of ``steps_per_epoch``)
+    while the running statistics settle, its limits widened over as many steps again."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width, timesteps=cfg.timesteps)
     if cfg.bn != "sync" and (cfg.ghost_batch or ranks > 1 or context is not None or cfg.bn == "renorm"):
