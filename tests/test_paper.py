@@ -92,8 +92,23 @@ def test_compare_paper_sets_a_tiny_real_study_beside_the_published_figures(tiny_
     assert cells[48][3] == "9.99 (41.6%)" and cells[4][3] == "1.82 (90.9%) *"
     assert cells[48][6].startswith(f"{acc48:.3f}") and cells[2][6] == "pending" and cells[4][7] == "–"
     assert cells[48][7].startswith(f"{fbw['runs']['48']['epochs'][-1]['test_acc']:.3f}")
+    # every finished point in detail: its curve, and the study's own Pi row (time, energy, time to target)
+    own = {r["np"]: r for r in scaling.study_from_points(str(tiny_study))["rows"]}
+    for n in (1, 48):
+        a = rows[n]["studies"]["tiny"]
+        assert a["test_acc_curve"] == [e["test_acc"] for e in res[n]["epochs"]]
+        assert (a["pi_time_per_epoch"], a["pi_energy_j"], a["pi_time_to_target"]) == \
+            (own[n]["time_per_epoch"], own[n]["energy_j"], own[n]["time_to_target"])
+        assert a["pi_time_per_epoch"] > 0 and a["pi_energy_j"] > 0
+    assert rows[48]["studies"]["tiny"]["pi_time_per_epoch"] < rows[1]["studies"]["tiny"]["pi_time_per_epoch"]
+    detail = [c.strip() for c in next(ln for ln in p.stdout.splitlines() if ln.startswith("| tiny | 48 |"))
+              .split("|")[1:-1]]
+    assert detail[4] == " ".join(f"{e['test_acc']:.3f}" for e in res[48]["epochs"])
+    assert detail[5] == f"{own[48]['time_per_epoch']:.0f} s" and detail[6] == f"{own[48]['energy_j'] / 1e3:.1f} kJ"
+    assert sum(bool(re.match(r"\| 15k \| \d+ \| (real|sim) \|", ln)) for ln in p.stdout.splitlines()) \
+        == len(fbw["runs"])
     html = (out / "compare.html").read_text()
-    assert "cdn.bokeh.org" not in html and "beside the paper" in html
+    assert "cdn.bokeh.org" not in html and "beside the paper" in html and "Every finished point" in html
     # the partial study is not written back as study.json (its points are the only copy)
     assert not (tiny_study / "study.json").exists()
 

@@ -52,6 +52,8 @@ def run(args, argv) -> int:
         print()
         print(side["verdict"])
         print()
+        print(paper.points_markdown(side))
+        print()
     print(report.compare_markdown(cmp))
     print(f"report: {paths['html']}")
     return 0

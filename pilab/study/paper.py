@@ -8,6 +8,7 @@ from the numbers (issue 21); the page is :func:`pilab.study.report.paper_html`'s
                "15k naive": scaling.load_study("docs/fast-but-wrong/naive")}
     side = paper.beside_paper(studies)
     print(paper.markdown(side)); print(side["verdict"])
+    print(paper.points_markdown(side))  # every finished point: per-epoch accuracy, Pi time, energy, target
 
     python -m pilab compare docs/paper-size/naive docs/fast-but-wrong/naive --labels 50k,15k --paper --out runs/p
 
@@ -70,6 +71,7 @@ def beside_paper(studies: dict[str, dict], *, nps=PAPER_NPS, cluster="pi4b_clust
         per = {}
         for label, st in studies.items():
             r = st.get("runs", {}).get(str(p))
+            sr = next((x for x in st.get("rows", ()) if x["np"] == p), {}) if r else {}
             # pending: planned and not finished yet; a finished study without the np did not run it
             missing = set(st.get("missing") or ())
             curve = [e.get("test_acc") for e in r["epochs"]] if r else []
@@ -80,6 +82,12 @@ def beside_paper(studies: dict[str, dict], *, nps=PAPER_NPS, cluster="pi4b_clust
                 "steps": r["total_steps"] if r else None,
                 "simulated": bool(r.get("simulated")) if r else None,
                 "wall_time_here": r.get("wall_time") if r else None,
+                "test_acc_curve": curve if r else None,
+                # the study's own row, predicted for its target machine (the Pi cluster): every point's
+                # Pi time, energy and time to the study's target accuracy (90% of its np=1), as issue 21 asks
+                "pi_time_per_epoch": sr.get("time_per_epoch"), "pi_energy_j": sr.get("energy_j"),
+                "pi_time_to_target": sr.get("time_to_target"), "pi_speedup_to_target": sr.get("speedup_to_target"),
+                "target_acc": st.get("target_accuracy") if r else None,
                 "pending": r is None and p in missing,
                 "not_run": r is None and p not in missing,
             }
@@ -197,6 +205,46 @@ def cells(side: dict) -> tuple[list[str], list[list[str]]]:
                     is not None else "–", _speed(r["naive_speedup"], r["naive_efficiency"]),
                     _speed(r["pilab_speedup"], r["pilab_efficiency"])] + accs)
     return head, out
+
+
+def points_cells(side: dict) -> tuple[list[str], list[list[str]], str]:
+    """Every finished point of every study, one row each: accuracy per epoch, the predicted Pi time per
+    epoch, energy and time to the study's target accuracy (its speedup over np=1's), and this machine's
+    wall time -- the detail under :func:`cells`' one row per np; (head, rows, note under them)."""
+    def num(v, fmt, unit=""):
+        return "–" if v is None else format(v, fmt) + unit
+
+    head = ["study", "np", "kind", "steps", "test accuracy per epoch", "Pi s/epoch", "Pi energy",
+            "Pi time to target (speedup)", "wall time here"]
+    out = []
+    for label in side["labels"]:
+        for r in side["rows"]:
+            a = r["studies"][label]
+            if a["final_test_acc"] is None:
+                continue
+            if a["pi_time_to_target"] is None:
+                ttt = "not reached" if a["target_acc"] is not None else "–"
+            else:
+                ttt = num(a["pi_time_to_target"] / 60, ".0f", " min") \
+                    + (f" ({a['pi_speedup_to_target']:.1f}×)" if a["pi_speedup_to_target"] else "")
+            out.append([label, str(r["np"]), "sim" if a["simulated"] else "real", str(a["steps"]),
+                        " ".join(f"{x:.3f}" for x in a["test_acc_curve"] if x is not None),
+                        num(a["pi_time_per_epoch"], ".0f", " s"),
+                        num(a["pi_energy_j"] and a["pi_energy_j"] / 1e3, ".1f", " kJ"), ttt,
+                        num(a["wall_time_here"] and a["wall_time_here"] / 60, ".0f", " min")])
+    targets = ", ".join(f"{label} {_pct(t)}" for label in side["labels"]
+                        if (t := next((r["studies"][label]["target_acc"] for r in side["rows"]
+                                       if r["studies"][label]["target_acc"] is not None), None)) is not None)
+    note = (f"Pi: predicted for the {side['cluster']} target (pilab's own code); energy from its power model; "
+            f"target accuracy = 90% of each study's np=1 ({targets}); time to target counts evaluation; "
+            "its speedup is over np=1's time to the same target.")
+    return head, out, note
+
+
+def points_markdown(side: dict) -> str:
+    head, rows, note = points_cells(side)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in rows] + ["", note])
 
 
 def markdown(side: dict) -> str:

@@ -268,4 +268,6 @@ def paper_layout(side: dict):
     text = (f"<h2>pilab beside the paper</h2><p>{escape(side['verdict'])}</p>"
             + html_table(head, rows)
             + f"<p>{escape(paper.markdown(side).splitlines()[-1])}</p>")
+    ph, prows, pnote = paper.points_cells(side)
+    text += f"<h3>Every finished point</h3>{html_table(ph, prows)}<p>{escape(pnote)}</p>"
     return column(Div(text=text, width=1000), row(sp, acc))
