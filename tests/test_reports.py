@@ -253,6 +253,26 @@ def test_the_seeds_table_of_the_committed_fast_and_right_points(tmp_path):
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "tab.md").read_text() == text
     assert "final test accuracy vs predicted whole-run time" in (tmp_path / "tab.html").read_text()
+    # re-priced on a measured latency: the same accuracies; SyncBatchNorm's two Allreduces per BatchNorm
+    # layer a step make its rows lose more of their speedup than the baseline's few fused buckets
+    from pilab import perfmodel
+    assert seeds.table(str(root), calibration=perfmodel.pi4b_cluster())["rows"] == tab["rows"]
+    slow = {(r["np"], r["slug"]): r for r in seeds.table(
+        str(root), calibration=perfmodel.pi4b_cluster(inter=perfmodel.Link(300e-6, 1 / 117e6)))["rows"]}
+    assert all(slow[k]["acc_mean"] == r["acc_mean"] for k, r in rows.items())
+    sync = [k for k in rows if k[0] == 48 and "syncbatchnorm" in k[1]]
+    assert sync
+    loss = {k: slow[k]["predicted_pi_speedup"] / rows[k]["predicted_pi_speedup"] for k in sync + [(48, "baseline")]}
+    assert all(loss[k] < loss[(48, "baseline")] < 1 for k in sync), loss
+    p = subprocess.run([sys.executable, "-m", "pilab.study.seeds", str(root), "--inter-alpha", "300e-6"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith(f"| {slow[sync[0]]['label']} | 48 |"))
+    assert f"| {slow[sync[0]]['predicted_pi_speedup']:.1f}× |" in line
+    p = subprocess.run([sys.executable, "-m", "pilab.study.seeds", str(root), "--inter-alpha", "-1", "--out",
+                        str(tmp_path / "neg")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--inter-alpha" in p.stderr and len(p.stderr.splitlines()) == 1
+    assert not list(tmp_path.glob("neg*"))
     # a second seed of the np=48 baseline: mean and sample sd over the two
     copy = tmp_path / "study"
     shutil.copytree(root, copy, ignore=shutil.ignore_patterns("*.pt", "*.html", "*.png", "remedies.json"))

@@ -8,11 +8,16 @@ docs/fast-but-wrong/remedies/fast-and-right.sh writes, one ``pilab remedies --on
     tab = seeds.table("docs/fast-but-wrong/remedies/full-test")
     print(seeds.markdown(tab))
     python -m pilab.study.seeds docs/fast-but-wrong/remedies/full-test --out table   # table.md, table.json
+    # re-priced on a measured latency (or a Cluster JSON, `pilab perfmodel calibrate --cluster-out`)
+    python -m pilab.study.seeds docs/fast-but-wrong/remedies/full-test --inter-alpha 150e-6
+    seeds.table(root, calibration=perfmodel.pi4b_cluster(inter=perfmodel.Link(150e-6, 1 / 117e6)))
 
 The target (MLPerf / DAWNBench rules, ``analysis.time_to_target``): the np=1 baseline's mean accuracy
 less ``GOAL_POINTS``. "One node" is the Pi cluster's speed baseline (2 ranks on one Pi 4B, its whole run
 predicted by ``pilab.perfmodel``), and it reaches the target after the epochs the np=1 baseline needed
-(mean over seeds): the accuracy curve of np=2 at 32 images a rank is taken to be np=1's.
+(mean over seeds): the accuracy curve of np=2 at 32 images a rank is taken to be np=1's. On another
+machine (``calibration``: a preset name, a Cluster or Calibration, or a JSON path of either), one node is
+that machine's ranks per node, and energy needs a power model for its name (the Pi's: ``pi4b_cluster``).
 """
 from __future__ import annotations
 
@@ -23,7 +28,10 @@ import os
 import statistics
 import sys
 
+from dataclasses import replace
+
 from ..config import Config
+from ..files import load_json
 from . import remedies
 from . import analysis
 from .analysis import target_baseline, time_to_target
@@ -68,10 +76,27 @@ def _epochs_to(res: dict, target: float) -> int | None:
     return None
 
 
-def table(root: str, *, calibration: str = CALIBRATION) -> dict:
-    """The rows of the study under ``root`` (see the module docstring); raises ValueError without the
-    np=1 baseline (every row is judged against it)."""
+def _machine(calibration):
+    """(the Cluster, whether the model places each rank's threads, the name its power model goes by) of
+    a preset name, Cluster, Calibration or JSON path; ConfigError (a ValueError) for anything else."""
     from .. import perfmodel
+    cl = perfmodel.resolve_cluster(calibration)
+    # a cluster places its own threads per rank; a Calibration (this box) runs at the config's threads
+    this_box = isinstance(calibration, perfmodel.Calibration) or (
+        isinstance(calibration, str) and calibration not in perfmodel.PRESETS
+        and "compute_s_per_image" in load_json(calibration))
+    return cl, not this_box, cl.name
+
+
+def table(root: str, *, calibration=CALIBRATION) -> dict:
+    """The rows of the study under ``root`` (see the module docstring), priced on ``calibration``; raises
+    ValueError without the np=1 baseline (every row is judged against it) or for an unknown machine."""
+    from .. import perfmodel
+    cluster, place_threads, machine = _machine(calibration)
+    one_node_np = target_baseline(machine) or cluster.ranks_per_node or 1
+
+    def on(cfg: Config) -> Config:
+        return replace(cfg, threads=0) if place_threads else cfg
     pts = points(root)
     base_pts = pts.get((1, "baseline"))
     if not base_pts:
@@ -82,8 +107,7 @@ def table(root: str, *, calibration: str = CALIBRATION) -> dict:
     proto = Config.from_dict(first_ref["config"])
     # the image counts from the runs themselves: the data set need not be at hand to make the table
     counts = {"n_train": first_ref["data"]["n_train"], "n_test": first_ref["data"]["n_test"]}
-    one_node = perfmodel.predict(remedies._on(proto, calibration), target_baseline(calibration), calibration,
-                                 **counts)["epoch_time"] * proto.epochs
+    one_node = perfmodel.predict(on(proto), one_node_np, cluster, **counts)["epoch_time"] * proto.epochs
     ref_epochs = [_epochs_to(r, target) for r in base_pts.values()]
     node_ttt = one_node * statistics.fmean(ref_epochs) / proto.epochs if all(ref_epochs) else None
     rows = []
@@ -94,13 +118,13 @@ def table(root: str, *, calibration: str = CALIBRATION) -> dict:
         accs = [r["epochs"][-1]["test_acc"] for r in runs.values()]
         mean, sd = _mean_sd(accs)
         # each seed's run priced as it trained (a noise-driven ramp: at the batches that seed's run chose)
-        preds = [perfmodel.predict(remedies._on(trained_config(r), calibration), np_, calibration, **counts)
+        preds = [perfmodel.predict(on(trained_config(r)), np_, cluster, **counts)
                  for r in runs.values()]
         whole = statistics.fmean(p["epoch_time"] * len(r["epochs"]) for p, r in zip(preds, runs.values()))
         energies = [analysis.run_energy(r, {"train": [p["time"]] * len(r["epochs"]),
                                             "eval": [p["eval_time"]] * len(r["epochs"]),
                                             "comm_exposed_share": p["comm_exposed"] / p["time"]},
-                                        calibration, target)["energy_j"] for p, r in zip(preds, runs.values())]
+                                        machine, target)["energy_j"] for p, r in zip(preds, runs.values())]
         ttts = [time_to_target(r, target, [p["time"]] * len(r["epochs"]), [p["eval_time"]] * len(r["epochs"]))
                 for p, r in zip(preds, runs.values())]
         same = pts.get((1, name))
@@ -125,7 +149,9 @@ def table(root: str, *, calibration: str = CALIBRATION) -> dict:
     for r, on in zip(rows, remedies.pareto(rows, time_key="predicted_pi_time_s", acc_key="acc_mean",
                                            energy_key="energy_j" if have_energy else None)):
         r["front"] = on
-    return {"root": root, "calibration": calibration, "reference_acc": ref_acc, "reference_sd": ref_sd,
+    return {"root": root, "calibration": machine, "one_node_np": one_node_np,
+            "calibration_source": calibration if isinstance(calibration, str) else type(calibration).__name__,
+            "reference_acc": ref_acc, "reference_sd": ref_sd,
             "reference_seeds": sorted(base_pts), "target": target, "one_node_time_s": one_node,
             "one_node_time_to_target_s": node_ttt, "goal_points": GOAL_POINTS, "goal_speedup": GOAL_SPEEDUP,
             "rows": rows}
@@ -163,7 +189,7 @@ def cells(tab: dict) -> list[list[str]]:
 def reference_line(tab: dict) -> str:
     return (f"Reference: np=1 baseline {_acc(tab['reference_acc'], tab['reference_sd'], len(tab['reference_seeds']))} "
             f"on all 10,000 test images; target {tab['target']:.4f} (1 point below); one node "
-            f"({tab['calibration']}, 2 ranks) {tab['one_node_time_s'] / 60:.0f} min for the whole run, "
+            f"({tab['calibration']}, {tab.get('one_node_np', 2)} ranks) {tab['one_node_time_s'] / 60:.0f} min for the whole run, "
             + (f"{tab['one_node_time_to_target_s'] / 60:.0f} min to the target." if tab["one_node_time_to_target_s"]
                else "never at the target."))
 
@@ -182,6 +208,22 @@ def markdown(tab: dict) -> str:
     return "\n".join(lines + ["", goal_line(tab)]) + "\n"
 
 
+def _priced_on(preset: str, alpha: float | None, mbps: float | None):
+    """The machine ``main``'s flags name: the preset (or JSON) with its inter-node link replaced where
+    given; ConfigError for a latency < 0 or a bandwidth <= 0."""
+    from .. import perfmodel
+    from ..config import ConfigError
+    if alpha is None and mbps is None:
+        return preset
+    if alpha is not None and not (math.isfinite(alpha) and alpha >= 0):
+        raise ConfigError(f"--inter-alpha {alpha} must be >= 0 seconds (e.g. 150e-6)")
+    if mbps is not None and not (math.isfinite(mbps) and mbps > 0):
+        raise ConfigError(f"--inter-mbps {mbps} must be > 0")
+    cl = perfmodel.resolve_cluster(preset)
+    return replace(cl, inter=perfmodel.Link(cl.inter.alpha if alpha is None else alpha,
+                                            cl.inter.beta if mbps is None else 1 / (mbps * 1e6)))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pilab.study.seeds",
                                 description="the table over seeds of a fast-and-right study (markdown + JSON + "
@@ -189,9 +231,17 @@ def main(argv=None) -> int:
     p.add_argument("root", help="the study's folder (np<N>/seed<S>/<candidate>/result.json)")
     p.add_argument("--out", default="", help="write OUT.md, OUT.json, OUT.html and OUT.png (the figure, where a "
                    "browser is available; default: print the markdown)")
+    p.add_argument("--preset", default=CALIBRATION,
+                   help="the machine to price on: pi4b_cluster, or a Cluster/Calibration JSON (`pilab perfmodel "
+                        "calibrate --cluster-out`) (default: %(default)s)")
+    p.add_argument("--inter-alpha", dest="inter_alpha", type=float, default=None,
+                   help="the machine's inter-node latency, seconds per message (e.g. 150e-6, measured with "
+                        "`pilab perfmodel bench` across two nodes)")
+    p.add_argument("--inter-mbps", dest="inter_mbps", type=float, default=None,
+                   help="the machine's inter-node bandwidth in MB/s")
     a = p.parse_args(argv)
     try:
-        tab = table(a.root)
+        tab = table(a.root, calibration=_priced_on(a.preset, a.inter_alpha, a.inter_mbps))
     except ValueError as e:
         print(f"pilab: {e}", file=sys.stderr)
         return 2
