@@ -79,6 +79,12 @@ def test_compare_draws_points_titles_by_what_varies_and_warns_on_mixed_settings(
                  "epochs (naive 1, squeeze 2)"):
         assert name in mixed["warning"], mixed["warning"]
     assert "Warning:" in report.compare_html(mixed)
+    # a study written before a setting existed trained as its default does, and how often a run checkpoints
+    # is not its training: neither is a difference (the committed 15k studies lack tta, ema_epochs, ...)
+    old = {**a, "config": {k: v for k, v in a["config"].items() if k not in ("tta", "ema_epochs", "bn")}}
+    new = {**b, "config": {**b["config"], "checkpoint_minutes": 1.0, "straggler_steps": 3}}
+    assert compare.compare({"old": old, "new": new})["varies"] == {
+        "learning-rate rule": {"lr_scaling": {"old": "none", "new": "linear"}}}
 
 
 def test_remedies_name_their_candidates_and_default_to_the_pi_like_scale(tmp_path):

@@ -15,7 +15,8 @@ import os
 
 from . import verdict as judging
 from ..plots import DOCS
-from .points import _load_json
+from ..config import Config
+from .points import _NOT_TRAINING, _load_json
 
 
 # Settings that belong together when studies differ (one "what varies" in a comparison's title).
@@ -29,7 +30,8 @@ SETTING_GROUPS = {
 }
 
 
-_NOT_SETTINGS = ("out", "resume", "threads", "checkpoint_every", "keep", "device")  # not the training's
+# not the training's: where it writes, how often it checkpoints or watches stragglers, where it runs
+_NOT_SETTINGS = ("threads", "device", *_NOT_TRAINING)
 
 
 def differing_settings(configs: dict[str, dict]) -> dict[str, dict[str, dict]]:
@@ -40,9 +42,11 @@ def differing_settings(configs: dict[str, dict]) -> dict[str, dict[str, dict]]:
         # {"learning-rate rule": {"lr": {"a": 0.1, "b": 0.2}}}
     """
     keys = sorted({k for c in configs.values() for k in c} - set(_NOT_SETTINGS))
+    # a setting a config lacks was added after that study ran: it trained as the setting's default does
+    default = Config().to_dict()
     out: dict[str, dict[str, dict]] = {}
     for k in keys:
-        values = {label: c.get(k) for label, c in configs.items()}
+        values = {label: c.get(k, default.get(k)) for label, c in configs.items()}
         if len({repr(v) for v in values.values()}) > 1:
             group = next((g for g, ks in SETTING_GROUPS.items() if k in ks), k.replace("_", " "))
             out.setdefault(group, {})[k] = values
