@@ -95,7 +95,7 @@ def table(root: str, *, calibration=CALIBRATION) -> dict:
     cluster, place_threads, machine = _machine(calibration)
     one_node_np = target_baseline(machine) or cluster.ranks_per_node or 1
 
-    def on(cfg: Config) -> Config:
+    def placed(cfg: Config) -> Config:
         return replace(cfg, threads=0) if place_threads else cfg
     pts = points(root)
     base_pts = pts.get((1, "baseline"))
@@ -107,7 +107,7 @@ def table(root: str, *, calibration=CALIBRATION) -> dict:
     proto = Config.from_dict(first_ref["config"])
     # the image counts from the runs themselves: the data set need not be at hand to make the table
     counts = {"n_train": first_ref["data"]["n_train"], "n_test": first_ref["data"]["n_test"]}
-    one_node = perfmodel.predict(on(proto), one_node_np, cluster, **counts)["epoch_time"] * proto.epochs
+    one_node = perfmodel.predict(placed(proto), one_node_np, cluster, **counts)["epoch_time"] * proto.epochs
     ref_epochs = [_epochs_to(r, target) for r in base_pts.values()]
     node_ttt = one_node * statistics.fmean(ref_epochs) / proto.epochs if all(ref_epochs) else None
     rows = []
@@ -118,7 +118,7 @@ def table(root: str, *, calibration=CALIBRATION) -> dict:
         accs = [r["epochs"][-1]["test_acc"] for r in runs.values()]
         mean, sd = _mean_sd(accs)
         # each seed's run priced as it trained (a noise-driven ramp: at the batches that seed's run chose)
-        preds = [perfmodel.predict(on(trained_config(r)), np_, cluster, **counts)
+        preds = [perfmodel.predict(placed(trained_config(r)), np_, cluster, **counts)
                  for r in runs.values()]
         whole = statistics.fmean(p["epoch_time"] * len(r["epochs"]) for p, r in zip(preds, runs.values()))
         energies = [analysis.run_energy(r, {"train": [p["time"]] * len(r["epochs"]),
@@ -189,7 +189,8 @@ def cells(tab: dict) -> list[list[str]]:
 def reference_line(tab: dict) -> str:
     return (f"Reference: np=1 baseline {_acc(tab['reference_acc'], tab['reference_sd'], len(tab['reference_seeds']))} "
             f"on all 10,000 test images; target {tab['target']:.4f} (1 point below); one node "
-            f"({tab['calibration']}, {tab.get('one_node_np', 2)} ranks) {tab['one_node_time_s'] / 60:.0f} min for the whole run, "
+            f"({tab['calibration']}, {tab.get('one_node_np', 2)} ranks) "
+            f"{tab['one_node_time_s'] / 60:.0f} min for the whole run, "
             + (f"{tab['one_node_time_to_target_s'] / 60:.0f} min to the target." if tab["one_node_time_to_target_s"]
                else "never at the target."))
 
