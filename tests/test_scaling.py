@@ -545,3 +545,18 @@ def test_remedies_resume_continues_a_candidate_from_its_checkpoint(tmp_path):
     assert (r["resumed_from_step"], r["steps_done"], r["stopped_early"]) == (4, 8, False)
     # a checkpoint of other settings is not continued: that candidate runs from its start
     assert remedies._part_way(str(out / "linear-lr"), replace(cfg, lr=0.5), 4) == ""
+
+
+def test_a_point_saved_before_a_setting_existed_is_the_same_training():
+    # the committed 15,000-image study's points were saved before tta, ema_epochs, bn, ... existed: they
+    # trained as those settings' defaults do, so `pilab scale --resume` keeps them instead of rerunning
+    from pilab.config import Config
+    from pilab.study.points import same_training
+    st = scaling.load_study(os.path.join(os.path.dirname(__file__), "..", "docs", "fast-but-wrong", "naive"))
+    cfg = Config.from_dict(st["config"])
+    assert "tta" not in st["config"] and st["runs"]
+    for p, run in st["runs"].items():
+        assert "tta" not in run["config"]
+        assert same_training(run["config"], cfg, int(p)), p
+        assert not same_training(run["config"], Config.from_dict({**st["config"], "tta": True}), int(p))
+        assert not same_training({**run["config"], "tta": True}, cfg, int(p))

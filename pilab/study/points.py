@@ -54,14 +54,18 @@ def same_training(saved: dict, cfg: Config, p: int) -> bool:
 
         same_training(Config(lr_scaling="none").to_dict(), Config(lr_scaling="linear"), 1)   # True
         same_training(Config(checkpoint_every=1).to_dict(), Config(), 1)                     # True
+        same_training({k: v for k, v in Config().to_dict().items() if k != "tta"}, Config(), 1)  # True
     """
     mine = cfg.to_dict()
     # Where a run writes and how often it checkpoints do not change what it trains (the simulator cannot
     # checkpoint, so a study's real np=1 point with checkpoints is still its simulated points' kin).
     keys = [k for k in mine if k not in _NOT_TRAINING]
-    if all(saved.get(k) == mine[k] for k in keys):
+    # a setting the saved run lacks was added after it ran: it trained as that setting's default does
+    default = Config().to_dict()
+    saved = {k: saved.get(k, default[k]) for k in keys}
+    if all(saved[k] == mine[k] for k in keys):
         return True
-    if any(saved.get(k) != mine[k] for k in keys if k not in _LR_RULE):
+    if any(saved[k] != mine[k] for k in keys if k not in _LR_RULE):
         return False
     try:
         return math.isclose(Config.from_dict(saved).peak_lr(p), cfg.peak_lr(p), rel_tol=1e-12)
