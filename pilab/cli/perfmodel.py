@@ -174,14 +174,8 @@ def _cluster(args) -> pm.Cluster:
     if args.calibration:
         cl = pm.this_box(_load_calibration(args.calibration))
     elif args.preset == "pi4b_cluster":
-        base = pm.pi4b_cluster()
-        kw = {}
-        if args.train_gflops is not None:
-            kw["train_gflops"] = args.train_gflops
-        if args.inter_alpha is not None or args.inter_mbps is not None:
-            kw["inter"] = pm.Link(base.inter.alpha if args.inter_alpha is None else args.inter_alpha,
-                                  base.inter.beta if args.inter_mbps is None else 1 / (args.inter_mbps * 1e6))
-        cl = pm.pi4b_cluster(**kw)
+        kw = {} if args.train_gflops is None else {"train_gflops": args.train_gflops}
+        cl = pm.relinked(pm.pi4b_cluster(**kw), alpha=args.inter_alpha, mbps=args.inter_mbps)
     else:
         cl = pm.resolve_cluster(args.preset)
     if args.algorithm:

@@ -57,14 +57,14 @@ from .metrics import efficiency, karp_flatt, speedup
 from .predict import PROFILES, exchange, pi_table, predict, predict_table
 from .presets import (PI_BASELINE_NP, PI_CORES_PER_NODE, PI_GBE_GOODPUT, PI_NODES, PI_RANKS_PER_NODE,
                       PI_STUDY_NPS, PI_TABLE_NPS, PI_THREADS_PER_RANK, PRESETS, PUBLISHED, pi4b_cluster,
-                      pi_config, published_table, resolve_cluster)
+                      pi_config, published_table, relinked, resolve_cluster)
 from .tables import PI_TABLE_COLUMNS, TABLE_COLUMNS, markdown_table, pi_table_markdown
 
 __all__ = [
     "speedup", "efficiency", "karp_flatt", "PUBLISHED", "published_table",
     "Link", "Cluster", "Calibration", "allreduce_rounds", "allreduce_time", "ALGORITHMS",
     "comm_bench", "run_comm_bench", "DEFAULT_SIZES", "fit_alpha_beta", "calibrate",
-    "this_box", "pi4b_cluster", "cluster_from_calibration", "PRESETS", "resolve_cluster",
+    "this_box", "pi4b_cluster", "cluster_from_calibration", "PRESETS", "resolve_cluster", "relinked",
     "gradient_layout", "buckets_for", "work_per_image", "bn_bytes", "bn_channels",
     "PROFILES", "predict", "predict_table", "exchange", "pi_config", "pi_table",
     "markdown_table", "pi_table_markdown", "TABLE_COLUMNS", "PI_TABLE_COLUMNS",

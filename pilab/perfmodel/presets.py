@@ -13,6 +13,7 @@ preset uses them too); the rates in ``pi4b_cluster`` are assumptions stated in d
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Mapping
 
 from ..config import Config, ConfigError
@@ -86,6 +87,13 @@ def pi4b_cluster(**overrides) -> Cluster:
     )
     base.update(overrides)
     return Cluster(**base)
+
+
+def relinked(cluster: Cluster, *, alpha: float | None = None, mbps: float | None = None) -> Cluster:
+    """``cluster`` with its inter-node latency (seconds per message) and/or bandwidth (MB/s) replaced,
+    e.g. by the ones measured across two nodes: ``relinked(pi4b_cluster(), alpha=150e-6)``."""
+    return replace(cluster, inter=Link(cluster.inter.alpha if alpha is None else alpha,
+                                       cluster.inter.beta if mbps is None else 1 / (mbps * 1e6)))
 
 
 PRESETS = {"pi4b_cluster": pi4b_cluster}

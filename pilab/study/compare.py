@@ -15,8 +15,7 @@ import os
 
 from . import verdict as judging
 from ..plots import DOCS
-from ..config import Config
-from .points import _NOT_TRAINING, _load_json
+from .points import _NOT_TRAINING, _load_json, as_ran
 
 
 # Settings that belong together when studies differ (one "what varies" in a comparison's title).
@@ -41,12 +40,11 @@ def differing_settings(configs: dict[str, dict]) -> dict[str, dict[str, dict]]:
         differing_settings({"a": {"lr": 0.1, "epochs": 4}, "b": {"lr": 0.2, "epochs": 4}})
         # {"learning-rate rule": {"lr": {"a": 0.1, "b": 0.2}}}
     """
+    configs = {label: as_ran(c) for label, c in configs.items()}  # a setting added since: its default
     keys = sorted({k for c in configs.values() for k in c} - set(_NOT_SETTINGS))
-    # a setting a config lacks was added after that study ran: it trained as the setting's default does
-    default = Config().to_dict()
     out: dict[str, dict[str, dict]] = {}
     for k in keys:
-        values = {label: c.get(k, default.get(k)) for label, c in configs.items()}
+        values = {label: c.get(k) for label, c in configs.items()}
         if len({repr(v) for v in values.values()}) > 1:
             group = next((g for g, ks in SETTING_GROUPS.items() if k in ks), k.replace("_", " "))
             out.setdefault(group, {})[k] = values

@@ -232,9 +232,9 @@ def points_cells(side: dict) -> tuple[list[str], list[list[str]], str]:
                         num(a["pi_time_per_epoch"], ".0f", " s"),
                         num(a["pi_energy_j"] and a["pi_energy_j"] / 1e3, ".1f", " kJ"), ttt,
                         num(a["wall_time_here"] and a["wall_time_here"] / 60, ".0f", " min")])
-    targets = ", ".join(f"{label} {_pct(t)}" for label in side["labels"]
-                        if (t := next((r["studies"][label]["target_acc"] for r in side["rows"]
-                                       if r["studies"][label]["target_acc"] is not None), None)) is not None)
+    target = {label: a["target_acc"] for r in side["rows"] for label, a in r["studies"].items()
+              if a["target_acc"] is not None}
+    targets = ", ".join(f"{label} {_pct(target[label])}" for label in side["labels"] if label in target)
     note = (f"Pi: predicted for the {side['cluster']} target (pilab's own code); energy from its power model; "
             f"target accuracy = 90% of each study's np=1 ({targets}); time to target counts evaluation; "
             "its speedup is over np=1's time to the same target.")

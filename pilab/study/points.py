@@ -46,6 +46,15 @@ _NOT_TRAINING = ("out", "resume", "checkpoint_every", "keep", "checkpoint_minute
                  "straggler_threshold", "straggler_steps")
 
 
+def as_ran(saved: dict) -> dict:
+    """A saved config's settings as the run trained with them: a setting it lacks was added after it ran,
+    so it trained as that setting's default does::
+
+        as_ran({"lr": 0.1})["tta"]   # False
+    """
+    return {**Config().to_dict(), **saved}
+
+
 def same_training(saved: dict, cfg: Config, p: int) -> bool:
     """True if a run saved with settings ``saved`` is the training ``cfg`` asks for at ``p`` ranks:
     every setting equal, or equal but for an LR rule that gives the same peak LR at ``p`` (at np=1
@@ -60,9 +69,7 @@ def same_training(saved: dict, cfg: Config, p: int) -> bool:
     # Where a run writes and how often it checkpoints do not change what it trains (the simulator cannot
     # checkpoint, so a study's real np=1 point with checkpoints is still its simulated points' kin).
     keys = [k for k in mine if k not in _NOT_TRAINING]
-    # a setting the saved run lacks was added after it ran: it trained as that setting's default does
-    default = Config().to_dict()
-    saved = {k: saved.get(k, default[k]) for k in keys}
+    saved = as_ran(saved)
     if all(saved[k] == mine[k] for k in keys):
         return True
     if any(saved[k] != mine[k] for k in keys if k not in _LR_RULE):

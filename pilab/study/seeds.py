@@ -31,7 +31,6 @@ import sys
 from dataclasses import replace
 
 from ..config import Config
-from ..files import load_json
 from . import remedies
 from . import analysis
 from .analysis import target_baseline, time_to_target
@@ -81,11 +80,8 @@ def _machine(calibration):
     a preset name, Cluster, Calibration or JSON path; ConfigError (a ValueError) for anything else."""
     from .. import perfmodel
     cl = perfmodel.resolve_cluster(calibration)
-    # a cluster places its own threads per rank; a Calibration (this box) runs at the config's threads
-    this_box = isinstance(calibration, perfmodel.Calibration) or (
-        isinstance(calibration, str) and calibration not in perfmodel.PRESETS
-        and "compute_s_per_image" in load_json(calibration))
-    return cl, not this_box, cl.name
+    # a cluster places its own threads per rank; this box (a Calibration) runs at the config's threads
+    return cl, cl.name != "this_box", cl.name
 
 
 def table(root: str, *, calibration=CALIBRATION) -> dict:
@@ -220,9 +216,7 @@ def _priced_on(preset: str, alpha: float | None, mbps: float | None):
         raise ConfigError(f"--inter-alpha {alpha} must be >= 0 seconds (e.g. 150e-6)")
     if mbps is not None and not (math.isfinite(mbps) and mbps > 0):
         raise ConfigError(f"--inter-mbps {mbps} must be > 0")
-    cl = perfmodel.resolve_cluster(preset)
-    return replace(cl, inter=perfmodel.Link(cl.inter.alpha if alpha is None else alpha,
-                                            cl.inter.beta if mbps is None else 1 / (mbps * 1e6)))
+    return perfmodel.relinked(perfmodel.resolve_cluster(preset), alpha=alpha, mbps=mbps)
 
 
 def main(argv=None) -> int:
