@@ -84,6 +84,7 @@ class Config:
     bn: str = "local"  # local: per-rank statistics (the original study) | sync: across ranks over MPI | renorm: per-rank, Batch Renormalization (Ioffe 2017: corrected towards the running statistics, for small per-rank batches)
     bn_buffers: str = "broadcast"  # before eval/checkpoint: rank 0's running stats | rank average
     ghost_batch: int = 0  # BN statistics over groups of this many images per rank; 0 = whole batch
+    bn_group: int = 0  # bn=sync: statistics over groups of this many consecutive ranks (2: one Pi node's two ranks, whose Allreduces never leave the node); 0 = all ranks
     # --- communication ---
     local_steps: int = 1  # local SGD: steps each rank takes on its own copy of the model between parameter averages (1 = gradients averaged every step); every epoch ends with an average
     local_after: float = 0.0  # post-local SGD: epochs of synchronous steps before local steps begin
@@ -140,7 +141,7 @@ class Config:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
-        nonneg = ("train_subset", "test_subset", "max_steps", "ghost_batch", "threads",
+        nonneg = ("train_subset", "test_subset", "max_steps", "ghost_batch", "bn_group", "threads",
                   "checkpoint_every", "checkpoint_every_steps", "straggler_threshold", "warmup_epochs", "ema_epochs", "weight_decay", "momentum", "seed")
         for name in nonneg:
             if getattr(self, name) < 0:
@@ -158,6 +159,8 @@ class Config:
             raise ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
         if self.ghost_batch and self.bn == "sync":
             raise ConfigError("ghost_batch needs bn='local' or 'renorm'; SyncBatchNorm already spans ranks")
+        if self.bn_group and self.bn != "sync":
+            raise ConfigError(f"bn_group={self.bn_group} groups SyncBatchNorm's ranks; use it with bn='sync'")
         self.ramp()  # raises ConfigError for a malformed ramp
         if self.gns_max and self.local_steps > 1:
             raise ConfigError(f"batch_ramp={self.batch_ramp!r} measures the gradient noise at every gradient "
@@ -243,6 +246,15 @@ class Config:
                 f"pick a multiple of {np_} or use batch_mode=per_rank")
         return batch // np_
 
+    def sync_group(self, np_: int) -> int:
+        """Ranks whose images one SyncBatchNorm statistic spans at ``np_`` ranks (1 unless bn="sync")::
+
+            Config(bn="sync", bn_group=2).sync_group(48)   # 2: ranks 0-1, 2-3, ... each normalise together
+        """
+        if self.bn != "sync":
+            return 1
+        return min(self.bn_group, np_) if self.bn_group else np_
+
     def global_batch(self, np_: int, epoch: int = 0) -> int:
         return self.per_rank_batch(np_, epoch) * np_
 
@@ -263,6 +275,9 @@ class Config:
         if self.gns_max and np_ < 2:
             raise ConfigError(f"batch_ramp={self.batch_ramp!r} measures the gradient noise from the ranks' own "
                               "gradients and needs np >= 2; use an explicit ramp (e.g. '3:16,6:32') at np=1")
+        if np_ % self.sync_group(np_):
+            raise ConfigError(f"bn_group={self.bn_group} does not divide np={np_}; pick a divisor of {np_} "
+                              "(e.g. the ranks per node)")
         batches = self.gns_ladder_per_rank(np_) if self.gns_max else \
             [self.per_rank_batch(np_, epoch) for epoch, _ in self.ramp()]
         for b in batches:

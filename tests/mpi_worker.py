@@ -400,6 +400,65 @@ def case_renorm(out):
             json.dump(res, f, indent=1)
 
 
+def case_syncgroups(out):
+    """SyncBatchNorm over groups of 2 consecutive ranks (bn_group=2) at np=4: each group's layer equals
+    BatchNorm on that group's concatenated batch; one training step against the simulator's, which runs
+    every rank in one forward with BatchNorm per group of ranks, and against the other rules."""
+    from pilab.engine import simulate
+    from pilab.engine.ranks import base_model
+    res = {}
+    torch.manual_seed(0)
+    full = torch.randn(3 * SIZE, 6, 5, 5, dtype=torch.float32)
+    gout = torch.randn_like(full)
+    ref_bn = torch.nn.BatchNorm2d(6)
+    with torch.no_grad():
+        ref_bn.weight.uniform_(0.5, 1.5)
+        ref_bn.bias.uniform_(-0.5, 0.5)
+    mine_bn = layers.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(6)), COMM, group=2)[0]
+    mine_bn.load_state_dict(ref_bn.state_dict())
+    group = slice(3 * (RANK // 2 * 2), 3 * (RANK // 2 * 2 + 2))  # this rank's group's images
+    xr = full[group].clone().requires_grad_(True)
+    yr = ref_bn(xr)
+    (yr * gout[group]).sum().backward()
+    xs = full[3 * RANK:3 * RANK + 3].clone().requires_grad_(True)
+    ys = mine_bn(xs)
+    (ys * gout[3 * RANK:3 * RANK + 3]).sum().backward()
+    own = slice(3 * (RANK % 2), 3 * (RANK % 2) + 3)
+    d = {"y": float((ys - yr[own]).detach().abs().max()), "dx": float((xs.grad - xr.grad[own]).abs().max()),
+         "running_mean": float((mine_bn.running_mean - ref_bn.running_mean).abs().max()),
+         "running_var": float((mine_bn.running_var - ref_bn.running_var).abs().max()),
+         "group_size": mine_bn.comm.Get_size()}
+    ds_ = COMM.gather(d, root=0)
+    cfg = replace(BASE, bn="sync", bn_group=2, max_steps=1, bn_buffers="average")
+    ds = train.load_data(cfg, COMM)
+    r1, m1 = train.train(cfg, COMM, data=ds)
+    # before the run's end settles them, the two groups' running statistics differ (their images do)
+    r2, m2 = train.train(replace(cfg, bn_buffers="broadcast"), COMM, data=ds)
+    states = gathered_states(m1)
+    if RANK == 0:
+        res["syncbn"] = {k: max(x[k] for x in ds_) for k in d}
+        w0 = base_model(cfg, torch.device("cpu")).state_dict()
+
+        def update(state):  # the first step's change of every parameter, as one vector
+            return torch.cat([(state[k].double() - w0[k].double()).flatten() for k in w0
+                              if w0[k].is_floating_point() and "running" not in k])
+        mpi = update(m1.state_dict())
+        rel = {}
+        for name, c in (("groups", cfg), ("all", replace(cfg, bn_group=0)), ("local", replace(cfg, bn="local", bn_group=0))):
+            sim, sim_model = simulate.train(c, SIZE, data=ds)
+            rel[name] = float((update(simulate.virtual_state(sim_model)) - mpi).norm() / mpi.norm())
+            rel[name + "_loss"] = sim["steps"]["loss"][0]
+            if name == "groups":  # every rank's row after the "average" policy: the mean of the groups'
+                rel["buffers"] = max(max_diff({k: v for k, v in simulate.virtual_state(sim_model, r).items()
+                                               if "running" in k}, {k: v for k, v in states[r].items()
+                                                                     if "running" in k}) for r in range(SIZE))
+        res["simulator"] = dict(rel, loss=r1["steps"]["loss"][0])
+        res["broadcast_vs_average"] = max_diff({k: v for k, v in m2.state_dict().items() if "running" in k},
+                                               {k: v for k, v in states[0].items() if "running" in k})
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def case_fault(out):
     """Rank 1 raises at its 3rd step; abort_on_error must take the whole job down."""
     calls = {"n": 0}
@@ -505,7 +564,8 @@ if __name__ == "__main__":
         sys.exit(0)
     try:
         {"train": case_train, "stop": case_stop, "spiking": case_spiking,
-         "local": case_local, "grads": case_grads, "gns": case_gns, "renorm": case_renorm}[case](out)
+         "local": case_local, "grads": case_grads, "gns": case_gns, "renorm": case_renorm,
+         "syncgroups": case_syncgroups}[case](out)
     except BaseException:
         # A rank that fails must not leave the others waiting in a collective until the test's timeout
         # (420 s): print why, then end the whole job at once.

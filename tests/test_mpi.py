@@ -247,3 +247,22 @@ def test_gradients_backward_put_elsewhere_are_averaged_all_the_same(tmp_path_fac
     for x in r["rows"]:
         assert x["max_diff"] <= 1e-6, x
         assert x["grads_in_buffer"], x
+
+
+@pytest.mark.mpi
+def test_sync_batchnorm_in_groups_of_ranks_runs_the_same_in_the_simulator(tmp_path_factory):
+    """bn_group=2 at np=4: each pair of ranks normalises over its 8 images (BatchNorm on the pair's batch,
+    forward, backward and running statistics); the simulator's one forward with BatchNorm per pair of virtual
+    ranks takes the same first step to float rounding (see the bn=sync test above for why a relative
+    distance), while SyncBatchNorm over all 4 ranks and per-rank BatchNorm are other rules, as far from it as
+    a new vector; every rank's running statistics as MPI's, the pairs' differing before they are settled."""
+    _, r = case_at(4, "syncgroups", tmp_path_factory)
+    assert r["syncbn"].pop("group_size") == 2
+    for k, v in r["syncbn"].items():
+        assert v <= 1e-5, (k, v)
+    s = r["simulator"]
+    assert s["groups_loss"] == pytest.approx(s["loss"], rel=1e-5)
+    assert s["groups"] <= 0.15, s
+    assert s["all"] >= 0.5 and s["local"] >= 0.5, s
+    assert s["buffers"] <= 1e-4, s
+    assert r["broadcast_vs_average"] > 1e-3  # the two pairs' statistics did differ

@@ -1,9 +1,10 @@
 """Layers whose behaviour depends on the ranks: every BatchNorm variant and the per-rank dropout.
 
-* ``SyncBatchNorm`` — batch statistics over all MPI ranks, on CPU (``bn="sync"``);
+* ``SyncBatchNorm`` — batch statistics over all MPI ranks, or over groups of consecutive ranks
+  (``bn_group``), on CPU (``bn="sync"``);
 * ``GhostBatchNorm2d`` — statistics per group of ``ghost_batch`` images, and per *virtual* rank in the
-  simulator, with running statistics kept per virtual rank (``RankContext`` says which ranks a forward
-  covers);
+  simulator (or per group of virtual ranks: ``bn="sync"`` with ``bn_group``), with running statistics kept
+  per virtual rank (``RankContext`` says which ranks a forward covers);
 * ``RankDropout`` — each virtual rank's dropout mask from that rank's step seed;
 * ``sync_virtual_buffers_`` — the BN buffer policy across virtual ranks, as ``dist.sync_buffers_`` is
   across MPI ranks.
@@ -11,6 +12,7 @@
 The training engine picks them; the loops never build layers themselves::
 
     model = convert_sync_batchnorm(build_model("mobilenetv2_cifar"), comm)        # MPI ranks
+    convert_sync_batchnorm(build_model("mobilenetv2_cifar"), comm, group=2)       # ... per pair of ranks
     ctx = RankContext(seed=0)
     use_ghost_batchnorm(model, ranks=48, ghost_batch=0, context=ctx)             # 48 virtual ranks
 """
@@ -99,9 +101,15 @@ class SyncBatchNorm(nn.BatchNorm2d):
         return y
 
 
-def convert_sync_batchnorm(model: nn.Module, comm) -> nn.Module:
-    """Replace every BatchNorm2d with a SyncBatchNorm on a duplicate of ``comm`` (in place)."""
-    bn_comm = comm.Dup() if comm is not None else None
+def convert_sync_batchnorm(model: nn.Module, comm, group: int = 0) -> nn.Module:
+    """Replace every BatchNorm2d with a SyncBatchNorm on a duplicate of ``comm`` (in place); ``group`` > 0:
+    statistics over groups of that many consecutive ranks (``comm.Split``; it must divide the size)."""
+    bn_comm = None
+    if comm is not None:
+        size, rank = comm.Get_size(), comm.Get_rank()
+        # consecutive ranks share a node under mpiexec's block placement, so a group of the ranks per
+        # node exchanges through shared memory only
+        bn_comm = comm.Split(rank // group, rank) if 0 < group < size else comm.Dup()
 
     def convert(module):
         for name, child in module.named_children():
@@ -145,13 +153,16 @@ class GhostBatchNorm2d(nn.Module):
     any evaluation, as MPI ranks are made equal.
     """
 
-    def __init__(self, bn: nn.BatchNorm2d, ranks: int, ghost_batch: int = 0, context=None):
+    def __init__(self, bn: nn.BatchNorm2d, ranks: int, ghost_batch: int = 0, context=None, rank_group: int = 1):
         super().__init__()
         self.renorm = None  # (start, full) steps: Batch Renormalization (use_batch_renorm)
         c = bn.num_features
         self.num_features, self.eps = c, bn.eps
         self.momentum = bn.momentum if bn.momentum is not None else 0.1
         self.ranks, self.ghost_batch = ranks, ghost_batch
+        # SyncBatchNorm over groups of rank_group consecutive ranks (bn="sync" with bn_group): one group of
+        # images spans that many ranks, and every rank of it keeps the same running statistics
+        self.rank_group = rank_group
         self.context = context
         self.weight = nn.Parameter(bn.weight.detach().clone())
         self.bias = nn.Parameter(bn.bias.detach().clone())
@@ -169,8 +180,9 @@ class GhostBatchNorm2d(nn.Module):
             return F.batch_norm(x, rm[0], rv[0], self.weight, self.bias, False, 0.0, self.eps)
         r0, r1 = self.context.ranks if self.context is not None else (0, 1)
         per_rank = x.shape[0] // (r1 - r0)
-        g = self.ghost_batch or per_rank
-        if x.shape[0] > g and self.context is not None and self.context.vectorised and self.renorm is None:
+        g = self.ghost_batch or per_rank * self.rank_group
+        if x.shape[0] > g and self.context is not None and self.context.vectorised and self.renorm is None \
+                and self.rank_group == 1:
             return self._vectorised(x, rm, rv, r0, per_rank, g)
         # One native batch_norm call per group, not a vectorised re-derivation: the native kernel's
         # sums are what an MPI rank computes, so the simulator stays bit-close to real ranks
@@ -185,9 +197,19 @@ class GhostBatchNorm2d(nn.Module):
         else:
             def group(part, m, v):
                 return F.batch_norm(part, m, v, self.weight, self.bias, True, self.momentum, self.eps)
-        # group i belongs to rank r0 + i * g // per_rank and updates that rank's running-statistics row
-        outs = [group(part, rm[r0 + i * g // per_rank], rv[r0 + i * g // per_rank])
-                for i, part in enumerate(x.split(g))]
+        if self.rank_group > 1:
+            # a group of ranks: its statistics go into every one of its ranks' rows. batch_norm updates a
+            # copy (autograd holds the tensor it was given, so that one may not change afterwards)
+            outs = []
+            for i, part in enumerate(x.split(g)):
+                rows = slice(r0 + i * self.rank_group, r0 + (i + 1) * self.rank_group)
+                m, v = rm[rows.start].clone(), rv[rows.start].clone()
+                outs.append(group(part, m, v))
+                with torch.no_grad():
+                    rm[rows], rv[rows] = m, v
+        else:  # group i belongs to rank r0 + i * g // per_rank and updates that rank's running-statistics row
+            outs = [group(part, rm[r0 + i * g // per_rank], rv[r0 + i * g // per_rank])
+                    for i, part in enumerate(x.split(g))]
         if r0 == 0:
             with torch.no_grad():
                 self.num_batches_tracked += 1
@@ -279,9 +301,11 @@ def _replace(module: nn.Module, make) -> None:
             _replace(child, make)
 
 
-def use_ghost_batchnorm(model: nn.Module, ranks: int, ghost_batch: int = 0, context=None) -> nn.Module:
-    """Replace every BatchNorm2d with a GhostBatchNorm2d (in place); returns the model."""
-    _replace(model, lambda m: GhostBatchNorm2d(m, ranks, ghost_batch, context)
+def use_ghost_batchnorm(model: nn.Module, ranks: int, ghost_batch: int = 0, context=None,
+                        rank_group: int = 1) -> nn.Module:
+    """Replace every BatchNorm2d with a GhostBatchNorm2d (in place); returns the model. ``rank_group`` > 1:
+    statistics over that many consecutive virtual ranks' images (SyncBatchNorm in groups)."""
+    _replace(model, lambda m: GhostBatchNorm2d(m, ranks, ghost_batch, context, rank_group)
              if isinstance(m, nn.BatchNorm2d) else None)
     return model
 

@@ -86,13 +86,16 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
     """The model with identical initial weights on every rank (seeded; broadcast later anyway);
     ghost BatchNorm when ``cfg.ghost_batch``, ``ranks`` > 1 (virtual ranks) or ``cfg.bn="renorm"`` asks
     for it; plain BatchNorm with ``cfg.bn="sync"`` (MPI ranks convert it to SyncBatchNorm; the simulator
-    runs every virtual rank in one forward, so its statistics are the global batch's). Batch
+    runs every virtual rank in one forward, so its statistics are the global batch's), ghost BatchNorm
+    over groups of ``cfg.bn_group`` virtual ranks when that is fewer than all. Batch
     Renormalization is plain BatchNorm through the lr warmup (at least an epoch of ``steps_per_epoch``)
     while the running statistics settle, its limits widened over as many steps again."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width, timesteps=cfg.timesteps)
     if cfg.bn != "sync" and (cfg.ghost_batch or ranks > 1 or context is not None or cfg.bn == "renorm"):
         use_ghost_batchnorm(model, ranks=ranks, ghost_batch=cfg.ghost_batch, context=context)
+    elif cfg.sync_group(ranks) < ranks:  # SyncBatchNorm in groups over virtual ranks: each group's images
+        use_ghost_batchnorm(model, ranks=ranks, context=context, rank_group=cfg.sync_group(ranks))
     if cfg.bn == "renorm":
         start = round(max(1.0, cfg.warmup_epochs) * steps_per_epoch)
         use_batch_renorm(model, start, 2 * start)
@@ -220,7 +223,7 @@ class MPIRanks:
         self.batch, self.device, self.eval_batch, self.tta = batch, device, cfg.eval_batch, cfg.tta
         model = base_model(cfg, device, steps_per_epoch=self.steps_per_epoch)
         if cfg.bn == "sync":
-            convert_sync_batchnorm(model, self.comm)
+            convert_sync_batchnorm(model, self.comm, cfg.sync_group(self.np_))
         return model
 
     def start(self, cfg: Config, model: nn.Module, optimizer) -> None:

@@ -31,7 +31,8 @@ The model, per optimizer step on every rank (synchronous, so the slowest rank se
     exposed   = pilab: fused buckets posted during backward, queued on the network; what does not fit
                 behind the rest of backward (the last bucket plus any backlog) is exposed.
                 naive: one blocking Allreduce per parameter tensor after backward: all exposed.
-                bn="sync" adds two blocking Allreduces per BatchNorm layer (forward and backward), all exposed.
+                bn="sync" adds two blocking Allreduces per BatchNorm layer (forward and backward), all exposed,
+                over bn_group consecutive ranks (all of them when 0).
     epoch     = steps x step + evaluation (pilab: test set sharded over ranks; naive: every rank
                 evaluates the whole test set)
 

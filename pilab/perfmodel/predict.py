@@ -248,10 +248,15 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
     # until it has them, so each is on the critical path and none hides behind compute. Each is also a
     # point where every rank waits for the slowest; the straggler term still counts one per step, so at
     # large np this is a lower bound.
+    # With bn_group the Allreduces span a group of consecutive ranks only (2 per Pi node: shared memory).
     sync_bn = 0.0
-    if cfg.bn == "sync" and p > 1:
+    group = cfg.sync_group(p)
+    if group > 1:
         chans = bn_channels(cfg.model, cfg.width)
-        sync_bn = sum(ar((2 * c + 1) * 8) + ar(2 * c * 8) for c in chans)
+
+        def gar(nbytes):
+            return allreduce_time(nbytes, group, cl, None, place["crowded"])
+        sync_bn = sum(gar((2 * c + 1) * 8) + gar(2 * c * 8) for c in chans)
         comm += sync_bn
         exposed += sync_bn
         messages += 2 * len(chans)

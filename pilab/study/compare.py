@@ -24,7 +24,7 @@ SETTING_GROUPS = {
                            "momentum", "nesterov", "lars_eta"),
     "model": ("model", "width", "timesteps"),
     "batch": ("batch_mode", "batch_size"),
-    "BatchNorm": ("bn", "bn_buffers", "ghost_batch"),
+    "BatchNorm": ("bn", "bn_buffers", "ghost_batch", "bn_group"),
     "data": ("data", "train_subset", "test_subset", "augment", "sharding"),
 }
 
