@@ -216,6 +216,19 @@ def test_sync_batchnorm_pays_two_blocking_allreduces_per_layer():
     # one process has no one to synchronise with
     assert pm.predict(dataclasses.replace(cfg, bn="sync"), 1, "pi4b_cluster")["step_time"] == \
         pytest.approx(pm.predict(cfg, 1, "pi4b_cluster")["step_time"])
+    # in groups (bn_group): the same messages over the group's ranks only -- a Pi node's two through shared
+    # memory, 8 over 4 nodes; a group as large as the job is the whole job
+    pair, eight, whole = (pm.predict(dataclasses.replace(cfg, bn="sync", bn_group=g), 48, "pi4b_cluster")
+                          for g in (2, 8, 48))
+    assert pair["sync_bn_per_step"] == pytest.approx(sum(
+        pm.allreduce_time((2 * c + 1) * 8, 2, cl, None, crowded) + pm.allreduce_time(2 * c * 8, 2, cl, None, crowded)
+        for c in chans))
+    assert pair["sync_bn_per_step"] < 0.01 * cost < eight["sync_bn_per_step"] < cost
+    assert whole["sync_bn_per_step"] == pytest.approx(cost) and pair["messages_per_step"] == sync["messages_per_step"]
+    with pytest.raises(ConfigError, match="bn_group=5 does not divide np=48"):
+        dataclasses.replace(cfg, bn="sync", bn_group=5).check_world(48, 15000)
+    with pytest.raises(ConfigError, match="use it with bn='sync'"):
+        dataclasses.replace(cfg, bn_group=2)
 
 
 def test_own_cluster_from_calibration_pays_the_inter_node_link():

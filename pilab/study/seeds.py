@@ -38,6 +38,7 @@ from .points import trained_config
 
 GOAL_POINTS = 0.01  # np=48 within 1 point of np=1 (mean of the seeds)
 GOAL_SPEEDUP = 15.0  # predicted Pi whole-run speedup over one node, and time-to-target speedup
+GOAL_SEEDS = 3  # ... as the mean of this many seeds: fewer is "met on n=1 of 3", not met
 CALIBRATION = "pi4b_cluster"
 
 
@@ -128,6 +129,8 @@ def table(root: str, *, calibration=CALIBRATION) -> dict:
         reached = all(t is not None for t in ttts)
         ttt_speedup = node_ttt / statistics.fmean(ttts) if reached and node_ttt else None
         speedup = one_node / whole if whole else None
+        meets = (np_ > 1 and mean >= ref_acc - GOAL_POINTS and (speedup or 0) >= GOAL_SPEEDUP
+                 and (ttt_speedup or 0) >= GOAL_SPEEDUP)
         rows.append({
             "np": np_, "slug": name, "label": labels.get(name, name), "seeds": sorted(runs), "n": len(runs),
             "acc_mean": mean, "acc_sd": sd, "accs": accs,
@@ -137,8 +140,7 @@ def table(root: str, *, calibration=CALIBRATION) -> dict:
             "energy_j": statistics.fmean(energies) if None not in energies else None,
             "time_to_target_s": statistics.fmean(ttts) if reached else None,
             "time_to_target_speedup": ttt_speedup,
-            "goal": (np_ > 1 and mean >= ref_acc - GOAL_POINTS and (speedup or 0) >= GOAL_SPEEDUP
-                     and (ttt_speedup or 0) >= GOAL_SPEEDUP)})
+            "goal": meets and len(runs) >= GOAL_SEEDS, "goal_on_fewer_seeds": meets and len(runs) < GOAL_SEEDS})
     # the Pareto front over every row (no np=48 row reaches the target yet, so not only the "right" ones):
     # no other row is faster on the Pi, more accurate and cheaper in energy at once
     have_energy = all(r["energy_j"] is not None for r in rows)
@@ -150,6 +152,7 @@ def table(root: str, *, calibration=CALIBRATION) -> dict:
             "reference_acc": ref_acc, "reference_sd": ref_sd,
             "reference_seeds": sorted(base_pts), "target": target, "one_node_time_s": one_node,
             "one_node_time_to_target_s": node_ttt, "goal_points": GOAL_POINTS, "goal_speedup": GOAL_SPEEDUP,
+            "goal_seeds": GOAL_SEEDS,
             "rows": rows}
 
 
@@ -178,8 +181,16 @@ def cells(tab: dict) -> list[list[str]]:
                     _pts(r["delta_vs_np1_baseline"]), _pts(r["delta_vs_np1_same_recipe"]),
                     f"{r['predicted_pi_time_s'] / 60:.1f}", _x(r["predicted_pi_speedup"]), kj,
                     _x(r["time_to_target_speedup"]), "yes" if r.get("front") else "",
-                    "met" if r["goal"] else ("—" if r["np"] == 1 else "not met")])
+                    _goal(r)])
     return out
+
+
+def _goal(r: dict) -> str:
+    if r["np"] == 1:
+        return "—"
+    if r["goal"]:
+        return "met"
+    return f"met on n={r['n']} of {GOAL_SEEDS} seeds" if r.get("goal_on_fewer_seeds") else "not met"
 
 
 def reference_line(tab: dict) -> str:
@@ -193,9 +204,12 @@ def reference_line(tab: dict) -> str:
 
 def goal_line(tab: dict) -> str:
     met = [r for r in tab["rows"] if r["goal"]]
-    return (f"Goal (np=48 within {100 * tab['goal_points']:.0f} point of np=1 in the same epochs, predicted "
-            f"Pi speedup and time-to-target speedup >= {tab['goal_speedup']:.0f}): "
-            + (", ".join(r["label"] for r in met) if met else "no candidate meets it yet") + ".")
+    fewer = [r for r in tab["rows"] if r.get("goal_on_fewer_seeds")]
+    seeds = tab.get("goal_seeds", GOAL_SEEDS)
+    return (f"Goal (np=48 within {100 * tab['goal_points']:.0f} point of np=1 in the same epochs, the mean of "
+            f"{seeds} seeds, predicted Pi speedup and time-to-target speedup >= {tab['goal_speedup']:.0f}): "
+            + (", ".join(r["label"] for r in met) if met else "no candidate meets it yet")
+            + (f"; met on fewer seeds so far: {', '.join(r['label'] for r in fewer)}" if fewer else "") + ".")
 
 
 def markdown(tab: dict) -> str:

@@ -12,8 +12,8 @@
 #               study's best remedy, a fixed global batch of 384 with sqrt lr and warmup, in the same 10 epochs,
 #               and the same at 192: 4 per rank, the smallest batch the measured noise scale argues for;
 #               and a ramp from there, 4 -> 8 -> 16 per rank at constant lr; and 4 per rank with the
-#               few-step recipe, with Batch Renormalization or with SyncBatchNorm: 4 images per BatchNorm
-#               are what it loses to)
+#               few-step recipe, with Batch Renormalization or with SyncBatchNorm -- over all 48 ranks, over
+#               each Pi node's 2 ranks or over 8 ranks: 4 images per BatchNorm are what it loses to)
 #   seeds 1, 2  np=1 (baseline and few-step recipe) and the three most accurate np=48 candidates of seed 0
 #   and their recipes run as np=48 defines them but on one process (`--same SEED LABEL`: pilab remedies
 #               --np 1 --recipes-of 48): the table's "vs np=1 same recipe" for them
@@ -55,6 +55,8 @@ first=("1|baseline"
        "48|fixed global batch 192 + sqrt lr + warmup + SyncBatchNorm"
        "48|fixed global batch 192 + few-step recipe + SyncBatchNorm"
        "48|fixed global batch 192 + few-step recipe without TTA + SyncBatchNorm"
+       "48|fixed global batch 192 + few-step recipe + SyncBatchNorm over 2 ranks"
+       "48|fixed global batch 192 + few-step recipe + SyncBatchNorm over 8 ranks"
        "48|local SGD H=2" "48|local SGD H=4" "48|local SGD H=8" "48|local SGD H=16")
 for part in "label smoothing 0.2" "weight EMA 0.5 ep" "nesterov" "triangular lr" "flip TTA"; do
     first+=("48|$part" "1|$part")
