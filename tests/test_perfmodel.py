@@ -229,6 +229,14 @@ def test_sync_batchnorm_pays_two_blocking_allreduces_per_layer():
         dataclasses.replace(cfg, bn="sync", bn_group=5).check_world(48, 15000)
     with pytest.raises(ConfigError, match="use it with bn='sync'"):
         dataclasses.replace(cfg, bn_group=2)
+    # ... and a run says so when mpiexec placed a group's ranks on different hosts (round robin over a hosts
+    # file without slot counts): the price above assumed a node's ranks are consecutive
+    from pilab.engine.loop import split_sync_groups
+    pairs = dataclasses.replace(cfg, bn="sync", bn_group=2)
+    assert split_sync_groups(pairs, 4, ["pi01", "pi01", "pi02", "pi02"]) is None
+    line = split_sync_groups(pairs, 4, ["pi01", "pi02", "pi01", "pi02"])
+    assert "2 of 2 SyncBatchNorm groups span hosts (ranks 0-1 on pi01, pi02)" in line and "'pi01:2'" in line
+    assert split_sync_groups(dataclasses.replace(pairs, bn_group=0), 4, ["a", "b", "c", "d"]) is None
 
 
 def test_own_cluster_from_calibration_pays_the_inter_node_link():

@@ -112,6 +112,7 @@ def progress_callbacks(quiet: bool):
         if kind == "straggler":
             state["bar"].write(ev["line"], file=sys.stderr)
         elif kind == "start":
+            print_stragglers(ev)
             done = ev.get("steps_done", ev["start_epoch"] * ev["steps_per_epoch"])
             state["bar"] = tqdm(total=ev["total_steps"], initial=done, unit="step",
                                 desc=f"np={ev['np']}", dynamic_ncols=True, file=sys.stderr)

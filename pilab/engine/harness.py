@@ -151,9 +151,12 @@ def exit_code(result: dict, signum: int | None = None) -> int:
 
 
 def print_stragglers(ev) -> None:
-    """A callback that prints the straggler monitor's warnings (``pilab.engine.stragglers``) on stderr."""
+    """A callback that prints the straggler monitor's warnings (``pilab.engine.stragglers``) and the start's
+    (a SyncBatchNorm group split over hosts: ``loop.split_sync_groups``) on stderr."""
     if ev["kind"] == "straggler":
         print(ev["line"], file=sys.stderr, flush=True)
+    for line in ev.get("warnings", ()) if ev["kind"] == "start" else ():
+        print(f"pilab: warning: {line}", file=sys.stderr, flush=True)
 
 
 def _mpi():

@@ -402,10 +402,11 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
             for cb in callbacks:
                 cb(event)
 
+    placement = split_sync_groups(cfg, s.np_, s.env["hostnames"]) if s.rank == 0 and not ranks.simulated else None
     emit({"kind": "start", "np": s.np_, "steps_per_epoch": spe, "epochs": cfg.epochs,
           "start_epoch": s.start_epoch, "start_step": s.start_step, "total_steps": s.total_steps,
           "steps_done": s.epoch_start[min(s.start_epoch, cfg.epochs)] + s.start_step,
-          "config": cfg.to_dict(),
+          "config": cfg.to_dict(), "warnings": [placement] if placement else [],
           **({"simulated": True} if ranks.simulated else {})})
     steps_log = {k: [] for k in STEP_KEYS}
     epochs_log = list(s.history)
@@ -506,6 +507,24 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
                 "result.json there is intact)")]))
     emit({"kind": "end", "result": result})
     return result, s.model
+
+
+def split_sync_groups(cfg: Config, np_: int, hostnames: list[str]) -> str | None:
+    """A warning when SyncBatchNorm's groups of ``cfg.bn_group`` consecutive ranks span hosts (their
+    Allreduces then cross the network at every BatchNorm layer), else None::
+
+        split_sync_groups(Config(bn="sync", bn_group=2), 4, ["pi01", "pi02", "pi01", "pi02"])  # a warning
+    """
+    g = cfg.sync_group(np_)
+    if not 1 < g < np_ or len(hostnames) != np_:
+        return None
+    split = [r for r in range(0, np_, g) if len(set(hostnames[r:r + g])) > 1]
+    if not split:
+        return None
+    r = split[0]
+    return (f"bn_group={g}: {len(split)} of {np_ // g} SyncBatchNorm groups span hosts (ranks {r}-{r + g - 1} on "
+            f"{', '.join(dict.fromkeys(hostnames[r:r + g]))}), so their Allreduces cross the network; give each host "
+            f"its slot count in the hosts file (e.g. '{hostnames[r]}:{g}') so consecutive ranks share a node")
 
 
 def local_ranks(ranks) -> int:
