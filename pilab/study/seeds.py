@@ -129,8 +129,9 @@ def table(root: str, *, calibration=CALIBRATION) -> dict:
         reached = all(t is not None for t in ttts)
         ttt_speedup = node_ttt / statistics.fmean(ttts) if reached and node_ttt else None
         speedup = one_node / whole if whole else None
-        meets = (np_ > 1 and mean >= ref_acc - GOAL_POINTS and (speedup or 0) >= GOAL_SPEEDUP
-                 and (ttt_speedup or 0) >= GOAL_SPEEDUP)
+        misses = _misses(mean - ref_acc, speedup, ttt_speedup,
+                         {s: r["epochs"][-1]["test_acc"] for (s, r), t in zip(runs.items(), ttts) if t is None})
+        meets = np_ > 1 and not misses
         rows.append({
             "np": np_, "slug": name, "label": labels.get(name, name), "seeds": sorted(runs), "n": len(runs),
             "acc_mean": mean, "acc_sd": sd, "accs": accs,
@@ -140,7 +141,8 @@ def table(root: str, *, calibration=CALIBRATION) -> dict:
             "energy_j": statistics.fmean(energies) if None not in energies else None,
             "time_to_target_s": statistics.fmean(ttts) if reached else None,
             "time_to_target_speedup": ttt_speedup,
-            "goal": meets and len(runs) >= GOAL_SEEDS, "goal_on_fewer_seeds": meets and len(runs) < GOAL_SEEDS})
+            "goal": meets and len(runs) >= GOAL_SEEDS, "goal_on_fewer_seeds": meets and len(runs) < GOAL_SEEDS,
+            "misses": misses if np_ > 1 else []})
     # the Pareto front over every row (no np=48 row reaches the target yet, so not only the "right" ones):
     # no other row is faster on the Pi, more accurate and cheaper in energy at once
     have_energy = all(r["energy_j"] is not None for r in rows)
@@ -154,6 +156,23 @@ def table(root: str, *, calibration=CALIBRATION) -> dict:
             "one_node_time_to_target_s": node_ttt, "goal_points": GOAL_POINTS, "goal_speedup": GOAL_SPEEDUP,
             "goal_seeds": GOAL_SEEDS,
             "rows": rows}
+
+
+def _misses(delta: float, speedup: float | None, ttt_speedup: float | None, short: dict[int, float]) -> list[str]:
+    """What of the goal a row misses, in words (empty: it meets all three criteria). ``short``: {seed: its
+    final accuracy} of the seeds that never reach the target; named only where the mean is close enough,
+    as then they are what keeps the row from the goal."""
+    out = []
+    if delta < -GOAL_POINTS:
+        out.append("accuracy")
+    if (speedup or 0) < GOAL_SPEEDUP:
+        out.append(f"speedup {_x(speedup)}")
+    if short and not out:
+        out.append(", ".join(f"seed {s} ends at {a:.4f}" for s, a in sorted(short.items()))
+                   + " below the target")
+    elif ttt_speedup is not None and ttt_speedup < GOAL_SPEEDUP:
+        out.append(f"time-to-target {_x(ttt_speedup)}")
+    return out
 
 
 def _acc(mean: float, sd: float | None, n: int) -> str:
@@ -190,7 +209,9 @@ def _goal(r: dict) -> str:
         return "—"
     if r["goal"]:
         return "met"
-    return f"met on n={r['n']} of {GOAL_SEEDS} seeds" if r.get("goal_on_fewer_seeds") else "not met"
+    if r.get("goal_on_fewer_seeds"):
+        return f"met on n={r['n']} of {GOAL_SEEDS} seeds"
+    return f"not met ({'; '.join(r['misses'])})" if r.get("misses") else "not met"
 
 
 def reference_line(tab: dict) -> str:
@@ -206,9 +227,14 @@ def goal_line(tab: dict) -> str:
     met = [r for r in tab["rows"] if r["goal"]]
     fewer = [r for r in tab["rows"] if r.get("goal_on_fewer_seeds")]
     seeds = tab.get("goal_seeds", GOAL_SEEDS)
+    # right on the mean of the seeds but short of the goal on speed or on a seed's run
+    near = [r for r in tab["rows"] if r["np"] > 1 and r["n"] >= seeds and r.get("misses")
+            and "accuracy" not in r["misses"]]
     return (f"Goal (np=48 within {100 * tab['goal_points']:.0f} point of np=1 in the same epochs, the mean of "
             f"{seeds} seeds, predicted Pi speedup and time-to-target speedup >= {tab['goal_speedup']:.0f}): "
             + (", ".join(r["label"] for r in met) if met else "no candidate meets it yet")
+            + (f"; within {100 * tab['goal_points']:.0f} point on the mean of {seeds} seeds but short of it: "
+               + ", ".join(f"{r['label']} ({'; '.join(r['misses'])})" for r in near) if near and not met else "")
             + (f"; met on fewer seeds so far: {', '.join(r['label'] for r in fewer)}" if fewer else "") + ".")
 
 
