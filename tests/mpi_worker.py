@@ -79,6 +79,19 @@ def reference_state(cfg: Config, ds, np_: int) -> list[dict]:
     return out
 
 
+def _bn_reference(per_rank):
+    """Every rank's images (``per_rank`` each, the same on every rank), an upstream gradient, and a
+    BatchNorm with non-trivial affine weights: what a synchronised layer is checked against."""
+    torch.manual_seed(0)
+    full = torch.randn(per_rank * SIZE, 6, 5, 5, dtype=torch.float32)
+    gout = torch.randn_like(full)
+    ref_bn = torch.nn.BatchNorm2d(6)
+    with torch.no_grad():
+        ref_bn.weight.uniform_(0.5, 1.5)
+        ref_bn.bias.uniform_(-0.5, 0.5)
+    return full, gout, ref_bn
+
+
 def case_train(out):
     """Equivalence with a single-process reference, buffer sync, accounting, buckets, fp16."""
     res = {}
@@ -166,13 +179,7 @@ def case_train(out):
                 "reported": data_mod.epoch_accounting(ds.y_train, SIZE, b, policy, seed=1)}
 
     # 5) SyncBatchNorm == BatchNorm on the concatenated batch (forward and backward)
-    torch.manual_seed(0)
-    full = torch.randn(4 * SIZE, 6, 5, 5, dtype=torch.float32)
-    gout = torch.randn_like(full)
-    ref_bn = torch.nn.BatchNorm2d(6)
-    with torch.no_grad():
-        ref_bn.weight.uniform_(0.5, 1.5)
-        ref_bn.bias.uniform_(-0.5, 0.5)
+    full, gout, ref_bn = _bn_reference(4)
     sync_bn = layers.SyncBatchNorm(6, COMM.Dup())
     sync_bn.load_state_dict(ref_bn.state_dict())
     xr = full.clone().requires_grad_(True)
@@ -407,13 +414,7 @@ def case_syncgroups(out):
     from pilab.engine import simulate
     from pilab.engine.ranks import base_model
     res = {}
-    torch.manual_seed(0)
-    full = torch.randn(3 * SIZE, 6, 5, 5, dtype=torch.float32)
-    gout = torch.randn_like(full)
-    ref_bn = torch.nn.BatchNorm2d(6)
-    with torch.no_grad():
-        ref_bn.weight.uniform_(0.5, 1.5)
-        ref_bn.bias.uniform_(-0.5, 0.5)
+    full, gout, ref_bn = _bn_reference(3)
     mine_bn = layers.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(6)), COMM, group=2)[0]
     mine_bn.load_state_dict(ref_bn.state_dict())
     group = slice(3 * (RANK // 2 * 2), 3 * (RANK // 2 * 2 + 2))  # this rank's group's images
