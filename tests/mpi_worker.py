@@ -8,6 +8,7 @@ Nothing here asserts: a failed check must show up as a failing pytest test with 
 import json
 import sys
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -77,6 +78,12 @@ def reference_state(cfg: Config, ds, np_: int) -> list[dict]:
                 v.copy_(bufs[r][k])
         out.append({k: v.detach().clone() for k, v in model.state_dict().items()})
     return out
+
+
+def first_update(w0: dict, state: dict) -> torch.Tensor:
+    """The first step's change of every parameter from ``w0`` (running statistics left out), as one vector."""
+    return torch.cat([(state[k].double() - w0[k].double()).flatten() for k in w0
+                      if w0[k].is_floating_point() and "running" not in k])
 
 
 def _bn_reference(per_rank):
@@ -212,11 +219,7 @@ def case_train(out):
     if RANK == 0:
         from pilab.engine import simulate
         from pilab.engine.ranks import base_model
-        w0 = base_model(one, torch.device("cpu")).state_dict()
-
-        def update(state):  # the first step's change of every parameter, as one vector
-            return torch.cat([(state[k].double() - w0[k].double()).flatten() for k in w0
-                              if w0[k].is_floating_point() and "running" not in k])
+        update = partial(first_update, base_model(one, torch.device("cpu")).state_dict())
         mine = update(m1.state_dict())
         rel = {}
         for name, c in (("sync", one), ("local", replace(one, bn="local"))):
@@ -438,11 +441,7 @@ def case_syncgroups(out):
     states = gathered_states(m1)
     if RANK == 0:
         res["syncbn"] = {k: max(x[k] for x in ds_) for k in d}
-        w0 = base_model(cfg, torch.device("cpu")).state_dict()
-
-        def update(state):  # the first step's change of every parameter, as one vector
-            return torch.cat([(state[k].double() - w0[k].double()).flatten() for k in w0
-                              if w0[k].is_floating_point() and "running" not in k])
+        update = partial(first_update, base_model(cfg, torch.device("cpu")).state_dict())
         mpi = update(m1.state_dict())
         rel = {}
         for name, c in (("groups", cfg), ("all", replace(cfg, bn_group=0)), ("local", replace(cfg, bn="local", bn_group=0))):
