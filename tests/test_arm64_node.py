@@ -73,7 +73,7 @@ def test_result_line_reads_a_real_result_json():
     text = SCRIPT.read_text()
     code = re.search(r"^result_py='(.*?)'$", text, re.S | re.M).group(1)
     assert "'" not in code  # it goes into in_pi's command line in single quotes
-    result = SCRIPT.parent.parent / "docs" / "testbed-scale" / "np2" / "result.json"
+    result = SCRIPT.parent.parent / "experiments" / "testbed-scale" / "np2" / "result.json"
     r = subprocess.run([sys.executable, "-c", code, str(result)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("result: np 2 steps 32 ")

@@ -90,7 +90,7 @@ def test_healthy_testbed_passes_and_calibrates(tb, tmp_path, cifar_archive):
     assert rep["runs"][0]["np"] == 3 and rep["runs"][0]["ranks_per_node"] == 1
     cluster = tmp_path / "cluster.json"
     assert cli_main(["perfmodel", "calibrate", "--result",
-                     os.path.join(REPO, "docs/fast-but-wrong/naive/np1/result.json"),
+                     os.path.join(REPO, "experiments/fast-but-wrong/naive/np1/result.json"),
                      "--bench", str(tmp_path / "doctor.json"), "--out", str(tmp_path / "cal.json"),
                      "--inter-bench", str(tmp_path / "doctor.json"), "--nodes", "3",
                      "--ranks-per-node", "2", "--cluster-out", str(cluster)]) == 0

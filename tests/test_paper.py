@@ -1,5 +1,5 @@
 """The paper-size study beside the published figures (pilab.paper, `pilab compare --paper`): on a tiny real
-study of the real archive, and on whatever points of docs/paper-size/ have finished."""
+study of the real archive, and on whatever points of experiments/paper-size/ have finished."""
 import dataclasses
 import json
 import os
@@ -16,8 +16,8 @@ from pilab.study import analysis, paper, points, scaling
 from pilab.config import Config, ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FBW = os.path.join(REPO, "docs", "fast-but-wrong")
-PS = os.path.join(REPO, "docs", "paper-size")
+FBW = os.path.join(REPO, "experiments", "fast-but-wrong")
+PS = os.path.join(REPO, "experiments", "paper-size")
 
 
 def _pilab(*args, cwd=REPO, timeout=600):
@@ -34,7 +34,7 @@ def _pct(v):
 @pytest.fixture(scope="module")
 def tiny_study(tmp_path_factory, cifar_archive):
     """A real np=1 run and an exact np=48 simulation of 480 images of the real archive, one epoch,
-    written one point at a time as docs/paper-size/run.sh writes them (no study.json)."""
+    written one point at a time as experiments/paper-size/run.sh writes them (no study.json)."""
     d = tmp_path_factory.mktemp("paper") / "naive"
     proto = ["--data", str(cifar_archive), "--model", "mobilenetv2_cifar", "--width", "0.25",
              "--train-subset", "480", "--test-subset", "100", "--batch-size", "4", "--lr-ref-batch", "32",
@@ -136,7 +136,7 @@ def test_the_full_set_gets_its_image_counts_from_the_runs_for_the_performance_mo
 
 
 def test_compare_paper_on_the_committed_paper_size_points(tmp_path):
-    """Whatever points of docs/paper-size/ have finished are in the table with their own accuracy; the rest
+    """Whatever points of experiments/paper-size/ have finished are in the table with their own accuracy; the rest
     are pending; the committed compare.json is what `pilab compare --paper` makes of them."""
     rules = {"50k naive": "naive", "50k sqrt+warmup": "sqrt-warmup"}
     p = _pilab("compare", *[os.path.join(PS, r) for r in rules.values()], os.path.join(FBW, "naive"),
@@ -154,5 +154,5 @@ def test_compare_paper_on_the_committed_paper_size_points(tmp_path):
                 assert a["final_test_acc"] == done["epochs"][-1]["test_acc"]
                 assert a["simulated"] == (row["np"] > 2)  # np 1 and 2 real runs, the rest simulated
     committed = json.loads(open(os.path.join(PS, "compare.json")).read())
-    assert committed["paper"]["rows"] == side["rows"], "re-run the compare command in docs/paper-size/README.md"
+    assert committed["paper"]["rows"] == side["rows"], "re-run the compare command in experiments/paper-size/README.md"
     assert "pending" in p.stdout or all(not any(a["pending"] for a in r["studies"].values()) for r in side["rows"])

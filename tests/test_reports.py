@@ -219,13 +219,13 @@ def test_a_runs_summary_says_whether_it_learned():
 
 
 def test_the_seeds_table_of_the_committed_fast_and_right_points(tmp_path):
-    # the committed points of docs/fast-but-wrong/remedies/full-test (real 10-epoch runs, all 10,000 test
+    # the committed points of experiments/fast-but-wrong/remedies/full-test (real 10-epoch runs, all 10,000 test
     # images): each row is its result.json's final accuracy, judged against the np=1 baseline
     import json
     import shutil
     from pathlib import Path
     from pilab.study import seeds
-    root = Path(__file__).resolve().parents[1] / "docs" / "fast-but-wrong" / "remedies" / "full-test"
+    root = Path(__file__).resolve().parents[1] / "experiments" / "fast-but-wrong" / "remedies" / "full-test"
     tab = seeds.table(str(root))
     # the reference: np=1's baseline, the mean over its committed seeds (sample sd from two on)
     import statistics

@@ -159,9 +159,9 @@ def _html_table_rows(html: str) -> list[list[str]]:
 
 
 def test_compare_cli_on_the_committed_study(tmp_path):
-    """`pilab compare` on docs/fast-but-wrong's study files, and the shape those files must show."""
+    """`pilab compare` on experiments/fast-but-wrong's study files, and the shape those files must show."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    docs = os.path.join(repo, "docs", "fast-but-wrong")
+    docs = os.path.join(repo, "experiments", "fast-but-wrong")
     rules = {"naive": "naive", "linear": "linear", "linear+warmup": "linear-warmup", "sqrt+warmup": "sqrt-warmup"}
     p = subprocess.run([sys.executable, "-m", "pilab", "compare", *[os.path.join(docs, r) for r in rules.values()],
                         "--labels", ",".join(rules), "--out", str(tmp_path / "cmp")],
@@ -201,7 +201,7 @@ def test_compare_cli_on_the_committed_study(tmp_path):
     # the issue's pass criteria, on the committed real-data run (accuracies as fractions)
     def final(lab, n):
         return acc[(lab, n)]["final_test_acc"]
-    ref = final("naive", 1)  # np=1 at the lr tuned for it (docs/fast-but-wrong/sweep)
+    ref = final("naive", 1)  # np=1 at the lr tuned for it (experiments/fast-but-wrong/sweep)
     assert ref >= 0.60 and studies["naive"]["runs"]["1"]["np"] == 1
     assert not studies["naive"]["runs"]["1"].get("simulated")  # a real run of this machine
     for n in (2, 8):  # np <= 8: the best rule stays within 5 points of np=1
@@ -486,12 +486,12 @@ def test_remedies_keep_each_candidate_resume_and_reuse_a_study_point(tmp_path):
 
 
 def test_the_committed_remedies_search_shows_a_fast_and_right_np48():
-    """docs/fast-but-wrong/remedies: the front is what pareto() makes of the candidates, every candidate's
+    """experiments/fast-but-wrong/remedies: the front is what pareto() makes of the candidates, every candidate's
     run is committed beside it, and one np=48 setting is within 5 points of np=1 at a Pi speedup >= 10."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    d = os.path.join(repo, "docs", "fast-but-wrong", "remedies")
+    d = os.path.join(repo, "experiments", "fast-but-wrong", "remedies")
     res = json.loads(open(os.path.join(d, "remedies.json")).read())
-    ref = json.loads(open(os.path.join(repo, "docs", "fast-but-wrong", "naive", "np1", "result.json")).read())
+    ref = json.loads(open(os.path.join(repo, "experiments", "fast-but-wrong", "naive", "np1", "result.json")).read())
     assert res["np"] == 48 and res["machine"] == "pi4b_cluster" and res["speed_baseline_np"] == 2
     assert res["reference_acc"] == ref["epochs"][-1]["test_acc"]
     done = [c for c in res["candidates"] if "skipped" not in c]
@@ -525,7 +525,7 @@ def test_a_study_stores_each_run_once_by_reference(tmp_path):
     with pytest.raises(ConfigError, match="changed after"):
         scaling.load_study(str(tmp_path))
     # the committed studies hold their runs this way too
-    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "fast-but-wrong")
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "fast-but-wrong")
     with open(os.path.join(docs, "naive", "study.json")) as f:
         assert all(set(r) >= {"file", "sha256"} for r in json.load(f)["runs"].values())
 
@@ -552,7 +552,7 @@ def test_a_point_saved_before_a_setting_existed_is_the_same_training():
     # trained as those settings' defaults do, so `pilab scale --resume` keeps them instead of rerunning
     from pilab.config import Config
     from pilab.study.points import same_training
-    st = scaling.load_study(os.path.join(os.path.dirname(__file__), "..", "docs", "fast-but-wrong", "naive"))
+    st = scaling.load_study(os.path.join(os.path.dirname(__file__), "..", "experiments", "fast-but-wrong", "naive"))
     cfg = Config.from_dict(st["config"])
     assert "tta" not in st["config"] and st["runs"]
     for p, run in st["runs"].items():

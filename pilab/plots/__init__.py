@@ -16,7 +16,7 @@ One module per kind of picture: ``base`` (what they all share, the notebook's Ta
 ``run`` (one run, live or afterwards), ``study`` (a scaling study and its report page), ``remedies`` (a
 remedies search, a study over seeds) and ``compare`` (studies side by side, the paper).
 """
-from .base import (DOCS, EPOCH_SOURCE, PART_COLORS, PART_LABELS, PARTS, RANK_SOURCE, STEP_SOURCE, Paragraph,
+from .base import (EXPERIMENTS, EPOCH_SOURCE, PART_COLORS, PART_LABELS, PARTS, RANK_SOURCE, STEP_SOURCE, Paragraph,
                    Table, html_table, setup_notebook, show, show_committed)
 from .compare import compare_figures, models_figure, paper_figures
 from .remedies import remedies_figure, seeds_figure
@@ -29,5 +29,5 @@ __all__ = ["setup_notebook", "show", "show_committed", "LivePlot", "loss_figure"
            "throughput_figure", "timeline_figure", "rank_label", "result_layout", "run_summary", "speedup_figure",
            "efficiency_figure", "study_accuracy_figure", "curves_by_np", "energy_figure", "scaling_dashboard",
            "report_layout", "study_cells", "remedies_figure", "seeds_figure", "models_figure", "compare_figures",
-           "paper_figures", "Table", "Paragraph", "html_table", "DOCS", "STEP_SOURCE", "EPOCH_SOURCE",
+           "paper_figures", "Table", "Paragraph", "html_table", "EXPERIMENTS", "STEP_SOURCE", "EPOCH_SOURCE",
            "RANK_SOURCE", "PARTS", "PART_LABELS", "PART_COLORS"]

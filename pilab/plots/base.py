@@ -48,12 +48,14 @@ def show(obj) -> None:
     display(BokehModel(obj))
 
 
-# The committed full-size results live in the source tree (a clone, Binder), not in an installed wheel.
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs")
+# The committed full-size results live in the source tree (a clone, Binder), not in an installed wheel:
+# each experiment in experiments/<name>/ beside its driver and log.
+EXPERIMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "experiments")
 
 
 def show_committed(figure_path: str = "fast-but-wrong/compare.png", caption: str = "") -> None:
-    """Display a committed result's figure (``docs/<figure_path>``) in a notebook, labelled as such, beside
+    """Display a committed result's figure (``experiments/<figure_path>``) in a notebook, labelled as such, beside
     the small live run a notebook makes; one line saying where to find it outside a clone. Returns
     nothing (a cell showing it prints no stray ``True``)::
 
@@ -61,12 +63,12 @@ def show_committed(figure_path: str = "fast-but-wrong/compare.png", caption: str
     """
     from IPython.display import HTML, Image, display
 
-    path = os.path.join(DOCS, figure_path)
+    path = os.path.join(EXPERIMENTS, figure_path)
     if not os.path.exists(path):
-        print(f"pilab: the committed figure docs/{figure_path} is in pilab's source repository, not in this "
+        print(f"pilab: the committed figure experiments/{figure_path} is in pilab's source repository, not in this "
               "install")
         return
-    display(HTML(f"<b>Committed result, not this notebook's run</b>: <code>docs/{escape(figure_path)}</code>"
+    display(HTML(f"<b>Committed result, not this notebook's run</b>: <code>experiments/{escape(figure_path)}</code>"
                  + (f" — {escape(caption)}" if caption else "")))
     display(Image(filename=path))
 

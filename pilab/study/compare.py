@@ -14,7 +14,7 @@ import glob
 import os
 
 from . import verdict as judging
-from ..plots import DOCS
+from ..plots import EXPERIMENTS
 from .points import _NOT_TRAINING, _load_json, as_ran
 
 
@@ -123,20 +123,20 @@ def models_summary(studies: dict[str, dict], *, at_np: int | None = None) -> lis
 
 
 def _with_committed(studies: dict[str, dict], committed: str) -> dict[str, dict]:
-    """``studies`` and, after them, the committed studies of docs/<committed>/ of the other models."""
+    """``studies`` and, after them, the committed studies of experiments/<committed>/ of the other models."""
     have = {(st.get("config") or {}).get("model") for st in studies.values()}
     return {**studies, **{f"{label} (committed)": st for label, st in committed_studies(committed).items()
                           if st["config"]["model"] not in have}}
 
 
 def committed_studies(name: str) -> dict[str, dict]:
-    """The committed studies of docs/<name>/ (one directory per model, e.g. ``"three-models"``), by a
+    """The committed studies of experiments/<name>/ (one directory per model, e.g. ``"three-models"``), by a
     model label; empty outside pilab's source repository::
 
         compare.committed_studies("three-models")      # {"MobileNetV2-CIFAR 0.25": {...}, ...}
     """
     found = {}
-    for d in sorted(glob.glob(os.path.join(glob.escape(os.path.join(DOCS, name)), "*", "study.json"))):
+    for d in sorted(glob.glob(os.path.join(glob.escape(os.path.join(EXPERIMENTS, name)), "*", "study.json"))):
         st = _load_json(d)
         found[_model_label(st["config"])] = st
     return found
@@ -151,7 +151,7 @@ def models_interpretation(studies: dict[str, dict], *, committed: str | None = N
                           at_np: int | None = None) -> str:
     """Which model scales better, from the studies' numbers: speed (predicted speedup at the largest np)
     and accuracy (what each keeps at scale, where its reference learned enough to judge); "too small to
-    tell" where a reference has not. ``committed``: a directory under docs/ with one study per model
+    tell" where a reference has not. ``committed``: a directory under experiments/ with one study per model
     (``"three-models"``), whose answer is added after this run's::
 
         compare.models_interpretation({"MobileNetV2": a, "SqueezeNet 1.1": b}, committed="three-models")
@@ -205,12 +205,12 @@ def models_interpretation(studies: dict[str, dict], *, committed: str | None = N
 
 
 def _committed_models(name: str) -> str:
-    """The committed comparison's answer (docs/<name>/<model>/study.json), in the same words."""
+    """The committed comparison's answer (experiments/<name>/<model>/study.json), in the same words."""
     found = committed_studies(name)
     if not found:
-        return f"(The committed comparison docs/{name}/ is in pilab's source repository, not in this install.)"
+        return f"(The committed comparison experiments/{name}/ is in pilab's source repository, not in this install.)"
     some = next(iter(found.values()))["config"]
-    head = (f"The committed comparison (docs/{name}/: {some['train_subset'] or 'all':,} images, {some['epochs']} "
+    head = (f"The committed comparison (experiments/{name}/: {some['train_subset'] or 'all':,} images, {some['epochs']} "
             f"epochs, np up to {max(int(p) for st in found.values() for p in st['runs'])}): ")
     return head + models_interpretation(found)
 

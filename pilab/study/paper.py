@@ -4,13 +4,13 @@ pilab's own), and the accuracy each study measured — one table, one figure and
 from the numbers (issue 21); the page is :func:`pilab.study.report.paper_html`'s::
 
     from pilab.study import paper, scaling
-    studies = {"50k naive": scaling.load_study("docs/paper-size/naive", planned=paper.PAPER_NPS),
-               "15k naive": scaling.load_study("docs/fast-but-wrong/naive")}
+    studies = {"50k naive": scaling.load_study("experiments/paper-size/naive", planned=paper.PAPER_NPS),
+               "15k naive": scaling.load_study("experiments/fast-but-wrong/naive")}
     side = paper.beside_paper(studies)
     print(paper.markdown(side)); print(side["verdict"])
     print(paper.points_markdown(side))  # every finished point: per-epoch accuracy, Pi time, energy, target
 
-    python -m pilab compare docs/paper-size/naive docs/fast-but-wrong/naive --labels 50k,15k --paper --out runs/p
+    python -m pilab compare experiments/paper-size/naive experiments/fast-but-wrong/naive --labels 50k,15k --paper --out runs/p
 
 A point that has not finished is *pending* (None in the dicts), never a number. Published: speedup 9.99 at
 np=48 (41.6% efficiency against one node of 2 processes), efficiency 90.9% at np=4 and 52.3% at np=8,
@@ -32,7 +32,7 @@ SPEED_CLOSE = 0.10  # a predicted efficiency within 10 points of the published o
 ACC_WRONG = 0.10  # 10 points below the reference: accuracy has fallen (analysis.Criteria.wrong_gap)
 
 
-# What the paper-size study trains (docs/paper-size/run.sh) when none of its points has finished yet: the
+# What the paper-size study trains (experiments/paper-size/run.sh) when none of its points has finished yet: the
 # Pi predictions need a configuration before any run exists.
 PAPER_SIZE = Config(data="cifar10", model="mobilenetv2_cifar", width=0.25, train_subset=50000,
                     test_subset=10000, epochs=10, batch_size=32, lr_ref_batch=32)

@@ -59,14 +59,14 @@ def notebook_sweep(simulate_nps=(8, 48), small_simulate_nps=(8,)) -> dict:
     return {"nps": (1, 2), "simulate_nps": small_simulate_nps if small_mode() else simulate_nps}
 
 
-# Each model's learning rate for the three-model protocol (docs/three-models/run.sh; the spiking CNN's
+# Each model's learning rate for the three-model protocol (experiments/three-models/run.sh; the spiking CNN's
 # from the sweep in docs/spiking.md), per 32 images and not scaled with np.
 MODEL_LR = {"mobilenetv2_cifar": 0.05, "squeezenet1_1": 0.01, "spiking_cnn": 0.2}
 
 
 def model_config(model: str, **overrides) -> Config:
     """The settings notebooks 04 and 05 train each model with: the committed three-model protocol
-    (docs/three-models/run.sh: 2,000 embedded images, 500 test, 4 epochs, 32 per rank, the model's own
+    (experiments/three-models/run.sh: 2,000 embedded images, 500 test, 4 epochs, 32 per rank, the model's own
     learning rate), in small mode too -- what it shortens is the sweep (:func:`models_sweep`), and the
     spiking CNN, at width 0.5 there: half the channels cost what MobileNetV2-0.25 does per image and
     still reach 0.416 at np=1 (width 1: 0.440 at twice the CPU time; measured here)::
@@ -273,12 +273,12 @@ def _announce(callbacks, points: list, p: int, simulated: bool) -> None:
 def study_from_points(out: str, *, target="pi4b_cluster", criteria: Criteria | None = None,
                       planned=()) -> dict:
     """A study made of the points that have finished under ``out`` (``np*/result.json`` of one
-    training, real or simulated, as ``docs/paper-size/run.sh`` writes them one job at a time), before
+    training, real or simulated, as ``experiments/paper-size/run.sh`` writes them one job at a time), before
     ``pilab scale --resume`` puts them into study.json; ``planned`` np counts that have no finished
     point are listed as ``missing`` (``complete`` false). Times are predicted for ``target`` as in
     :func:`study`; the accuracy reference is the smallest finished np::
 
-        st = scaling.study_from_points("docs/paper-size/naive", planned=(1, 2, 4, 8, 16, 24, 32, 48))
+        st = scaling.study_from_points("experiments/paper-size/naive", planned=(1, 2, 4, 8, 16, 24, 32, 48))
         st["rows"], st["missing"]
     """
     found = _finished_points(out)

@@ -3,13 +3,13 @@ as mean ± sd over the seeds it ran, beside the predicted Pi speedup and the MLP
 speedup over one node; the goal of issue 20 judged per row.
 
 A study is a folder of finished points ``<root>/np<N>/seed<S>/<slug>/result.json`` (what
-docs/fast-but-wrong/remedies/fast-and-right.sh writes, one ``pilab remedies --only`` per point)::
+experiments/fast-but-wrong/remedies/fast-and-right.sh writes, one ``pilab remedies --only`` per point)::
 
-    tab = seeds.table("docs/fast-but-wrong/remedies/full-test")
+    tab = seeds.table("experiments/fast-but-wrong/remedies/full-test")
     print(seeds.markdown(tab))
-    python -m pilab.study.seeds docs/fast-but-wrong/remedies/full-test --out table   # table.md, table.json
+    python -m pilab.study.seeds experiments/fast-but-wrong/remedies/full-test --out table   # table.md, table.json
     # re-priced on a measured latency (or a Cluster JSON, `pilab perfmodel calibrate --cluster-out`)
-    python -m pilab.study.seeds docs/fast-but-wrong/remedies/full-test --inter-alpha 150e-6
+    python -m pilab.study.seeds experiments/fast-but-wrong/remedies/full-test --inter-alpha 150e-6
     seeds.table(root, calibration=perfmodel.pi4b_cluster(inter=perfmodel.Link(150e-6, 1 / 117e6)))
 
 The target (MLPerf / DAWNBench rules, ``analysis.time_to_target``): the np=1 baseline's mean accuracy

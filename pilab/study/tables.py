@@ -98,7 +98,7 @@ def models_summary_markdown(rows: list[dict]) -> str:
 def models_table(studies: dict[str, dict], *, at_np: int | None = None, committed: str | None = None) -> str:
     """The three-model comparison (:func:`pilab.study.compare.models_summary`) as Markdown text, and in a notebook as an HTML
     table with what it says under it (:func:`models_interpretation`); ``committed`` (e.g.
-    ``"three-models"``) adds the committed studies of docs/<committed>/ that are not among ``studies``
+    ``"three-models"``) adds the committed studies of experiments/<committed>/ that are not among ``studies``
     (by model), labelled as such::
 
         tables.models_table({"MobileNetV2": a, "SqueezeNet 1.1": b})     # the last line of a cell

@@ -15,18 +15,18 @@
 #
 # Each point is written to <rule>/np<N>/result.json as it finishes: a point already finished is skipped,
 # one interrupted part-way goes on from its last checkpoint (`--resume`; every point, real or simulated,
-# checkpoints every 10 minutes, mid-epoch), so `bash docs/paper-size/run.sh` again continues where it
+# checkpoints every 10 minutes, mid-epoch), so `bash experiments/paper-size/run.sh` again continues where it
 # stopped. Two copies may run at once (one per core): each point is claimed (<out>.lock, holding the
 # claimer's pid; a lock whose process is gone is taken over), so they share the points without doubling any.
 # When every point is there, `pilab scale --resume` puts each rule's points into a study and `pilab
 # compare --paper` sets them beside the published figures and the 15,000-image study. Until then the same
 # compare command renders the finished points and marks the rest pending:
-#   python -m pilab compare docs/paper-size/naive docs/paper-size/sqrt-warmup docs/fast-but-wrong/naive \
-#       docs/fast-but-wrong/sqrt-warmup --labels "50k naive,50k sqrt+warmup,15k naive,15k sqrt+warmup" \
-#       --paper --out docs/paper-size
+#   python -m pilab compare experiments/paper-size/naive experiments/paper-size/sqrt-warmup experiments/fast-but-wrong/naive \
+#       experiments/fast-but-wrong/sqrt-warmup --labels "50k naive,50k sqrt+warmup,15k naive,15k sqrt+warmup" \
+#       --paper --out experiments/paper-size
 # A point is ~10 epochs x 1,562 steps of 32 images of work: ~26 minutes on idle cores, about an hour at
 # load 2-4, and hours at nice 19 on a box at load ~20 (the sweep's first epoch took 40 minutes there);
-# 16 points plus the sweep: plan several sittings (`setsid nohup nice -n 19 bash docs/paper-size/run.sh >
+# 16 points plus the sweep: plan several sittings (`setsid nohup nice -n 19 bash experiments/paper-size/run.sh >
 # LOG 2>&1 &`).
 set -euo pipefail
 # The whole script is one function, read before it starts, and its call ends the script on the same line:
@@ -37,7 +37,7 @@ cd "$(dirname "$0")/../.."
 # by session (sched_autogroup, on by default on desktop/server kernels): the new session's group gets an
 # equal share whatever its nice. Give the group this process's nice, so nice means what it says.
 if [[ $(nice) -gt 0 && -w /proc/self/autogroup ]]; then echo "$(nice)" >/proc/self/autogroup 2>/dev/null || true; fi
-here=${PAPER_SIZE_DIR:-docs/paper-size}
+here=${PAPER_SIZE_DIR:-experiments/paper-size}
 # PAPER_SIZE_ARGS: flags appended to every command (they win over the protocol's), for a quick check of
 # this script on a tiny protocol, e.g. PAPER_SIZE_DIR=runs/ps PAPER_SIZE_ARGS="--train-subset 480
 # --test-subset 100 --batch-size 4 --epochs 1"
@@ -113,7 +113,7 @@ rule() {
     case $1 in
         naive) echo --lr-scaling none ;;
         sqrt-warmup) echo --lr-scaling sqrt --warmup-epochs 2 ;;
-        # issue 20's fast-and-right remedy (docs/fast-but-wrong/remedies/): a fixed global batch of 4 per
+        # issue 20's fast-and-right remedy (experiments/fast-but-wrong/remedies/): a fixed global batch of 4 per
         # rank at np=48, sqrt lr, 2-epoch warmup, the few-step recipe, SyncBatchNorm; at np=48 only
         fast-right) echo --batch-mode global --batch-size 192 --lr-scaling sqrt --warmup-epochs 2 --bn sync \
             --label-smoothing 0.2 --ema-epochs 0.5 --nesterov --schedule linear --tta ;;
@@ -157,8 +157,8 @@ for r in naive sqrt-warmup; do
     python -m pilab scale "${proto[@]}" $(rule "$r") --nps 1,2 --simulate-nps 4,8,16,24,32,48 \
         "${extra[@]}" --resume --out "$here/$r"
 done
-python -m pilab compare "$here/naive" "$here/sqrt-warmup" docs/fast-but-wrong/naive \
-    docs/fast-but-wrong/sqrt-warmup --labels "50k naive,50k sqrt+warmup,15k naive,15k sqrt+warmup" \
+python -m pilab compare "$here/naive" "$here/sqrt-warmup" experiments/fast-but-wrong/naive \
+    experiments/fast-but-wrong/sqrt-warmup --labels "50k naive,50k sqrt+warmup,15k naive,15k sqrt+warmup" \
     --paper --out "$here"
 }
 main "$@"; exit

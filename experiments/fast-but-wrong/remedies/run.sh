@@ -8,8 +8,8 @@
 # Pass candidate labels to run only those (e.g. for a partial front): run.sh "sqrt lr" "lars + warmup"
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-here=docs/fast-but-wrong/remedies
-study=docs/fast-but-wrong
+here=experiments/fast-but-wrong/remedies
+study=experiments/fast-but-wrong
 data=${PILAB_CIFAR_ARCHIVE:-../shared/data/cifar10-jpeg.tar.gz}
 proto=(--data "$data" --model mobilenetv2_cifar --width 0.25 --train-subset 15000 --test-subset 2000
        --epochs 10 --batch-size 32 --lr 0.05 --lr-ref-batch 32 --threads 1)

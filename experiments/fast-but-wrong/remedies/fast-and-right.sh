@@ -28,14 +28,14 @@ set -euo pipefail
 main() {
 cd "$(dirname "$0")/../../.."
 if [[ $(nice) -gt 0 && -w /proc/self/autogroup ]]; then echo "$(nice)" >/proc/self/autogroup 2>/dev/null || true; fi
-here=${FAST_RIGHT_DIR:-docs/fast-but-wrong/remedies/full-test}
+here=${FAST_RIGHT_DIR:-experiments/fast-but-wrong/remedies/full-test}
 data=${PILAB_CIFAR_ARCHIVE:-../shared/data/cifar10-jpeg.tar.gz}
 proto=(--data "$data" --model mobilenetv2_cifar --width 0.25 --train-subset 15000 --test-subset 0
        --epochs 10 --batch-size 32 --lr 0.05 --lr-ref-batch 32 --threads 1)
 self=$(realpath "$0")
 # FAST_RIGHT_ARGS: flags appended to every command (they win over the protocol's), for a quick check of this
 # script on a tiny protocol, e.g. FAST_RIGHT_DIR=runs/fr FAST_RIGHT_ARGS="--train-subset 960 --test-subset 100
-# --epochs 1 --batch-size 16" bash docs/fast-but-wrong/remedies/fast-and-right.sh --one 0 48 "local SGD H=4"
+# --epochs 1 --batch-size 16" bash experiments/fast-but-wrong/remedies/fast-and-right.sh --one 0 48 "local SGD H=4"
 read -r -a extra <<<"${FAST_RIGHT_ARGS:-}"
 
 if [[ ${1:-} == --one ]]; then one "$2" "$3" "$4"; return; fi
