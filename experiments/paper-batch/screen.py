@@ -1,0 +1,205 @@
+"""Screening for issue 41: fast and right at the paper's own setting (np=48, 32 images per rank, global batch
+1,536, MobileNetV2-CIFAR 0.25, all 50,000 / 10,000 images, 10 epochs).
+
+Every candidate is a training recipe (an lr rule with its base lr per 32 images, and the large-batch
+toolbox's settings), run at np=1 and/or as an emulated np=48 (the virtual-rank simulator) on one device.
+Stage 1 runs each recipe once (seed 0) at np=48, with np=1's committed recipe on seeds 0, 1, 2 beside
+it; stage 2 takes the best ``--top`` recipes and runs them on seeds 1 and 2 at np=48 and on seeds 0, 1, 2 at
+np=1 (the goal compares against np=1 under the same recipe). Jobs run ``--workers`` at a time, in forked
+processes that share the decoded data; each finished job is one line of ``results.jsonl`` (written as it
+ends, so a run cut short keeps what finished)::
+
+    python experiments/paper-batch/screen.py --device cuda --workers 8 --budget-s 480 \\
+        --out experiments/paper-batch/screen-h200
+    python experiments/paper-batch/screen.py --device cpu --data embedded --epochs 1 --train-subset 192 \\
+        --test-subset 100 --nps 4 --candidates naive --workers 1 --out runs/screen   # the code path, tiny
+
+This is a screen, not the table: on CUDA the simulator runs several ranks per forward in bf16
+(``simulate_mode=fast``: the same mathematics as MPI ranks, another float summation order; see
+docs/simulator.md), so its accuracies are what the exact CPU runs would reach to within seed noise, not bit
+for bit. The table of the issue is the exact protocol on the chosen rows.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+# The study's protocol (experiments/paper-size/run.sh): lr quoted per 32 images, SGD momentum 0.9, weight
+# decay 5e-4 on conv/linear weights, cosine schedule, static shards, per-rank BatchNorm.
+PROTOCOL = dict(model="mobilenetv2_cifar", width=0.25, epochs=10, batch_size=32, lr_ref_batch=32)
+# issue 20's few-step recipe: label smoothing, a weight EMA, Nesterov, the triangular schedule, flip TTA
+FEW_STEP = dict(label_smoothing=0.2, ema_epochs=0.5, nesterov=True, schedule="linear", tta=True)
+
+# name -> (Config overrides; the lr is per 32 images and the rule scales it to the global batch)
+CANDIDATES: dict[str, dict] = {
+    "naive": dict(lr=0.025),
+    "sqrt + warmup 2": dict(lr=0.025, lr_scaling="sqrt", warmup_epochs=2.0),
+    "linear + warmup 2": dict(lr=0.025, lr_scaling="linear", warmup_epochs=2.0),
+    "linear + warmup 5": dict(lr=0.025, lr_scaling="linear", warmup_epochs=5.0),
+    "linear x0.5 + warmup 2": dict(lr=0.0125, lr_scaling="linear", warmup_epochs=2.0),
+    "linear x2 + warmup 2": dict(lr=0.05, lr_scaling="linear", warmup_epochs=2.0),
+    "linear + warmup 2 + few-step": dict(lr=0.025, lr_scaling="linear", warmup_epochs=2.0, **FEW_STEP),
+    "linear x0.5 + warmup 2 + few-step": dict(lr=0.0125, lr_scaling="linear", warmup_epochs=2.0, **FEW_STEP),
+    "linear x2 + warmup 2 + few-step": dict(lr=0.05, lr_scaling="linear", warmup_epochs=2.0, **FEW_STEP),
+    "linear x4 + warmup 2 + few-step": dict(lr=0.1, lr_scaling="linear", warmup_epochs=2.0, **FEW_STEP),
+    "linear + warmup 1 + few-step": dict(lr=0.025, lr_scaling="linear", warmup_epochs=1.0, **FEW_STEP),
+    "linear + warmup 5 + few-step": dict(lr=0.025, lr_scaling="linear", warmup_epochs=5.0, **FEW_STEP),
+    "linear x2 + warmup 5": dict(lr=0.05, lr_scaling="linear", warmup_epochs=5.0),
+    "linear + warmup 8": dict(lr=0.025, lr_scaling="linear", warmup_epochs=8.0),
+    "sqrt x2 + warmup 2 + few-step": dict(lr=0.05, lr_scaling="sqrt", warmup_epochs=2.0, **FEW_STEP),
+    "sqrt x4 + warmup 2 + few-step": dict(lr=0.1, lr_scaling="sqrt", warmup_epochs=2.0, **FEW_STEP),
+    "linear x2 + warmup 2 + few-step, wd 1e-3": dict(lr=0.05, lr_scaling="linear", warmup_epochs=2.0,
+                                                     weight_decay=1e-3, **FEW_STEP),
+    "linear x2 + warmup 2 + few-step, wd on all": dict(lr=0.05, lr_scaling="linear", warmup_epochs=2.0,
+                                                       weight_decay_on="all", **FEW_STEP),
+    "linear x2 + warmup 2 + few-step, SyncBatchNorm": dict(lr=0.05, lr_scaling="linear", warmup_epochs=2.0,
+                                                          bn="sync", **FEW_STEP),
+    "LARS linear + warmup 2": dict(optimizer="lars", lr=0.025, lr_scaling="linear", warmup_epochs=2.0),
+    "LARS linear x4 + warmup 2": dict(optimizer="lars", lr=0.1, lr_scaling="linear", warmup_epochs=2.0),
+    "LARS linear x4 + warmup 5": dict(optimizer="lars", lr=0.1, lr_scaling="linear", warmup_epochs=5.0),
+    "LARS linear x4 + warmup 2 + few-step": dict(optimizer="lars", lr=0.1, lr_scaling="linear",
+                                                 warmup_epochs=2.0, **FEW_STEP),
+    "LARS linear x16 + warmup 2 + few-step": dict(optimizer="lars", lr=0.4, lr_scaling="linear",
+                                                  warmup_epochs=2.0, **FEW_STEP),
+}
+REFERENCE = "naive"  # np=1's committed recipe (0.785 on seed 0 at 50,000 images, CPU)
+
+
+def default_data() -> str:
+    for path in (os.environ.get("PILAB_CIFAR_ARCHIVE", ""),
+                 os.path.join(REPO, "..", "shared", "data", "cifar10-jpeg.tar.gz"),
+                 os.path.join(REPO, "shared", "data", "cifar10-jpeg.tar.gz")):
+        if path and os.path.isfile(path):
+            return os.path.abspath(path)
+    return "cifar10"
+
+
+_DS = None  # the decoded data, loaded by the parent before the workers fork (they share its pages)
+
+
+def run_job(job: dict) -> dict:
+    """One (candidate, np, seed) run in a worker; returns its result row (errors included, never raised)."""
+    import torch
+
+    import gpu_check
+    from pilab.config import Config
+    t = time.perf_counter()
+    try:
+        cfg = Config(**job["config"])
+        if cfg.device == "cuda":
+            torch.backends.cudnn.benchmark = True
+        r = gpu_check.run_one(cfg, job["np"], _DS, log=lambda *_: None)
+        return {**job, "final_test_acc": r["final_test_acc"], "epochs": [
+            {k: e[k] for k in ("epoch", "train_loss", "train_acc", "test_acc", "time")} for e in r["epochs"]],
+            "steps_per_epoch": r["steps_per_epoch"], "global_batch": r["global_batch"],
+            "wall_s": time.perf_counter() - t, "error": None}
+    except Exception as e:  # noqa: BLE001 -- a screen reports a broken candidate and goes on
+        return {**job, "final_test_acc": None, "wall_s": time.perf_counter() - t, "error": repr(e)[:500]}
+
+
+def job(name: str, np_: int, seed: int, a) -> dict:
+    cfg = {**PROTOCOL, "epochs": a.epochs, **CANDIDATES[name], "seed": seed, "data": a.data,
+           "train_subset": a.train_subset, "test_subset": a.test_subset, "device": a.device,
+           "simulate_mode": "fast", "threads": a.threads}
+    return {"candidate": name, "np": np_, "seed": seed, "config": cfg}
+
+
+def table(out: str) -> str:
+    """``OUT/table.md`` from ``OUT/results.jsonl``: each finished run, best first, with its accuracy per epoch::
+
+        python experiments/paper-batch/screen.py --table experiments/paper-batch/screen-h200
+    """
+    rows = [json.loads(line) for line in open(os.path.join(out, "results.jsonl")) if line.strip()]
+    done = sorted((r for r in rows if r["final_test_acc"] is not None), key=lambda r: -r["final_test_acc"])
+    lines = ["| candidate | np | seed | final test acc | test acc per epoch |", "|---|---:|---:|---:|---|"]
+    lines += [f"| {r['candidate']} | {r['np']} | {r['seed']} | {r['final_test_acc']:.4f} | "
+              + " ".join(f"{e['test_acc']:.3f}" for e in r["epochs"]) + " |" for r in done]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def main(argv=None) -> list[dict]:
+    if argv is None and sys.argv[1:2] == ["--table"] or argv and argv[:1] == ["--table"]:
+        print(table((argv or sys.argv[1:])[1]), end="")
+        return []
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default=None)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--train-subset", type=int, default=0)
+    p.add_argument("--test-subset", type=int, default=0)
+    p.add_argument("--nps", default="48", help="the large np (default 48); np=1 always runs beside it")
+    p.add_argument("--candidates", default="all", help="comma-separated names, or all")
+    p.add_argument("--reference-seeds", default="0,1,2", help="seeds of np=1's committed recipe ('' = none)")
+    p.add_argument("--top", type=int, default=3, help="recipes taken to stage 2 (0: none)")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2, help="torch threads per worker")
+    p.add_argument("--budget-s", type=float, default=0, help="start no job after this many seconds (0: none)")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    a.data = a.data or default_data()
+    names = list(CANDIDATES) if a.candidates == "all" else [n.strip() for n in a.candidates.split(",")]
+    unknown = [n for n in names if n not in CANDIDATES]
+    if unknown:
+        raise SystemExit(f"screen: unknown candidate(s) {unknown}; choose from {list(CANDIDATES)}")
+    big = int(a.nps)
+
+    global _DS
+    from pilab import data as data_mod
+    t0 = time.perf_counter()
+    _DS = data_mod.load(a.data, train_subset=a.train_subset, test_subset=a.test_subset)
+    print(f"screen: data {_DS.source}: {len(_DS.y_train)} train / {len(_DS.y_test)} test, "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    out = open(os.path.join(a.out, "results.jsonl"), "a")
+    rows: list[dict] = []
+    late = lambda: a.budget_s and time.perf_counter() - t0 > a.budget_s  # noqa: E731
+
+    # fork: the workers share the parent's decoded arrays; the parent never touches CUDA
+    with cf.ProcessPoolExecutor(a.workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        seeds = [int(s) for s in a.reference_seeds.split(",") if s.strip()]
+        pending = {pool.submit(run_job, job(REFERENCE, 1, s, a)) for s in seeds}
+        stage1 = {pool.submit(run_job, job(n, big, 0, a)) for n in names}
+        pending |= stage1
+        staged = a.top <= 0
+        while pending:
+            done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            for f in done:
+                row = f.result()
+                rows.append(row)
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                acc = row["final_test_acc"]
+                print(f"screen: {time.perf_counter() - t0:6.0f} s  np={row['np']:>2} seed {row['seed']} "
+                      f"{row['candidate']:<45} {acc if acc is None else round(acc, 4)} "
+                      f"({row['wall_s']:.0f} s){' ' + row['error'] if row['error'] else ''}", flush=True)
+            if not staged and not (stage1 & pending):
+                staged = True
+                ok = [r for r in rows if r["np"] == big and r["final_test_acc"] is not None]
+                best = [r["candidate"] for r in sorted(ok, key=lambda r: -r["final_test_acc"])[:a.top]]
+                print(f"screen: stage 2 for {best}", flush=True)
+                for n in best:
+                    jobs = [job(n, big, s, a) for s in (1, 2)]
+                    jobs += [job(n, 1, s, a) for s in (0, 1, 2)] if n != REFERENCE else []
+                    pending |= {pool.submit(run_job, j) for j in jobs}
+            if late():  # jobs not yet started are dropped; running ones finish
+                pending = {f for f in pending if not f.cancel()}
+    out.close()
+    table(a.out)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
