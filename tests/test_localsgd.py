@@ -153,8 +153,12 @@ def test_a_batch_ramp_cuts_the_same_shards_into_bigger_batches_and_the_model_pri
 
 
 def test_every_remedy_label_can_be_named_to_only():
+    # the fast-and-right study's candidates (kept beside its results): pilab's default ones and its own
+    from pathlib import Path
     from pilab.study import remedies
+    cands = remedies.load_candidates(str(Path(__file__).resolve().parents[1] / "experiments" / "fast-but-wrong"
+                                         / "remedies" / "candidates.py"))
     cfg = Config(width=0.25, train_subset=15000, epochs=10, batch_size=32, lr=0.05, lr_ref_batch=32)
-    labels = remedies.candidate_labels(cfg, 48)
+    labels = remedies.candidate_labels(cfg, 48, cands)
     assert len(labels) == len(set(labels)) == 46
     assert not [label for label in labels if "," in label]  # --only splits on commas

@@ -218,14 +218,25 @@ def test_a_runs_summary_says_whether_it_learned():
     assert "near chance" in plots.run_summary(run)
 
 
+def _experiment_module(path):
+    """An experiment's driver (a script beside its results, not part of pilab) imported from its file."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_seeds_table_of_the_committed_fast_and_right_points(tmp_path):
     # the committed points of experiments/fast-but-wrong/remedies/full-test (real 10-epoch runs, all 10,000 test
     # images): each row is its result.json's final accuracy, judged against the np=1 baseline
     import json
     import shutil
     from pathlib import Path
-    from pilab.study import seeds
-    root = Path(__file__).resolve().parents[1] / "experiments" / "fast-but-wrong" / "remedies" / "full-test"
+    here = Path(__file__).resolve().parents[1] / "experiments" / "fast-but-wrong" / "remedies"
+    seeds = _experiment_module(here / "seeds_table.py")
+    script = [sys.executable, str(here / "seeds_table.py")]
+    root = here / "full-test"
     tab = seeds.table(str(root))
     # the reference: np=1's baseline, the mean over its committed seeds (sample sd from two on)
     import statistics
@@ -282,7 +293,7 @@ def test_the_seeds_table_of_the_committed_fast_and_right_points(tmp_path):
     assert rows[(1, "few-step-recipe")]["front"]  # the most accurate row
     assert not rows[(48, "local-sgd-h-8-at-8-per-rank-sqrt-lr")]["front"]  # at chance, and no faster
     # the CLI: the markdown, the JSON and the report with its figure
-    p = subprocess.run([sys.executable, "-m", "pilab.study.seeds", str(root), "--out", str(tmp_path / "tab")],
+    p = subprocess.run([*script, str(root), "--out", str(tmp_path / "tab")],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "tab.md").read_text() == text
@@ -304,12 +315,12 @@ def test_the_seeds_table_of_the_committed_fast_and_right_points(tmp_path):
     pair, eight = (48, "fixed-global-batch-192-few-step-recipe-syncbatchnorm-over-2-ranks"), \
         (48, "fixed-global-batch-192-few-step-recipe-syncbatchnorm-over-8-ranks")
     assert max(loss[k] for k in whole) < loss[eight] < loss[pair] == pytest.approx(loss[recipe], abs=1e-3), loss
-    p = subprocess.run([sys.executable, "-m", "pilab.study.seeds", str(root), "--inter-alpha", "300e-6"],
+    p = subprocess.run([*script, str(root), "--inter-alpha", "300e-6"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith(f"| {slow[sync[0]]['label']} | 48 |"))
     assert f"| {slow[sync[0]]['predicted_pi_speedup']:.1f}× |" in line
-    p = subprocess.run([sys.executable, "-m", "pilab.study.seeds", str(root), "--inter-alpha", "-1", "--out",
+    p = subprocess.run([*script, str(root), "--inter-alpha", "-1", "--out",
                         str(tmp_path / "neg")], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--inter-alpha" in p.stderr and len(p.stderr.splitlines()) == 1
     assert not list(tmp_path.glob("neg*"))
@@ -325,6 +336,6 @@ def test_the_seeds_table_of_the_committed_fast_and_right_points(tmp_path):
     assert abs(r2["acc_sd"] - 0.02 / 2 ** 0.5) < 1e-12
     # without the np=1 baseline: one line, exit 2, nothing written
     shutil.rmtree(copy / "np1")
-    p = subprocess.run([sys.executable, "-m", "pilab.study.seeds", str(copy), "--out", str(tmp_path / "t")],
+    p = subprocess.run([*script, str(copy), "--out", str(tmp_path / "t")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "no finished np=1 baseline" in p.stderr and not list(tmp_path.glob("t.*"))

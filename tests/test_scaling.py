@@ -421,7 +421,7 @@ def test_remedies_run_a_larger_nps_recipe_on_one_process():
     (row,) = res["candidates"]
     assert res["np"] == 1 and res["recipes_of"] == 4 and row["label"] == label
     assert row["global_batch"] == row["per_rank_batch"] == 32 and row["steps"] == 256 // 32
-    assert row["changes"] == dict(remedies.candidates(cfg, 4))[label]
+    assert row["changes"] == dict(remedies.default_candidates(cfg, 4))[label]
 
 
 def test_models_summary_puts_accuracy_speedup_and_energy_side_by_side():

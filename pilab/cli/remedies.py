@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
                        description="Simulate the baseline and candidate remedies at --np ranks and "
                                    "print accuracy, predicted time and the Pareto front.")
     p.add_argument("--np", type=int, default=48, help="process count to find remedies for (default 48)")
+    p.add_argument("--candidates", default="", metavar="FILE",
+                   help="a Python file whose candidates(cfg, np_) gives the candidates (a study's own list, e.g. "
+                        "experiments/fast-but-wrong/remedies/candidates.py; default: pilab's, listed below)")
     p.add_argument("--only", default="", help="comma-separated candidate labels to run (default: all; "
                                               "the labels at these settings are listed below)")
     p.add_argument("--recipes-of", type=int, default=None, metavar="NP",
@@ -50,7 +53,8 @@ def add_parser(sub) -> None:
     def format_help():
         if p.epilog is None:
             from ..study.remedies import candidate_labels
-            p.epilog = ("candidates (--only) at the default settings and --np 48; their labels follow --np "
+            p.epilog = ("candidates (--only) without --candidates, at the default settings and --np 48; their labels "
+                        "follow --np "
                         "and the settings (the batch sizes and epochs in them):\n  "
                         + "\n  ".join(candidate_labels(_defaults(), 48)))
             p.formatter_class = argparse.RawDescriptionHelpFormatter  # one label a line
@@ -81,7 +85,8 @@ def run(args, argv) -> int:
     for d in reuse:
         if not os.path.isdir(d):
             raise ConfigError(f"--reuse {d}: no such study directory; give a pilab scale --out directory")
-    res = remedies.search(cfg, args.np, only=only, recipes_of=args.recipes_of,
+    cands = remedies.load_candidates(args.candidates) if args.candidates else None
+    res = remedies.search(cfg, args.np, candidates=cands, only=only, recipes_of=args.recipes_of,
                           reference_acc=args.reference_acc, calibration=target,
                           mpiexec=args.mpiexec, log=lambda s: print(s, file=sys.stderr, flush=True),
                           out=cfg.out or None, resume=args.resume_search, reuse=reuse)

@@ -63,8 +63,8 @@ def remedies_figure(res: Mapping):
 
 
 def seeds_figure(tab: Mapping):
-    """A fast-and-right study over seeds (:func:`pilab.study.seeds.table`): each row's final accuracy (mean,
-    with its seeds' sd) against its predicted whole-run time on the Pi cluster (log scale), np=1 as squares,
+    """A fast-and-right study over seeds (experiments/fast-but-wrong/remedies/seeds_table.py): each row's
+    final accuracy (mean, with its seeds' sd) against its predicted whole-run time on the Pi cluster (log scale), np=1 as squares,
     the Pareto front in red and named, the target dashed."""
     from bokeh.models import FixedTicker, Whisker
     rows = tab["rows"]

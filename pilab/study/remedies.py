@@ -35,16 +35,19 @@ from .analysis import POWER_MODELS, calibrate_from, run_energy, target_baseline,
 from .points import finished_run, reused_run, same_training, step_events, trained_config
 
 
-def _fixed_per_rank(cfg: Config, np_: int) -> int:
+def fixed_per_rank(cfg: Config, np_: int) -> int:
     """Images per rank of "fixed global batch": the size a single rank used, rounded to a multiple of np
     (>= 2 per rank)."""
     return max(2, round(cfg.batch_size / np_))
 
 
-def candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
-    """(label, changes) pairs: the baseline, single-factor changes, then combined recipes."""
+def default_candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
+    """(label, changes) pairs: the baseline, single-factor changes, then the published recipes combined
+    (what ``pilab remedies`` offers without ``--candidates``). A study's own list is a function of the
+    same shape, e.g. experiments/fast-but-wrong/remedies/candidates.py, given to :func:`search`
+    (``candidates=``) or to the CLI (``--candidates FILE``)."""
     warm = max(1.0, round(cfg.epochs / 5, 1))
-    per = _fixed_per_rank(cfg, np_)
+    per = fixed_per_rank(cfg, np_)
     fixed_global = {"batch_mode": "global", "batch_size": per * np_}
     # And one of 8 images per rank (Goyal et al.'s per-worker batch is 32; 8 keeps BatchNorm's groups
     # usable and the step count 4x the per-rank batch's), where that lies between the two.
@@ -70,94 +73,36 @@ def candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
         (f"fixed global batch {8 * np_} + sqrt lr + warmup + {big} epochs",
          {**eight, **sw, "epochs": big} if eight else None),
     ]
-    return [(label, ch) for label, ch in out + _fast_and_right(cfg, np_, warm) if ch is not None]
+    return [(label, ch) for label, ch in out if ch is not None]
 
 
-def _fast_and_right(cfg: Config, np_: int, warm: float) -> list[tuple[str, dict | None]]:
-    """Issue 20's candidates for the same epochs as np=1: local SGD (Stich 2019; Lin et al. 2020: fewer
-    averages, so small per-rank batches -- many steps -- stay cheap on the wire), the few-step recipe's
-    pieces (as airbench trains CIFAR-10 at large batch), alone and together, and batch-size ramps."""
-    eight = {"batch_mode": "global", "batch_size": 8 * np_} if 8 < cfg.per_rank_batch(np_) else None
-    # 4 per rank: the measured gradient noise scale (1,000-2,700 images over most of the committed
-    # study's run) says a global batch B needs about 1 + B / B_noise times the examples of a tiny one to
-    # get as far (McCandlish et al. 2018) -- ~2x at np=48's 1,536, ~1.25x at 384, ~1.1x at 192, where
-    # the Pi's predicted whole-run speedup is still ~19x; fewer than 4 images leave BatchNorm nothing to
-    # normalise with
-    four = {"batch_mode": "global", "batch_size": 4 * np_, "lr_scaling": "sqrt", "warmup_epochs": warm} \
-        if _fixed_per_rank(cfg, np_) < 4 < cfg.per_rank_batch(np_) else None
-    tri = {"schedule": "linear", "warmup_epochs": max(0.5, round(cfg.epochs / 20, 1))}
-    recipe = {"label_smoothing": 0.2, "ema_epochs": 0.5, "nesterov": True, **tri, "tta": True}
-    local8 = {**eight, "local_steps": 8} if eight else None
-    # a batch ramp (Smith et al. 2018; AdaBatch): a quarter of the per-rank batch for the first 30% of the
-    # epochs (4x the steps), half until 60%, then the whole; the lr rule follows each epoch's batch
-    b, e1, e2 = cfg.batch_size, round(cfg.epochs * 0.3), round(cfg.epochs * 0.6)
-    ramp = {"batch_size": b // 4, "batch_ramp": f"{e1}:{b // 2},{e2}:{b}"} \
-        if cfg.batch_mode == "per_rank" and b >= 8 and 0 < e1 < e2 < cfg.epochs else None
-    ramp_label = f"batch ramp {b // 4}-{b // 2}-{b}"
-    gns = {"batch_size": b // 4, "batch_ramp": f"gns:{b}"} if ramp and np_ > 1 else None
-    # the same ramp from an eighth (4 per rank at 32): the global batch kept near a tenth to a fifth of the
-    # noise scale measured at each stage (~550-2,700 images in epochs 2-7, rising after), at constant lr
-    small = {"batch_size": b // 8, "batch_ramp": f"{e1}:{b // 4},{e2}:{b // 2}", "schedule": "constant"} \
-        if ramp and b // 8 >= 4 else None
-    return [
-        *[(f"local SGD H={h}", {"local_steps": h}) for h in (2, 4, 8, 16)],
-        (f"post-local SGD H=8 after {warm:g} ep", {"local_steps": 8, "local_after": warm}),
-        ("local SGD H=8 at 8 per rank", local8),
-        ("local SGD H=8 at 8 per rank + sqrt lr", {**local8, "lr_scaling": "sqrt"} if local8 else None),
-        (f"fixed global batch {4 * np_} + sqrt lr + warmup", four),
-        # 4 per rank ends under-trained, not over-fitted (seed 0: train accuracy 0.49 against np=1's 0.60;
-        # BatchNorm statistics recomputed over 3,072 training images move test accuracy by 0.6 points only):
-        # the few-step recipe's pieces are what trains more per step; its warmup stays the 4-per-rank one
-        # (0.5 epochs to the sqrt rule's 0.12 is the near-divergence seen at 8 per rank)
-        (f"fixed global batch {4 * np_} + few-step recipe", {**four, **recipe, "warmup_epochs": warm}
-         if four else None),
-        # ... and what costs 4 per rank its accuracy is BatchNorm over 4 images: one process at the same
-        # global batch, lr and schedule reaches 0.647 with BatchNorm over 192, 0.560 over groups of 4 (seed 0;
-        # np=48: 0.560). Batch Renormalization (Ioffe 2017) corrects each group's statistics towards the
-        # running ones, with no communication (SyncBatchNorm would cost the Pi ~0.06 s a step)
-        (f"fixed global batch {4 * np_} + sqrt lr + warmup + batch renorm", {**four, "bn": "renorm"}
-         if four else None),
-        # ... or pay for it: SyncBatchNorm's statistics are the global batch's, as the one process's are
-        # (two blocking Allreduces per BatchNorm layer: the performance model prices them, ~0.06 s of a
-        # 0.25 s Pi step at np=48); the simulator runs it as one forward over all ranks' images
-        (f"fixed global batch {4 * np_} + sqrt lr + warmup + SyncBatchNorm", {**four, "bn": "sync"}
-         if four else None),
-        (f"fixed global batch {4 * np_} + few-step recipe + SyncBatchNorm",
-         {**four, **recipe, "warmup_epochs": warm, "bn": "sync"} if four else None),
-        # flip TTA evaluates every test image twice: on the Pi that is what takes the recipe + SyncBatchNorm
-        # below 15x (14.4x predicted, 0.636 +- 0.012 over 3 seeds); the rest of the recipe costs no time
-        (f"fixed global batch {4 * np_} + few-step recipe without TTA + SyncBatchNorm",
-         {**four, **recipe, "warmup_epochs": warm, "bn": "sync", "tta": False} if four else None),
-        # ... or take the statistics over a few ranks only (bn_group): over the two ranks of a Pi node
-        # (8 images; their Allreduces go through shared memory: 0.4 ms of a step predicted at np=48, against
-        # 57 ms over all 48 ranks) or over 8 ranks on 4 nodes (32 images, as a 32-per-rank BatchNorm; 23 ms)
-        *[(f"fixed global batch {4 * np_} + few-step recipe + SyncBatchNorm over {g} ranks",
-           {**four, **recipe, "warmup_epochs": warm, "bn": "sync", "bn_group": g}
-           if four and np_ % g == 0 and np_ > g else None) for g in (2, 8)],
-        ("label smoothing 0.2", {"label_smoothing": 0.2}),
-        ("weight EMA 0.5 ep", {"ema_epochs": 0.5}),
-        ("nesterov", {"nesterov": True}),
-        ("triangular lr", tri),
-        ("flip TTA", {"tta": True}),
-        ("few-step recipe", recipe),
-        ("few-step recipe + sqrt lr", {**recipe, "lr_scaling": "sqrt"}),
-        ("few-step recipe + local SGD H=8 at 8 per rank", {**recipe, **local8} if local8 else None),
-        (ramp_label, ramp),
-        (f"{ramp_label} + sqrt lr", {**ramp, "lr_scaling": "sqrt"} if ramp else None),
-        (f"{ramp_label} at constant lr", {**ramp, "schedule": "constant"} if ramp else None),
-        (f"{ramp_label} + local SGD H=8", {**ramp, "local_steps": 8} if ramp else None),
-        (f"batch ramp {b // 8}-{b // 4}-{b // 2} at constant lr", small),
-        # ... or one the gradient noise scale drives (McCandlish et al. 2018): from a quarter of the
-        # per-rank batch, at an epoch's end the largest doubling whose global batch is within the noise scale
-        # measured over that epoch (it needs np >= 2: the ranks' own gradients are the small batches)
-        (f"noise-driven batch ramp {b // 4}-{b}", gns),
-        (f"noise-driven batch ramp {b // 4}-{b} + sqrt lr", {**gns, "lr_scaling": "sqrt"} if gns else None),
-    ]
+def candidate_labels(cfg: Config, np_: int, candidates=None) -> list[str]:
+    """The labels ``only=`` (``--only``) accepts at these settings and ``np_``, in search order, of
+    ``candidates`` (a function like :func:`default_candidates`; None: that one)."""
+    return [label for label, _ in (candidates or default_candidates)(cfg, np_)]
 
 
-def candidate_labels(cfg: Config, np_: int) -> list[str]:
-    """The labels ``only=`` (``--only``) accepts at these settings and ``np_``, in search order."""
-    return [label for label, _ in candidates(cfg, np_)]
+def load_candidates(path: str):
+    """The ``candidates(cfg, np_)`` function of the Python file ``path`` (a study's own list, kept beside
+    its results), for :func:`search` or ``pilab remedies --candidates``; ConfigError where the file is
+    missing or defines no such function::
+
+        cands = remedies.load_candidates("experiments/fast-but-wrong/remedies/candidates.py")
+        remedies.search(cfg, 48, candidates=cands, only=["local SGD H=8"])
+    """
+    import importlib.util
+    import sys
+    if not os.path.isfile(path):
+        raise ConfigError(f"--candidates {path}: no such file; give a Python file that defines candidates(cfg, np_)")
+    name = "pilab_candidates_" + re.sub(r"\W", "_", os.path.abspath(path))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up by name
+    spec.loader.exec_module(module)
+    fn = getattr(module, "candidates", None)
+    if not callable(fn):
+        raise ConfigError(f"--candidates {path} defines no candidates(cfg, np_) function")
+    return fn
 
 
 def notebook_np() -> int:
@@ -213,11 +158,15 @@ def slug(label: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", label.lower()).strip("-")
 
 
-def search(cfg: Config, np_: int, *, only: list[str] | None = None, recipes_of: int | None = None, calibration=None,
+def search(cfg: Config, np_: int, *, candidates=None, only: list[str] | None = None, recipes_of: int | None = None,
+           calibration=None,
            target_fraction: float = 0.9, reference_acc: float | None = None, data=None,
            callbacks=(), log=None, mpiexec: str | None = None, out: str | None = None,
            resume: bool = False, reuse=(), known=()) -> dict:
     """Simulate every candidate at ``np_`` ranks; rank them by accuracy and by predicted time.
+
+    ``candidates``: a function ``(cfg, np_) -> [(label, changes)]`` (default :func:`default_candidates`;
+    a study's own list: :func:`load_candidates`).
 
     ``reference_acc`` (e.g. the np=1 run's final test accuracy) sets the target accuracy; without it
     the baseline candidate simulated at np=1 is run first to get it. ``calibration`` is what the
@@ -243,7 +192,7 @@ def search(cfg: Config, np_: int, *, only: list[str] | None = None, recipes_of: 
     {"kind": "step"} events (``widgets.Progress`` shows them).
     """
     defined_at = recipes_of or np_  # the np whose recipes (global batch, labels) are run at np_
-    cands = _chosen(candidates(cfg, defined_at), only, defined_at)
+    cands = _chosen((candidates or default_candidates)(cfg, defined_at), only, defined_at)
     ds = data if data is not None else load_data(cfg)  # after the checks: a bad label costs no loading
     sim_cfg = replace(cfg, out="", threads=cfg.threads)
     known = list(known)

@@ -220,7 +220,7 @@ def write_remedies(res: dict, out: str) -> dict:
 def write_seeds(tab: dict, prefix: str, *, columns: tuple, cells: list, reference: str, goal: str) -> dict:
     """``<prefix>.html`` (the figure over seeds, then the table: ``columns`` and ``cells``, with the ``reference``
     and ``goal`` lines) and ``<prefix>.png`` where a browser is available, for a fast-and-right study's table
-    (:mod:`pilab.study.seeds`, which gives them); their paths."""
+    (experiments/fast-but-wrong/remedies/seeds_table.py gives them); their paths."""
     head = ("<h2>Fast and right at np=48 in np=1's epochs: every point on all 10,000 test images</h2>"
             "<p>Red: the Pareto front (no other row is faster on the Pi, more accurate and cheaper in energy "
             "at once); squares: np=1; whiskers: the sd over seeds.</p>"

@@ -2,7 +2,8 @@
 # Fast AND right at np=48 in np=1's 10 epochs (issue 20). The committed study's protocol (../run.sh:
 # MobileNetV2-CIFAR 0.25, 15,000 stratified training images, 10 epochs, 32 images per rank unless the
 # method sets the batch, lr 0.05 per 32) but every accuracy on all 10,000 test images (a 2,000-image test
-# set has a standard error of ~1.1 points at 63%). Candidates (`pilab remedies --help` lists them):
+# set has a standard error of ~1.1 points at 63%). Candidates (candidates.py beside this script; `python
+# experiments/fast-but-wrong/remedies/candidates.py` lists them):
 # local SGD (H = 2, 4, 8, 16), post-local SGD, local SGD with 8 images per rank (4x the steps), batch-size
 # ramps (8 -> 16 -> 32 per rank, at set epochs or as the measured gradient noise scale allows), and the few-step recipe's pieces (label smoothing, weight EMA, Nesterov, triangular lr, flip TTA) alone and
 # together -- each recipe at np=48 and at np=1, since the comparison is np=48 against np=1 with the same
@@ -33,6 +34,7 @@ data=${PILAB_CIFAR_ARCHIVE:-../shared/data/cifar10-jpeg.tar.gz}
 proto=(--data "$data" --model mobilenetv2_cifar --width 0.25 --train-subset 15000 --test-subset 0
        --epochs 10 --batch-size 32 --lr 0.05 --lr-ref-batch 32 --threads 1)
 self=$(realpath "$0")
+cands=experiments/fast-but-wrong/remedies/candidates.py
 # FAST_RIGHT_ARGS: flags appended to every command (they win over the protocol's), for a quick check of this
 # script on a tiny protocol, e.g. FAST_RIGHT_DIR=runs/fr FAST_RIGHT_ARGS="--train-subset 960 --test-subset 100
 # --epochs 1 --batch-size 16" bash experiments/fast-but-wrong/remedies/fast-and-right.sh --one 0 48 "local SGD H=4"
@@ -77,8 +79,8 @@ done
 table
 }
 
-table() {  # the table over seeds of every finished point: <here>/table.md, .json and .png, the figure with its front (pilab.study.seeds)
-    python -m pilab.study.seeds "$here" --out "$here/table"
+table() {  # the table over seeds of every finished point: <here>/table.md, .json and .png, the figure with its front (seeds_table.py)
+    python experiments/fast-but-wrong/remedies/seeds_table.py "$here" --out "$here/table"
 }
 
 one() {  # seed np label [recipes-of]: one point, kept in <here>/np<np>/seed<seed>/<label>/result.json
@@ -95,18 +97,19 @@ one() {  # seed np label [recipes-of]: one point, kept in <here>/np<np>/seed<see
     echo "fast-and-right.sh: $(date -u +%FT%TZ) seed $seed np=$np $label" >&2
     # each point checkpoints every epoch and every 10 minutes: one cut short (a session that ended) goes on
     # from its checkpoint when this runs again
-    python -m pilab remedies --np "$np" "${proto[@]}" --seed "$seed" "${ref[@]}" --target pi4b_cluster \
+    python -m pilab remedies --candidates "$cands" --np "$np" "${proto[@]}" --seed "$seed" "${ref[@]}" --target pi4b_cluster \
         --checkpoint-every 1 --checkpoint-minutes 10 --keep 1 \
         --out "$out" --resume --only "$label" ${of[@]+"${of[@]}"} ${extra[@]+"${extra[@]}"} >/dev/null
 }
 
 best_three() {  # the three most accurate np=48 candidates of seed 0 (labels, one per line)
-    python - "$here/np48/seed0" <<'EOF'
+    python - "$here/np48/seed0" "$cands" <<'EOF'
 import json, pathlib, sys
 from pilab.study import remedies
 from pilab.config import Config
 cfg = Config(width=0.25, train_subset=15000, epochs=10, batch_size=32, lr=0.05, lr_ref_batch=32)
-label_of = {remedies.slug(label): label for label in remedies.candidate_labels(cfg, 48)}
+cands = remedies.load_candidates(sys.argv[2])
+label_of = {remedies.slug(label): label for label in remedies.candidate_labels(cfg, 48, cands)}
 rows = []
 for f in pathlib.Path(sys.argv[1]).glob("*/result.json"):
     r = json.load(open(f))

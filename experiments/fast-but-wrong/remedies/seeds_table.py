@@ -3,14 +3,16 @@ as mean ± sd over the seeds it ran, beside the predicted Pi speedup and the MLP
 speedup over one node; the goal of issue 20 judged per row.
 
 A study is a folder of finished points ``<root>/np<N>/seed<S>/<slug>/result.json`` (what
-experiments/fast-but-wrong/remedies/fast-and-right.sh writes, one ``pilab remedies --only`` per point)::
+fast-and-right.sh beside this script writes, one ``pilab remedies --only`` per point); this study's code, kept
+with its results (its goal is not pilab's)::
 
-    tab = seeds.table("experiments/fast-but-wrong/remedies/full-test")
-    print(seeds.markdown(tab))
-    python -m pilab.study.seeds experiments/fast-but-wrong/remedies/full-test --out table   # table.md, table.json
+    python experiments/fast-but-wrong/remedies/seeds_table.py experiments/fast-but-wrong/remedies/full-test \
+        --out experiments/fast-but-wrong/remedies/full-test/table          # table.md, table.json, table.png
     # re-priced on a measured latency (or a Cluster JSON, `pilab perfmodel calibrate --cluster-out`)
-    python -m pilab.study.seeds experiments/fast-but-wrong/remedies/full-test --inter-alpha 150e-6
-    seeds.table(root, calibration=perfmodel.pi4b_cluster(inter=perfmodel.Link(150e-6, 1 / 117e6)))
+    python experiments/fast-but-wrong/remedies/seeds_table.py experiments/fast-but-wrong/remedies/full-test \
+        --inter-alpha 150e-6
+    tab = seeds_table.table(root)        # imported: seeds_table.markdown(tab)
+    seeds_table.table(root, calibration=perfmodel.pi4b_cluster(inter=perfmodel.Link(150e-6, 1 / 117e6)))
 
 The target (MLPerf / DAWNBench rules, ``analysis.time_to_target``): the np=1 baseline's mean accuracy
 less ``GOAL_POINTS``. "One node" is the Pi cluster's speed baseline (2 ranks on one Pi 4B, its whole run
@@ -30,11 +32,14 @@ import sys
 
 from dataclasses import replace
 
-from ..config import Config
-from . import remedies
-from . import analysis
-from .analysis import target_baseline, time_to_target
-from .points import trained_config
+from pilab import perfmodel
+from pilab.config import Config, ConfigError
+from pilab.study import analysis, remedies
+from pilab.study.analysis import target_baseline, time_to_target
+from pilab.study.points import trained_config
+
+# the candidates this study ran (their labels name the points' folders), from the file beside this one
+CANDIDATES = remedies.load_candidates(os.path.join(os.path.dirname(os.path.abspath(__file__)), "candidates.py"))
 
 GOAL_POINTS = 0.01  # np=48 within 1 point of np=1 (mean of the seeds)
 GOAL_SPEEDUP = 15.0  # predicted Pi whole-run speedup over one node, and time-to-target speedup
@@ -79,7 +84,6 @@ def _epochs_to(res: dict, target: float) -> int | None:
 def _machine(calibration):
     """(the Cluster, whether the model places each rank's threads, the name its power model goes by) of
     a preset name, Cluster, Calibration or JSON path; ConfigError (a ValueError) for anything else."""
-    from .. import perfmodel
     cl = perfmodel.resolve_cluster(calibration)
     # a cluster places its own threads per rank; this box (a Calibration) runs at the config's threads
     return cl, cl.name != "this_box", cl.name
@@ -88,12 +92,8 @@ def _machine(calibration):
 def table(root: str, *, calibration=CALIBRATION) -> dict:
     """The rows of the study under ``root`` (see the module docstring), priced on ``calibration``; raises
     ValueError without the np=1 baseline (every row is judged against it) or for an unknown machine."""
-    from .. import perfmodel
     cluster, place_threads, machine = _machine(calibration)
     one_node_np = target_baseline(machine) or cluster.ranks_per_node or 1
-
-    def placed(cfg: Config) -> Config:
-        return replace(cfg, threads=0) if place_threads else cfg
     pts = points(root)
     base_pts = pts.get((1, "baseline"))
     if not base_pts:
@@ -103,46 +103,19 @@ def table(root: str, *, calibration=CALIBRATION) -> dict:
     first_ref = next(iter(base_pts.values()))
     proto = Config.from_dict(first_ref["config"])
     # the image counts from the runs themselves: the data set need not be at hand to make the table
-    counts = {"n_train": first_ref["data"]["n_train"], "n_test": first_ref["data"]["n_test"]}
-    one_node = perfmodel.predict(placed(proto), one_node_np, cluster, **counts)["epoch_time"] * proto.epochs
+    at = {"cluster": cluster, "place_threads": place_threads, "machine": machine, "target": target,
+          "counts": {"n_train": first_ref["data"]["n_train"], "n_test": first_ref["data"]["n_test"]}}
+    one_node = _predicted(proto, one_node_np, at)["epoch_time"] * proto.epochs
     ref_epochs = [_epochs_to(r, target) for r in base_pts.values()]
-    node_ttt = one_node * statistics.fmean(ref_epochs) / proto.epochs if all(ref_epochs) else None
-    rows = []
+    at["one_node"] = one_node
+    at["node_ttt"] = one_node * statistics.fmean(ref_epochs) / proto.epochs if all(ref_epochs) else None
     # an np=1 point may run a larger np's recipe (pilab remedies --recipes-of): named as it is there
-    top = {remedies.slug(label): label for label in remedies.candidate_labels(proto, max(n for n, _ in pts))}
-    for (np_, name), runs in sorted(pts.items(), key=lambda kv: (kv[0][1] != "baseline", kv[0][1], -kv[0][0])):
-        labels = {**top, **{remedies.slug(label): label for label in remedies.candidate_labels(proto, np_)}}
-        accs = [r["epochs"][-1]["test_acc"] for r in runs.values()]
-        mean, sd = _mean_sd(accs)
-        # each seed's run priced as it trained (a noise-driven ramp: at the batches that seed's run chose)
-        preds = [perfmodel.predict(placed(trained_config(r)), np_, cluster, **counts)
-                 for r in runs.values()]
-        whole = statistics.fmean(p["epoch_time"] * len(r["epochs"]) for p, r in zip(preds, runs.values()))
-        energies = [analysis.run_energy(r, {"train": [p["time"]] * len(r["epochs"]),
-                                            "eval": [p["eval_time"]] * len(r["epochs"]),
-                                            "comm_exposed_share": p["comm_exposed"] / p["time"]},
-                                        machine, target)["energy_j"] for p, r in zip(preds, runs.values())]
-        ttts = [time_to_target(r, target, [p["time"]] * len(r["epochs"]), [p["eval_time"]] * len(r["epochs"]))
-                for p, r in zip(preds, runs.values())]
-        same = pts.get((1, name))
-        vs = _mean_sd([r["epochs"][-1]["test_acc"] for r in same.values()])[0] if same and np_ != 1 else None
-        reached = all(t is not None for t in ttts)
-        ttt_speedup = node_ttt / statistics.fmean(ttts) if reached and node_ttt else None
-        speedup = one_node / whole if whole else None
-        misses = _misses(mean, target, speedup, ttt_speedup,
-                         {s: r["epochs"][-1]["test_acc"] for (s, r), t in zip(runs.items(), ttts) if t is None})
-        meets = np_ > 1 and not misses
-        rows.append({
-            "np": np_, "slug": name, "label": labels.get(name, name), "seeds": sorted(runs), "n": len(runs),
-            "acc_mean": mean, "acc_sd": sd, "accs": accs,
-            "delta_vs_np1_baseline": mean - ref_acc,
-            "np1_same_recipe": vs, "delta_vs_np1_same_recipe": mean - vs if vs is not None else None,
-            "predicted_pi_speedup": speedup, "predicted_pi_time_s": whole,
-            "energy_j": statistics.fmean(energies) if None not in energies else None,
-            "time_to_target_s": statistics.fmean(ttts) if reached else None,
-            "time_to_target_speedup": ttt_speedup,
-            "goal": meets and len(runs) >= GOAL_SEEDS, "goal_on_fewer_seeds": meets and len(runs) < GOAL_SEEDS,
-            "misses": misses if np_ > 1 else []})
+    top = _labels(proto, max(n for n, _ in pts))
+    rows = [_row(np_, name, runs, pts.get((1, name)), {**top, **_labels(proto, np_)}, at)
+            for (np_, name), runs in sorted(pts.items(), key=lambda kv: (kv[0][1] != "baseline", kv[0][1],
+                                                                          -kv[0][0]))]
+    for r in rows:
+        r["delta_vs_np1_baseline"] = r["acc_mean"] - ref_acc
     # the Pareto front over every row (no np=48 row reaches the target yet, so not only the "right" ones):
     # no other row is faster on the Pi, more accurate and cheaper in energy at once
     have_energy = all(r["energy_j"] is not None for r in rows)
@@ -153,9 +126,54 @@ def table(root: str, *, calibration=CALIBRATION) -> dict:
             "calibration_source": calibration if isinstance(calibration, str) else type(calibration).__name__,
             "reference_acc": ref_acc, "reference_sd": ref_sd,
             "reference_seeds": sorted(base_pts), "target": target, "one_node_time_s": one_node,
-            "one_node_time_to_target_s": node_ttt, "goal_points": GOAL_POINTS, "goal_speedup": GOAL_SPEEDUP,
+            "one_node_time_to_target_s": at["node_ttt"], "goal_points": GOAL_POINTS, "goal_speedup": GOAL_SPEEDUP,
             "goal_seeds": GOAL_SEEDS,
             "rows": rows}
+
+
+def _labels(proto: Config, np_: int) -> dict[str, str]:
+    """{folder name: label} of the candidates at ``np_``."""
+    return {remedies.slug(label): label for label in remedies.candidate_labels(proto, np_, CANDIDATES)}
+
+
+def _predicted(cfg: Config, np_: int, at: dict) -> dict:
+    """The performance model's prediction of ``cfg`` at ``np_`` on the table's machine (``at``)."""
+    placed = replace(cfg, threads=0) if at["place_threads"] else cfg
+    return perfmodel.predict(placed, np_, at["cluster"], **at["counts"])
+
+
+def _row(np_: int, name: str, runs: dict, same: dict | None, labels: dict, at: dict) -> dict:
+    """One (np, candidate) row over its seeds' ``runs``; ``same``: the np=1 runs of the same folder."""
+    target = at["target"]
+    accs = [r["epochs"][-1]["test_acc"] for r in runs.values()]
+    mean, sd = _mean_sd(accs)
+    # each seed's run priced as it trained (a noise-driven ramp: at the batches that seed's run chose)
+    preds = [_predicted(trained_config(r), np_, at) for r in runs.values()]
+    whole = statistics.fmean(p["epoch_time"] * len(r["epochs"]) for p, r in zip(preds, runs.values()))
+    energies = [analysis.run_energy(r, {"train": [p["time"]] * len(r["epochs"]),
+                                        "eval": [p["eval_time"]] * len(r["epochs"]),
+                                        "comm_exposed_share": p["comm_exposed"] / p["time"]},
+                                    at["machine"], target)["energy_j"] for p, r in zip(preds, runs.values())]
+    ttts = [time_to_target(r, target, [p["time"]] * len(r["epochs"]), [p["eval_time"]] * len(r["epochs"]))
+            for p, r in zip(preds, runs.values())]
+    vs = _mean_sd([r["epochs"][-1]["test_acc"] for r in same.values()])[0] if same and np_ != 1 else None
+    reached = all(t is not None for t in ttts)
+    ttt_speedup = at["node_ttt"] / statistics.fmean(ttts) if reached and at["node_ttt"] else None
+    speedup = at["one_node"] / whole if whole else None
+    misses = _misses(mean, target, speedup, ttt_speedup,
+                     {s: r["epochs"][-1]["test_acc"] for (s, r), t in zip(runs.items(), ttts) if t is None})
+    meets = np_ > 1 and not misses
+    return {
+        "np": np_, "slug": name, "label": labels.get(name, name), "seeds": sorted(runs), "n": len(runs),
+        "acc_mean": mean, "acc_sd": sd, "accs": accs,
+        "delta_vs_np1_baseline": None,
+        "np1_same_recipe": vs, "delta_vs_np1_same_recipe": mean - vs if vs is not None else None,
+        "predicted_pi_speedup": speedup, "predicted_pi_time_s": whole,
+        "energy_j": statistics.fmean(energies) if None not in energies else None,
+        "time_to_target_s": statistics.fmean(ttts) if reached else None,
+        "time_to_target_speedup": ttt_speedup,
+        "goal": meets and len(runs) >= GOAL_SEEDS, "goal_on_fewer_seeds": meets and len(runs) < GOAL_SEEDS,
+        "misses": misses if np_ > 1 else []}
 
 
 def _misses(mean: float, target: float, speedup: float | None, ttt_speedup: float | None,
@@ -250,8 +268,6 @@ def markdown(tab: dict) -> str:
 def _priced_on(preset: str, alpha: float | None, mbps: float | None):
     """The machine ``main``'s flags name: the preset (or JSON) with its inter-node link replaced where
     given; ConfigError for a latency < 0 or a bandwidth <= 0."""
-    from .. import perfmodel
-    from ..config import ConfigError
     if alpha is None and mbps is None:
         return preset
     if alpha is not None and not (math.isfinite(alpha) and alpha >= 0):
@@ -262,7 +278,7 @@ def _priced_on(preset: str, alpha: float | None, mbps: float | None):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pilab.study.seeds",
+    p = argparse.ArgumentParser(prog="python experiments/fast-but-wrong/remedies/seeds_table.py",
                                 description="the table over seeds of a fast-and-right study (markdown + JSON + "
                                 "figure)")
     p.add_argument("root", help="the study's folder (np<N>/seed<S>/<candidate>/result.json)")
@@ -286,13 +302,13 @@ def main(argv=None) -> int:
     if not a.out:
         print(text, end="")
         return 0
-    from ..files import save_json
+    from pilab.files import save_json
     save_json(tab, a.out + ".json")
     tmp = a.out + ".md.tmp"
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, a.out + ".md")
-    from .report import write_seeds  # Bokeh: only where a figure is made
+    from pilab.study.report import write_seeds  # Bokeh: only where a figure is made
     write_seeds(tab, a.out, columns=HEAD, cells=cells(tab), reference=reference_line(tab),
                 goal=goal_line(tab))  # OUT.html, and OUT.png where a browser is available
     return 0
