@@ -23,8 +23,8 @@ LAYERS = {
     "engine.optim": 0, "engine.buckets": 0, "models.names": 0,
     "engine.noise": 0,  # the gradient noise scale and the batch it chooses (arithmetic only)
     "engine.signals": 0,  # installing signal handlers and putting the old ones back; no pilab imports
-    "study.verdict": 0,  # the one logic that judges a study's rows; no pilab imports
-    "plots": 0.5,  # draws what pilab.study.verdict judged
+    "verdict": 0,  # the one logic that judges a study's rows; no pilab imports (a leaf: plots and study use it)
+    "plots": 0.5,  # draws what pilab.verdict judged
     "models.zoo": 1, "config": 1, "testbed": 1,
     "models.memory": 1.5,  # predicted memory per rank: config and the models only (the doctor and train use it)
     "engine.watchdog": 2, "engine.stragglers": 2,

@@ -120,7 +120,7 @@ def test_static_layouts_render_to_html():
         assert data["speedup"] == [r["speedup"] for r in rows]
         assert data["efficiency"] == [r["efficiency"] for r in rows]
         assert data["final_test_acc"] == [r["final_test_acc"] for r in rows]
-        assert data["verdict"] == ["reference", "FAST-BUT-WRONG (20 points below np=1)"]  # pilab.study.verdict
+        assert data["verdict"] == ["reference", "FAST-BUT-WRONG (20 points below np=1)"]  # pilab.verdict
         assert data["ideal"] == [1.0, 4.0]
 
     result = _result()

@@ -144,7 +144,7 @@ def test_tables_are_html_in_a_notebook_and_text_elsewhere():
     assert html.startswith("<table class='pilab-table' data-kind='study'") and "data-col='verdict'" in html
     assert "| np |" not in html and "<td data-col='steps'" in html  # not Markdown; steps shown
     assert "177%*" in html and "* np=1 is below the speed baseline" in html  # the note beside its star
-    assert "class='pilab-verdict'" in html and "fast but wrong" in html  # the paragraph, from pilab.study.verdict
+    assert "class='pilab-verdict'" in html and "fast but wrong" in html  # the paragraph, from pilab.verdict
     p = plots.Paragraph("one.\n\ntwo.")
     assert p == "one.\n\ntwo." and p._repr_html_().count("<p>") == 2 and repr(p) == str(p)
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import mpi_env
-from pilab.study import verdict
+from pilab import verdict
 from pilab.config import Config, ConfigError
 from pilab.study import ablation, analysis, compare, points, remedies, report, scaling, tables
 
@@ -329,7 +329,7 @@ def test_scale_on_the_pi_target_predicts_every_point_and_keeps_this_machines_tim
         assert r["efficiency"] == pytest.approx(r["speedup"] * 2 / n)
         # time to target counts training and evaluation up to the first evaluation that reaches it
         run = st["runs"][str(n)]
-        if st["target_accuracy"] is None:  # a reference that did not learn sets no target (pilab.study.verdict)
+        if st["target_accuracy"] is None:  # a reference that did not learn sets no target (pilab.verdict)
             assert not st["reference_learned"] and r["target_reached"] is None and r["time_to_target"] is None
             continue
         first = next((i for i, e in enumerate(run["epochs"]) if e["test_acc"] >= st["target_accuracy"]), None)
@@ -376,7 +376,7 @@ def test_verdict_names_the_largest_np_that_stays_right_and_the_first_wrong_one()
     rows, meta = analysis.rows_from_runs(runs, analysis.Criteria())
     st = {"rows": rows, "runs": {str(k): v for k, v in runs.items()}, "criteria": {"target_fraction": 0.9,
           "wrong_floor": 0.2}, **meta}
-    text = analysis.verdict(st)
+    text = verdict.summary(st)
     assert "np=2 is the largest count that keeps test accuracy within 5 points of np=1" in text
     assert "np=8 ends at 15.0% (45 points below), although it is 4.0x faster: fast but wrong" in text
     assert "not reached at np=8" in text
@@ -385,7 +385,7 @@ def test_verdict_names_the_largest_np_that_stays_right_and_the_first_wrong_one()
     rows, meta = analysis.rows_from_runs(flat, analysis.Criteria())
     st = {"rows": rows, "runs": {str(k): v for k, v in flat.items()}, "criteria": {"target_fraction": 0.9,
           "wrong_floor": 0.2}, **meta}
-    assert not meta["reference_learned"] and "has not learned enough" in analysis.verdict(st)
+    assert not meta["reference_learned"] and "has not learned enough" in verdict.summary(st)
 
 
 def test_remedies_on_the_pi_target_get_times_and_a_pareto_front():
@@ -519,10 +519,19 @@ def test_a_study_stores_each_run_once_by_reference(tmp_path):
     save_json(points.stored(st, str(tmp_path)), str(tmp_path / "study.json"))
     raw = json.loads((tmp_path / "study.json").read_text())
     assert set(raw["runs"]["2"]) == {"file", "sha256", "also"} and raw["runs"]["2"]["file"] == "np2/result.json"
-    assert raw["runs"]["2"]["also"] == {"rapl": {"joules": 1.0}} and raw["runs"]["4"] == {"np": 4}
+    assert raw["runs"]["2"]["also"] == {"rapl": {"joules": 1.0}}
+    # a run with no file of its own yet (a study made in memory) gets one: study.json never embeds a run
+    assert set(raw["runs"]["4"]) == {"file", "sha256"} and raw["runs"]["4"]["file"] == "np4/result.json"
+    assert json.loads((tmp_path / "np4" / "result.json").read_text()) == {"np": 4}
     assert scaling.load_study(str(tmp_path)) == st
     (tmp_path / "np2" / "result.json").write_text(json.dumps({**run, "np": 3}))
     with pytest.raises(ConfigError, match="changed after"):
+        scaling.load_study(str(tmp_path))
+    # ... and is never written over another run's file; a study.json that embeds a run is refused
+    with pytest.raises(ConfigError, match="holds another run than the study's np=2"):
+        points.stored(st, str(tmp_path))
+    save_json({**raw, "runs": {"4": {"np": 4}}}, str(tmp_path / "study.json"))
+    with pytest.raises(ConfigError, match="is not a reference to np4/result.json"):
         scaling.load_study(str(tmp_path))
     # the committed studies hold their runs this way too
     docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "fast-but-wrong")

@@ -12,7 +12,7 @@ from bokeh.models import Range1d
 from bokeh.palettes import Category10
 from bokeh.plotting import figure
 
-from ..study import verdict as judging
+from .. import verdict as judging
 from .base import H
 from .study import _rows, _np_fig
 

@@ -14,7 +14,7 @@ from bokeh.models import ColumnDataSource, Div, HoverTool, Legend, Range1d
 from bokeh.palettes import Category10
 from bokeh.plotting import figure
 
-from ..study import verdict as judging
+from .. import verdict as judging
 from .base import H, PARTS, PART_LABELS, PART_COLORS, STEP_SOURCE, EPOCH_SOURCE, RANK_SOURCE, _fig, _legend_outside, Paragraph
 
 
@@ -162,7 +162,7 @@ def _summary(result: Mapping) -> str:
 
 def run_summary(result: Mapping) -> "Paragraph":
     """What one run showed, in words from its numbers: how it trained, whether it learned (against
-    chance and the verdict floor, pilab.study.verdict), and where rank 0's wall time went::
+    chance and the verdict floor, pilab.verdict), and where rank 0's wall time went::
 
         plots.run_summary(result)          # the last line of a notebook cell
     """

@@ -13,7 +13,7 @@ from bokeh.models import ColumnDataSource, Div, HoverTool, LabelSet, Range1d
 from bokeh.palettes import Category10
 from bokeh.plotting import figure
 
-from ..study import verdict as judging
+from .. import verdict as judging
 from .base import H, _fig, _legend_below, _legend_outside, html_table
 from .remedies import remedies_figure
 from .run import timeline_figure, _epoch_columns
@@ -23,8 +23,8 @@ from .run import timeline_figure, _epoch_columns
 # scaling studies
 # ----------------------------------------------------------------------------------------------
 def _rows(study: Mapping) -> list[Mapping]:
-    # judged by pilab.study.verdict (the one logic), so a committed older study.json draws the same verdicts
-    return judging.judge_study(study)["rows"] if study.get("rows") else []
+    # judged by pilab.verdict when the study was made: drawn as they are
+    return study.get("rows") or []
 
 
 def _row_source(study: Mapping) -> ColumnDataSource:
@@ -81,7 +81,7 @@ def efficiency_figure(study: Mapping) -> figure:
     src = _row_source(study)
     p = _np_fig("efficiency and communication", "fraction")
     rows = _rows(study)
-    # the axis fits the data: np below the speed baseline can read above 100% (pilab.study.verdict)
+    # the axis fits the data: np below the speed baseline can read above 100% (pilab.verdict)
     top = max([r["efficiency"] for r in rows if r.get("efficiency") is not None] + [1.0])
     p.y_range = Range1d(0, top * 1.12 if top > 1.0 else 1.05)
     noted = [r for r in rows if r.get("efficiency_note") and r.get("efficiency") is not None]
@@ -173,7 +173,7 @@ def _table(study: Mapping) -> Div:
 
 
 def study_cells(study: Mapping, *, steps: bool = False) -> tuple[tuple, list[tuple], list[str]]:
-    """(head, rows of cells, notes under the table) of a study, judged by pilab.study.verdict: the report's
+    """(head, rows of cells, notes under the table) of a study, judged by pilab.verdict: the report's
     table, and the narrower one ``pilab.study.tables.table`` shows in a notebook (``steps=True``: each row's kind,
     global batch and optimizer steps -- what fast-but-wrong is about -- instead of images/s, the
     communication share and energy per epoch, which the dashboard plots)."""
@@ -215,7 +215,7 @@ def study_cells(study: Mapping, *, steps: bool = False) -> tuple[tuple, list[tup
     else:
         head = ["np", *speed, "speedup", "efficiency", "images/s", "comm waited", "test acc", "time to target",
                 "energy/epoch kJ", "energy to target kJ", "verdict"]
-    return tuple(head), [tuple(c[h] for h in head) for c in rows], judging.footnotes(judging.judge_study(study))
+    return tuple(head), [tuple(c[h] for h in head) for c in rows], judging.footnotes(study)
 
 
 def energy_figure(study: Mapping) -> figure | None:

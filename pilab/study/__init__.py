@@ -6,7 +6,7 @@ One module per concern (importing this package imports none of them)::
     points     a point's result.json on disk: which can be kept or reused, study.json's references,
                the progress events of a point's training
     analysis   rows per np from the runs: speedup, efficiency, time and energy to target (the
-               verdict itself is pilab.study.verdict's), times predicted by the performance model
+               verdict itself is pilab.verdict's), times predicted by the performance model
     compare    several studies side by side; the three-model summary
     remedies   which settings keep accuracy at large np (simulated candidates, a Pareto front)
     ablation   which cause costs the accuracy at large np

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..engine import simulate
-from . import verdict as judging
+from .. import verdict as judging
 from ..config import Config, ConfigError
 from ..engine.loop import load_data
 from .points import step_events

@@ -1,5 +1,5 @@
 """The numbers of a strong-scaling study: one row per np from the runs' results, judged by
-:mod:`pilab.study.verdict`, with time (measured here or predicted by the performance model for a target
+:mod:`pilab.verdict`, with time (measured here or predicted by the performance model for a target
 machine) and energy columns::
 
     from pilab.study import analysis
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 
 from . import energy
 from .. import perfmodel
-from . import verdict as judging
+from .. import verdict as judging
 from ..config import Config, ConfigError
 from ..launch import LaunchError
 from ..perfmodel import efficiency, karp_flatt, speedup
@@ -54,7 +54,7 @@ def time_to_target(result: dict, target: float, epoch_times: list[float] | None 
     Training time and the time of every evaluation up to that one count; ``epoch_times`` and
     ``eval_times`` (per epoch) replace the measured ``epochs[].time`` / ``eval_time`` (predicted
     times for another machine). An epoch without an evaluation contributes no evaluation time."""
-    if target is None:  # no target: the reference did not learn (pilab.study.verdict)
+    if target is None:  # no target: the reference did not learn (pilab.verdict)
         return None
     elapsed = 0.0
     train = epoch_times or [e["time"] for e in result["epochs"]]
@@ -116,7 +116,7 @@ def rows_from_runs(runs: dict[int, dict], criteria: Criteria = Criteria(),
         raise ConfigError(f"baseline np={p0} is not among the runs {nps}; measure it or pick another")
     pa = nps[0]
     base_acc = final_value(runs[pa], "test_acc")
-    # None where the reference did not learn: no target at or below chance (pilab.study.verdict)
+    # None where the reference did not learn: no target at or below chance (pilab.verdict)
     target_acc = judging.target_accuracy(base_acc, asdict(criteria))
     primary = target or "this machine"
     here = {p: _times(runs[p], predicted.get(p), "this machine") for p in nps}
@@ -131,7 +131,7 @@ def rows_from_runs(runs: dict[int, dict], criteria: Criteria = Criteria(),
     rows = [_row(p, runs[p], here[p], there[p], primary, p0, t0, ttt0, target_acc) for p in nps]
     for r in rows:
         r.update(run_energy(runs[r["np"]], there[r["np"]], primary, target_acc))
-    # the verdict of every row: pilab.study.verdict, the one logic the tables, reports and notebooks share
+    # the verdict of every row: pilab.verdict, the one logic the tables, reports and notebooks share
     rows = judging.judge(rows, reference_np=pa, speed_baseline_np=p0, reference_acc=base_acc,
                          criteria=asdict(criteria))
     meta = {"baseline_np": p0, "baseline_predicted_only": p0 not in runs,
@@ -147,7 +147,7 @@ def _images_per_epoch(run: dict) -> int:
 
 def _row(p, r, here, there, machine, p0, t0, ttt0, target_acc) -> dict:
     """The row of one np: speed on ``machine`` (``there``), this machine's time beside it; its verdict
-    comes after (pilab.study.verdict.judge)."""
+    comes after (pilab.verdict.judge)."""
     def mean(t):
         return sum(t["train"]) / len(t["train"]) if t else None
     tpe = mean(there)
@@ -208,11 +208,6 @@ def run_energy(run: dict, times: dict | None, machine: str, target_acc: float) -
             "energy_source": e["source"]}
 
 
-def verdict(study_: dict, *, within: float = 0.05) -> str:
-    """One plain-language paragraph from the numbers (:func:`pilab.study.verdict.summary`, the one logic)."""
-    return judging.summary(judging.judge_study(study_), within=within)
-
-
 def _predict(cfg: Config, nps, calibration) -> dict[int, dict]:
     """Predicted epoch times (and comm shares) from the performance model, where it is available."""
     if calibration is None:
@@ -224,9 +219,6 @@ def _predict(cfg: Config, nps, calibration) -> dict[int, dict]:
         out[p] = {"epoch_time": pr["time"], "eval_time": pr["eval_time"],
                   "comm_share": pr["comm"] / pr["time"], "comm_exposed_share": pr["comm_exposed"] / pr["time"]}
     return out
-
-
-TARGETS = ("this", "pi4b_cluster")  # or the path of a calibration / cluster JSON
 
 
 def target_name(target) -> str | None:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import glob
 import os
 
-from . import verdict as judging
+from .. import verdict as judging
 from ..plots import EXPERIMENTS
-from .points import _NOT_TRAINING, _load_json, as_ran
+from ..config import Config
+from .points import _NOT_TRAINING, _load_json
 
 
 # Settings that belong together when studies differ (one "what varies" in a comparison's title).
@@ -40,7 +41,7 @@ def differing_settings(configs: dict[str, dict]) -> dict[str, dict[str, dict]]:
         differing_settings({"a": {"lr": 0.1, "epochs": 4}, "b": {"lr": 0.2, "epochs": 4}})
         # {"learning-rate rule": {"lr": {"a": 0.1, "b": 0.2}}}
     """
-    configs = {label: as_ran(c) for label, c in configs.items()}  # a setting added since: its default
+    configs = {label: Config.from_dict(c).to_dict() for label, c in configs.items()}  # read as Config reads it
     keys = sorted({k for c in configs.values() for k in c} - set(_NOT_SETTINGS))
     out: dict[str, dict[str, dict]] = {}
     for k in keys:
@@ -58,7 +59,6 @@ def compare(studies: dict[str, dict]) -> dict:
     of setting differs (the comparison then does not isolate one cause)."""
     table_rows = []
     for label, st in studies.items():
-        st = judging.judge_study(st)  # one verdict logic, older study.json files too
         for r in st["rows"]:
             res = st["runs"][str(r["np"])]
             curve = [e["test_acc"] for e in res["epochs"]]
@@ -86,9 +86,7 @@ def compare(studies: dict[str, dict]) -> dict:
 
 def compare_title(cmp: dict) -> str:
     """What the comparison is by: the kinds of setting that differ ("learning-rate rule", "model")."""
-    varies = cmp.get("varies")
-    if varies is None:  # a compare.json written before `varies`
-        varies = differing_settings(cmp.get("configs") or {})
+    varies = cmp["varies"]
     if not varies:
         return "studies of the same settings"
     kinds = list(varies)
@@ -105,7 +103,6 @@ def models_summary(studies: dict[str, dict], *, at_np: int | None = None) -> lis
     """
     out = []
     for label, st in studies.items():
-        st = judging.judge_study(st)
         rows = st["rows"]
         ref = next(r for r in rows if r["np"] == st.get("accuracy_baseline_np", rows[0]["np"]))
         top = next((r for r in rows if r["np"] == at_np), rows[-1])

@@ -46,15 +46,6 @@ _NOT_TRAINING = ("out", "resume", "checkpoint_every", "keep", "checkpoint_minute
                  "straggler_threshold", "straggler_steps")
 
 
-def as_ran(saved: dict) -> dict:
-    """A saved config's settings as the run trained with them: a setting it lacks was added after it ran,
-    so it trained as that setting's default does::
-
-        as_ran({"lr": 0.1})["tta"]   # False
-    """
-    return {**Config().to_dict(), **saved}
-
-
 def same_training(saved: dict, cfg: Config, p: int) -> bool:
     """True if a run saved with settings ``saved`` is the training ``cfg`` asks for at ``p`` ranks:
     every setting equal, or equal but for an LR rule that gives the same peak LR at ``p`` (at np=1
@@ -63,19 +54,22 @@ def same_training(saved: dict, cfg: Config, p: int) -> bool:
 
         same_training(Config(lr_scaling="none").to_dict(), Config(lr_scaling="linear"), 1)   # True
         same_training(Config(checkpoint_every=1).to_dict(), Config(), 1)                     # True
-        same_training({k: v for k, v in Config().to_dict().items() if k != "tta"}, Config(), 1)  # True
     """
     mine = cfg.to_dict()
     # Where a run writes and how often it checkpoints do not change what it trains (the simulator cannot
     # checkpoint, so a study's real np=1 point with checkpoints is still its simulated points' kin).
     keys = [k for k in mine if k not in _NOT_TRAINING]
-    saved = as_ran(saved)
+    try:
+        theirs = Config.from_dict(saved)  # the one reader of a saved config
+    except (ConfigError, TypeError, ValueError):
+        return False
+    saved = theirs.to_dict()
     if all(saved[k] == mine[k] for k in keys):
         return True
     if any(saved[k] != mine[k] for k in keys if k not in _LR_RULE):
         return False
     try:
-        return math.isclose(Config.from_dict(saved).peak_lr(p), cfg.peak_lr(p), rel_tol=1e-12)
+        return math.isclose(theirs.peak_lr(p), cfg.peak_lr(p), rel_tol=1e-12)
     except (ConfigError, TypeError, ValueError):
         return False
 
@@ -117,45 +111,46 @@ def _is_ref(run) -> bool:
 
 
 def stored(study_: dict, out: str) -> dict:
-    """``study_`` as its study.json in ``out`` stores it: each run that is its point's result.json
-    there becomes ``{"file": "np2/result.json", "sha256": ..., "also": {what the study added}}``;
-    a run with no such file (or another one there) stays embedded. :func:`load_study` undoes it."""
+    """``study_`` as its study.json in ``out`` stores it: each run becomes a reference to its point's
+    result.json there, ``{"file": "np2/result.json", "sha256": ..., "also": {what the study added}}``
+    (the file is written where it is missing: a study made in memory); ConfigError where that file holds
+    another run. :func:`resolved` reads the runs back."""
     runs = {}
     for p, run in (study_.get("runs") or {}).items():
         rel = f"np{p}/result.json"
         path = os.path.join(out, rel)
+        plain = json.loads(dumps(run, indent=None))  # as JSON reads it back: lists, plain numbers
+        if not os.path.exists(path):
+            save_json(plain, path)
         try:
             saved = _load_json(path)
         except (OSError, ValueError):
             saved = None
-        plain = json.loads(dumps(run, indent=None))  # as JSON reads it back: lists, plain numbers
-        if isinstance(saved, dict) and all(k in plain and plain[k] == v for k, v in saved.items()):
-            also = {k: v for k, v in plain.items() if k not in saved}
-            runs[p] = {"file": rel, "sha256": sha256_file(path), **({"also": also} if also else {})}
-        else:
-            runs[p] = run
+        if not (isinstance(saved, dict) and all(k in plain and plain[k] == v for k, v in saved.items())):
+            raise ConfigError(f"{path} holds another run than the study's np={p}; write the study to "
+                              "another --out, or run it again there")
+        also = {k: v for k, v in plain.items() if k not in saved}
+        runs[p] = {"file": rel, "sha256": sha256_file(path), **({"also": also} if also else {})}
     return {**study_, "runs": runs}
 
 
 def resolved(study_: dict, where: str) -> dict:
-    """A study.json's content with its referenced runs read back from their files (relative to the
+    """A study.json's content with its runs read back from the files it refers to (relative to the
     directory ``where``); ConfigError if a file is missing or is not the one the study recorded."""
-    runs = study_.get("runs")
-    if not isinstance(runs, dict) or not any(map(_is_ref, runs.values())):
-        return study_
     out = {}
-    for p, run in runs.items():
-        if _is_ref(run):
-            path = os.path.join(where, run["file"])
-            try:
-                same = sha256_file(path) == run["sha256"]
-            except OSError:
-                raise ConfigError(f"{path} is missing; the study in {where} refers to it") from None
-            if not same:
-                raise ConfigError(f"{path} changed after the study in {where} was written (its SHA-256 "
-                                  "differs); run `pilab scale` with --resume there to make the study again")
-            run = {**_load_json(path), **run.get("also", {})}
-        out[p] = run
+    for p, run in (study_.get("runs") or {}).items():
+        if not _is_ref(run):
+            raise ConfigError(f"{where}/study.json np={p}: its run is not a reference to np{p}/result.json; "
+                              f"remake the study there with `pilab scale --resume --out {where}`")
+        path = os.path.join(where, run["file"])
+        try:
+            same = sha256_file(path) == run["sha256"]
+        except OSError:
+            raise ConfigError(f"{path} is missing; the study in {where} refers to it") from None
+        if not same:
+            raise ConfigError(f"{path} changed after the study in {where} was written (its SHA-256 "
+                              "differs); run `pilab scale` with --resume there to make the study again")
+        out[p] = {**_load_json(path), **run.get("also", {})}
     return {**study_, "runs": out}
 
 

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from .. import perfmodel
 from ..engine import checkpoint, simulate
-from . import verdict as judging
+from .. import verdict as judging
 from ..config import Config, ConfigError, small_mode
 from ..engine.loop import load_data
 from .analysis import POWER_MODELS, calibrate_from, run_energy, target_baseline, time_to_target
@@ -198,32 +198,37 @@ def search(cfg: Config, np_: int, *, candidates=None, only: list[str] | None = N
     known = list(known)
     ref, reference_acc, calibration, plan = _reference(cfg, sim_cfg, ds, known, cands, reference_acc,
                                                        calibration, callbacks, log, mpiexec)
-    # None where the reference has not learned: no target at chance (pilab.study.verdict, as in the study)
+    # None where the reference has not learned: no target at chance (pilab.verdict, as in the study)
     target = judging.target_accuracy(reference_acc, {"target_fraction": target_fraction})
     base = _whole_run_time(cfg, target_baseline(calibration) or 1, calibration) if calibration else None
-    rows = []
-    for label, changes in cands:
-        try:
-            c = replace(sim_cfg, **changes)
-            c.check_world(np_, len(ds.y_train))
-        except ConfigError as e:
-            rows.append({"label": label, "changes": changes, "skipped": str(e)})
-            continue
-        _point(callbacks, plan, label)
-        res, kept = _candidate_run(c, np_, ds, out, slug(label), resume, reuse, known, callbacks)
-        row = _candidate_row(label, changes, c, np_, res, calibration, target, base)
-        row["kept"] = kept
-        rows.append(row)
-        for cb in callbacks:
-            cb({"kind": "candidate", **row})
-        if log:
-            log(f"  {label:<34} test acc {row['final_test_acc']:.3f}" + (f"  ({kept})" if kept else ""))
+    rows = [_candidate(label, changes, sim_cfg, np_, ds, plan, calibration, target, base, out=out, resume=resume,
+                       reuse=reuse, known=known, callbacks=callbacks, log=log) for label, changes in cands]
     return {"kind": "pilab.remedies", "np": np_, "recipes_of": recipes_of, "config": cfg.to_dict(),
             "calibration": calibration.to_dict() if hasattr(calibration, "to_dict") else calibration,
             "machine": (calibration if isinstance(calibration, str) else "this machine") if calibration else None,
             "reference_acc": reference_acc, "target_accuracy": target,
             "speed_baseline_np": target_baseline(calibration) or 1 if calibration else None,
             "speed_baseline_time": base, "candidates": rows, "best": _ranked(rows)[:5]}
+
+
+def _candidate(label: str, changes: dict, sim_cfg: Config, np_: int, ds, plan: list, calibration, target,
+               base, *, out, resume: bool, reuse, known: list, callbacks, log) -> dict:
+    """One candidate's row: run (or kept, reused, known), priced and told to the callbacks; a candidate
+    these settings cannot run at ``np_`` is a row with ``skipped``, its reason."""
+    try:
+        c = replace(sim_cfg, **changes)
+        c.check_world(np_, len(ds.y_train))
+    except ConfigError as e:
+        return {"label": label, "changes": changes, "skipped": str(e)}
+    _point(callbacks, plan, label)
+    res, kept = _candidate_run(c, np_, ds, out, slug(label), resume, reuse, known, callbacks)
+    row = _candidate_row(label, changes, c, np_, res, calibration, target, base)
+    row["kept"] = kept
+    for cb in callbacks:
+        cb({"kind": "candidate", **row})
+    if log:
+        log(f"  {label:<34} test acc {row['final_test_acc']:.3f}" + (f"  ({kept})" if kept else ""))
+    return row
 
 
 def _chosen(cands: list, only, np_: int) -> list:

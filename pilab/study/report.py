@@ -24,7 +24,7 @@ from bokeh.models import Div
 from bokeh.resources import INLINE
 
 from .. import plots
-from . import verdict as judging
+from .. import verdict as judging
 from ..files import atomic_write_text, save_json
 from ..plots import html_table
 from . import paper
@@ -76,7 +76,6 @@ def write(study_: dict, out: str) -> dict:
 
 
 def report_html(study_: dict) -> str:
-    study_ = judging.judge_study(study_)  # verdicts and target by the one logic (older study.json too)
     crit = study_["criteria"]
     cfg = study_["config"]
     machine = study_.get("machine", "this machine")

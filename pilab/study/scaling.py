@@ -29,8 +29,9 @@ from ..engine import simulate
 from ..config import DEMO, Config, ConfigError, small_mode
 from ..launch import run_job
 from . import report
+from .. import verdict as judging
 from .analysis import (Criteria, _baseline_per_image, _jsonable, _predict, _predict_target, calibrate_from,
-                       rows_from_runs, sized_for_model, target_baseline, target_name, verdict)
+                       rows_from_runs, sized_for_model, target_baseline, target_name)
 from .points import (_clear_point, _finished_point, _load_json, _tmpdir, finished_run, resolved, reused_run,
                      same_training, step_events)
 
@@ -149,12 +150,10 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
     if not nps and not simulate_nps:
         raise ConfigError("give at least one process count to measure or simulate")
     # The simulator uses the threads asked for (0: all cores); measured runs hold them constant.
-    sim_threads = cfg.threads
-    cfg = _sweep_threads(cfg, nps, hostfile)
+    cfg, sim_cfg = _sweep_threads(cfg, nps, hostfile), replace(cfg, out="")
     t_start = time.time()
     runs: dict[int, dict] = {}
     kept: list[int] = []  # points taken from an earlier run of this study (resume) or another (reuse)
-    sim_cfg = replace(cfg, threads=sim_threads, out="")
     try:
         _run_points(cfg, sim_cfg, nps, simulate_nps, runs, kept, out=out, resume=resume, reuse=reuse,
                     mpiexec=mpiexec, hostfile=hostfile, callbacks=callbacks)
@@ -178,7 +177,7 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
         "calibration": _jsonable(calibration), "seconds": time.time() - t_start,
         "command": command, "target": tname, "complete": True, "missing": [], "kept": kept,
     }
-    result["verdict"] = verdict(result)
+    result["verdict"] = judging.summary(result)  # judged once, here: readers read it
     if out:
         report.write(result, out)
     return result
@@ -302,7 +301,7 @@ def study_from_points(out: str, *, target="pi4b_cluster", criteria: Criteria | N
               "runs": {str(p): r for p, r in runs.items()}, "target": tname,
               "complete": not missing, "missing": missing,
               "command": f"the finished points in {out} (np*/result.json; no study.json yet)"}
-    result["verdict"] = verdict(result)
+    result["verdict"] = judging.summary(result)
     return result
 
 

@@ -1,6 +1,6 @@
 """What the CLI prints and a notebook shows: each table is a :class:`pilab.plots.Table` (plain text in a
 terminal, an HTML table as the last expression of a cell) and each interpretation a
-:class:`pilab.plots.Paragraph`; the words come from the study's own modules and :mod:`pilab.study.verdict`::
+:class:`pilab.plots.Paragraph`; the words come from the study's own modules and :mod:`pilab.verdict`::
 
     from pilab.study import tables
     tables.table(study)                       # a scaling study's rows and verdict
@@ -11,7 +11,7 @@ terminal, an HTML table as the last expression of a cell) and each interpretatio
 from __future__ import annotations
 
 from .. import plots
-from . import verdict as judging
+from .. import verdict as judging
 from .ablation import ablation_summary
 from .compare import _with_committed, models_interpretation as _models_words, models_summary
 from .remedies import _target_text, search_summary
@@ -19,9 +19,8 @@ from .remedies import _target_text, search_summary
 
 def table(study_: dict) -> str:
     """A plain-text table of the rows (what the CLI prints); with a target machine, its times first
-    and this machine's beside them. Verdicts, target and the paragraph under it: :mod:`pilab.study.verdict`.
+    and this machine's beside them. Verdicts, target and the paragraph under it: :mod:`pilab.verdict`.
     It is a :class:`pilab.plots.Table`: the last expression of a notebook cell shows it as HTML."""
-    study_ = judging.judge_study(study_)
     machine = study_.get("machine", "this machine")
     two = machine != "this machine"
     pa = study_["accuracy_baseline_np"]
@@ -53,12 +52,12 @@ def table(study_: dict) -> str:
 
 
 def interpretation(study_: dict) -> str:
-    """What a study showed, for the end of a notebook: the verdict paragraph (:mod:`pilab.study.verdict`), then
+    """What a study showed, for the end of a notebook: the verdict paragraph (:mod:`pilab.verdict`), then
     why -- the optimizer steps each np got -- and the size of the run it came from::
 
         tables.interpretation(study)      # the last line of a cell: a paragraph
     """
-    st = judging.judge_study(study_)
+    st = study_
     parts = [judging.summary(st)]
     runs = st.get("runs") or {}
     steps = [(r["np"], runs[str(r["np"])]["total_steps"], r["global_batch"]) for r in st["rows"]

@@ -2,10 +2,13 @@
 paragraph above the table says, so the CLI table, the HTML/PNG report, ``compare`` and the notebooks
 cannot disagree with each other or with their numbers::
 
-    from pilab.study import verdict
-    st = verdict.judge_study(study)          # a copy: every row gets verdict, verdict_why, efficiency_note
-    [(r["np"], verdict.label(r), r["verdict_why"]) for r in st["rows"]]
-    verdict.summary(st)                      # the paragraph; verdict.footnotes(st): notes under a table
+    from pilab import verdict
+    rows = verdict.judge(rows, reference_np=1, speed_baseline_np=2, reference_acc=0.64)   # what a study does
+    [(r["np"], verdict.label(r), r["verdict_why"]) for r in study["rows"]]                 # a study is judged
+    verdict.summary(study)                   # the paragraph; verdict.footnotes(study): notes under a table
+
+A study is judged once, when it is made (``pilab.study.analysis.rows_from_runs``); what reads it (tables,
+reports, ``compare``, notebooks) reads its rows' verdicts and never judges again.
 
 The rules (each one is a case in tests/test_verdict.py):
 
@@ -19,8 +22,8 @@ The rules (each one is a case in tests/test_verdict.py):
 - Efficiency E = S·p0/p is against the speed baseline p0; a row with np < p0 (np=1 against one Pi node =
   np 2) gets a note saying why it can read above 100%.
 
-Pure Python on plain dicts (rows as ``pilab.study.analysis.rows_from_runs`` makes them, or a committed study.json), so
-every layer may use it.
+Pure Python on plain dicts (rows as ``pilab.study.analysis.rows_from_runs`` makes them, or a committed study.json), a
+leaf module that imports nothing from pilab, so every layer may use it (``pilab.plots`` draws what it judged).
 """
 from __future__ import annotations
 
@@ -116,32 +119,9 @@ def efficiency_note(p: int, p0: int) -> str:
             f"one of np={p0}'s, so it reads above 100% when np={p} does more than {p}/{p0} of np={p0}'s work")
 
 
-_NO_TARGET = ("time_to_target", "speedup_to_target", "energy_to_target_j")
-
-
-def judge_study(study: Mapping) -> dict:
-    """A copy of ``study`` (a ``pilab.study.scaling.study`` result or its study.json, older ones too) with its rows
-    judged, ``target_accuracy`` and ``reference_learned`` set by these rules; where there is no fair
-    target, the rows' times and energies to target are None ("no target", not "not reached")."""
-    rows = sorted(study.get("rows") or [], key=lambda r: r["np"])
-    pa = study.get("accuracy_baseline_np", rows[0]["np"] if rows else 1)
-    ref_row = next((r for r in rows if r["np"] == pa), {})
-    ref = study.get("baseline_test_acc", ref_row.get("final_test_acc"))
-    crit = _crit(study.get("criteria"))
-    target = target_accuracy(ref, crit)
-    if target is None:
-        rows = [{**r, **{k: None for k in _NO_TARGET}} for r in rows]
-    rows = judge(rows, reference_np=pa, speed_baseline_np=study.get("baseline_np") or pa,
-                 reference_acc=ref, criteria=crit)
-    return {**study, "rows": rows, "target_accuracy": target, "reference_learned": learned(ref, crit),
-            "accuracy_baseline_np": pa}
-
-
 def label(row: Mapping) -> str:
-    """The verdict as a table shows it: ``ok``, ``FAST-BUT-WRONG``, ``WRONG``, ``reference``,
-    ``not judged`` (rows of older studies without a verdict: from ``fast_but_wrong``)."""
-    v = row.get("verdict") or ("fast-but-wrong" if row.get("fast_but_wrong") else "ok")
-    return _LABELS[v]
+    """The verdict as a table shows it: ``ok``, ``FAST-BUT-WRONG``, ``WRONG``, ``reference``, ``not judged``."""
+    return _LABELS[row["verdict"]]
 
 
 def cell(row: Mapping) -> str:
@@ -162,11 +142,10 @@ def _pct_list(nps) -> str:
 
 
 def summary(study: Mapping, *, within: float = 0.05) -> str:
-    """One plain-language paragraph from a judged study (:func:`judge_study`): how fast, up to which np
-    it stays right, where it turns fast-but-wrong, who reaches the target."""
-    st = study if all("verdict" in r for r in study.get("rows") or []) and "reference_learned" in study \
-        else judge_study(study)
-    rows = st["rows"]
+    """One plain-language paragraph from a study (its rows judged when it was made): how fast, up to which
+    np it stays right, where it turns fast-but-wrong, who reaches the target."""
+    st = study
+    rows = st.get("rows")
     if not rows:
         return "No finished points."
     crit = _crit(st.get("criteria"))
@@ -212,20 +191,23 @@ def summary(study: Mapping, *, within: float = 0.05) -> str:
     else:
         parts.append("No process count turned fast-but-wrong.")
     others = [r for r in rows if r["np"] != pa]
-    missed = [r["np"] for r in others if not r.get("target_reached")]
-    target = f"The target accuracy {st['target_accuracy']:.1%} ({crit['target_fraction']:.0%} of np={pa}'s) is "
-    if not others:
-        pass
-    elif len(missed) == len(others):
-        parts.append(target + "reached by no run but the reference.")
-    elif missed:
-        short_ok = [r["np"] for r in others if not r.get("target_reached") and r["verdict"] == "ok"]
-        parts.append(target + f"not reached at np={_pct_list(missed)}"
-                     + (f" (np={_pct_list(short_ok)} still within {crit['wrong_gap'] * 100:.0f} points: ok)"
-                        if short_ok else "") + ".")
-    else:
-        parts.append(target + "reached at every np.")
+    if others:
+        parts.append(_target_sentence(st["target_accuracy"], others, pa, crit))
     return " ".join(parts)
+
+
+def _target_sentence(target_acc: float, others: list, pa: int, crit: dict) -> str:
+    """Who of the rows other than the reference's reaches the target accuracy."""
+    missed = [r["np"] for r in others if not r.get("target_reached")]
+    target = f"The target accuracy {target_acc:.1%} ({crit['target_fraction']:.0%} of np={pa}'s) is "
+    if len(missed) == len(others):
+        return target + "reached by no run but the reference."
+    if missed:
+        short_ok = [r["np"] for r in others if not r.get("target_reached") and r["verdict"] == "ok"]
+        return (target + f"not reached at np={_pct_list(missed)}"
+                + (f" (np={_pct_list(short_ok)} still within {crit['wrong_gap'] * 100:.0f} points: ok)"
+                   if short_ok else "") + ".")
+    return target + "reached at every np."
 
 
 def footnotes(study: Mapping) -> list[str]:
