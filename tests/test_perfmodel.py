@@ -430,33 +430,35 @@ def test_wire_model_rows_from_the_committed_network_run():
     """The model against every wire point of the committed run (issue 23 item 4; the table in
     docs/perfmodel.md): a row per contender and point, and where nothing overlaps -- one bucket after
     backward, the link's whole Allreduce exposed -- the step within 15% at every point."""
-    from pilab.bench import network
+    from pilab.bench import network_model
     data = json.load(open(REPO / "benchmarks" / "results" / "bench_network-2026-12-02-1419.json"))["network"]
-    rows = network.wire_model_rows(data)
-    assert len(rows) == len(data["wire"]) * len(network.WIRE_MODEL) == 20
+    rows = network_model.wire_model_rows(data)
+    assert len(rows) == len(data["wire"]) * len(network_model.WIRE_MODEL) == 20
     for r in rows:
         assert r["step_predicted"] >= r["ceiling_s"]
         if r["contender"] == "pilab_one_bucket":
             assert abs(r["step_ratio"] - 1) <= 0.15, r
-    assert "Within 15%" in network.wire_model_table(rows)
+    # the 15% is the study's goal (experiments/network-model/goal.py), given as a tolerance; pilab has none
+    assert "Within 15%: the step at" in network_model.wire_model_table(rows, within=0.15)
+    assert "Within" not in network_model.wire_model_table(rows) and "worst" in network_model.wire_model_table(rows)
 
 
 def test_wire_model_rows_take_each_runs_probe():
     """Each wire run's probe (pilab.bench.wire) sets the overlap rate and the fp16 cost the model uses at
     that point; a run without one (before 2026-12-03), or whose probe found nothing left after backward
     in most rounds (the rate only bounded from below), is modelled at full rate."""
-    from pilab.bench import network
+    from pilab.bench import network_model
     data = json.load(open(REPO / "benchmarks" / "results" / "bench_network-2026-12-03.json"))["network"]
-    rows = network.wire_model_rows(data)
-    per_run = len(network.WIRE_MODEL)
+    rows = network_model.wire_model_rows(data)
+    per_run = len(network_model.WIRE_MODEL)
     for i, w in enumerate(data["wire"]):
         for r in rows[i * per_run:(i + 1) * per_run]:
-            assert r["overlap_rate"] == network.probe_rate(w) and r["gamma_fp16"] == w["probe"]["gamma_fp16"]
+            assert r["overlap_rate"] == network_model.probe_rate(w) and r["gamma_fp16"] == w["probe"]["gamma_fp16"]
     slowed = [r for r in rows if r["overlap_rate"] < 1 and r["contender"] == "pilab"]
     assert all(r["step_predicted"] >= r["step_predicted_full_rate"] for r in slowed)
     assert any(r["step_predicted"] > 1.1 * r["step_predicted_full_rate"] for r in slowed)
     w = data["wire"][0]
-    assert network.probe_rate({k: v for k, v in w.items() if k != "probe"}) == 1.0
+    assert network_model.probe_rate({k: v for k, v in w.items() if k != "probe"}) == 1.0
     saturated = dict(w, probe=dict(w["probe"], overlap_rate=0.3, saturated=3))
-    assert network.probe_rate(saturated) == 1.0 and network.probe_rate(dict(saturated, probe=dict(
+    assert network_model.probe_rate(saturated) == 1.0 and network_model.probe_rate(dict(saturated, probe=dict(
         saturated["probe"], saturated=2))) == 0.3

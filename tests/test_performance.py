@@ -226,7 +226,7 @@ def test_bench_pieces_on_tiny_settings(tmp_path):
 @pytest.mark.mpi
 def test_the_sync_section_runs_its_two_jobs(tmp_path):
     # bench_comm's strategies, now one section: each job keeps its own baseline (a) to divide by.
-    from pilab import bench
+    from pilab.bench import suite as bench
     from pilab.bench.report import markdown_report
     res = bench.run(quick=True, sections=("sync",), out=str(tmp_path), markdown=str(tmp_path / "B.md"), log=lambda s: None)
     default, asynchronous = res["sync"]["default"], res["sync"]["async_progress"]
@@ -239,7 +239,7 @@ def test_the_sync_section_runs_its_two_jobs(tmp_path):
 
 
 def test_the_network_section_without_a_testbed_is_skipped_with_one_line(tmp_path, monkeypatch):
-    from pilab import bench
+    from pilab.bench import suite as bench
     from pilab.bench import network
     monkeypatch.setattr(network, "unavailable", lambda: "the testbed needs root (…): run it with sudo")
     said = []
@@ -258,7 +258,7 @@ def test_bench_command_refuses_unknown_sections():
 def test_the_wire_job_times_every_contender_against_the_ceiling_and_its_bound():
     # issue 23: the contenders of one step on the wire, run here on loopback (the network section runs
     # the same job on its testbed's nodes); the bound is computed from a link fitted as the section does
-    from pilab.bench import network
+    from pilab.bench import network_model
     from pilab.launch import run_job
     res = run_job(2, "pilab.bench.wire", {"master": "127.0.0.1", "quick": True}, timeout=600,
                   env=dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1"))
@@ -274,11 +274,11 @@ def test_the_wire_job_times_every_contender_against_the_ceiling_and_its_bound():
     # a 10 MB/s link (alpha 1 ms): 2 nodes send the whole gradient each way, 4 nodes 1.5x it
     link = {"sizes_bytes": [2 ** 14, 2 ** 20, 2 ** 22], "seconds": [1e-3 + s / 1e7 for s in (2 ** 14, 2 ** 20, 2 ** 22)],
             "np": 2, "nodes": 2, "rate": "10mbit"}
-    rows = network.wire_rows({"bench": [link], "wire": [{**res, "rate": "10mbit", "nodes": 2},
-                                                        {**res, "rate": "10mbit", "nodes": 4, "np": 8}]})
+    rows = network_model.wire_rows({"bench": [link], "wire": [{**res, "rate": "10mbit", "nodes": 2},
+                                                              {**res, "rate": "10mbit", "nodes": 4, "np": 8}]})
     two, four = rows
     assert two["link_MBps"] == pytest.approx(10, rel=1e-3)
     assert two["link_s"] == pytest.approx(res["gradient_bytes"] / 1e7, abs=2e-3)  # + the fitted latency
     assert four["link_s"] - two["link_s"] == pytest.approx(0.5 * res["gradient_bytes"] / 1e7, rel=1e-3)
     assert two["bound_s"] == max(res["step_s"]["ceiling"]["median"], res["forward_s"] + two["link_s"])
-    assert "pilab / DDP" in network.wire_table(rows)
+    assert "pilab / DDP" in network_model.wire_table(rows)

@@ -3,7 +3,7 @@
     mpiexec -n 2 python -m pilab.bench.memory OUT.json --data ../shared/data/cifar10-jpeg.tar.gz \\
         --width 1.0 --batch-size 32 --threads 2 --steps 3
 
-``pilab.bench.run`` launches it (section ``memory``), once per setting. Each rank measures its resident
+``pilab.bench.suite.run`` launches it (section ``memory``), once per setting. Each rank measures its resident
 set at every phase (Linux's VmHWM, reset between phases through /proc/self/clear_refs) and the sizes of
 what it holds, and rank 0 writes, per rank:
 

@@ -2,7 +2,7 @@
 
     mpiexec -n 2 python -m pilab.bench.ranks OUT.json [--quick] [--sections memory,comm,e2e,sync]
 
-``pilab.bench.run`` launches it. Sections, all in one job so that every ratio is between contenders
+``pilab.bench.suite.run`` launches it. Sections, all in one job so that every ratio is between contenders
 measured in the same sitting, alternated round by round:
 
 * memory: the default training run for a few steps (first, so the peak RSS is that run's), and that a

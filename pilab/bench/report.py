@@ -1,4 +1,4 @@
-"""BENCHMARKS.md from a ``pilab.bench.run`` result: one table per section, each ratio with its spread."""
+"""BENCHMARKS.md from a ``pilab.bench.suite.run`` result: one table per section, each ratio with its spread."""
 from __future__ import annotations
 
 
@@ -206,30 +206,8 @@ def _network(res: dict) -> list[str]:
     n = res.get("network")
     if not n:
         return []
-    from .network import bench_table, summary, table
-    an = n["analysis"]
-    return ["## Performance model against the testbed's shaped links", "",
-            f"Testbed {n['testbed']['name']} ({n['testbed']['subnet']}), links {', '.join(n['rates'])}; "
-            f"{'quick settings; ' if n.get('quick') else ''}see `pilab.bench.network` for what each column is. "
-            + _when(res), "", bench_table(an), "", table(an), "", summary(an),
-            "* outside the goal: communication < 30% of the step, or one node", ""] + _wire(n)
-
-
-def _wire(n: dict) -> list[str]:
-    from .network import wire_model_rows, wire_model_table, wire_rows, wire_table
-    rows = wire_rows(n)
-    if not rows:
-        return []
-    model = wire_model_table(wire_model_rows(n))
-    return ["### One step on the wire: pilab, DDP-gloo, the ceiling and the bound", "",
-            "Each contender's step (the slowest rank's, median over rounds; contenders alternated round by "
-            "round) with its ratio to the no-exchange ceiling (median [p10-p90] over rounds) and to the bound: "
-            "max(ceiling, forward + the link time of the Allreduce's bytes, 2(n-1)/n of the gradient per node "
-            "link at the measured rate). Model: " + f"{n['wire'][0]['model']} {n['wire'][0]['width']}, "
-            f"{n['wire'][0]['per_rank_batch']} images per rank, 1 thread (`pilab.bench.wire`).", "",
-            wire_table(rows), ""] + (["The performance model against each point (`perfmodel.exchange`, the measured "
-            "ceiling as the compute; the probe's overlap rate and fp16 cost per node layout, see "
-            "`pilab.bench.wire`; docs/perfmodel.md):", "", model, ""] if model else [])
+    from .network_model import markdown
+    return markdown(n, _when(res))
 
 
 def _comm(ranks: dict, res: dict) -> list[str]:

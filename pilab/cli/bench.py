@@ -13,7 +13,7 @@ from .common import UsageError
 
 
 def add_parser(sub) -> None:
-    from ..bench import EXTRA_SECTIONS, SECTIONS  # names only: pilab.bench loads no torch at import
+    from ..bench.suite import EXTRA_SECTIONS, SECTIONS  # names only: pilab.bench.suite loads no torch at import
     p = sub.add_parser("bench", help="benchmarks: ratios against baselines measured in the same run",
                        description="One rank vs a bare PyTorch loop, images/s per model, the data path vs "
                                    "a DataLoader, decoding vs the cached reload, GradSync vs a raw Allreduce "
@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
 
 
 def run(args, argv) -> int:
-    from .. import bench
+    from ..bench import suite as bench
     sections = tuple(args.sections.split(",")) if args.sections else bench.SECTIONS
     known = bench.SECTIONS + bench.EXTRA_SECTIONS
     unknown = sorted(set(sections) - set(known))

@@ -51,24 +51,7 @@ def allreduce_rounds(p: int, nbytes: float, algorithm: str, ranks_per_node: int 
         flows_g = [(r, (r + 1) % p, chunk, 0.0) for r in range(p)]
         return [flows_r] * (p - 1) + [flows_g] * (p - 1)
     if algorithm == "hierarchical":
-        # MPICH ch4's node-aware composition: reduce to a node leader, leaders allreduce, bcast.
-        rpn = ranks_per_node or p
-        nodes = [list(range(s, min(s + rpn, p))) for s in range(0, p, rpn)]
-        local = max(len(n) for n in nodes)
-        dist = 1
-        while dist < local:  # binomial reduce inside each node
-            rounds.append([(n[i + dist], n[i], nbytes, nbytes) for n in nodes
-                           for i in range(0, len(n), 2 * dist) if i + dist < len(n)])
-            dist *= 2
-        leaders = [n[0] for n in nodes]
-        inner = allreduce_rounds(len(leaders), nbytes, "mpich", 0, short_msg_bytes)
-        rounds += [[(leaders[s], leaders[d], b, rb) for s, d, b, rb in rnd] for rnd in inner]
-        bc = []
-        while dist > 1:  # binomial bcast back
-            dist //= 2
-            bc.append([(n[i], n[i + dist], nbytes, 0.0) for n in nodes
-                       for i in range(0, len(n), 2 * dist) if i + dist < len(n)])
-        return rounds + bc
+        return _hierarchical_rounds(p, nbytes, ranks_per_node, short_msg_bytes)
     if algorithm not in ("recursive_doubling", "rabenseifner"):
         raise ConfigError(f"algorithm={algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
     pof2, rem, real = _fold(p)
@@ -91,6 +74,28 @@ def allreduce_rounds(p: int, nbytes: float, algorithm: str, ranks_per_node: int 
     if rem:
         rounds.append([(r + 1, r, nbytes, 0.0) for r in range(0, 2 * rem, 2)])
     return rounds
+
+
+def _hierarchical_rounds(p: int, nbytes: float, ranks_per_node: int, short_msg_bytes: int) -> list:
+    """MPICH ch4's node-aware composition: reduce to a node leader, leaders allreduce, bcast."""
+    rounds: list[list[tuple[int, int, float, float]]] = []
+    rpn = ranks_per_node or p
+    nodes = [list(range(s, min(s + rpn, p))) for s in range(0, p, rpn)]
+    local = max(len(n) for n in nodes)
+    dist = 1
+    while dist < local:  # binomial reduce inside each node
+        rounds.append([(n[i + dist], n[i], nbytes, nbytes) for n in nodes
+                       for i in range(0, len(n), 2 * dist) if i + dist < len(n)])
+        dist *= 2
+    leaders = [n[0] for n in nodes]
+    inner = allreduce_rounds(len(leaders), nbytes, "mpich", 0, short_msg_bytes)
+    rounds += [[(leaders[s], leaders[d], b, rb) for s, d, b, rb in rnd] for rnd in inner]
+    bc = []
+    while dist > 1:  # binomial bcast back
+        dist //= 2
+        bc.append([(n[i], n[i + dist], nbytes, 0.0) for n in nodes
+                   for i in range(0, len(n), 2 * dist) if i + dist < len(n)])
+    return rounds + bc
 
 
 def _round_time(flows, cluster: Cluster, p: int) -> float:

@@ -94,20 +94,7 @@ def calibrate(np1_result: Mapping[str, Any], comm_bench: Any, *, source: str = "
                          f"np={np1_result.get('np')}")
     cfg = np1_result["config"]
     b = int(np1_result["per_rank_batch"])
-    steps = np1_result["steps"]
-    comp = list(steps["compute"])
-    if len(comp) < 3:
-        raise ConfigError("the np=1 run is too short to calibrate from: give it at least 3 steps")
-    steady = comp[1:]
-    c_step = statistics.fmean(steady)
-    epochs = np1_result["epochs"]
-    n_steps = sum(e["steps"] for e in epochs)
-    t_time = sum(e["time"] for e in epochs)
-    t_comp = sum(e["compute"] for e in epochs)
-    t_data = sum(e["data"] for e in epochs)
-    evals = [e for e in epochs if e.get("test_acc") is not None]
-    n_test = int(np1_result["data"]["n_test"])
-    eval_s = (statistics.fmean(e["eval_time"] for e in evals) / n_test) if evals else 0.0
+    t = _run_times(np1_result)
     fit = fit_alpha_beta(comm_bench)
     runs = _bench_runs(comm_bench)
     env = np1_result.get("env", {})
@@ -120,13 +107,13 @@ def calibrate(np1_result: Mapping[str, Any], comm_bench: Any, *, source: str = "
         threads=threads, cores_per_node=cores,
         flops_per_image=train_flops_per_image(cfg["model"], float(cfg["width"]),
                                               timesteps=cfg.get("timesteps")),
-        compute_s_per_image=idle * c_step / b, data_s_per_image=idle * t_data / (n_steps * b),
-        eval_s_per_image=idle * eval_s,
-        step_overhead_s=idle * max(0.0, (t_time - t_comp - t_data) / n_steps),
+        compute_s_per_image=idle * t["step"] / b, data_s_per_image=idle * t["data"] / (t["steps"] * b),
+        eval_s_per_image=idle * t["eval"],
+        step_overhead_s=idle * max(0.0, (t["time"] - t["compute"] - t["data"]) / t["steps"]),
         # signed: in a process that has already run torch the first step is not slower, and the
         # np=1 prediction must still give back the run it came from
-        warmup_s=idle * (comp[0] - c_step),
-        compute_cv=statistics.pstdev(steady) / c_step if len(steady) > 1 else 0.0,
+        warmup_s=idle * (t["first"] - t["step"]),
+        compute_cv=t["cv"],
         alpha=fit["alpha"], beta=fit["beta"], fit_rel_rms=fit["rel_rms"],
         oversub_alpha=fit["oversub_alpha"], available_cores=float(available_cores or 0.0),
         bench_nps=tuple(int(r["np"]) for r in runs), mpi_library=str(runs[0].get("mpi_library", "")),
@@ -135,6 +122,24 @@ def calibrate(np1_result: Mapping[str, Any], comm_bench: Any, *, source: str = "
                                                         timesteps=cfg.get("timesteps"))),
         flops_per_activation=float(flops_per_activation),
         step_work_per_tensor=float(step_work_per_tensor))
+
+
+def _run_times(np1_result: Mapping[str, Any]) -> dict:
+    """The np=1 run's times: its steady compute step (the steps after the first), the first step, its
+    epochs' totals, an evaluation's seconds per test image; ConfigError for fewer than 3 steps."""
+    comp = list(np1_result["steps"]["compute"])
+    if len(comp) < 3:
+        raise ConfigError("the np=1 run is too short to calibrate from: give it at least 3 steps")
+    steady = comp[1:]
+    c_step = statistics.fmean(steady)
+    epochs = np1_result["epochs"]
+    evals = [e for e in epochs if e.get("test_acc") is not None]
+    n_test = int(np1_result["data"]["n_test"])
+    return {"step": c_step, "first": comp[0], "steps": sum(e["steps"] for e in epochs),
+            "time": sum(e["time"] for e in epochs), "compute": sum(e["compute"] for e in epochs),
+            "data": sum(e["data"] for e in epochs),
+            "eval": (statistics.fmean(e["eval_time"] for e in evals) / n_test) if evals else 0.0,
+            "cv": statistics.pstdev(steady) / c_step if len(steady) > 1 else 0.0}
 
 
 def this_box(cal: Calibration) -> Cluster:
