@@ -287,7 +287,7 @@ def _memory_run(peak: float, eval_batch: int = 50) -> dict:
 
 def test_memory_report_shows_the_before_peak_beside_the_same_setting():
     from pilab.bench.report import _memory_per_rank
-    res = {"machine": {"date": "d", "cpu": "c"},
+    res = {"machine": {"date": "d", "cpu": "c"}, "goals": {"memory_peak_mb": ["<=", 900]},  # benchmarks/goals.json's
            "memory": {"data": "x.tar.gz", "rows": [_memory_run(860e6), _memory_run(1380e6, eval_batch=500)],
                       "table": [], "before": [dict(_memory_run(940e6), file="before-eval50.json")]}}
     lines = _memory_per_rank(res)
@@ -298,6 +298,8 @@ def test_memory_report_shows_the_before_peak_beside_the_same_setting():
     res["memory"]["before"] = []
     assert all(ln.endswith("| met |") or ln.endswith("| NOT met |") for ln in _memory_per_rank(res)
                if ln.startswith("| width"))
+    # without goals (pilab has none of its own) the peaks are shown unjudged
+    assert all(ln.endswith("| — |") for ln in _memory_per_rank({**res, "goals": {}}) if ln.startswith("| width"))
 
 
 def test_bench_refuses_a_before_file_that_does_not_exist(tmp_path):

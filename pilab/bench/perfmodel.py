@@ -141,7 +141,6 @@ def section(quick: bool = False, mpiexec: str | None = None, *, repeat: int = 1,
     summary = {}
     for key in ("err_idle_pct", "err_share_aware_pct"):
         errs = [abs(r[key]) for r in rows]
-        summary[key] = {"median_abs": statistics.median(errs), "within_15": sum(e <= 15 for e in errs),
-                        "n": len(errs)}
+        summary[key] = {"median_abs": statistics.median(errs), "n": len(errs)}
     return {"base": base, "bench_nps": list(bench_nps), "split": split, "bench": bench, "calibrations": cals,
             "rows": rows, "summary": summary}

@@ -22,13 +22,16 @@ EXTRA_SECTIONS = ("deviation", "perfmodel", "network")
 
 
 def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", markdown: str | None = "BENCHMARKS.md",
-        mpiexec: str | None = None, command: str = "python -m pilab bench", log=print, before=()) -> dict:
+        mpiexec: str | None = None, command: str = "python -m pilab bench", log=print, before=(),
+        goals: dict | None = None) -> dict:
     """Run ``sections``; writes ``<out>/bench.json`` and (unless None) ``markdown``; returns the dict.
-    ``before``: paths of earlier ``pilab.bench.memory`` JSONs, shown beside this run's peaks."""
+    ``before``: paths of earlier ``pilab.bench.memory`` JSONs, shown beside this run's peaks. ``goals``:
+    {key: [op, value]} the report judges figures against (e.g. benchmarks/goals.json; pilab has none)."""
     import torch
 
     torch.set_num_threads(1)
-    res = {"quick": quick, "command": command, "machine": machine(), "sections": list(sections)}
+    res = {"quick": quick, "command": command, "machine": machine(), "sections": list(sections),
+           "goals": dict(goals or {})}
     t_all = time.perf_counter()
     plan = _plan(quick, mpiexec, log, before, out, command)
     for name in [s for s in plan if s in sections]:

@@ -32,10 +32,36 @@ def add_parser(sub) -> None:
     p.add_argument("--markdown", default="BENCHMARKS.md",
                    help="markdown report to write (default: BENCHMARKS.md; '' for none)")
     p.add_argument("--mpiexec", default=None, help="launcher for the rank jobs (default: pilab.launch's)")
+    p.add_argument("--goals", default=None, metavar="JSON",
+                   help="the goals to judge figures against, a JSON of {key: [op, value]} (default: "
+                        "benchmarks/goals.json where it exists, as in pilab's source repository; else none, and the "
+                        "figures are shown unjudged)")
     p.add_argument("--before", default="",
                    help="memory section: comma-separated JSONs of earlier `python -m pilab.bench.memory` runs "
                         "(e.g. at an older commit), shown as a 'before' column beside the same settings")
     p.set_defaults(func=run)
+
+
+GOALS = os.path.join("benchmarks", "goals.json")  # pilab's source repository's goals, where run from there
+
+
+def _goals(path: str | None) -> dict:
+    """The goals file's {key: [op, value]}: ``--goals``, else benchmarks/goals.json where it exists."""
+    import json
+    if path is None:
+        path = GOALS if os.path.isfile(GOALS) else ""
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            goals = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--goals {path}: {e}; give a JSON file of {{key: [op, value]}}") from None
+    bad = [k for k, v in goals.items() if not (isinstance(v, list) and len(v) == 2 and v[0] in (">=", "<=", "<", ">")
+                                               and isinstance(v[1], (int, float)))]
+    if bad:
+        raise UsageError(f"--goals {path}: {', '.join(bad)} must be [op, value] with op one of >=, <=, <, >")
+    return goals
 
 
 def run(args, argv) -> int:
@@ -52,6 +78,6 @@ def run(args, argv) -> int:
         raise UsageError(f"--before {','.join(missing)}: no such file; give JSONs written by "
                          "`python -m pilab.bench.memory OUT.json ...`")
     res = bench.run(quick=args.quick, sections=sections, out=args.out, markdown=args.markdown or None,
-                    mpiexec=args.mpiexec, command=command, before=before)
+                    mpiexec=args.mpiexec, command=command, before=before, goals=_goals(args.goals))
     print(f"bench: {res['wall_s']:.0f} s; {args.out}/bench.json" + (f", {args.markdown}" if args.markdown else ""))
     return 0
