@@ -28,8 +28,7 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as e:
         print(f"goal.py: {args[0]}: {e}", file=sys.stderr)
         return 2
-    # a `pilab bench` bench.json holds the section under "network"; the committed copies are the section
-    print(network_model.report(data.get("network", data), within=NET_WITHIN, wire_within=WIRE_WITHIN))
+    print(network_model.report(data, within=NET_WITHIN, wire_within=WIRE_WITHIN))
     return 0
 
 

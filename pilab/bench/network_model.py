@@ -314,6 +314,7 @@ def report(data, within: float | None = None, wire_within: float | None = None) 
     and ``wire_within``: tolerances to count the points within (a study's goals: experiments/network-model)."""
     if isinstance(data, str):
         data = load_json(data)
+    data = data.get("network", data)  # a `pilab bench` bench.json holds the section under "network"
     an = analyse(data)
     return "\n\n".join([bench_table(an), table(an), summary(an, within),
                          "* not communication-bound: communication < 30% of the step, or one node"]
