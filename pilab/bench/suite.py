@@ -55,13 +55,40 @@ def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", mark
 
 
 def _write_markdown(res: dict, sections, markdown: str) -> None:
-    from .report import markdown_report, splice_sections
+    from .report import markdown_report
     text = markdown_report(res)
     if not set(SECTIONS) <= set(sections) and os.path.isfile(markdown):
         # some sections only: replace theirs in the existing report, keep the others' figures
         with open(markdown) as f:
             text = splice_sections(f.read(), text)
     atomic_write_text(markdown, text)
+
+
+def splice_sections(old: str, new: str) -> str:
+    """``old`` with every ``## `` section that ``new`` has replaced by ``new``'s (new ones go before
+    ``## GPU``, or at the end); the header and the other sections of ``old`` stay."""
+    def split(text):
+        head, parts, cur = [], {}, None
+        order = []
+        for line in text.splitlines():
+            if line.startswith("## "):
+                cur = line
+                order.append(cur)
+                parts[cur] = [line]
+            elif cur is None:
+                head.append(line)
+            else:
+                parts[cur].append(line)
+        return head, order, parts
+    head, order, parts = split(old)
+    _, new_order, new_parts = split(new)
+    for title in new_order:
+        if title == "## GPU" and title in parts:
+            continue
+        if title not in parts:
+            order.insert(order.index("## GPU") if "## GPU" in order else len(order), title)
+        parts[title] = new_parts[title]
+    return "\n".join(head + [line for t in order for line in parts[t]]) + "\n"
 
 
 def _plan(q: bool, mpiexec, log, before, out, command) -> dict:
