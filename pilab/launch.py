@@ -57,13 +57,42 @@ def find_mpiexec(explicit: str | None = None) -> str:
 
 def mpiexec_command(np_: int, program: Sequence[str], *, mpiexec: str | None = None,
                     hostfile: str | None = None, extra: Sequence[str] = ()) -> list[str]:
-    """``mpiexec [-f hostfile] [extra…] -n np program…`` with the launcher resolved."""
+    """``mpiexec [-f hostfile] [extra…] -n np program…`` with the launcher resolved; inside a Slurm
+    allocation (and no hostfile, ``mpiexec`` or ``extra`` given) :func:`srun_command` instead."""
     if np_ < 1:
         raise LaunchError(f"np={np_} must be >= 1")
+    if use_srun(mpiexec=mpiexec, hostfile=hostfile, extra=extra):
+        return srun_command(np_, program, mpiexec=mpiexec)
     cmd = [find_mpiexec(mpiexec)]
     if hostfile:
         cmd += ["-f", hostfile]
     return [*cmd, *extra, "-n", str(np_), *program]
+
+
+def use_srun(*, mpiexec: str | None = None, hostfile: str | None = None, extra: Sequence[str] = ()) -> bool:
+    """Inside a Slurm allocation the ranks go through Slurm (:func:`srun_command`) unless a hostfile or
+    launcher flags were asked for, or ``PILAB_LAUNCHER=hostfile``."""
+    from .hosts import in_allocation
+    return (in_allocation() and not (hostfile or extra)
+            and os.environ.get("PILAB_LAUNCHER", "slurm") != "hostfile")
+
+
+def srun_command(np_: int, program: Sequence[str], *, mpiexec: str | None = None) -> list[str]:
+    """Inside an allocation: ``env -u HYDRA_HOST_FILE mpiexec -launcher slurm -launcher-exec SRUN -n np
+    program…``. Hydra asks Slurm for the nodes and tasks per node (``SLURM_JOB_NODELIST``,
+    ``SLURM_TASKS_PER_NODE``) and starts one proxy per node with ``srun``: nodes filled in order, each up to
+    its tasks, as with the allocation written out as a hostfile (:func:`pilab.hosts.place`). A
+    ``HYDRA_HOST_FILE`` left in the environment (the testbed's ``env``) would take precedence, hence
+    ``env -u``. (``srun --mpi=pmi2`` alone starts small MPICH programs, but Slurm 22.05's PMI-2 server
+    rejects the address exchange of pilab's ranks under MPICH 5: "value not properly terminated".)"""
+    from .hosts import allocation, place
+    srun = shutil.which("srun")
+    if srun is None:
+        raise LaunchError("inside a Slurm allocation but no srun on PATH; load Slurm's module (or add "
+                          "its bin directory to PATH), or set PILAB_LAUNCHER=hostfile and give a hostfile")
+    place(allocation(), np_)  # enough tasks in the allocation, else a clear error before anything starts
+    return ["env", "-u", "HYDRA_HOST_FILE", find_mpiexec(mpiexec), "-launcher", "slurm", "-launcher-exec",
+            srun, "-n", str(np_), *program]
 
 
 def pilab_command(np_: int, args: Sequence[str], **kwargs) -> list[str]:
@@ -71,10 +100,11 @@ def pilab_command(np_: int, args: Sequence[str], **kwargs) -> list[str]:
     return mpiexec_command(np_, [sys.executable, "-m", "pilab", *args], **kwargs)
 
 
-# MPICH/Hydra, PMIx, Open MPI, Slurm's srun
-_SIZE_VARS = ("PMI_SIZE", "PMIX_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS")
+# MPICH/Hydra, PMIx, Open MPI, Slurm's srun (a job step's: an salloc shell or an sbatch script also has
+# SLURM_NTASKS and SLURM_PROCID, but is no rank -- only a step has SLURM_STEP_ID)
+_SIZE_VARS = ("PMI_SIZE", "PMIX_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_NUM_TASKS")
 _RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
-_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
 
 
 def launcher_size() -> int:

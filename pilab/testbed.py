@@ -132,12 +132,6 @@ class Testbed:
         net = ipaddress.ip_network(self.subnet)
         return str(net.network_address + FIRST_HOST + self.index(host) - 1)
 
-    def host_of(self, address: str) -> str:
-        for h in self.hosts:
-            if self.address(h) == address:
-                return h
-        raise TestbedError(f"{address} is not an address of testbed {self.name}")
-
     @property
     def bridge_address(self) -> str:
         """The head node's address: mpiexec, the ipyparallel controller and Jupyter live here."""
@@ -187,6 +181,8 @@ class Testbed:
             # the Pi profile's controller (profiles/profile_pi) on the head node's bridge address
             "PILAB_HOSTFILE": self.hostfile, "PILAB_CONTROLLER_IP": self.bridge_address,
             "PILAB_TESTBED": self.name,
+            # Slurm's client commands, when `up --slurm` started it (pilab.slurm)
+            **_slurm_env(self.name),
         }
 
     def run_on(self, host: str, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -195,6 +191,11 @@ class Testbed:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _slurm_env(name: str) -> dict:
+    from . import slurm  # imports this module: loaded only when asked
+    return slurm.env_vars(name)
 
 
 def state_dir(name: str = DEFAULT_NAME) -> str:
@@ -428,7 +429,8 @@ def down(name: str = DEFAULT_NAME) -> list[str]:
     _require()
     if not _NAME_RE.match(name):
         raise TestbedError(f"name={name!r} is not a testbed name")
-    removed = []
+    from . import slurm
+    removed = slurm.stop(name)  # its daemons first: munged runs outside the namespaces
     for ns in _netns_list():
         if not re.fullmatch(rf"{re.escape(name)}-node\d\d", ns):
             continue

@@ -1,6 +1,7 @@
 """``pilab testbed {up,down,status,env,exec,link,shape,traffic}``: a Pi cluster on one machine.
 
     sudo python -m pilab testbed up --nodes 4 --slots 2 --rate 1gbit    # idempotent
+    sudo python -m pilab testbed up --nodes 4 --slurm                    # ... run by Slurm (pilab.slurm)
     eval "$(python -m pilab testbed env)"                                # HYDRA_*, UCX_*, PILAB_*
     python -m pilab scale --nps 2,4,8 --hostfile /run/pilab-testbed/hosts
     python -m pilab testbed exec node02 -- hostname                      # a shell "on" a node
@@ -40,6 +41,9 @@ def add_parser(sub) -> None:
     u.add_argument("--subnet", default=DEFAULT_SUBNET,
                    help=f"private range the testbed owns; must not overlap a route here "
                         f"(default: {DEFAULT_SUBNET})")
+    u.add_argument("--slurm", action="store_true",
+                   help="also start a Slurm cluster on it: munged, slurmctld on a head node, a slurmd per "
+                        "node, one partition 'pi' (needs Debian's slurmctld, slurmd and munge)")
     named(ps.add_parser("down", help="remove everything the testbed made (also after a crash)"))
     named(ps.add_parser("status", help="what is up, as JSON"))
     named(ps.add_parser("env", help="shell exports for mpiexec / ipcluster on the testbed"))
@@ -72,6 +76,11 @@ def _run(tbm, args) -> int:
               f"{tb.bridge_address} on {tb.bridge}")
         for h in tb.hosts:
             print(f"  {h}  {tb.address(h)}  (netns {tb.netns(h)}, link {tb.veth(h)})")
+        if args.slurm:
+            from .. import slurm
+            conf = slurm.start(tb)
+            print(f"slurm: slurmctld on head ({slurm.head_address(tb)}), slurmd on {', '.join(tb.hosts)}, "
+                  f"partition {slurm.PARTITION}; SLURM_CONF={conf}")
         print(f"hostfile: {tb.hostfile}\nnext: eval \"$(python -m pilab testbed env"
               f"{'' if tb.name == tbm.DEFAULT_NAME else ' --name ' + tb.name})\"; then mpiexec -n "
               f"{tb.nodes * tb.slots} ..., `pilab scale --hostfile {tb.hostfile}` or "

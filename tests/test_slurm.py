@@ -1,0 +1,125 @@
+"""pilab under a real Slurm (pilab.slurm): Debian's munged, slurmctld on the testbed's head namespace and
+a slurmd in each node namespace. A 2-node testbed x 2 slots serves the module and is always torn down.
+
+Needs root, ip/tc (the testbed) and the slurmctld, slurmd and munge packages (``./lab.sh test`` installs
+them where it can): skipped with the reason elsewhere, a failure under CI=true.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import mpi_env, run_on_testbed
+
+from pilab import slurm, testbed
+
+pytestmark = pytest.mark.mpi
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAME = "pilabs"  # neither the default testbed's name nor test_testbed's
+SUBNET = "10.83.0.0/24"
+TINY = ["--width", "0.25", "--train-subset", "256", "--test-subset", "100", "--batch-size", "16",
+        "--threads", "1", "--quiet", "--epochs", "1"]
+
+
+def _need_slurm():
+    why = testbed.available() or slurm.available()
+    if why:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI runs as root with Slurm installed by lab.sh and must run the Slurm tests: {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def tb():
+    _need_slurm()
+    testbed.down(NAME)  # whatever a crashed earlier run left
+    # made by the CLI in a process of its own that then exits, as a teacher's `sudo pilab testbed up`
+    p = subprocess.run([sys.executable, "-m", "pilab", "testbed", "up", "--nodes", "2", "--slots", "2",
+                        "--subnet", SUBNET, "--name", NAME, "--slurm"], capture_output=True, text=True,
+                       cwd=REPO, timeout=120)
+    assert p.returncode == 0, p.stderr
+    try:
+        yield testbed.load(NAME)
+    finally:
+        testbed.down(NAME)
+
+
+def _ours() -> list[str]:
+    """Command lines of the daemons of this testbed still running."""
+    p = subprocess.run(["pgrep", "-af", f"/{NAME}-testbed/"], capture_output=True, text=True)
+    return [ln for ln in p.stdout.splitlines() if "pgrep" not in ln]
+
+
+def _in_allocation(tb, cmd, *, timeout=300, **kw):
+    """``salloc -N 2 --ntasks-per-node 2 cmd`` from the head (this machine's shell, as on a login node)."""
+    return run_on_testbed(tb, ["salloc", "-N", "2", "--ntasks-per-node", "2", *cmd], env=tb.env(mpi_env()),
+                          timeout=timeout, cwd=REPO, **kw)
+
+
+def test_sinfo_shows_the_nodes_idle_and_srun_runs_on_them(tb):
+    env = tb.env()
+    assert env["SLURM_CONF"] == slurm.conf_path(NAME)
+    p = subprocess.run(["sinfo", "-h", "-o", "%P %a %D %t %N"], capture_output=True, text=True, env=env,
+                       timeout=30)
+    assert p.stdout.split() == ["pi*", "up", "2", "idle", "node[01-02]"], p.stdout + p.stderr
+    p = subprocess.run(["srun", "-N", "2", "hostname"], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert sorted(p.stdout.split()) == ["node01", "node02"]
+    # each step runs in its node's namespace, on the node's address
+    p = subprocess.run(["srun", "-N", "2", "-n", "2", "sh", "-c", "ip -4 -o addr show eth0"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert sorted(ln.split()[3] for ln in p.stdout.splitlines()) == [f"{tb.address(h)}/24" for h in tb.hosts]
+    conf = open(slurm.conf_path(NAME)).read()
+    assert "ProctrackType=proctrack/linuxproc" in conf and "TaskPlugin=task/none" in conf
+
+
+def test_train_in_an_allocation_equals_mpiexec_with_a_hostfile(tb, tmp_path):
+    import torch
+    alloc = _in_allocation(tb, [sys.executable, "-m", "pilab", "train", "--np", "4", *TINY,
+                                "--out", str(tmp_path / "alloc")])
+    assert alloc.returncode == 0, alloc.stderr[-3000:]
+    assert "-launcher slurm" in alloc.stderr  # the ranks went through Slurm, not the hostfile's shim
+    hostfile = run_on_testbed(tb, [sys.executable, "-m", "pilab", "train", "--np", "4", *TINY,
+                                   "--out", str(tmp_path / "hostfile")], env=tb.env(mpi_env()),
+                              timeout=300, cwd=REPO)
+    assert hostfile.returncode == 0, hostfile.stderr[-3000:]
+    a = json.loads((tmp_path / "alloc" / "result.json").read_text())
+    b = json.loads((tmp_path / "hostfile" / "result.json").read_text())
+    assert a["env"]["hostnames"] == b["env"]["hostnames"] == ["node01", "node01", "node02", "node02"]
+    assert a["steps"]["loss"] == b["steps"]["loss"]  # bitwise: same placement, same sums
+    assert [e["test_loss"] for e in a["epochs"]] == [e["test_loss"] for e in b["epochs"]]
+    wa = torch.load(tmp_path / "alloc" / "checkpoint.pt", weights_only=False)["model"]
+    wb = torch.load(tmp_path / "hostfile" / "checkpoint.pt", weights_only=False)["model"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_more_ranks_than_the_allocation_or_no_srun_is_one_line_exit_2(tb, tmp_path):
+    out = tmp_path / "too-many"
+    p = _in_allocation(tb, [sys.executable, "-m", "pilab", "train", "--np", "6", *TINY, "--out", str(out)])
+    assert p.returncode == 2, p.stderr
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("pilab: error:")]
+    assert len(errors) == 1 and "6 ranks but only 4 slots" in errors[0], p.stderr
+    assert not out.exists() and "launching:" not in p.stderr
+    # inside an allocation but srun not on PATH (a login shell without Slurm's module)
+    bare = os.path.dirname(sys.executable)  # not /bin: merged /usr has srun there
+    p = _in_allocation(tb, ["env", f"PATH={bare}", sys.executable, "-m", "pilab", "train", "--np", "4",
+                            *TINY, "--out", str(out)])
+    assert p.returncode == 2, p.stderr
+    assert "no srun on PATH" in p.stderr and not out.exists()
+
+
+def test_down_stops_every_daemon_and_removes_the_head():
+    _need_slurm()
+    assert testbed.load(NAME, missing_ok=True) is not None  # the module's testbed, made by another process
+    assert len(_ours()) == 4, _ours()  # munged, slurmctld, 2 x slurmd
+    removed = testbed.down(NAME)
+    assert {"daemon munged", "daemon slurmctld", f"netns {NAME}-head"} <= set(removed), removed
+    assert _ours() == []
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"{NAME}-" not in left
+    assert not os.path.exists(testbed.state_dir(NAME))
