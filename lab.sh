@@ -114,6 +114,15 @@ browser() {
     fi
 }
 
+slurm() {
+    # The Slurm tests (tests/test_slurm.py) run Debian's munge, slurmctld and slurmd on the testbed.
+    if ! command -v slurmd >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        say "installing Debian's slurmctld, slurmd and munge for the Slurm tests"
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd munge \
+            slurm-client >/dev/null) || say "could not install Slurm; the Slurm tests will say so"
+    fi
+}
+
 case "${1:-}" in
     setup)
         setup
@@ -127,6 +136,7 @@ case "${1:-}" in
     test)
         setup
         browser
+        slurm
         shift
         export PATH="$venv/bin:$PATH"
         export PILAB_NB_SMALL=1   # the notebooks' small mode (one core, as on Binder)

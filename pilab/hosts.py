@@ -14,14 +14,13 @@ from __future__ import annotations
 import os
 import re
 
-from .launch import LaunchError
-
 __all__ = ["HostsError", "read_hostfile", "parse_hosts", "expand_nodelist", "expand_tasks",
            "allocation", "in_allocation", "place", "total_slots"]
 
 
-class HostsError(LaunchError):
-    """A hostfile, host list or allocation that cannot be read; the message names the fix."""
+class HostsError(ValueError):
+    """A hostfile, host list or allocation that cannot be read, or too few slots; the message names the
+    fix (the CLI exits 2)."""
 
 
 def read_hostfile(path: str) -> list[tuple[str, int]]:

@@ -85,12 +85,15 @@ def srun_command(np_: int, program: Sequence[str], *, mpiexec: str | None = None
     ``HYDRA_HOST_FILE`` left in the environment (the testbed's ``env``) would take precedence, hence
     ``env -u``. (``srun --mpi=pmi2`` alone starts small MPICH programs, but Slurm 22.05's PMI-2 server
     rejects the address exchange of pilab's ranks under MPICH 5: "value not properly terminated".)"""
-    from .hosts import allocation, place
+    from .hosts import HostsError, allocation, place
     srun = shutil.which("srun")
     if srun is None:
         raise LaunchError("inside a Slurm allocation but no srun on PATH; load Slurm's module (or add "
                           "its bin directory to PATH), or set PILAB_LAUNCHER=hostfile and give a hostfile")
-    place(allocation(), np_)  # enough tasks in the allocation, else a clear error before anything starts
+    try:  # enough tasks in the allocation, else a clear error before anything starts
+        place(allocation(), np_)
+    except HostsError as e:
+        raise LaunchError(str(e)) from None
     return ["env", "-u", "HYDRA_HOST_FILE", find_mpiexec(mpiexec), "-launcher", "slurm", "-launcher-exec",
             srun, "-n", str(np_), *program]
 

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 # docs/architecture.md: front-ends -> study -> engine -> {dist, data, models}). A part is a module or a
 # package, named from pilab down ("study", "engine.dist"); a module belongs to the longest part that names it.
 LAYERS = {
+    "hosts": -1,  # host/slot lists from a hostfile, --hosts or a Slurm allocation (no pilab imports)
     "launch": 0, "files": 0, "embedded": 0,
     "engine.optim": 0, "engine.buckets": 0, "models.names": 0,
     "engine.noise": 0,  # the gradient noise scale and the batch it chooses (arithmetic only)

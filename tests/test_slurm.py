@@ -15,7 +15,8 @@ import pytest
 
 from conftest import mpi_env, run_on_testbed
 
-from pilab import slurm, testbed
+from pilab import testbed
+from pilab.testbed import slurm
 
 pytestmark = pytest.mark.mpi
 
@@ -96,6 +97,26 @@ def test_train_in_an_allocation_equals_mpiexec_with_a_hostfile(tb, tmp_path):
     wa = torch.load(tmp_path / "alloc" / "checkpoint.pt", weights_only=False)["model"]
     wb = torch.load(tmp_path / "hostfile" / "checkpoint.pt", weights_only=False)["model"]
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_doctor_in_an_allocation_names_the_drained_node(tb, tmp_path):
+    env = tb.env()
+    report = tmp_path / "doctor.json"
+    # drained while the allocation holds it: Slurm lets the running job be, but no new step starts there
+    script = ("scontrol update nodename=node02 state=drain reason=fan-failed && "
+              f"{sys.executable} -m pilab doctor --ranks-per-node 2 --json {report}")
+    try:
+        p = _in_allocation(tb, ["sh", "-c", script])
+    finally:
+        subprocess.run(["scontrol", "update", "nodename=node02", "state=resume"], env=env, capture_output=True)
+    assert p.returncode == 1, p.stdout + p.stderr
+    rep = json.loads(report.read_text())
+    assert rep["hosts"] == ["node01", "node02"]  # the allocation's nodes, no hostfile given
+    bad = rep["checks"]["node02"]["placement"]
+    assert bad["ok"] is False and "drain" in bad["detail"] and "fan-failed" in bad["detail"], bad
+    assert "state=resume" in bad["fix"]
+    assert rep["checks"]["node01"]["placement"]["ok"] is True
+    assert "node02" in p.stdout and "fan-failed" in p.stdout
 
 
 def test_more_ranks_than_the_allocation_or_no_srun_is_one_line_exit_2(tb, tmp_path):

@@ -47,6 +47,9 @@ def add_parser(sub) -> None:
 def _hosts(args, doctor):
     if args.hosts:
         return doctor.parse_hosts(args.hosts, args.ranks_per_node), None
+    from ..hosts import allocation
+    if not args.hostfile and allocation():  # inside salloc/sbatch: the allocation's nodes and tasks
+        return allocation(), None
     path = args.hostfile or os.environ.get("HYDRA_HOST_FILE") or os.environ.get("PILAB_HOSTFILE")
     if not path:
         from ..lab.cluster.profiles import profile_dir
@@ -68,7 +71,7 @@ def run(args, argv) -> int:
         hosts, hostfile = _hosts(args, doctor)
         report = doctor.run(hosts, cfg=cfg, ranks_per_node=args.ranks_per_node, mpiexec=args.mpiexec,
                             answer_s=args.answer_s, timeout_s=args.timeout_s, hostfile=hostfile)
-    except doctor.DoctorError as e:
+    except (doctor.DoctorError, doctor.HostsError) as e:
         raise UsageError(str(e)) from None
     print(doctor.format_table(report))
     if args.json_out:

@@ -77,7 +77,7 @@ def _run(tbm, args) -> int:
         for h in tb.hosts:
             print(f"  {h}  {tb.address(h)}  (netns {tb.netns(h)}, link {tb.veth(h)})")
         if args.slurm:
-            from .. import slurm
+            from ..testbed import slurm
             conf = slurm.start(tb)
             print(f"slurm: slurmctld on head ({slurm.head_address(tb)}), slurmd on {', '.join(tb.hosts)}, "
                   f"partition {slurm.PARTITION}; SLURM_CONF={conf}")

@@ -25,17 +25,19 @@ import tempfile
 import threading
 import time
 
+from ..hosts import HostsError, parse_hosts, read_hostfile
 from ..launch import LaunchError, find_mpiexec, mpiexec_command
+from .placement import placement_checks
 
 MARK = "PILAB-DOCTOR"  # the probe's result lines on the job's stdout start with this
 HELLO = MARK + "-HELLO"  # its first line, printed before any import: the host answered
 
-__all__ = ["DoctorError", "CHECKS", "run", "read_hostfile", "parse_hosts", "format_table",
+__all__ = ["DoctorError", "HostsError", "CHECKS", "run", "read_hostfile", "parse_hosts", "format_table",
            "mpiexec_library", "same_family"]
 
 # the columns of the table, in order
 CHECKS = ("answers", "software", "mpi", "allreduce", "link", "iface", "data", "memory", "cpu",
-          "clock", "controller")
+          "clock", "controller", "placement")
 CLOCK_LIMIT_S = 0.5  # event timestamps of different hosts are compared; NTP keeps boards within ms
 HOT_C = 80.0  # the Pi 4B's firmware starts throttling at 80-85 °C
 DETAILS = ("answers", "iface", "link", "memory", "cpu", "clock")  # the figures printed per host
@@ -49,39 +51,8 @@ class DoctorError(ValueError):
 # ----------------------------------------------------------------------------------------------
 # hosts
 # ----------------------------------------------------------------------------------------------
-def read_hostfile(path: str) -> list[tuple[str, int]]:
-    """``[(host, slots), ...]`` from an MPICH hostfile (``host:slots`` lines, ``#`` comments)."""
-    if not os.path.isfile(path):
-        raise DoctorError(f"hostfile {path} does not exist; give an MPICH hostfile (host:slots lines), "
-                          "e.g. a copy of profiles/profile_pi/hosts.template")
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            host, _, slots = line.partition(":")
-            if not host.strip() or (slots.strip() and not slots.strip().isdigit()):
-                raise DoctorError(f"hostfile {path} line {n}: {line!r} is not host or host:slots")
-            out.append((host.strip(), int(slots) if slots.strip() else 1))
-    if not out:
-        raise DoctorError(f"hostfile {path} lists no hosts; add lines such as 'pi01:2'")
-    return out
-
-
-def parse_hosts(text: str, slots: int = 1) -> list[tuple[str, int]]:
-    """``"a,b"`` (or ``"a:2,b:2"``) -> [(a, 2), (b, 2)]."""
-    out = []
-    for item in (t.strip() for t in text.split(",")):
-        if not item:
-            continue
-        host, _, s = item.partition(":")
-        if s and not s.isdigit():
-            raise DoctorError(f"--hosts {text!r}: {item!r} is not host or host:slots")
-        out.append((host, int(s) if s else slots))
-    if not out:
-        raise DoctorError(f"--hosts {text!r} names no host; give e.g. --hosts pi01,pi02")
-    return out
+# one parser for every host list in pilab (pilab.hosts): doctor.read_hostfile / doctor.parse_hosts stay
+# importable here
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,6 +316,8 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
             report["fit"] = {"error": str(e)}
     report["checks"] = {h: _checks(h, jobs[h], why[h], probes[h], report, answered, peak)
                         for h, _ in hosts}
+    for h, check in placement_checks(hosts, ranks_per_node, env=env).items():
+        report["checks"][h]["placement"] = check
     report["ok"] = all(c["ok"] for per in report["checks"].values() for c in per.values())
     return report
 

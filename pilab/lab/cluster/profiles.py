@@ -22,6 +22,7 @@ import time
 
 import psutil  # an ipyparallel dependency
 
+from ...hosts import HostsError, read_hostfile
 from .client import Engines
 from .errors import ClusterError
 
@@ -54,15 +55,10 @@ def profile_dir(profile: str = "mpi") -> str:
 
 
 def _hostfile_lines(path: str) -> list[tuple[str, int]]:
-    out = []
-    with open(path) as f:
-        for line in f:
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            host, _, slots = line.partition(":")
-            out.append((host.strip(), int(slots) if slots.strip() else 1))
-    return out
+    try:
+        return read_hostfile(path)
+    except HostsError as e:
+        raise ClusterError(str(e)) from None
 
 
 def hostfile_slots(path: str) -> int:
@@ -70,10 +66,7 @@ def hostfile_slots(path: str) -> int:
 
         hostfile_slots("profiles/profile_pi/hosts.template")   # 48
     """
-    lines = _hostfile_lines(path)
-    if not lines:
-        raise ClusterError(f"hostfile {path} lists no hosts; add lines such as 'pi01:2'")
-    return sum(slots for _, slots in lines)
+    return sum(slots for _, slots in _hostfile_lines(path))
 
 
 def lan_address(hostfile: str | None = None) -> str:

@@ -8,7 +8,8 @@ each node namespace, as on a Pi cluster run by Slurm::
     salloc -N 2 --ntasks-per-node 2 python -m pilab train --np 4 ...   # ranks started by srun
     sudo python -m pilab testbed down                   # stops the daemons too (also after a crash)
 
-    from pilab import slurm, testbed
+    from pilab import testbed
+    from pilab.testbed import slurm
     tb = testbed.up(testbed.Testbed(nodes=2, slots=2))
     slurm.start(tb)                                     # waits until every node is idle
     slurm.stop(tb.name)
@@ -44,7 +45,7 @@ import signal
 import subprocess
 import time
 
-from .testbed import NODE_IFACE, Testbed, TestbedError, _run, state_dir
+from .nodes import NODE_IFACE, Testbed, TestbedError, _links, _netns_list, _run, slurm_conf, state_dir
 
 __all__ = ["available", "start", "stop", "is_up", "conf_path", "head_address", "write_conf", "wait_idle",
            "PARTITION", "COMMANDS"]
@@ -68,7 +69,7 @@ def _dir(name: str) -> str:
 
 
 def conf_path(name: str) -> str:
-    return os.path.join(_dir(name), "slurm.conf")
+    return slurm_conf(name)
 
 
 def is_up(name: str) -> bool:
@@ -90,7 +91,7 @@ def _sbin(cmd: str) -> str:
 
 def _node_memory_mib(tb: Testbed, host: str) -> int:
     """The node's memory cgroup limit (testbed.limit_memory), else this machine's memory, in MiB."""
-    from .testbed import _memory_cgroup
+    from .cgroups import _memory_cgroup
     found = _memory_cgroup(tb.name, host)
     if found:
         for knob in ("memory.max", "memory.limit_in_bytes"):
@@ -106,14 +107,14 @@ def write_conf(tb: Testbed) -> str:
     partition ``pi`` with every node. Returns its path."""
     d = _dir(tb.name)
     lines = [
-        f"# pilab testbed {tb.name}: a Slurm cluster of {tb.nodes} node namespaces (pilab/slurm.py)",
+        f"# pilab testbed {tb.name}: a Slurm cluster of {tb.nodes} node namespaces (pilab/testbed/slurm.py)",
         f"ClusterName={tb.name}", f"SlurmctldHost={HEAD}({head_address(tb)})",
         "SlurmctldPort=6817", "SlurmdPort=6818", "SlurmUser=root", "SlurmdUser=root",
         "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={d}/munge/munge.socket",
         f"StateSaveLocation={d}/ctld", f"SlurmdSpoolDir={d}/spool/%n",
         f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd-%n.pid",
         f"SlurmctldLogFile={d}/log/slurmctld.log", f"SlurmdLogFile={d}/log/slurmd-%n.log",
-        "# no cgroup plugins: several slurmds share one kernel (see pilab/slurm.py)",
+        "# no cgroup plugins: several slurmds share one kernel (see pilab/testbed/slurm.py)",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none", "SlurmdParameters=config_overrides",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "SchedulerType=sched/backfill",
@@ -147,7 +148,6 @@ def _start_munge(tb: Testbed) -> None:
 def _head_up(tb: Testbed) -> None:
     """The head node: a namespace of its own on the bridge at the range's .2."""
     ns, veth = head_netns(tb.name), f"{tb.name}-nh"
-    from .testbed import _links, _netns_list
     if ns not in _netns_list():
         _run("ip", "netns", "add", ns)
     if veth not in _links():
@@ -181,10 +181,6 @@ def start(tb: Testbed, *, wait_s: float = 60.0) -> str:
              f"&& exec {_sbin('slurmd')} -f {conf}", ns=tb.netns(h))
     wait_idle(tb, wait_s, log=os.path.join(d, "log", "slurmctld.log"))
     return conf
-
-
-def env_vars(name: str) -> dict:
-    return {"SLURM_CONF": conf_path(name)} if is_up(name) else {}
 
 
 def wait_idle(tb: Testbed, wait_s: float, *, log: str = "") -> None:
@@ -227,7 +223,6 @@ def stop(name: str) -> list[str]:
     crash: found by the state directory and the name's prefix). Returns what it stopped/removed."""
     d, removed = _dir(name), []
     ns = head_netns(name)
-    from .testbed import _links, _netns_list
     for pidfile in sorted(os.listdir(d)) if os.path.isdir(d) else []:
         if pidfile.startswith("slurm") and pidfile.endswith(".pid") and \
                 _kill_pidfile(os.path.join(d, pidfile), conf_path(name)):

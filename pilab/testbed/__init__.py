@@ -1,0 +1,58 @@
+"""A Pi cluster on one Linux machine: N network namespaces ("nodes") on a bridge, real TCP between them.
+
+Each node is a network namespace with one veth link to a bridge in the root namespace, an address from
+one private range the testbed owns, rate shaping on its link in both directions (default 1 GbE, as on
+the Raspberry Pi 4B), and -- for every process started on it -- its own hostname (UTS namespace), its
+own ``/dev/shm`` (mount namespace) and its own pid namespace, as on a separate board. The pid namespace
+is what makes the shim as tidy as ssh: when mpiexec ends (normally, after a failed launch, or killed)
+the proxy it started dies, and with the proxy every process of that job on the node (see ``SHIM``).
+Hydra reaches the nodes the way it reaches real hosts: ``mpiexec -launcher ssh -launcher-exec SHIM``
+calls ``SHIM -x HOST command…``, and the shim runs the command in that host's namespaces instead of
+over ssh::
+
+    sudo python -m pilab testbed up --nodes 4 --slots 2 --rate 1gbit
+    eval "$(sudo python -m pilab testbed env)"          # HYDRA_* and UCX_* for mpiexec
+    python -m pilab scale --nps 2,4,8 --hostfile /run/pilab-testbed/hosts
+    sudo python -m pilab testbed down                    # also after a crash
+
+    from pilab import testbed
+    tb = testbed.up(testbed.Testbed(nodes=2, slots=2))   # idempotent; needs root, ip and tc
+    cmd = launch.pilab_command(4, ["train"], hostfile=tb.hostfile, extra=tb.mpiexec_args())
+    subprocess.run(cmd, env=tb.env())
+    testbed.down(tb.name)
+
+Where the bytes go (verified with the veths' byte counters, see ``traffic`` and docs/perfmodel.md):
+MPICH's ch4 device moves messages between ranks of one node through its own POSIX shared memory
+(ranks are on one node when one Hydra proxy, i.e. one host of the hostfile, started them), and
+between nodes through its network module. pip's MPICH uses UCX there, and UCX would itself pick a
+shared-memory transport (``posix``/``cma``: one kernel, one pid namespace) between namespaces of one
+machine, so nothing would cross the shaped link. ``env()`` therefore sets ``UCX_TLS=tcp,self`` and
+``UCX_NET_DEVICES=eth0``: shared memory inside a node (MPICH's), TCP over the node's link between nodes.
+
+Slurm on the testbed (``up --slurm``: munged, slurmctld on a head namespace, a slurmd per node) is
+:mod:`pilab.testbed.slurm`.
+
+The package by concern: ``nodes`` (what a testbed is, up/down/status), ``shim`` (the files Hydra uses),
+``make`` (up, down, status), ``links`` (a node's link: down, shaped, its traffic), ``cgroups`` (a node's processes, CPU quota and
+memory limit), ``mounts`` (cgroup file systems and overlays inside a node), ``slurm``.
+
+Everything the testbed makes carries its name as a prefix (namespaces ``<name>-node01…``, links
+``<name>-br`` and ``<name>-n01…``, the state directory ``/run/<name>-testbed``), so ``down`` finds and
+removes all of it even when the process that made it crashed. Traffic never leaves this machine: the
+namespaces have no default route and no NAT, and ``up`` refuses a range that overlaps any route or
+address already configured here.
+"""
+from __future__ import annotations
+
+from .cgroups import limit_memory, processes, ps, throttle
+from .links import link, shape, traffic, traffic_delta
+from .make import down, status, up
+from .mounts import clear_overlays, overlay
+from .nodes import (DEFAULT_NAME, DEFAULT_RATE, DEFAULT_SUBNET, FIRST_HOST, NODE_IFACE, Testbed, TestbedError,
+                    _links, _netns_list, _routes_and_addresses, available, burst_bytes, check_range, load,
+                    parse_rate, state_dir)
+
+__all__ = ["Testbed", "TestbedError", "up", "down", "load", "status", "available", "parse_rate",
+           "link", "shape", "throttle", "limit_memory", "overlay", "clear_overlays", "traffic", "traffic_delta",
+           "processes", "ps", "burst_bytes", "check_range", "state_dir", "FIRST_HOST", "NODE_IFACE",
+           "DEFAULT_SUBNET", "DEFAULT_RATE", "DEFAULT_NAME", "_links", "_netns_list", "_routes_and_addresses"]
