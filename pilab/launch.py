@@ -83,7 +83,7 @@ def srun_command(np_: int, program: Sequence[str], *, mpiexec: str | None = None
     ``SLURM_TASKS_PER_NODE``) and starts one proxy per node with ``srun``: nodes filled in order, each up to
     its tasks, as with the allocation written out as a hostfile (:func:`pilab.hosts.place`). A
     ``HYDRA_HOST_FILE`` left in the environment (the testbed's ``env``) would take precedence, hence
-    ``env -u``. (``srun --mpi=pmi2`` alone starts small MPICH programs, but Slurm 22.05's PMI-2 server
+    ``env -u``; so does a ``HYDRA_IFACE`` this host lacks (an sbatch script gets the submitter's). (``srun --mpi=pmi2`` alone starts small MPICH programs, but Slurm 22.05's PMI-2 server
     rejects the address exchange of pilab's ranks under MPICH 5: "value not properly terminated".)"""
     from .hosts import HostsError, allocation, place
     srun = shutil.which("srun")
@@ -94,8 +94,12 @@ def srun_command(np_: int, program: Sequence[str], *, mpiexec: str | None = None
         place(allocation(), np_)
     except HostsError as e:
         raise LaunchError(str(e)) from None
-    return ["env", "-u", "HYDRA_HOST_FILE", find_mpiexec(mpiexec), "-launcher", "slurm", "-launcher-exec",
-            srun, "-n", str(np_), *program]
+    unset = ["-u", "HYDRA_HOST_FILE"]
+    iface = os.environ.get("HYDRA_IFACE")
+    if iface and not os.path.exists(f"/sys/class/net/{iface}"):
+        unset += ["-u", "HYDRA_IFACE"]  # the head's interface, seen from a batch script on a node
+    return ["env", *unset, find_mpiexec(mpiexec), "-launcher", "slurm", "-launcher-exec", srun,
+            "-n", str(np_), *program]
 
 
 def pilab_command(np_: int, args: Sequence[str], **kwargs) -> list[str]:

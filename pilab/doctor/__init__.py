@@ -271,7 +271,9 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
     tmp = tmp_dir.name
     hostfile = hostfile or _hostfile(tmp, "all", hosts)
     from ..lab.cluster.profiles import lan_address
-    toward = lan_address(hostfile)  # the head's own address on the hosts' network: the route MPI takes
+    # the head's own address on the hosts' network (the route MPI takes): the one the controller is told
+    # to use, else the one that routes to the hosts (node names of an allocation may not resolve here)
+    toward = env.get("PILAB_CONTROLLER_IP") or lan_address(hostfile)
     bind, advertised = controller_address(hostfile, env)
     try:
         listener = _Listener(bind)

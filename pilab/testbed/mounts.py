@@ -2,6 +2,7 @@
 and ``overlay``'s per-node bind mounts (a changed file on one board)."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shlex
@@ -44,11 +45,24 @@ def _cgroup_mounts() -> list[str]:
     return lines
 
 
+def _etc_hosts(tb: Testbed) -> str:
+    """The nodes' /etc/hosts (the head, node01...), bound over /etc/hosts inside a node only, as a small
+    cluster's hosts file: Hydra's proxies started by Slurm reach mpiexec by its node's name. This
+    machine's own /etc/hosts is left as it is; no name lookup leaves the machine."""
+    path = os.path.join(tb.state_dir, "etc-hosts")
+    head = ipaddress.ip_network(tb.subnet).network_address + 2  # Slurm's head namespace (testbed.slurm)
+    lines = ["127.0.0.1 localhost", f"{head} head", *(f"{tb.address(h)} {h}" for h in tb.hosts)]
+    with open(path + ".tmp", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(path + ".tmp", path)
+    return f"mount --bind {shlex.quote(path)} /etc/hosts 2>/dev/null"
+
+
 def _write_mounts(tb: Testbed, overlays: list) -> None:
     """The shim sources this inside each job's mount namespace on a node (``$1`` = the host)."""
     lines = [f"# pilab testbed {tb.name}: mounts made inside a node's mount namespace (the cgroup file "
              "systems, testbed.overlay's binds); sourced by the shim with $1 = the node",
-             *_cgroup_mounts()]
+             *_cgroup_mounts(), _etc_hosts(tb)]
     for host, src, dst in overlays:
         lines.append(f'[ "$1" != {host} ] || mount --bind {shlex.quote(src)} {shlex.quote(dst)} || '
                      f'{{ echo "pilab testbed: cannot bind {src} over {dst} on {host}" >&2; exit 1; }}')
