@@ -79,7 +79,7 @@ def test_sinfo_shows_the_nodes_idle_and_srun_runs_on_them(tb):
     assert "ProctrackType=proctrack/linuxproc" in conf and "TaskPlugin=task/none" in conf
 
 
-def test_train_in_an_allocation_equals_mpiexec_with_a_hostfile(tb, tmp_path):
+def test_train_in_an_allocation_or_a_batch_job_equals_mpiexec_with_a_hostfile(tb, tmp_path):
     import torch
     alloc = _in_allocation(tb, [sys.executable, "-m", "pilab", "train", "--np", "4", *TINY,
                                 "--out", str(tmp_path / "alloc")])
@@ -89,10 +89,21 @@ def test_train_in_an_allocation_equals_mpiexec_with_a_hostfile(tb, tmp_path):
                                    "--out", str(tmp_path / "hostfile")], env=tb.env(mpi_env()),
                               timeout=300, cwd=REPO)
     assert hostfile.returncode == 0, hostfile.stderr[-3000:]
+    # a batch script runs on the allocation's first node (node01's namespace), with the submitter's
+    # environment: the same launch from there
+    script = tmp_path / "train.sbatch"
+    script.write_text("#!/bin/sh\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n"
+                      f"#SBATCH --output={tmp_path}/batch-%j.log\ncd {REPO}\n"
+                      f"{sys.executable} -m pilab train --np 4 {' '.join(TINY)} --out {tmp_path / 'batch'}\n")
+    batch = run_on_testbed(tb, ["sbatch", "--wait", str(script)], env=tb.env(mpi_env()), timeout=300, cwd=REPO)
+    logs = "".join(p.read_text() for p in tmp_path.glob("batch-*.log"))
+    assert batch.returncode == 0, batch.stderr + logs[-3000:]
     a = json.loads((tmp_path / "alloc" / "result.json").read_text())
     b = json.loads((tmp_path / "hostfile" / "result.json").read_text())
-    assert a["env"]["hostnames"] == b["env"]["hostnames"] == ["node01", "node01", "node02", "node02"]
-    assert a["steps"]["loss"] == b["steps"]["loss"]  # bitwise: same placement, same sums
+    c = json.loads((tmp_path / "batch" / "result.json").read_text())
+    assert a["env"]["hostnames"] == b["env"]["hostnames"] == c["env"]["hostnames"] == \
+        ["node01", "node01", "node02", "node02"]
+    assert a["steps"]["loss"] == b["steps"]["loss"] == c["steps"]["loss"]  # bitwise: same placement, same sums
     assert [e["test_loss"] for e in a["epochs"]] == [e["test_loss"] for e in b["epochs"]]
     wa = torch.load(tmp_path / "alloc" / "checkpoint.pt", weights_only=False)["model"]
     wb = torch.load(tmp_path / "hostfile" / "checkpoint.pt", weights_only=False)["model"]

@@ -90,6 +90,19 @@ def check_study_dir(cfg, *, overwrite: bool, resume: bool) -> None:
                          "command with --resume runs only the missing points, --overwrite starts over")
 
 
+def _progress(ev) -> None:
+    """One line per finished point; the other events feed a notebook's bar."""
+    from ..study import analysis
+    if ev.get("kind") != "run":
+        return
+    r = ev["result"]
+    acc = analysis.final_value(r, "test_acc")
+    took = (f"reused from {r['reused_from']}" if r.get("reused_from") else "kept from the earlier run") \
+        if ev.get("kept") else f"{r['wall_time']:.0f}s"
+    print(f"  np={ev['np']:<3} {'simulated' if ev['simulated'] else 'measured '} "
+          f"global batch {r['global_batch']:<5} final test acc {acc:.3f}  ({took})", file=sys.stderr, flush=True)
+
+
 def run(args, argv) -> int:
     from ..study import analysis, tables
     from ..study.scaling import Interrupted, study
@@ -124,23 +137,12 @@ def run(args, argv) -> int:
         mpi_or_error()
     print(f"pilab scale: measured np {nps}, simulated np {sims}, writing {cfg.out}", file=sys.stderr)
 
-    def progress(ev):
-        if ev.get("kind") != "run":  # one line per finished point; the others feed a notebook's bar
-            return
-        r = ev["result"]
-        acc = analysis.final_value(r, "test_acc")
-        took = (f"reused from {r['reused_from']}" if r.get("reused_from") else "kept from the earlier run") \
-            if ev.get("kept") else f"{r['wall_time']:.0f}s"
-        print(f"  np={ev['np']:<3} {'simulated' if ev['simulated'] else 'measured '} "
-              f"global batch {r['global_batch']:<5} final test acc {acc:.3f}  ({took})",
-              file=sys.stderr, flush=True)
-
     command = "python -m pilab scale " + " ".join(argv)
     analysis.target_name(args.target)  # a bad --target is refused before any run
     try:
         with sigterm_as_interrupt():
             res = study(cfg, nps, simulate_nps=sims, criteria=criteria, out=cfg.out,
-                        mpiexec=args.mpiexec, hostfile=args.hostfile, callbacks=[progress],
+                        mpiexec=args.mpiexec, hostfile=args.hostfile, callbacks=[_progress],
                         command=command.strip(), target=args.target, resume=args.resume_study,
                         reuse=[d for d in args.reuse.split(",") if d])
     except Interrupted as e:

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from . import HELLO, MARK  # the head reads the lines that start with these from the job's stdout
+from .common import HELLO, MARK  # the head reads the lines that start with these from the job's stdout
 
 
 def say(kind: str, obj) -> None:

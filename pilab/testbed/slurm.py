@@ -46,6 +46,7 @@ import subprocess
 import time
 
 from .nodes import NODE_IFACE, Testbed, TestbedError, _links, _netns_list, _run, slurm_conf, state_dir
+from .shim import _write_files
 
 __all__ = ["available", "start", "stop", "is_up", "conf_path", "head_address", "write_conf", "wait_idle",
            "PARTITION", "COMMANDS"]
@@ -180,6 +181,7 @@ def start(tb: Testbed, *, wait_s: float = 60.0) -> str:
              f"hostname {h} && mount -t tmpfs -o mode=1777,size=50% tmpfs /dev/shm && . {mounts} {h} "
              f"&& exec {_sbin('slurmd')} -f {conf}", ns=tb.netns(h))
     wait_idle(tb, wait_s, log=os.path.join(d, "log", "slurmctld.log"))
+    _write_files(tb)  # env.sh again, now with SLURM_CONF
     return conf
 
 
