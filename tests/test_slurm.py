@@ -56,10 +56,11 @@ def _ours() -> list[str]:
     return [ln for ln in p.stdout.splitlines() if "pgrep" not in ln]
 
 
-def _in_allocation(tb, cmd, *, timeout=300, **kw):
-    """``salloc -N 2 --ntasks-per-node 2 cmd`` from the head (this machine's shell, as on a login node)."""
+def _in_allocation(tb, cmd, cwd, *, timeout=300):
+    """``salloc -N 2 --ntasks-per-node 2 cmd`` from the head (this machine's shell, as on a login node).
+    ``cwd``: a test's tmp_path -- the ranks start there too (and anything they leave, a core file included)."""
     return run_on_testbed(tb, ["salloc", "-N", "2", "--ntasks-per-node", "2", *cmd], env=tb.env(mpi_env()),
-                          timeout=timeout, cwd=REPO, **kw)
+                          timeout=timeout, cwd=cwd)
 
 
 def test_sinfo_shows_the_nodes_idle_and_srun_runs_on_them(tb):
@@ -82,20 +83,21 @@ def test_sinfo_shows_the_nodes_idle_and_srun_runs_on_them(tb):
 def test_train_in_an_allocation_or_a_batch_job_equals_mpiexec_with_a_hostfile(tb, tmp_path):
     import torch
     alloc = _in_allocation(tb, [sys.executable, "-m", "pilab", "train", "--np", "4", *TINY,
-                                "--out", str(tmp_path / "alloc")])
+                                "--out", str(tmp_path / "alloc")], tmp_path)
     assert alloc.returncode == 0, alloc.stderr[-3000:]
     assert "-launcher slurm" in alloc.stderr  # the ranks went through Slurm, not the hostfile's shim
     hostfile = run_on_testbed(tb, [sys.executable, "-m", "pilab", "train", "--np", "4", *TINY,
                                    "--out", str(tmp_path / "hostfile")], env=tb.env(mpi_env()),
-                              timeout=300, cwd=REPO)
+                              timeout=300, cwd=tmp_path)
     assert hostfile.returncode == 0, hostfile.stderr[-3000:]
     # a batch script runs on the allocation's first node (node01's namespace), with the submitter's
     # environment: the same launch from there
     script = tmp_path / "train.sbatch"
     script.write_text("#!/bin/sh\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n"
-                      f"#SBATCH --output={tmp_path}/batch-%j.log\ncd {REPO}\n"
+                      f"#SBATCH --output={tmp_path}/batch-%j.log\ncd {tmp_path}\n"
                       f"{sys.executable} -m pilab train --np 4 {' '.join(TINY)} --out {tmp_path / 'batch'}\n")
-    batch = run_on_testbed(tb, ["sbatch", "--wait", str(script)], env=tb.env(mpi_env()), timeout=300, cwd=REPO)
+    batch = run_on_testbed(tb, ["sbatch", "--wait", str(script)], env=tb.env(mpi_env()), timeout=300,
+                           cwd=tmp_path)
     logs = "".join(p.read_text() for p in tmp_path.glob("batch-*.log"))
     assert batch.returncode == 0, batch.stderr + logs[-3000:]
     a = json.loads((tmp_path / "alloc" / "result.json").read_text())
@@ -117,7 +119,7 @@ def test_doctor_in_an_allocation_names_the_drained_node(tb, tmp_path):
     script = ("scontrol update nodename=node02 state=drain reason=fan-failed && "
               f"{sys.executable} -m pilab doctor --ranks-per-node 2 --json {report}")
     try:
-        p = _in_allocation(tb, ["sh", "-c", script])
+        p = _in_allocation(tb, ["sh", "-c", script], tmp_path)
     finally:
         subprocess.run(["scontrol", "update", "nodename=node02", "state=resume"], env=env, capture_output=True)
     assert p.returncode == 1, p.stdout + p.stderr
@@ -132,7 +134,8 @@ def test_doctor_in_an_allocation_names_the_drained_node(tb, tmp_path):
 
 def test_more_ranks_than_the_allocation_or_no_srun_is_one_line_exit_2(tb, tmp_path):
     out = tmp_path / "too-many"
-    p = _in_allocation(tb, [sys.executable, "-m", "pilab", "train", "--np", "6", *TINY, "--out", str(out)])
+    p = _in_allocation(tb, [sys.executable, "-m", "pilab", "train", "--np", "6", *TINY, "--out", str(out)],
+                       tmp_path)
     assert p.returncode == 2, p.stderr
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("pilab: error:")]
     assert len(errors) == 1 and "6 ranks but only 4 slots" in errors[0], p.stderr
@@ -140,7 +143,7 @@ def test_more_ranks_than_the_allocation_or_no_srun_is_one_line_exit_2(tb, tmp_pa
     # inside an allocation but srun not on PATH (a login shell without Slurm's module)
     bare = os.path.dirname(sys.executable)  # not /bin: merged /usr has srun there
     p = _in_allocation(tb, ["env", f"PATH={bare}", sys.executable, "-m", "pilab", "train", "--np", "4",
-                            *TINY, "--out", str(out)])
+                            *TINY, "--out", str(out)], tmp_path)
     assert p.returncode == 2, p.stderr
     assert "no srun on PATH" in p.stderr and not out.exists()
 
