@@ -37,7 +37,7 @@ as a Raspberry Pi OS user would. Run as root.
   --torch SPEC   the torch ./lab.sh installs (its PILAB_TORCH), e.g. torch==2.8.0: a CPU-only
                  aarch64 build on PyPI (102 MB), where the default torch==2.13.0 from PyPI is a CUDA build
                  (5 GB with its nvidia-* libraries) while PyTorch's CPU index is out of reach
-  --testbed NAME  afterwards, a 2-node testbed NAME (pilab/testbed.py) whose node02 runs its processes
+  --testbed NAME  afterwards, a 2-node testbed NAME (pilab/testbed/) whose node02 runs its processes
                  inside the arm64 root, and a synchronous 3-step `train` over x86 node01 + arm64 node02
                  (pip's MPICH on both); the testbed is taken down on exit
   --subnet CIDR  the testbed's private range (required with --testbed, e.g. 10.77.0.0/24)
