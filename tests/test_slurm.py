@@ -132,6 +132,32 @@ def test_doctor_in_an_allocation_names_the_drained_node(tb, tmp_path):
     assert "node02" in p.stdout and "fan-failed" in p.stdout
 
 
+def test_slurm_profile_engines_are_ranks_in_rank_order(tb, monkeypatch):
+    """profiles/profile_slurm: ipyparallel's Slurm launcher submits one job whose engines are the ranks of
+    one MPI job; they register with the controller on the head's bridge address; a %%px-style cell runs
+    on every rank."""
+    pytest.importorskip("ipyparallel")
+    from pilab.lab import cluster
+    for k, v in tb.env_vars().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    lab = cluster.start(profile="slurm", n=4, timeout=240)
+    try:
+        assert lab.size == 4
+        info = json.load(open(lab.ipp_cluster.cluster_file))["cluster"]
+        assert info["controller_ip"] == tb.bridge_address
+        assert [r["host"] for r in lab.ranks] == ["node01", "node01", "node02", "node02"]
+        lab.view.execute("from mpi4py import MPI\nimport socket\n"
+                         "px = (MPI.COMM_WORLD.Get_rank(), socket.gethostname(), "
+                         "MPI.COMM_WORLD.allreduce(MPI.COMM_WORLD.Get_rank()))", block=True)
+        assert lab.view.pull("px", block=True) == [(0, "node01", 6), (1, "node01", 6), (2, "node02", 6),
+                                                   (3, "node02", 6)]
+    finally:
+        lab.stop()
+    left = subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=tb.env(), timeout=30)
+    assert left.stdout.strip() == ""  # the engines' job ended with them
+
+
 def test_more_ranks_than_the_allocation_or_no_srun_is_one_line_exit_2(tb, tmp_path):
     out = tmp_path / "too-many"
     p = _in_allocation(tb, [sys.executable, "-m", "pilab", "train", "--np", "6", *TINY, "--out", str(out)],
