@@ -25,6 +25,7 @@ LAYERS = {
     "engine.signals": 0,  # installing signal handlers and putting the old ones back; no pilab imports
     "verdict": 0,  # the one logic that judges a study's rows; no pilab imports (a leaf: plots and study use it)
     "plots": 0.5,  # draws what pilab.verdict judged
+    "models.custom": 0.9,  # your own model's builder, found by its string (torch only)
     "models.zoo": 1, "config": 1, "testbed": 1,
     "models.memory": 1.5,  # predicted memory per rank: config and the models only (the doctor and train use it)
     "engine.watchdog": 2, "engine.stragglers": 2,
@@ -33,6 +34,7 @@ LAYERS = {
     "engine.localsgd": 3,  # local SGD's plan and the simulator's per-rank weights (torch only)
     "engine.ranks": 3.5,  # the rank backends (MPI ranks, the simulator's virtual ranks) the loop drives
     "engine.loop": 4,
+    "engine.preflight": 4.5,  # your own model against your data, before any rank starts
     "engine.train": 5, "engine.simulate": 5,
     "engine.harness": 5.2,  # one guarded run on the ranks (vote, signals, abort, watchdog): CLI, engines, the
                             # study's jobs

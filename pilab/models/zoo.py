@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import custom
+from .names import is_builder_spec
 from .names import (MODEL_NAMES, SNN_INSTALL_HINT, SPIKING_MODELS, SPIKING_WIDTH_RANGE,  # noqa: F401
                           WIDTH_RANGE, check_width)
 
@@ -431,6 +433,8 @@ def build_model(name: str, num_classes: int = 10, width: float = 1.0, *,
     check_width(name, width)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"num_classes={num_classes!r} must be a positive int")
+    if is_builder_spec(name):  # your own model (pilab.models.custom)
+        return custom.build(name, num_classes, float(width), timesteps=timesteps)
     if name not in _TAKES_TIMESTEPS:
         return _REGISTRY[name](num_classes, float(width))
     timesteps = DEFAULT_TIMESTEPS if timesteps is None else timesteps
@@ -467,7 +471,7 @@ def _hooked_forward(model: nn.Module, hooks, image_size: int) -> None:
     """One eval-mode forward of a single zero image with ``hooks`` ((module, fn) pairs) attached;
     the hooks are removed and the model's train/eval mode restored afterwards."""
     param = next(model.parameters())
-    x = torch.zeros(1, 3, image_size, image_size, device=param.device, dtype=param.dtype)
+    x = torch.zeros(1, custom.input_channels(model), image_size, image_size, device=param.device, dtype=param.dtype)
     handles = [m.register_forward_hook(fn) for m, fn in hooks]
     was_training = model.training
     try:
