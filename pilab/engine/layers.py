@@ -165,6 +165,9 @@ class RankContext:
         # True in the simulator's fast mode: GhostBatchNorm2d takes every group's statistics in one
         # vectorised reduction instead of one native batch_norm call per group (not bit-exact)
         self.vectorised = False
+        # RankDropout's per-rank RNG streams within one step (several ranks per forward), and that step
+        self.streams: dict = {}
+        self.streams_step = None
 
 
 class GhostBatchNorm2d(nn.Module):
@@ -330,9 +333,9 @@ class RankDropout(nn.Module):
     masks are each virtual rank's own, as an MPI rank draws them.
 
     One rank per forward (the exact simulator on CPU): the backend has seeded the global RNG with the
-    rank's step seed, as an MPI rank does, so the layer runs as it is -- exact for any number of dropout
-    layers. Several ranks per forward: each rank's part is drawn after seeding with that rank's step
-    seed (exact for a model with one dropout layer; the fast mode's other deviations are documented)."""
+    rank's step seed, as an MPI rank does, so the layer runs as it is. Several ranks per forward (bn=sync,
+    a GPU, the fast mode): each rank's part is drawn from that rank's own stream, seeded with its step
+    seed at its first dropout layer of the step. Either way exact for any number of dropout layers."""
 
     def __init__(self, inner, context: RankContext):
         super().__init__()
@@ -350,11 +353,30 @@ class RankDropout(nn.Module):
         r0, r1 = ctx.ranks
         if r1 - r0 == 1:
             return self.inner(x)
+        # each rank's stream goes on from where its previous dropout layer left it this step, as on an
+        # MPI rank that seeded once: exact for any number of dropout layers
+        streams = ctx.streams if ctx.streams_step == (ctx.epoch, ctx.step) else {}
+        ctx.streams, ctx.streams_step = streams, (ctx.epoch, ctx.step)
         out = []
         for r, part in zip(range(r0, r1), x.chunk(r1 - r0)):
-            torch.manual_seed(step_seed(ctx.seed, ctx.epoch, ctx.step, r))
+            if r in streams:
+                _set_rng(streams[r], part.device)
+            else:
+                torch.manual_seed(step_seed(ctx.seed, ctx.epoch, ctx.step, r))
             out.append(self.inner(part))
+            streams[r] = _get_rng(part.device)
         return torch.cat(out)
+
+
+def _get_rng(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
 
 
 def _replace(module: nn.Module, make) -> None:
