@@ -567,7 +567,32 @@ def train_flops_per_image(name: str, width: float = 1.0, num_classes: int = 10,
     cannot make their weights diverge.
     """
     model = probe_model(name, num_classes=num_classes, width=width, timesteps=timesteps)
+    if is_builder_spec(name):  # your own model: whatever its forward runs (matmuls, attention...), counted
+        return counted_train_flops(model, image_size)
     return 3.0 * 2.0 * forward_macs(model, image_size)
+
+
+def counted_train_flops(model: nn.Module, image_size: int = 32) -> float:
+    """Training FLOPs per image of any model: torch's ``FlopCounterMode`` over one probe image's forward
+    (every convolution, matmul and attention it runs), times 3 for forward + backward -- the rule the
+    built-in models' analytic count uses (``train_flops_per_image``). The forward is counted, not the
+    backward: torch's counter takes a grouped (depthwise) convolution's backward as a dense one.
+
+        counted_train_flops(my_model, image_size=64)
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    param = next(model.parameters())
+    x = torch.zeros(1, custom.input_channels(model), image_size, image_size, device=param.device, dtype=param.dtype)
+    counter = FlopCounterMode(display=False)
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad(), counter:
+            model(x)
+    finally:
+        model.train(was_training)
+    return 3.0 * float(counter.get_total_flops())
 
 
 def synaptic_ops(model: nn.Module, x: torch.Tensor, *, train: bool = False) -> dict:
