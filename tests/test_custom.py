@@ -102,8 +102,7 @@ def test_a_builder_from_python_and_its_width():
     spec = custom.model_spec(mine)
     assert custom.is_local(spec) and Config(model=spec).model == spec
     assert custom.build(spec, 7)(torch.zeros(2, 3, 8, 8)).shape == (2, 7)
-    with pytest.raises(ModelError, match="takes no width argument; drop --width"):
-        custom.build(spec, 7, 0.5)
+    assert custom.build(spec, 7, 0.5)(torch.zeros(2, 3, 8, 8)).shape == (2, 7)  # no width parameter: ignored
     # width reaches a builder that names it; registered names keep working
     assert sum(p.numel() for p in custom.build(f"{MODELS}:small_resnet", 10, 0.25).parameters()) < \
         sum(p.numel() for p in custom.build(f"{MODELS}:small_resnet", 10, 0.5).parameters())

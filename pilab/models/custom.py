@@ -118,7 +118,7 @@ def _import_attr(module: str, attr: str):
 
 def build(spec: str, num_classes: int = 10, width: float = 1.0, *, timesteps: Optional[int] = None) -> nn.Module:
     """A fresh model from builder ``spec``: ``num_classes`` always, ``width`` and ``timesteps`` only to a
-    builder that names them (``width`` other than 1.0 to one that does not is refused)::
+    builder that names them (the others ignore them, so a preset's width does not stop your model)::
 
         model = build("mynets:resnet8", num_classes=5)
     """
@@ -129,11 +129,8 @@ def build(spec: str, num_classes: int = 10, width: float = 1.0, *, timesteps: Op
         params = {}
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kwargs = {"num_classes": num_classes}
-    if "width" in params or takes_any:
+    if "width" in params or takes_any:  # a builder without it ignores --width, as one without timesteps does
         kwargs["width"] = width
-    elif width != 1.0:
-        raise ModelError(f"width={width} given, but {spec} takes no width argument; drop --width or add a "
-                         "width parameter to the builder")
     if timesteps is not None and ("timesteps" in params or takes_any):
         kwargs["timesteps"] = timesteps
     try:
