@@ -18,7 +18,7 @@ import torch
 from .. import data as data_mod
 from ..config import Config
 from ..models.names import ModelError, is_builder_spec
-from .layers import check_custom_model
+from .exactness import check_custom_model
 
 
 def with_model(cfg: Config, model_fn=None) -> Config:

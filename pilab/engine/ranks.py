@@ -37,7 +37,8 @@ from ..config import EVAL_CHUNK, Config, ConfigError
 from ..launch import mpi, mpi_versions
 from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
                    reduce_sums, share_of_mean, squared_norm, sync_buffers_, world)
-from .layers import (RankContext, check_custom_model, convert_sync_batchnorm, step_seed, sync_virtual_buffers_, use_batch_renorm,
+from .exactness import check_custom_model
+from .layers import (RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_, use_batch_renorm,
                      use_ghost_batchnorm, use_rank_dropout)
 from ..models.names import is_builder_spec
 from ..models.zoo import build_model
