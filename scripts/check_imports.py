@@ -26,14 +26,19 @@ LAYERS = {
     "engine.signals": 0,  # installing signal handlers and putting the old ones back; no pilab imports
     "verdict": 0,  # the one logic that judges a study's rows; no pilab imports (a leaf: plots and study use it)
     "plots": 0.5,  # draws what pilab.verdict judged
+    "models.custom": 0.9,  # your own model's builder, found by its string (torch only)
+    "models.counts": 0.92,  # parameters, MACs, FLOPs of one image (torch only)
+    "models.mobilenet": 0.95, "models.squeezenet": 0.95, "models.spiking": 0.97,  # the registered networks (spiking uses mobilenet's channel rounding)
     "models.zoo": 1, "config": 1, "testbed": 1,
     "models.memory": 1.5,  # predicted memory per rank: config and the models only (the doctor and train use it)
     "engine.watchdog": 2, "engine.stragglers": 2,
     "engine.dist": 2, "data": 2, "engine.checkpoint": 2,
-    "engine.layers": 3, "engine.ema": 3,  # ema: the weights' moving average (torch only)
+    "engine.layers": 3, "engine.ema": 3,
+    "engine.exactness": 3.2,  # your own model's layers checked for what the simulator cannot make per-rank  # ema: the weights' moving average (torch only)
     "engine.localsgd": 3,  # local SGD's plan and the simulator's per-rank weights (torch only)
     "engine.ranks": 3.5,  # the rank backends (MPI ranks, the simulator's virtual ranks) the loop drives
     "engine.loop": 4,
+    "engine.preflight": 4.5,  # your own model against your data, before any rank starts
     "engine.train": 5, "engine.simulate": 5,
     "engine.harness": 5.2,  # one guarded run on the ranks (vote, signals, abort, watchdog): CLI, engines, the
                             # study's jobs

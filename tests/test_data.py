@@ -11,6 +11,7 @@ import io
 import os
 import pickle
 import re
+import shutil
 import sys
 import tarfile
 import types
@@ -99,7 +100,8 @@ def small(embedded_raw, embedded, tmp_path_factory):
 
 
 def _files(d) -> list[str]:
-    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+    """The cache's files, less the content-hash memos (.content-*: one small text file per source version)."""
+    return sorted(f for f in os.listdir(d) if not f.startswith(".content-")) if os.path.isdir(d) else []
 
 
 def _assert_same(ds, x_train, y_train, x_test, y_test):
@@ -193,9 +195,16 @@ def test_cache_roundtrip_and_corruption(small, tmp_path, monkeypatch):
         assert data.load(small["path"], cache_dir=str(cache)).checksum == first.checksum
     assert _files(cache) == [name]
 
-    # A changed source (new mtime) gets a new cache entry.
+    # The cache is keyed by content: a touched source (new mtime, same bytes) keeps its entry, and so
+    # does a copy at another path; changed bytes get a new entry.
     os.utime(small["path"], ns=(1, 1))
+    copy = tmp_path / "copy.tar.gz"
+    shutil.copyfile(small["path"], copy)
+    assert data.load(str(copy), cache_dir=str(cache)).checksum == first.checksum
     data.load(small["path"], cache_dir=str(cache))
+    assert _files(cache) == [name]
+    _make_archive(copy, small["members"][:-1])
+    assert data.load(str(copy), cache_dir=str(cache)).checksum != first.checksum
     assert len(_files(cache)) == 2
 
 
@@ -568,15 +577,15 @@ def _bad_sources(tmp_path, small):
         "no test/": (_make_archive(tmp_path / "a2.tar.gz", [m for m in good if m[0].startswith("train/")]),
                      "no images under test/"),
         "extra class": (_make_archive(tmp_path / "a3.tar.gz", good + [("train/dragon/0.jpg", good[0][1])]),
-                        "not a CIFAR-10 class"),
-        "missing class": (_make_archive(tmp_path / "a4.tar.gz", [m for m in good if "/truck/" not in m[0]]),
-                          "lacks class folder"),
+                        "lacks class folder.*test/dragon"),
+        "missing class": (_make_archive(tmp_path / "a4.tar.gz", [m for m in good if "test/truck/" not in m[0]]),
+                          "lacks class folder.*test/truck"),
         "corrupt image": (_make_archive(tmp_path / "a5.tar.gz",
                                         good + [("train/cat/bad.jpg", good[0][1][:100])]), "corrupt"),
-        "not 32x32": (_make_archive(tmp_path / "a6.tar.gz", good + [("test/cat/big.png", _png((64, 64)))]),
-                      "64x64 RGB, not 32x32 RGB"),
-        "not RGB": (_make_archive(tmp_path / "a7.tar.gz", good + [("test/cat/grey.png", _png(mode="L"))]),
-                    "32x32 L, not 32x32 RGB"),
+        "mixed sizes": (_make_archive(tmp_path / "a6.tar.gz", good + [("test/cat/big.png", _png((64, 64)))]),
+                        "different sizes .*32x32, 64x64.*--image-size N"),
+        "one class": (_make_archive(tmp_path / "a7.tar.gz", [m for m in good if "/cat/" in m[0]]),
+                      "1 class folder under train/; a classifier needs at least 2"),
     }
 
 
@@ -604,7 +613,7 @@ def test_bad_directory_layout(small, tmp_path):
     (root / "test" / "unicorn").mkdir()
     with pytest.raises(DataError) as e:
         data.load(str(root), cache_dir=str(tmp_path / "cache"))
-    _check_message(e.value, "test/unicorn .*not a CIFAR-10 class")
+    _check_message(e.value, "lacks class folder.*train/unicorn")
     assert _files(tmp_path / "cache") == []
 
 

@@ -50,7 +50,8 @@ def _library_errors() -> tuple:
     # pilab.data and pilab.engine.dist import torch (seconds): an error of theirs can only have been raised once
     # they were imported, so look their types up instead of importing them for a one-line message.
     errors = [UsageError, ConfigError, LaunchError]
-    for module, name in (("pilab.data.dataset", "DataError"), ("pilab.engine.dist", "LauncherError")):
+    for module, name in (("pilab.data.dataset", "DataError"), ("pilab.engine.dist", "LauncherError"),
+                         ("pilab.models.names", "ModelError")):
         if module in sys.modules:
             errors.append(getattr(sys.modules[module], name))
     return tuple(errors)

@@ -85,6 +85,8 @@ def run(args, argv) -> int:
     for d in reuse:
         if not os.path.isdir(d):
             raise ConfigError(f"--reuse {d}: no such study directory; give a pilab scale --out directory")
+    from ..engine import preflight
+    preflight.check_model(cfg, mpi=True)  # your own model on your data, before any candidate runs
     cands = remedies.load_candidates(args.candidates) if args.candidates else None
     res = remedies.search(cfg, args.np, candidates=cands, only=only, recipes_of=args.recipes_of,
                           reference_acc=args.reference_acc, calibration=target,

@@ -120,9 +120,11 @@ def run(args, argv) -> int:
         raise ConfigError("process counts must be >= 1")
     # the count alone (the cache's labels): every point loads the images itself
     n_train = data.train_size(cfg.data, train_subset=cfg.train_subset, test_subset=cfg.test_subset,
-                              seed=cfg.seed)
+                              seed=cfg.seed, image_size=cfg.image_size)
     for p in nps + sims:
         cfg.check_world(p, n_train)
+    from ..engine import preflight
+    preflight.check_model(cfg, mpi=bool(nps))  # your own model on your data, before any point runs
     criteria = analysis.Criteria(baseline_np=baseline, target_fraction=args.target_fraction,
                                  wrong_gap=args.wrong_gap, wrong_floor=args.wrong_floor)
     if baseline and baseline not in nps:

@@ -81,6 +81,8 @@ def run(args, argv) -> int:
         from ..engine.loop import load_data
         ds = load_data(cfg)
         cfg.check_world(1, len(ds.y_train))
+        from ..engine import preflight
+        preflight.check_model(cfg)
         _memory_warning(cfg, args, 1, args.ranks_per_node or 1)
         if _check_output(cfg, args, 1):
             clear_out_dir(cfg.out)
@@ -110,8 +112,11 @@ def _launch(cfg: Config, args, argv) -> int:
         raise ConfigError(f"--np {args.np} must be >= 1")
     # the count alone (the cache's labels): the ranks load the images themselves
     cfg.check_world(args.np, data.train_size(cfg.data, train_subset=cfg.train_subset,
-                                             test_subset=cfg.test_subset, seed=cfg.seed))
+                                             test_subset=cfg.test_subset, seed=cfg.seed,
+                                             image_size=cfg.image_size))
     mpi_or_error()
+    from ..engine import preflight
+    preflight.check_model(cfg, mpi=True)  # your own model on your data: before any rank starts
     _check_output(cfg, args, args.np)
     _memory_warning(cfg, args, args.np, args.ranks_per_node or args.np)
     cmd = pilab_command(args.np, ["train", *strip_flags(argv, ("--np", "--mpiexec"))], mpiexec=args.mpiexec)

@@ -1,4 +1,5 @@
-"""CIFAR-10 for data-parallel training: loading, caching, sharding across ranks, batched augmentation.
+"""Image classification data for data-parallel training (CIFAR-10 by default, or your own: any classes,
+size, grey or RGB): loading, caching, sharding across ranks, batched augmentation.
 
 One process per rank calls the same functions; only the rank changes what it gets::
 
@@ -18,7 +19,9 @@ Sources for :func:`load` (decoded once, then cached as an ``.npz`` in :func:`def
 - ``"embedded"``: the class-balanced subset shipped in ``pilab/embedded/`` (see its README);
 - ``"cifar10"``: the official python batches placed in the cache by ``python -m pilab data fetch``;
 - a path to the official ``cifar-10-batches-py`` directory (or its ``.tar.gz``), or to an ImageFolder
-  directory / ``.tar.gz`` with ``train/<class>/*.jpg|png`` and ``test/<class>/*``.
+  directory / ``.tar.gz`` with ``train/<class>/*.jpg|png`` and ``test/<class>/*`` (any classes, any size:
+  ``image_size=N`` resizes mixed sizes);
+- a ``.npz`` written by :func:`save` from numpy arrays or torch Datasets (:mod:`~pilab.data.arrays`).
 
 Where things live (everything below is importable from ``pilab.data`` itself):
 
@@ -31,16 +34,17 @@ Where things live (everything below is importable from ``pilab.data`` itself):
 """
 from __future__ import annotations
 
-from .augmentation import MEAN, PAD, STD, augment, to_input
+from .arrays import from_arrays, from_dataset, save
+from .augmentation import MEAN, PAD, STD, augment, pad_for, to_input
 from .cache import cache_entries, clear_cache, default_cache_dir
 from .dataset import CIFAR10, CLASSES, DataError
 from .decode import BATCHES_DIR, OFFICIAL_URL
 from .loader import ShardLoader
 from .shards import POLICIES, epoch_accounting, epoch_batches, static_shards, stratified_subset, test_shard
-from .sources import fetch, load, train_size
+from .sources import describe, fetch, load, train_size
 
 __all__ = [
-    "CIFAR10", "CLASSES", "DataError", "load", "train_size", "fetch", "default_cache_dir", "cache_entries", "clear_cache",
+    "CIFAR10", "CLASSES", "DataError", "load", "train_size", "describe", "from_arrays", "from_dataset", "save", "fetch", "default_cache_dir", "cache_entries", "clear_cache",
     "BATCHES_DIR", "OFFICIAL_URL", "POLICIES", "stratified_subset", "static_shards", "epoch_accounting",
-    "epoch_batches", "test_shard", "MEAN", "STD", "PAD", "to_input", "augment", "ShardLoader",
+    "epoch_batches", "test_shard", "MEAN", "STD", "PAD", "pad_for", "to_input", "augment", "ShardLoader",
 ]

@@ -19,7 +19,7 @@ import numpy as np
 
 from .dataset import CIFAR10, CLASSES, _checksum
 
-_CACHE_VERSION = 1  # bump when decoding changes, so old caches are not reused
+_CACHE_VERSION = 2  # bump when decoding changes, so old caches are not reused (2: any classes and size)
 _ARRAYS = ("x_train", "y_train", "x_test", "y_test")
 
 
@@ -77,13 +77,31 @@ def clear_cache(cache_dir: str | None = None) -> list[str]:
     return removed
 
 
-def cache_path(cache: str, kind: str, path: str) -> str:
-    """Where ``load`` keeps the decoded arrays of source ``path`` (of ``kind``) inside ``cache``."""
-    return os.path.join(cache, f"cifar10-{cache_key(kind, path)}.npz")  # matches _CACHE_NAME
+def cache_path(cache: str, kind: str, path: str, variant: str = "") -> str:
+    """Where ``load`` keeps the decoded arrays of source ``path`` (of ``kind``) inside ``cache``;
+    ``variant`` (e.g. "64x64": the images resized) keys a differently decoded copy of the same source."""
+    return os.path.join(cache, f"cifar10-{cache_key(kind, path, variant, cache)}.npz")  # matches _CACHE_NAME
 
 
-def cache_key(kind: str, path: str) -> str:
-    """Key from the source's absolute path, size and mtime (summed / max over a directory's files)."""
+def _content_hash(path: str) -> str:
+    """sha256 over a file's bytes, or over a directory's files (relative path and bytes, sorted)."""
+    h = hashlib.sha256()
+    files = [path] if not os.path.isdir(path) else sorted(
+        os.path.join(root, f) for root, _, names in os.walk(path) for f in names)
+    for f in files:
+        if f != path:
+            h.update(os.path.relpath(f, path).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def cache_key(kind: str, path: str, variant: str = "", cache: str | None = None) -> str:
+    """Key from the source's content (its bytes; a directory's files and their relative paths), so two
+    copies of the same data share an entry and a changed file makes a new one. Hashing is done once per
+    version of the source: the content hash is remembered beside the cache under its path, size and
+    mtime (summed / max over a directory's files)."""
     if os.path.isdir(path):
         size, mtime = 0, os.stat(path).st_mtime_ns
         for root, _, files in os.walk(path):
@@ -93,8 +111,30 @@ def cache_key(kind: str, path: str) -> str:
     else:
         st = os.stat(path)
         size, mtime = st.st_size, st.st_mtime_ns
-    text = f"v{_CACHE_VERSION}|{kind}|{path}|{size}|{mtime}"
+    stamp = hashlib.sha256(f"{path}|{size}|{mtime}".encode()).hexdigest()[:16]
+    memo = os.path.join(cache or default_cache_dir(), f".content-{stamp}")
+    try:
+        with open(memo) as f:
+            content = f.read().strip()
+    except OSError:
+        content = ""
+    if len(content) != 64:
+        content = _content_hash(path)
+        _write_small(memo, content)
+    text = f"v{_CACHE_VERSION}|{kind}|{content}|{variant}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _write_small(path: str, text: str) -> None:
+    """Best effort, atomic: a read-only cache only costs hashing again."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-content-", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def read_cache(path: str) -> CIFAR10 | None:
@@ -106,15 +146,43 @@ def read_cache(path: str) -> CIFAR10 | None:
         with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
             arrays = [z[k] for k in _ARRAYS]
             checksum, source = str(z["checksum"]), str(z["source"])
-        ok = (arrays[0].dtype == np.uint8 and arrays[0].shape[1:] == (32, 32, 3)
-              and arrays[2].dtype == np.uint8 and arrays[2].shape[1:] == (32, 32, 3)
+            classes = tuple(str(c) for c in z["classes"]) if "classes" in z else CLASSES
+            stats = (tuple(float(v) for v in z["mean"]), tuple(float(v) for v in z["std"])) if "mean" in z \
+                else (None, None)
+        ok = (arrays[0].dtype == np.uint8 and arrays[0].ndim == 4 and arrays[0].shape[3] in (1, 3)
+              and arrays[2].dtype == np.uint8 and arrays[2].shape[1:] == arrays[0].shape[1:]
               and _checksum(arrays) == checksum)
     except Exception:  # truncated zip, bad CRC, missing key: all mean "rebuild"
         ok = False
     if not ok:
         warnings.warn(f"cache {path} is corrupt; decoding the source again", RuntimeWarning, stacklevel=3)
         return None
-    return CIFAR10(*arrays, classes=CLASSES, source=source, checksum=checksum)
+    if stats[0] is None:
+        return CIFAR10(*arrays, classes=classes, source=source, checksum=checksum)
+    return CIFAR10(*arrays, classes=classes, source=source, checksum=checksum, mean=stats[0], std=stats[1])
+
+
+def cached_meta(path: str) -> dict | None:
+    """Classes and image shape (C, H, W) of a cache file, from its labels and one image -- what a launcher
+    checks a model against before any rank starts (None when absent or unreadable)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
+            classes = tuple(str(c) for c in z["classes"]) if "classes" in z else CLASSES
+            h, w, c = _x_shape(z)
+            return {"classes": classes, "image_shape": (c, h, w), "n_train": len(z["y_train"])}
+    except Exception:
+        return None
+
+
+def _x_shape(z) -> tuple[int, int, int]:
+    """(H, W, C) of the training images of an open .npz, read from the array's header only."""
+    with z.zip.open("x_train.npy") as member:
+        version = np.lib.format.read_magic(member)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape = read(member)[0]
+    return tuple(shape[1:])
 
 
 def cached_sizes(path: str) -> tuple[int, int] | None:
@@ -139,7 +207,8 @@ def write_cache(path: str, ds: CIFAR10) -> None:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", suffix=".npz", dir=d)
         with os.fdopen(fd, "wb") as f:
             np.savez(f, x_train=ds.x_train, y_train=ds.y_train, x_test=ds.x_test, y_test=ds.y_test,
-                     checksum=np.array(ds.checksum), source=np.array(ds.source))
+                     checksum=np.array(ds.checksum), source=np.array(ds.source), classes=np.array(ds.classes),
+                     mean=np.array(ds.mean), std=np.array(ds.std))
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the cache holds public data

@@ -2,7 +2,7 @@
 
     from pilab.data import decode
     ds = decode.decode_source("folder", "/data/cifar10-jpeg")     # kind as pilab.data.sources resolves it
-    rgb = decode.decode_image(jpeg_bytes, "train/cat/0001.jpg")   # 32*32*3 bytes, HWC
+    rgb = decode.decode_image(jpeg_bytes, "train/cat/0001.jpg")   # uint8 (H, W, 3), or (H, W, 1) if grey
 
 Layouts: the official python batches (a ``cifar-10-batches-py`` directory or the ``.tar.gz``), an ImageFolder
 directory or ``.tar.gz`` (``train/<class>/*.jpg|png``, ``test/<class>/*``), and the embedded subset (original
@@ -28,23 +28,28 @@ BATCHES_DIR = "cifar-10-batches-py"
 _TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 _BATCH_FILES = _TRAIN_BATCHES + ("test_batch", "batches.meta")
 _IMAGE_EXT = (".jpg", ".jpeg", ".png")
-LAYOUTS = ("the official cifar-10-batches-py directory (data_batch_1..5, test_batch), or an ImageFolder "
-           "directory / .tar.gz with train/<class>/*.jpg and test/<class>/*.jpg")
+LAYOUTS = ("the official cifar-10-batches-py directory (data_batch_1..5, test_batch), an ImageFolder "
+           "directory / .tar.gz with train/<class>/*.jpg and test/<class>/*.jpg, or a .npz of pilab.data.save")
 
 
-def decode_source(kind: str, path: str) -> CIFAR10:
-    """Decode ``path`` of ``kind`` (embedded | batches | folder | archive); DataError names what is wrong."""
+def decode_source(kind: str, path: str, *, image_size: int = 0) -> CIFAR10:
+    """Decode ``path`` of ``kind`` (embedded | batches | folder | archive); DataError names what is wrong.
+    ``image_size`` > 0: an ImageFolder's images resized to that many pixels square."""
+    if image_size and kind in ("embedded", "batches") and image_size != 32:
+        raise DataError(f"image_size={image_size} resizes ImageFolder images only; {path} is CIFAR-10 at 32x32: "
+                        "drop --image-size, or give an ImageFolder")
     if kind == "embedded":
         return _decode_embedded(path)
     if kind == "batches":
         return _decode_batches_dir(path)
     if kind == "folder":
-        return _decode_folder(path)
-    return _decode_archive(path)
+        return _decode_folder(path, image_size)
+    return _decode_archive(path, image_size)
 
 
-def decode_image(data: bytes, where: str) -> bytes:
-    """One encoded image -> its 32*32*3 RGB bytes (HWC). Raises DataError for anything else."""
+def decode_image(data: bytes, where: str, image_size: int = 0) -> np.ndarray:
+    """One encoded image -> uint8 (H, W, C): C = 1 for a grey image, 3 otherwise (converted to RGB);
+    resized to ``image_size`` square (bilinear) when that is > 0. Raises DataError for a bad file."""
     # Imported here: ranks that find the decoded arrays in the cache never load PIL.
     from PIL import Image
 
@@ -52,60 +57,76 @@ def decode_image(data: bytes, where: str) -> bytes:
         # formats=: skip probing every PIL plugin; per-image overhead dominates for 32x32 images.
         with Image.open(io.BytesIO(data), formats=("JPEG", "PNG", "BMP", "WEBP")) as im:
             im.load()
-            size, mode = im.size, im.mode
-            pixels = im.tobytes() if (size == (32, 32) and mode == "RGB") else None
+            grey = im.mode in ("1", "L", "LA", "I", "I;16", "F")
+            im2 = im if im.mode == ("L" if grey else "RGB") else im.convert("L" if grey else "RGB")
+            if image_size and im2.size != (image_size, image_size):
+                im2 = im2.resize((image_size, image_size), Image.BILINEAR)
+            w, h = im2.size
+            pixels = np.frombuffer(im2.tobytes(), dtype=np.uint8).reshape(h, w, 1 if grey else 3)
     except Exception as e:  # PIL raises OSError, SyntaxError, ValueError... for bad files
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataError(f"image {where} is corrupt or not an image ({msg}); replace or delete it") from None
-    if pixels is None:
-        raise DataError(f"image {where} is {size[0]}x{size[1]} {mode}, not 32x32 RGB; convert it "
-                        "(e.g. PIL: im.convert('RGB').resize((32, 32))) or delete it")
     return pixels
 
 
-def _stack(pixels: Sequence[bytes]) -> np.ndarray:
-    # bytearray: the array owns writable memory (torch.from_numpy warns on read-only arrays).
-    return np.frombuffer(bytearray().join(pixels), dtype=np.uint8).reshape(-1, 32, 32, 3)
+def _stack(pixels: Sequence[np.ndarray], where: str = "") -> np.ndarray:
+    """One uint8 (N, H, W, C) array; grey images become RGB when the set mixes both. Images of several
+    sizes are refused (DataError: resize them with image_size)."""
+    if not pixels:
+        return np.zeros((0, 32, 32, 3), np.uint8)
+    sizes = {p.shape[:2] for p in pixels}
+    if len(sizes) > 1:
+        a, b = sorted(sizes)[:2]
+        raise DataError(f"images in {where or 'the data'} have different sizes ({a[0]}x{a[1]}, {b[0]}x{b[1]}, ...); "
+                        "pass --image-size N (image_size=N) to resize them all to NxN")
+    if len({p.shape[2] for p in pixels}) > 1:
+        pixels = [np.repeat(p, 3, axis=2) if p.shape[2] == 1 else p for p in pixels]
+    return np.ascontiguousarray(np.stack(pixels))
 
 
 class _Collector:
-    """Gathers (split, class, name, image) from an ImageFolder walk or archive stream, then orders them."""
+    """Gathers (split, class, name, image) from an ImageFolder walk or archive stream, then orders them.
+    Classes are the train/ folder names, sorted (CIFAR-10's ten sort into its label order)."""
 
-    def __init__(self, where: str):
-        self.where = where
+    def __init__(self, where: str, image_size: int = 0):
+        self.where, self.image_size = where, image_size
         self.items: dict[str, list] = {"train": [], "test": []}
         self.seen: dict[str, set] = {"train": set(), "test": set()}
 
     def add_dir(self, split: str, cls: str) -> None:
-        self._check_class(split, cls)
         self.seen[split].add(cls)
 
     def add(self, split: str, cls: str, name: str, data: bytes) -> None:
         self.add_dir(split, cls)
-        img = decode_image(data, f"{split}/{cls}/{name} in {self.where}")
-        self.items[split].append((CLASSES.index(cls), name, img))
-
-    def _check_class(self, split: str, cls: str) -> None:
-        if cls not in CLASSES:
-            raise DataError(f"folder {split}/{cls} in {self.where} is not a CIFAR-10 class; rename or "
-                            f"remove it (expected class folders: {' '.join(CLASSES)})")
+        img = decode_image(data, f"{split}/{cls}/{name} in {self.where}", self.image_size)
+        self.items[split].append((cls, name, img))
 
     def finish(self, what: str) -> CIFAR10:
         out = []
         for split in ("train", "test"):
             if not self.items[split]:
                 raise DataError(f"{self.where} has no images under {split}/; add them as "
-                                f"{split}/<class>/*.jpg|png for the ten CIFAR-10 classes")
-            missing = [c for c in CLASSES if c not in self.seen[split]]
+                                f"{split}/<class>/*.jpg|png for each class")
+        classes = tuple(sorted(self.seen["train"]))
+        if len(classes) < 2:
+            raise DataError(f"{self.where} has {len(classes)} class folder under train/; a classifier needs "
+                            "at least 2: add train/<class>/ folders, one per class")
+        for split in ("train", "test"):
+            other = "test" if split == "train" else "train"
+            missing = sorted(self.seen[other] - self.seen[split])
             if missing:
                 folders = ", ".join(f"{split}/{c}" for c in missing)
-                raise DataError(f"{self.where} lacks class folder(s) {folders}; "
-                                f"add them (all ten CIFAR-10 classes are needed: {' '.join(CLASSES)})")
+                raise DataError(f"{self.where} lacks class folder(s) {folders}; add them (train/ and test/ "
+                                f"need the same class folders: {' '.join(sorted(self.seen[other]))})")
             # Order by class, then file name: independent of archive member or directory listing order.
-            items = sorted(self.items[split], key=lambda t: (t[0], _natural(t[1])))
-            out.append(_stack([t[2] for t in items]))
-            out.append(np.array([t[0] for t in items], dtype=np.int64))
-        return CIFAR10.from_arrays(*out, source=f"{what} {self.where} ({len(out[1])} train / {len(out[3])} test)")
+            items = sorted(self.items[split], key=lambda t: (classes.index(t[0]), _natural(t[1])))
+            out.append(_stack([t[2] for t in items], f"{self.where}"))
+            out.append(np.array([classes.index(t[0]) for t in items], dtype=np.int64))
+        if out[0].shape[1:] != out[2].shape[1:]:
+            raise DataError(f"train images in {self.where} are {out[0].shape[1:]} (HxWxC), test images "
+                            f"{out[2].shape[1:]}; pass --image-size N to resize them all to NxN")
+        return CIFAR10.from_arrays(*out, source=f"{what} {self.where} ({len(out[1])} train / {len(out[3])} test)",
+                                   classes=classes)
 
 
 def _natural(name: str):
@@ -116,8 +137,8 @@ def _is_image(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(_IMAGE_EXT)
 
 
-def _decode_folder(path: str) -> CIFAR10:
-    col = _Collector(path)
+def _decode_folder(path: str, image_size: int = 0) -> CIFAR10:
+    col = _Collector(path, image_size)
     for split in ("train", "test"):
         top = os.path.join(path, split)
         if not os.path.isdir(top):
@@ -134,9 +155,9 @@ def _decode_folder(path: str) -> CIFAR10:
     return col.finish("ImageFolder directory")
 
 
-def _decode_archive(path: str) -> CIFAR10:
+def _decode_archive(path: str, image_size: int = 0) -> CIFAR10:
     """Stream a .tar.gz once: ImageFolder members are decoded as they pass, python batches collected."""
-    col, batches, prefix = _Collector(path), {}, None
+    col, batches, prefix = _Collector(path, image_size), {}, None
     try:
         with tarfile.open(path, "r|*") as tar:
             for m in tar:
@@ -242,7 +263,7 @@ def _decode_embedded(path: str) -> CIFAR10:
         raise DataError(f"the embedded subset {path} is unreadable ({e}); reinstall pilab or run "
                         "scripts/make_embedded.py") from None
     imgs = _stack([decode_image(blob[offsets[i]:offsets[i + 1]].tobytes(), f"{names[i]} in {path}")
-                   for i in range(len(labels))])
+                   for i in range(len(labels))], path)
     return CIFAR10.from_arrays(imgs[:n_train], labels[:n_train], imgs[n_train:], labels[n_train:],
                  source=f"pilab embedded CIFAR-10 subset ({n_train} train / {len(labels) - n_train} test "
                         f"JPEGs from cifar10-jpeg.tar.gz sha256 {sha[:12]}…)")

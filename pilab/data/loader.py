@@ -11,7 +11,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .augmentation import augment, augment_draws, augment_with, to_input
+from .augmentation import augment, augment_draws, augment_with, pad_for, to_input
 from .dataset import CIFAR10, DataError
 from .shards import _check_np, _reshuffle_global, _static_local, epoch_accounting, static_shards
 
@@ -43,6 +43,8 @@ class ShardLoader:
                             f"its batch of {batch}; use fewer processes or a smaller batch")
         self.np_, self.rank, self.batch_size, self.seed = np_, rank, batch, seed
         self.policy, self.augment, self._n = policy, augment, n
+        self.mean, self.std = ds.mean, ds.std  # the data set's normalisation
+        self.pad = pad_for(*ds.x_train.shape[1:3])  # crop padding scaled to the image size
         self.steps_per_epoch: int = acc["steps"]
         self.leftover: int = acc["leftover"]
         self.shard_size: int = acc["shard_sizes"][rank]
@@ -110,7 +112,7 @@ class ShardLoader:
         return self.indices[rows] if self.indices is not None else rows.copy()
 
     def batch(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch ``step`` of ``epoch``: x float32 (B,3,32,32) channels_last, y int64 (B,)."""
+        """Batch ``step`` of ``epoch``: x float32 (B,C,H,W) channels_last, y int64 (B,)."""
         if not 0 <= step < self.steps_per_epoch:
             raise DataError(f"step={step} is outside 0..{self.steps_per_epoch - 1} of an epoch")
         if self._carried is not None and self._carried[0] == epoch:
@@ -124,13 +126,15 @@ class ShardLoader:
             rows = self._rows(epoch)[step]
             xb, yb = self._x.index_select(0, rows), self._y.index_select(0, rows)
         if self.augment:
-            return augment(xb, seed=self.seed, epoch=epoch, step=step, rank=self.rank), yb
-        return to_input(xb), yb
+            return augment(xb, seed=self.seed, epoch=epoch, step=step, rank=self.rank, mean=self.mean,
+                           std=self.std), yb
+        return to_input(xb, self.mean, self.std), yb
 
     def _device_batch(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._draws_epoch != epoch:  # once per epoch: positions and draws for every step, one copy each
             rows = self._rows(epoch)
-            draws = [augment_draws(self.batch_size, seed=self.seed, epoch=epoch, step=s, rank=self.rank)
+            draws = [augment_draws(self.batch_size, seed=self.seed, epoch=epoch, step=s, rank=self.rank,
+                                   pad=self.pad)
                      for s in range(self.steps_per_epoch)] if self.augment else []
             self._draws = (rows.to(self.device),
                            torch.stack([d[0] for d in draws]).to(self.device) if draws else None,
@@ -140,8 +144,8 @@ class ShardLoader:
         r = rows[step]
         xb, yb = self._x.index_select(0, r), self._y.index_select(0, r)
         if self.augment:
-            return augment_with(xb, shifts[step], flips[step]), yb
-        return to_input(xb), yb
+            return augment_with(xb, shifts[step], flips[step], self.mean, self.std), yb
+        return to_input(xb, self.mean, self.std), yb
 
     def epoch(self, epoch: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         for step in range(self.steps_per_epoch):

@@ -14,7 +14,7 @@ from importlib.resources import files
 
 import numpy as np
 
-from .cache import cache_path, cached_sizes, read_cache, resolve_cache_dir, write_cache
+from .cache import cache_path, cached_meta, cached_sizes, read_cache, resolve_cache_dir, write_cache
 from .dataset import CIFAR10, DataError
 from .decode import BATCHES_DIR, LAYOUTS, OFFICIAL_URL, decode_source
 from .shards import stratified_subset
@@ -23,30 +23,54 @@ _EMBEDDED_FILE = "cifar10_subset.npz"  # in the pilab.embedded package data (see
 
 
 def load(source: str = "embedded", *, cache_dir: str | None = None,
-         train_subset: int = 0, test_subset: int = 0, seed: int = 0) -> CIFAR10:
-    """Load CIFAR-10 from ``source``, decoding once and caching the arrays.
+         train_subset: int = 0, test_subset: int = 0, seed: int = 0, image_size: int = 0) -> CIFAR10:
+    """Load an image classification set from ``source``, decoding once and caching the arrays.
 
     ``train_subset`` / ``test_subset`` (0 = all) take a class-stratified subset chosen by ``seed``, after
-    the cache. Several ranks may load at once (each cache write is atomic: temp file + ``os.replace``),
-    but each then decodes; under MPI let one rank per node load first, barrier, then the rest hit the cache::
+    the cache. ``image_size`` > 0 resizes every image of an ImageFolder to that many pixels square when
+    decoding (needed when its images differ in size). Several ranks may load at once (each cache write is
+    atomic: temp file + ``os.replace``), but each then decodes; under MPI let one rank per node load
+    first, barrier, then the rest hit the cache::
 
         ds = load("embedded")
         ds = load("/data/cifar10-jpeg.tar.gz", train_subset=10_000)
         ds = load("cifar10")          # after `python -m pilab data fetch`
+        ds = load("/data/flowers", image_size=64)   # an ImageFolder of any classes, resized to 64x64
+        ds = load(data.save(my_arrays))             # arrays from Python (pilab.data.arrays), as a file
     """
     _check_counts(train_subset, test_subset, seed)
+    _check_size(image_size)
     cache = resolve_cache_dir(cache_dir)
     kind, path = _resolve(source, cache)
-    cache_file = cache_path(cache, kind, path)
-    ds = read_cache(cache_file)
-    if ds is None:
-        ds = decode_source(kind, path)
-        write_cache(cache_file, ds)
+    if kind == "arrays":  # a data set saved by pilab.data.save: it is its own cache file
+        ds = read_cache(path)
+        if ds is None:
+            raise DataError(f"{path} is not a data set saved by pilab.data.save (or it is corrupt); save it again")
+    else:
+        cache_file = cache_path(cache, kind, path, _variant(image_size))
+        ds = read_cache(cache_file)
+        if ds is None:
+            ds = decode_source(kind, path, image_size=image_size)
+            write_cache(cache_file, ds)
     return _subset(ds, train_subset, test_subset, seed)
 
 
+def _variant(image_size: int) -> str:
+    return f"{image_size}x{image_size}" if image_size else ""
+
+
+def _check_size(image_size) -> None:
+    if isinstance(image_size, bool) or not isinstance(image_size, (int, np.integer)) or image_size < 0:
+        raise DataError(f"image_size={image_size!r} must be an integer >= 0 (0: keep the images' size)")
+
+
+def _cache_file(source, cache: str, image_size: int) -> str:
+    kind, path = _resolve(source, cache)
+    return path if kind == "arrays" else cache_path(cache, kind, path, _variant(image_size))
+
+
 def train_size(source: str = "embedded", *, cache_dir: str | None = None,
-               train_subset: int = 0, test_subset: int = 0, seed: int = 0) -> int:
+               train_subset: int = 0, test_subset: int = 0, seed: int = 0, image_size: int = 0) -> int:
     """How many training images ``load`` with the same arguments gives, reading only the labels of an
     already cached source: a launcher checks ``--np`` against it without holding the images::
 
@@ -55,12 +79,29 @@ def train_size(source: str = "embedded", *, cache_dir: str | None = None,
     A source not cached yet, or a subset larger than the source, goes through ``load`` itself: it is
     decoded and cached (the ranks then read the cache), and ``load``'s errors are raised."""
     _check_counts(train_subset, test_subset, seed)
+    _check_size(image_size)
     cache = resolve_cache_dir(cache_dir)
-    sizes = cached_sizes(cache_path(cache, *_resolve(source, cache)))
+    sizes = cached_sizes(_cache_file(source, cache, image_size))
     if sizes is None or train_subset > sizes[0] or test_subset > sizes[1]:
         return len(load(source, cache_dir=cache_dir, train_subset=train_subset, test_subset=test_subset,
-                        seed=seed).y_train)
+                        seed=seed, image_size=image_size).y_train)
     return train_subset or sizes[0]
+
+
+def describe(source: str = "embedded", *, cache_dir: str | None = None, image_size: int = 0) -> dict:
+    """Classes, image shape (C, H, W) and training images of ``source``, from the cache's labels and one
+    array header once it is cached (decoding it first otherwise): what ``train --np`` checks your model
+    against before any rank starts::
+
+        describe("/data/flowers", image_size=64)   # {"classes": (...), "image_shape": (3, 64, 64), ...}
+    """
+    _check_size(image_size)
+    cache = resolve_cache_dir(cache_dir)
+    meta = cached_meta(_cache_file(source, cache, image_size))
+    if meta is None:
+        ds = load(source, cache_dir=cache_dir, image_size=image_size)
+        meta = {"classes": ds.classes, "image_shape": ds.image_shape, "n_train": len(ds.y_train)}
+    return meta
 
 
 def cached_counts(source: str, *, cache_dir: str | None = None) -> tuple[int, int] | None:
@@ -71,7 +112,7 @@ def cached_counts(source: str, *, cache_dir: str | None = None) -> tuple[int, in
     """
     try:
         cache = resolve_cache_dir(cache_dir)
-        return cached_sizes(cache_path(cache, *_resolve(source, cache)))
+        return cached_sizes(_cache_file(source, cache, 0))
     except (DataError, OSError):
         return None
 
@@ -112,6 +153,8 @@ def _resolve(source: str, cache: str) -> tuple[str, str]:
         if os.path.isdir(os.path.join(path, "train")) or os.path.isdir(os.path.join(path, "test")):
             return "folder", path
         raise DataError(f"directory {path} is neither known layout; pass one of: {LAYOUTS}")
+    if path.endswith(".npz"):
+        return "arrays", path
     if not tarfile.is_tarfile(path):
         raise DataError(f"{path} is not a readable tar.gz archive; pass one of: {LAYOUTS}")
     return "archive", path

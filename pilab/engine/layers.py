@@ -1,5 +1,10 @@
 """Layers whose behaviour depends on the ranks: every BatchNorm variant and the per-rank dropout.
 
+Any model's layers are converted, not only pilab's: every ``nn.BatchNorm1d/2d/3d`` (with or without
+affine parameters or running statistics) and every dropout layer. A layer that mixes the images of a
+batch some other way cannot be made per-rank; ``engine.exactness.check_rank_exact`` finds it before training (per-image
+layers such as GroupNorm and LayerNorm need nothing).
+
 * ``SyncBatchNorm`` — batch statistics over all MPI ranks, or over groups of consecutive ranks
   (``bn_group``), on CPU (``bn="sync"``);
 * ``GhostBatchNorm2d`` — statistics per group of ``ghost_batch`` images, and per *virtual* rank in the
@@ -22,6 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.dropout import _DropoutNd
 
 from .dist import allreduce_
 
@@ -38,14 +45,21 @@ def step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # SyncBatchNorm over MPI (CPU)
 # ----------------------------------------------------------------------------------------------
+def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    """A (C,) tensor shaped to broadcast over an (N, C, ...) input of ``ndim`` dimensions."""
+    return t.view(1, -1, *([1] * (ndim - 2)))
+
+
 class _SyncBNFunction(torch.autograd.Function):
     """Batch statistics over all ranks: one Allreduce of [sum, sum of squares, count] forward and one
-    of [sum dy, sum dy*xhat] backward, so the result equals BatchNorm on the concatenated batch."""
+    of [sum dy, sum dy*xhat] backward, so the result equals BatchNorm on the concatenated batch. Any
+    BatchNorm's input, (N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W); ``weight``/``bias`` None
+    without affine parameters."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, comm, eps):
-        c = x.shape[1]
-        dims = [0, 2, 3]
+        c, nd = x.shape[1], x.ndim
+        dims = [0, *range(2, nd)]
         local = torch.cat([x.sum(dims), (x * x).sum(dims),
                            torch.tensor([x.numel() / c], dtype=x.dtype)]).double()
         allreduce_(local, comm)
@@ -54,9 +68,10 @@ class _SyncBNFunction(torch.autograd.Function):
         var = (local[c:2 * c] / count - mean * mean).clamp_min(0)
         invstd = torch.rsqrt(var + eps)
         mean_f, invstd_f = mean.to(x.dtype), invstd.to(x.dtype)
-        xhat = (x - mean_f[None, :, None, None]) * invstd_f[None, :, None, None]
-        y = xhat * weight[None, :, None, None] + bias[None, :, None, None]
-        ctx.save_for_backward(xhat, weight, invstd_f)
+        xhat = (x - _per_channel(mean_f, nd)) * _per_channel(invstd_f, nd)
+        y = xhat if weight is None else xhat * _per_channel(weight, nd) + _per_channel(bias, nd)
+        ctx.save_for_backward(xhat, invstd_f if weight is None else weight, invstd_f)
+        ctx.affine = weight is not None
         ctx.comm = comm
         ctx.count = float(count)
         return y, mean.to(x.dtype), var.to(x.dtype), count
@@ -64,21 +79,25 @@ class _SyncBNFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar, _dcount):
         xhat, weight, invstd = ctx.saved_tensors
-        dims = [0, 2, 3]
+        nd = xhat.ndim
+        dims = [0, *range(2, nd)]
         c = xhat.shape[1]
         sums = torch.cat([dy.sum(dims), (dy * xhat).sum(dims)]).double()
         dbias_local, dweight_local = sums[:c].to(dy.dtype).clone(), sums[c:].to(dy.dtype).clone()
         allreduce_(sums, ctx.comm)
         n = ctx.count
         sum_dy, sum_dy_xhat = sums[:c].to(dy.dtype), sums[c:].to(dy.dtype)
-        dx = (weight * invstd)[None, :, None, None] * (
-            dy - sum_dy[None, :, None, None] / n - xhat * (sum_dy_xhat / n)[None, :, None, None])
+        scale = weight * invstd if ctx.affine else invstd
+        dx = _per_channel(scale, nd) * (
+            dy - _per_channel(sum_dy, nd) / n - xhat * _per_channel(sum_dy_xhat / n, nd))
+        if not ctx.affine:
+            return dx, None, None, None, None
         # Parameter gradients stay local: GradSync averages them like any other gradient.
         return dx, dweight_local, dbias_local, None, None
 
 
-class SyncBatchNorm(nn.BatchNorm2d):
-    """BatchNorm2d whose batch statistics span all ranks of ``comm`` — on CPU, over MPI.
+class SyncBatchNorm(_BatchNorm):
+    """A BatchNorm (any of 1d/2d/3d) whose batch statistics span all ranks of ``comm`` — on CPU, over MPI.
 
     torch's and Horovod's SyncBatchNorm need CUDA/NCCL; this one needs only mpi4py.
     Build it with ``convert_sync_batchnorm(model, comm)``.
@@ -88,21 +107,26 @@ class SyncBatchNorm(nn.BatchNorm2d):
         super().__init__(num_features, **kwargs)
         self.comm = comm  # convert_sync_batchnorm passes a Dup: apart from the gradient Iallreduces
 
+    def _check_input_dim(self, x):
+        if x.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
+
     def forward(self, x):
         if not self.training or self.comm is None or self.comm.Get_size() == 1:
             return super().forward(x)
         y, mean, var, count = _SyncBNFunction.apply(x, self.weight, self.bias, self.comm, self.eps)
-        with torch.no_grad():
-            self.num_batches_tracked += 1
-            m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-            unbiased = var * (count / max(count - 1, 1))
-            self.running_mean.mul_(1 - m).add_(mean * m)
-            self.running_var.mul_(1 - m).add_(unbiased.to(var.dtype) * m)
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                unbiased = var * (count / max(count - 1, 1))
+                self.running_mean.mul_(1 - m).add_(mean * m)
+                self.running_var.mul_(1 - m).add_(unbiased.to(var.dtype) * m)
         return y
 
 
 def convert_sync_batchnorm(model: nn.Module, comm, group: int = 0) -> nn.Module:
-    """Replace every BatchNorm2d with a SyncBatchNorm on a duplicate of ``comm`` (in place); ``group`` > 0:
+    """Replace every BatchNorm (1d, 2d, 3d) with a SyncBatchNorm on a duplicate of ``comm`` (in place); ``group`` > 0:
     statistics over groups of that many consecutive ranks (``comm.Split``; it must divide the size)."""
     bn_comm = None
     if comm is not None:
@@ -113,7 +137,7 @@ def convert_sync_batchnorm(model: nn.Module, comm, group: int = 0) -> nn.Module:
 
     def convert(module):
         for name, child in module.named_children():
-            if isinstance(child, nn.BatchNorm2d) and not isinstance(child, SyncBatchNorm):
+            if isinstance(child, _BatchNorm) and not isinstance(child, SyncBatchNorm):
                 sync = SyncBatchNorm(child.num_features, bn_comm, eps=child.eps,
                                      momentum=child.momentum, affine=child.affine,
                                      track_running_stats=child.track_running_stats)
@@ -141,48 +165,74 @@ class RankContext:
         # True in the simulator's fast mode: GhostBatchNorm2d takes every group's statistics in one
         # vectorised reduction instead of one native batch_norm call per group (not bit-exact)
         self.vectorised = False
+        # RankDropout's per-rank RNG streams within one step (several ranks per forward), and that step
+        self.streams: dict = {}
+        self.streams_step = None
 
 
 class GhostBatchNorm2d(nn.Module):
-    """BatchNorm2d with statistics per group of ``ghost_batch`` images and running statistics per
-    virtual rank (``ranks`` rows; one row is stored with BatchNorm2d's shapes, so state_dicts match).
+    """A BatchNorm (1d, 2d or 3d; with or without affine parameters or running statistics) with
+    statistics per group of ``ghost_batch`` images and running statistics per virtual rank (``ranks``
+    rows; one row is stored with the BatchNorm's shapes, so state_dicts match).
 
     In training, a batch of R ranks × k groups × g images is normalised group by group, and each group
-    updates its rank's running mean/var in turn, as k small batches would (k=1 is exactly BatchNorm2d
+    updates its rank's running mean/var in turn, as k small batches would (k=1 is exactly the BatchNorm
     on the rank's sub-batch). In eval, row 0 is used: the buffer policy makes all rows equal before
-    any evaluation, as MPI ranks are made equal.
+    any evaluation, as MPI ranks are made equal (without running statistics, eval uses the batch's, as
+    the BatchNorm would).
     """
 
-    def __init__(self, bn: nn.BatchNorm2d, ranks: int, ghost_batch: int = 0, context=None, rank_group: int = 1):
+    def __init__(self, bn: _BatchNorm, ranks: int, ghost_batch: int = 0, context=None, rank_group: int = 1):
         super().__init__()
         self.renorm = None  # (start, full) steps: Batch Renormalization (use_batch_renorm)
         c = bn.num_features
         self.num_features, self.eps = c, bn.eps
+        # None: a cumulative average (1 / batches seen), as BatchNorm with momentum=None keeps it
+        self.cumulative = bn.momentum is None
         self.momentum = bn.momentum if bn.momentum is not None else 0.1
         self.ranks, self.ghost_batch = ranks, ghost_batch
         # SyncBatchNorm over groups of rank_group consecutive ranks (bn="sync" with bn_group): one group of
         # images spans that many ranks, and every rank of it keeps the same running statistics
         self.rank_group = rank_group
         self.context = context
-        self.weight = nn.Parameter(bn.weight.detach().clone())
-        self.bias = nn.Parameter(bn.bias.detach().clone())
-        shape = (c,) if ranks == 1 else (ranks, c)
-        self.register_buffer("running_mean", bn.running_mean.detach().clone().expand(shape).contiguous())
-        self.register_buffer("running_var", bn.running_var.detach().clone().expand(shape).contiguous())
-        self.register_buffer("num_batches_tracked", bn.num_batches_tracked.detach().clone())
+        if bn.affine:
+            self.weight = nn.Parameter(bn.weight.detach().clone())
+            self.bias = nn.Parameter(bn.bias.detach().clone())
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if bn.track_running_stats:
+            shape = (c,) if ranks == 1 else (ranks, c)
+            self.register_buffer("running_mean", bn.running_mean.detach().clone().expand(shape).contiguous())
+            self.register_buffer("running_var", bn.running_var.detach().clone().expand(shape).contiguous())
+            self.register_buffer("num_batches_tracked", bn.num_batches_tracked.detach().clone())
+        else:
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                self.register_buffer(name, None)
 
     def _rows(self):
+        if self.running_mean is None:
+            return None, None
         return self.running_mean.view(-1, self.num_features), self.running_var.view(-1, self.num_features)
+
+    def _factor(self, r0: int) -> float:
+        """The running statistics' update factor this step: the momentum, or 1 / batches seen counting
+        this one (the rank-0 chunk counts the step after its groups; later chunks see it counted)."""
+        if not self.cumulative or self.num_batches_tracked is None:
+            return self.momentum
+        return 1.0 / (int(self.num_batches_tracked) + (1 if r0 == 0 else 0))
 
     def forward(self, x):
         rm, rv = self._rows()
         if not self.training:
+            if rm is None:  # no running statistics: the batch's, as BatchNorm evaluates then
+                return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
             return F.batch_norm(x, rm[0], rv[0], self.weight, self.bias, False, 0.0, self.eps)
         r0, r1 = self.context.ranks if self.context is not None else (0, 1)
         per_rank = x.shape[0] // (r1 - r0)
         g = self.ghost_batch or per_rank * self.rank_group
         if x.shape[0] > g and self.context is not None and self.context.vectorised and self.renorm is None \
-                and self.rank_group == 1:
+                and self.rank_group == 1 and rm is not None and not self.cumulative:
             return self._vectorised(x, rm, rv, r0, per_rank, g)
         # One native batch_norm call per group, not a vectorised re-derivation: the native kernel's
         # sums are what an MPI rank computes, so the simulator stays bit-close to real ranks
@@ -195,9 +245,13 @@ class GhostBatchNorm2d(nn.Module):
             def group(part, m, v):
                 return self._renormalised(part, m, v, t)
         else:
+            momentum = self._factor(r0)
+
             def group(part, m, v):
-                return F.batch_norm(part, m, v, self.weight, self.bias, True, self.momentum, self.eps)
-        if self.rank_group > 1:
+                return F.batch_norm(part, m, v, self.weight, self.bias, True, momentum, self.eps)
+        if rm is None:  # batch statistics only: nothing per rank to keep
+            outs = [group(part, None, None) for part in x.split(g)]
+        elif self.rank_group > 1:
             # a group of ranks: its statistics go into every one of its ranks' rows. batch_norm updates a
             # copy (autograd holds the tensor it was given, so that one may not change afterwards)
             outs = []
@@ -210,11 +264,10 @@ class GhostBatchNorm2d(nn.Module):
         else:  # group i belongs to rank r0 + i * g // per_rank and updates that rank's running-statistics row
             outs = [group(part, rm[r0 + i * g // per_rank], rv[r0 + i * g // per_rank])
                     for i, part in enumerate(x.split(g))]
-        if r0 == 0:
+        if r0 == 0 and self.num_batches_tracked is not None:
             with torch.no_grad():
                 self.num_batches_tracked += 1
         return outs[0] if len(outs) == 1 else torch.cat(outs)
-
 
     def renorm_limits(self, t: int) -> tuple[float, float]:
         """Batch Renormalization's (r_max, d_max) at step ``t``: plain BatchNorm (1, 0) until the start,
@@ -229,16 +282,18 @@ class GhostBatchNorm2d(nn.Module):
         and held constant in backward. The output is then close to what the running statistics give,
         whatever the group's size, while the gradient still flows through the group's mean and variance.
         Shared by MPI ranks and the simulator's virtual ranks: the same arithmetic on the same group."""
-        var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
+        nd = x.ndim
+        var, mean = torch.var_mean(x, dim=(0, *range(2, nd)), correction=0)
         invstd = torch.rsqrt(var + self.eps)
         with torch.no_grad():
             r_max, d_max = self.renorm_limits(t)
             run_invstd = torch.rsqrt(rv + self.eps)
             r = ((var + self.eps) * run_invstd * run_invstd).sqrt().clamp(1.0 / r_max, r_max)
             d = ((mean - rm) * run_invstd).clamp(-d_max, d_max)
-        scale = self.weight * invstd * r
-        shift = self.bias + self.weight * d - mean * scale
-        y = x * scale[None, :, None, None] + shift[None, :, None, None]
+        weight = self.weight if self.weight is not None else torch.ones_like(invstd)
+        scale = weight * invstd * r
+        shift = (self.bias if self.bias is not None else 0.0) + weight * d - mean * scale
+        y = x * _per_channel(scale, nd) + _per_channel(shift, nd)
         with torch.no_grad():
             n = x.numel() // x.shape[1]
             rm.mul_(1 - self.momentum).add_(mean.detach(), alpha=self.momentum)
@@ -252,15 +307,16 @@ class GhostBatchNorm2d(nn.Module):
         groups, k = x.shape[0] // g, per_rank // g  # k groups per rank
         xg = x.unflatten(0, (groups, g))
         xs = xg if xg.dtype == torch.float32 else xg.float()  # bf16 activations: statistics in fp32
-        var, mean = torch.var_mean(xs, dim=(1, 3, 4), correction=0)  # (groups, C)
-        scale = self.weight * torch.rsqrt(var + self.eps)
-        shift = self.bias - mean * scale
-        y = torch.addcmul(shift[:, None, :, None, None].to(x.dtype), xg, scale[:, None, :, None, None].to(x.dtype))
+        var, mean = torch.var_mean(xs, dim=(1, *range(3, xg.ndim)), correction=0)  # (groups, C)
+        scale = torch.rsqrt(var + self.eps) if self.weight is None else self.weight * torch.rsqrt(var + self.eps)
+        shift = -mean * scale if self.bias is None else self.bias - mean * scale
+        spread = (slice(None), None, slice(None), *([None] * (x.ndim - 2)))  # (groups, 1, C, 1...)
+        y = torch.addcmul(shift[spread].to(x.dtype), xg, scale[spread].to(x.dtype))
         with torch.no_grad():
             # Each rank's k groups update its running statistics in turn, as k small batches would:
             # r <- (1-m)^k r + sum_j m (1-m)^(k-1-j) stat_j. Variance unbiased, as BatchNorm2d keeps it.
             m, ranks = self.momentum, groups // k
-            n = g * x.shape[2] * x.shape[3]
+            n = x[:g].numel() // x.shape[1]
             w = m * (1 - m) ** torch.arange(k - 1, -1, -1, dtype=torch.float64)
             w = w.to(device=x.device, dtype=mean.dtype)[None, :, None]
             rows = slice(r0, r0 + ranks)
@@ -273,23 +329,54 @@ class GhostBatchNorm2d(nn.Module):
 
 
 class RankDropout(nn.Module):
-    """Dropout that draws each virtual rank's mask from that rank's step seed, as an MPI rank does."""
+    """A dropout layer (any of torch's: ``nn.Dropout``, ``Dropout1d/2d/3d``, ``AlphaDropout``...) whose
+    masks are each virtual rank's own, as an MPI rank draws them.
 
-    def __init__(self, p: float, context: RankContext):
+    One rank per forward (the exact simulator on CPU): the backend has seeded the global RNG with the
+    rank's step seed, as an MPI rank does, so the layer runs as it is. Several ranks per forward (bn=sync,
+    a GPU, the fast mode): each rank's part is drawn from that rank's own stream, seeded with its step
+    seed at its first dropout layer of the step. Either way exact for any number of dropout layers."""
+
+    def __init__(self, inner, context: RankContext):
         super().__init__()
-        self.p, self.context = p, context
+        self.inner = nn.Dropout(inner) if isinstance(inner, float) else inner
+        self.context = context
+
+    @property
+    def p(self) -> float:
+        return self.inner.p
 
     def forward(self, x):
         if not self.training or self.p == 0:
             return x
         ctx = self.context
         r0, r1 = ctx.ranks
-        parts = x.chunk(r1 - r0)
+        if r1 - r0 == 1:
+            return self.inner(x)
+        # each rank's stream goes on from where its previous dropout layer left it this step, as on an
+        # MPI rank that seeded once: exact for any number of dropout layers
+        streams = ctx.streams if ctx.streams_step == (ctx.epoch, ctx.step) else {}
+        ctx.streams, ctx.streams_step = streams, (ctx.epoch, ctx.step)
         out = []
-        for r, part in zip(range(r0, r1), parts):
-            torch.manual_seed(step_seed(ctx.seed, ctx.epoch, ctx.step, r))
-            out.append(F.dropout(part, self.p, True))
+        for r, part in zip(range(r0, r1), x.chunk(r1 - r0)):
+            if r in streams:
+                _set_rng(streams[r], part.device)
+            else:
+                torch.manual_seed(step_seed(ctx.seed, ctx.epoch, ctx.step, r))
+            out.append(self.inner(part))
+            streams[r] = _get_rng(part.device)
         return torch.cat(out)
+
+
+def _get_rng(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
 
 
 def _replace(module: nn.Module, make) -> None:
@@ -303,25 +390,30 @@ def _replace(module: nn.Module, make) -> None:
 
 def use_ghost_batchnorm(model: nn.Module, ranks: int, ghost_batch: int = 0, context=None,
                         rank_group: int = 1) -> nn.Module:
-    """Replace every BatchNorm2d with a GhostBatchNorm2d (in place); returns the model. ``rank_group`` > 1:
-    statistics over that many consecutive virtual ranks' images (SyncBatchNorm in groups)."""
+    """Replace every BatchNorm (1d, 2d, 3d; torch's SyncBatchNorm too) with a GhostBatchNorm2d (in place);
+    returns the model. ``rank_group`` > 1: statistics over that many consecutive virtual ranks' images
+    (SyncBatchNorm in groups)."""
     _replace(model, lambda m: GhostBatchNorm2d(m, ranks, ghost_batch, context, rank_group)
-             if isinstance(m, nn.BatchNorm2d) else None)
+             if isinstance(m, _BatchNorm) else None)
     return model
 
 
 def use_batch_renorm(model: nn.Module, start: int, full: int) -> nn.Module:
     """Batch Renormalization in every GhostBatchNorm2d (in place): plain BatchNorm for the first ``start``
-    steps (its running statistics settle), the corrections' limits widened to Ioffe's (3, 5) by ``full``."""
-    for m in model.modules():
+    steps (its running statistics settle), the corrections' limits widened to Ioffe's (3, 5) by ``full``.
+    Raises ValueError for a BatchNorm without running statistics (renormalisation corrects towards them)."""
+    for name, m in model.named_modules():
         if isinstance(m, GhostBatchNorm2d):
+            if m.running_mean is None:
+                raise ValueError(f"bn=renorm corrects towards running statistics, but {name} keeps none "
+                                 "(track_running_stats=False); use bn=local, or let it track them")
             m.renorm = (int(start), int(full))
     return model
 
 
 def use_rank_dropout(model: nn.Module, context: RankContext) -> nn.Module:
-    """Replace every nn.Dropout with a RankDropout drawing per virtual rank (in place)."""
-    _replace(model, lambda m: RankDropout(m.p, context) if isinstance(m, nn.Dropout) else None)
+    """Wrap every dropout layer in a RankDropout drawing per virtual rank (in place)."""
+    _replace(model, lambda m: RankDropout(m, context) if isinstance(m, _DropoutNd) else None)
     return model
 
 
@@ -329,7 +421,7 @@ def sync_virtual_buffers_(model: nn.Module, policy: str) -> None:
     """The buffer policy across virtual ranks: rank 0's rows (broadcast) or their mean (average)."""
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, GhostBatchNorm2d) and m.ranks > 1:
+            if isinstance(m, GhostBatchNorm2d) and m.ranks > 1 and m.running_mean is not None:
                 for buf in m._rows():
                     src = buf[0].clone() if policy == "broadcast" else buf.sum(0) / m.ranks
                     buf.copy_(src.expand_as(buf))

@@ -37,8 +37,10 @@ from ..config import EVAL_CHUNK, Config, ConfigError
 from ..launch import mpi, mpi_versions
 from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
                    reduce_sums, share_of_mean, squared_norm, sync_buffers_, world)
+from .exactness import check_custom_model
 from .layers import (RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_, use_batch_renorm,
                      use_ghost_batchnorm, use_rank_dropout)
+from ..models.names import is_builder_spec
 from ..models.zoo import build_model
 
 NUM_CLASSES = 10
@@ -71,7 +73,8 @@ def usable_cores() -> int:
 def load_data(cfg: Config, comm=None) -> "data_mod.CIFAR10":
     """Load the dataset named by ``cfg.data``; rank 0 first so only one rank decodes and caches it."""
     rank, size = world(comm)
-    kwargs = dict(train_subset=cfg.train_subset, test_subset=cfg.test_subset, seed=cfg.seed)
+    kwargs = dict(train_subset=cfg.train_subset, test_subset=cfg.test_subset, seed=cfg.seed,
+                  image_size=cfg.image_size)
     if rank == 0:
         ds = data_mod.load(cfg.data, **kwargs)
     if size > 1:
@@ -82,7 +85,7 @@ def load_data(cfg: Config, comm=None) -> "data_mod.CIFAR10":
 
 
 def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=None,
-               steps_per_epoch: int = 1) -> nn.Module:
+               steps_per_epoch: int = 1, data=None) -> nn.Module:
     """The model with identical initial weights on every rank (seeded; broadcast later anyway);
     ghost BatchNorm when ``cfg.ghost_batch``, ``ranks`` > 1 (virtual ranks) or ``cfg.bn="renorm"`` asks
     for it; plain BatchNorm with ``cfg.bn="sync"`` (MPI ranks convert it to SyncBatchNorm; the simulator
@@ -91,7 +94,10 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
     Renormalization is plain BatchNorm through the lr warmup (at least an epoch of ``steps_per_epoch``)
     while the running statistics settle, its limits widened over as many steps again."""
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, num_classes=NUM_CLASSES, width=cfg.width, timesteps=cfg.timesteps)
+    classes = len(data.classes) if data is not None else NUM_CLASSES  # the data's (``data``: its CIFAR10)
+    model = build_model(cfg.model, num_classes=classes, width=cfg.width, timesteps=cfg.timesteps)
+    if is_builder_spec(cfg.model):  # your own model: its output and its layers checked before training
+        check_custom_model(model, cfg.model, data.image_shape if data is not None else (3, 32, 32), classes)
     if cfg.bn != "sync" and (cfg.ghost_batch or ranks > 1 or context is not None or cfg.bn == "renorm"):
         use_ghost_batchnorm(model, ranks=ranks, ghost_batch=cfg.ghost_batch, context=context)
     elif cfg.sync_group(ranks) < ranks:  # SyncBatchNorm in groups over virtual ranks: each group's images
@@ -123,7 +129,7 @@ def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH, *, tta
     x_all = torch.from_numpy(ds.x_test[sl])
     y_all = torch.from_numpy(ds.y_test[sl])
     for i in range(0, len(y_all), batch):
-        x = data_mod.to_input(x_all[i:i + batch]).to(device)
+        x = data_mod.to_input(x_all[i:i + batch], ds.mean, ds.std).to(device)
         y = y_all[i:i + batch].to(device)
         pieces = torch.tensor_split(x, -(-len(x) // EVAL_CHUNK))
         out = torch.cat([(model(piece) + model(piece.flip(3))) / 2 if tta else model(piece) for piece in pieces])
@@ -221,7 +227,7 @@ class MPIRanks:
                                            policy=cfg.sharding, augment=cfg.augment)
         self.steps_per_epoch = self.loader.steps_per_epoch
         self.batch, self.device, self.eval_batch, self.tta = batch, device, cfg.eval_batch, cfg.tta
-        model = base_model(cfg, device, steps_per_epoch=self.steps_per_epoch)
+        model = base_model(cfg, device, steps_per_epoch=self.steps_per_epoch, data=ds)
         if cfg.bn == "sync":
             convert_sync_batchnorm(model, self.comm, cfg.sync_group(self.np_))
         return model
@@ -428,7 +434,8 @@ class VirtualRanks:
         self.norms = bool(cfg.gns_max) and np_ > 1
         self.context = RankContext(cfg.seed)
         self.context.vectorised = fast
-        return base_model(cfg, device, ranks=np_, context=self.context, steps_per_epoch=self.steps_per_epoch)
+        return base_model(cfg, device, ranks=np_, context=self.context, steps_per_epoch=self.steps_per_epoch,
+                          data=ds)
 
     def start(self, cfg: Config, model: nn.Module, optimizer) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -24,6 +24,7 @@ from torch import nn
 
 from . import loop as engine
 from ..config import Config
+from .preflight import with_model
 from .layers import GhostBatchNorm2d, use_ghost_batchnorm, virtual_state  # noqa: F401  (re-exported)
 
 __all__ = ["run", "train", "check_supported", "virtual_state", "GhostBatchNorm2d", "use_ghost_batchnorm"]
@@ -34,13 +35,17 @@ def check_supported(cfg: Config) -> None:
     engine.VirtualRanks(1).check(cfg)
 
 
-def run(cfg: Config, np_: int, *, callbacks=(), stop=None, data=None, ranks_per_chunk: int = 0) -> dict:
-    """Emulate ``np_`` ranks training ``cfg``; returns a result shaped like ``train.run``'s."""
-    return train(cfg, np_, callbacks=callbacks, stop=stop, data=data, ranks_per_chunk=ranks_per_chunk)[0]
+def run(cfg: Config, np_: int, *, callbacks=(), stop=None, data=None, ranks_per_chunk: int = 0,
+        model_fn=None) -> dict:
+    """Emulate ``np_`` ranks training ``cfg``; returns a result shaped like ``train.run``'s. ``model_fn``:
+    your own model's builder (a function taking num_classes), instead of ``cfg.model``."""
+    return train(cfg, np_, callbacks=callbacks, stop=stop, data=data, ranks_per_chunk=ranks_per_chunk,
+                 model_fn=model_fn)[0]
 
 
 def train(cfg: Config, np_: int, *, callbacks=(), stop=None, data=None,
-          ranks_per_chunk: int = 0) -> tuple[dict, nn.Module]:
+          ranks_per_chunk: int = 0, model_fn=None) -> tuple[dict, nn.Module]:
     """Like ``run`` but also returns the model (``virtual_state(model, r)`` is virtual rank r's state)."""
+    cfg = with_model(cfg, model_fn)
     return engine.train(cfg, engine.VirtualRanks(np_, ranks_per_chunk), callbacks=callbacks, stop=stop,
                         data=data)

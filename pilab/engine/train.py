@@ -21,18 +21,21 @@ from torch import nn
 
 from . import loop as engine
 from ..config import Config
+from .preflight import with_model
 from .loop import load_data  # noqa: F401  (part of this module's API: rank 0 decodes first)
 
 __all__ = ["run", "train", "load_data"]
 
 
-def run(cfg: Config, comm=None, *, callbacks=(), stop=None, data=None, keeper=None) -> dict:
+def run(cfg: Config, comm=None, *, callbacks=(), stop=None, data=None, keeper=None, model_fn=None) -> dict:
     """Train ``cfg`` on all ranks of ``comm`` (None: one process); see the module docstring.
-    ``keeper`` (``engine.Keeper``) writes what was done when the run cannot finish."""
-    return train(cfg, comm, callbacks=callbacks, stop=stop, data=data, keeper=keeper)[0]
+    ``keeper`` (``engine.Keeper``) writes what was done when the run cannot finish. ``model_fn``: your own
+    model's builder (a function taking num_classes), instead of ``cfg.model``."""
+    return train(cfg, comm, callbacks=callbacks, stop=stop, data=data, keeper=keeper, model_fn=model_fn)[0]
 
 
 def train(cfg: Config, comm=None, *, callbacks=(), stop=None, data=None,
-          keeper=None) -> tuple[dict, nn.Module]:
+          keeper=None, model_fn=None) -> tuple[dict, nn.Module]:
     """Like ``run`` but also returns the trained model (tests compare weights across ranks)."""
+    cfg = with_model(cfg, model_fn)
     return engine.train(cfg, engine.MPIRanks(comm), callbacks=callbacks, stop=stop, data=data, keeper=keeper)

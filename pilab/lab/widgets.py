@@ -87,7 +87,10 @@ class ControlPanel:
                                tooltip=f"MPI ranks to train on (1..{slots} engines running); "
                                        "the others wait", style=style, continuous_update=False)
         self.controls = {
-            "model": _dropdown("model", MODEL_NAMES, c.model),
+            # a registered name from the list, or your own builder typed in: package.module:function
+            "model": W.Combobox(options=list(MODEL_NAMES), value=c.model, ensure_option=False,
+                                placeholder="a name, or mynets:builder", description="model",
+                                tooltip=Config.help("model"), style=style, continuous_update=False),
             "width": W.FloatSlider(value=c.width, min=WIDTH_RANGE[0], max=WIDTH_RANGE[1], step=0.05,
                                    description="width", tooltip=Config.help("width"), style=style,
                                    continuous_update=False),
@@ -136,7 +139,8 @@ class ControlPanel:
         display(self.widget)
 
     def _model_changed(self, *_):
-        squeeze = not self.controls["model"].value.startswith("mobilenetv2")
+        name = self.controls["model"].value
+        squeeze = name in MODEL_NAMES and not name.startswith("mobilenetv2")  # your own builder may take a width
         w = self.controls["width"]
         if squeeze:
             w.value = 1.0

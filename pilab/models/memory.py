@@ -64,14 +64,39 @@ class MemoryConfigError(ConfigError):
 
 
 @functools.lru_cache(maxsize=None)
-def _model_facts(model: str, width: float, timesteps: int) -> tuple[int, int, int]:
+def _model_facts(model: str, width: float, timesteps: int, image_size: int = 32) -> tuple[int, int, int]:
     """(parameters, activation elements of one image, elements of the largest layer output), measured
-    on ``models.probe_model`` (the global RNG untouched)."""
+    on ``models.probe_model`` (the global RNG untouched), for square images of ``image_size``."""
     from .zoo import _TAKES_TIMESTEPS, activation_elements, count_parameters, largest_output_elements, \
         probe_model
     ts = timesteps if model in _TAKES_TIMESTEPS else None
-    return (count_parameters(probe_model(model, width=width, timesteps=ts)), activation_elements(model, width, timesteps=ts),
-            largest_output_elements(model, width, timesteps=ts))
+    return (count_parameters(probe_model(model, width=width, timesteps=ts)),
+            activation_elements(model, width, image_size=image_size, timesteps=ts),
+            largest_output_elements(model, width, image_size=image_size, timesteps=ts))
+
+
+def data_facts(cfg: Config) -> tuple[int, int, int, int]:
+    """(training images, test images, bytes of one image's pixels, image side) of ``cfg.data``: a data set
+    saved by ``pilab.data.save`` (a .npz) is read from its array headers; any other source is taken for
+    CIFAR-10 (the embedded subset's or the full set's counts, 32x32x3)."""
+    src_train, src_test = SOURCE_SIZES.get(cfg.data, CIFAR10_SIZES)
+    if str(cfg.data).endswith(".npz") and os.path.isfile(cfg.data):
+        import numpy as np
+
+        try:
+            with open(cfg.data, "rb") as f, np.load(f, allow_pickle=False) as z:
+                shapes = {}
+                for key in ("x_train", "x_test"):
+                    with z.zip.open(key + ".npy") as member:
+                        version = np.lib.format.read_magic(member)
+                        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                            np.lib.format.read_array_header_2_0
+                        shapes[key] = read(member)[0]
+            n, h, w, c = shapes["x_train"]
+            return n, shapes["x_test"][0], h * w * c, h
+        except Exception:  # unreadable: the ranks will say so; predict as for CIFAR-10
+            pass
+    return src_train, src_test, PIXEL_BYTES, 32
 
 
 def breakdown(cfg: Config, *, np_: int | None = None, allocator: str = "fast") -> dict:
@@ -84,12 +109,13 @@ def breakdown(cfg: Config, *, np_: int | None = None, allocator: str = "fast") -
     how the rank's malloc is set (``ALLOCATORS``; "fast" keeps more of a step's freed activations)."""
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator={allocator!r}; use one of {', '.join(ALLOCATORS)}")
-    src_train, src_test = SOURCE_SIZES.get(cfg.data, CIFAR10_SIZES)
+    src_train, src_test, pixel_bytes, side = data_facts(cfg)
+    image_bytes = pixel_bytes + LABEL_BYTES
     n_train = cfg.train_subset or src_train
     n_test = cfg.test_subset or src_test
     ranks = np_ or 1
     shard = -(-n_train // ranks) if cfg.sharding == "static" else n_train
-    params, act, largest = _model_facts(cfg.model, cfg.width, cfg.timesteps)
+    params, act, largest = _model_facts(cfg.model, cfg.width, cfg.timesteps, side)
     batch = cfg.per_rank_batch(ranks) if np_ else cfg.batch_size
     # parameters, their gradients (GradSync's flat buckets), the momentum buffer; fp16's wire copy
     model = params * 4 * (3 if cfg.momentum else 2) + (params * 2 if cfg.compression == "fp16" else 0)
@@ -97,14 +123,14 @@ def breakdown(cfg: Config, *, np_: int | None = None, allocator: str = "fast") -
     # each rank evaluates its test_shard, and keeps only its pixels (engine.Session; all the labels)
     test_share = -(-n_test // ranks)
     eval_ = EVAL_BYTES_PER_ELEMENT * largest * min(cfg.eval_batch, EVAL_CHUNK, test_share)
-    data = shard * IMAGE_BYTES + test_share * PIXEL_BYTES + n_test * LABEL_BYTES
+    data = shard * image_bytes + test_share * pixel_bytes + n_test * LABEL_BYTES
     # Loading: the decoded source and a subset's copy of it.
     subset = (n_train if cfg.train_subset else 0) + (n_test if cfg.test_subset else 0)
-    load = RUNTIME_BYTES + (src_train + src_test + subset) * IMAGE_BYTES
+    load = RUNTIME_BYTES + (src_train + src_test + subset) * image_bytes
     # Set-up: the training images beside the loader's copy of the static shard (reshuffle copies
     # nothing), the parameters and the gradient buckets; the momentum comes with the first step.
     setup = (RUNTIME_BYTES + SETUP_BYTES + data + params * 4 * 2
-             + (n_train * IMAGE_BYTES if cfg.sharding == "static" else 0))
+             + (n_train * image_bytes if cfg.sharding == "static" else 0))
     steady = RUNTIME_BYTES + WARM_BYTES + data + model + max(train, eval_)
     parts = {"runtime": RUNTIME_BYTES + WARM_BYTES, "data": data, "model": model, "activations": max(train, eval_),
              "train_activations": train, "eval_activations": eval_, "load": load, "setup": setup,

@@ -11,20 +11,45 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 
 MODEL_NAMES = ("mobilenetv2_cifar", "mobilenetv2", "squeezenet1_1", "spiking_cnn")
 SPIKING_MODELS = ("spiking_cnn",)  # their builders also take ``timesteps``
 WIDTH_RANGE = (0.25, 1.4)  # MobileNetV2 width multipliers accepted (inclusive)
 SPIKING_WIDTH_RANGE = (0.25, 2.0)  # spiking_cnn width multipliers accepted (inclusive)
 SNN_INSTALL_HINT = "pip install 'pilab[snn]'"
+# your own model: "package.module:builder" or "path/to/file.py:builder" (see pilab.models.custom)
+_BUILDER_SPEC = re.compile(r"^[^:\s]+:[A-Za-z_][\w.]*$")
+BUILDER_HINT = "give a registered name or your builder as package.module:function (or path/to/file.py:function)"
+
+
+class ModelError(ValueError):
+    """A model cannot be built or trained as asked. The message is one line naming the problem and the fix."""
+
+
+def is_builder_spec(name: str) -> bool:
+    """True for a user's model builder string ("mynets:resnet8", "nets/mine.py:build"), not a registered name."""
+    return isinstance(name, str) and ":" in name
+
+
+def check_builder_spec(name: str) -> None:
+    """Raise ValueError (one line) unless ``name`` is written as ``module:function`` -- checked without
+    importing it (that is ``pilab.models.custom.load_builder``'s, which needs torch)."""
+    if not _BUILDER_SPEC.match(name):
+        raise ValueError(f"model={name!r} is not a builder string; write it as package.module:function "
+                         "(e.g. mynets:resnet8) or path/to/file.py:function")
 
 
 def check_width(name: str, width: float) -> None:
     """Raise ValueError (one line: the problem and the fix) unless model ``name`` can be built here at
     ``width``: a known name, a width it takes, and for a spiking model snntorch installed (looked up,
-    not imported)."""
+    not imported). A builder string (``is_builder_spec``) is checked for its form only: its builder says
+    what widths it takes."""
+    if is_builder_spec(name):
+        check_builder_spec(name)
+        return
     if name not in MODEL_NAMES:
-        raise ValueError(f"model={name!r} is unknown; choose one of {', '.join(MODEL_NAMES)}")
+        raise ValueError(f"model={name!r} is unknown; choose one of {', '.join(MODEL_NAMES)}, or {BUILDER_HINT}")
     if isinstance(width, bool) or not isinstance(width, (int, float)):
         raise ValueError(f"width={width!r} is not a number; give a float such as 1.0")
     if name.startswith("mobilenetv2") or name in SPIKING_MODELS:

@@ -26,6 +26,7 @@ def gradient_layout(model: str, width: float) -> tuple[tuple[int, float], ...]:
     import torch  # here, not at the top: see the module docstring
     from torch import nn
 
+    from ..models.custom import input_channels
     from ..models.zoo import probe_model
 
     net = probe_model(model, width=width)
@@ -45,7 +46,7 @@ def gradient_layout(model: str, width: float) -> tuple[tuple[int, float], ...]:
     try:
         net.eval()
         with torch.no_grad():
-            net(torch.zeros(1, 3, 32, 32))
+            net(torch.zeros(1, input_channels(net), 32, 32))  # your own model may take grey images
     finally:
         for h in handles:
             h.remove()
@@ -95,7 +96,9 @@ def bn_channels(model: str, width: float) -> tuple[int, ...]:
 
     from ..models.zoo import probe_model
 
-    return tuple(m.num_features for m in probe_model(model, width=width).modules() if isinstance(m, nn.BatchNorm2d))
+    from torch.nn.modules.batchnorm import _BatchNorm  # every BatchNorm: your own model's 1d and 3d too
+
+    return tuple(m.num_features for m in probe_model(model, width=width).modules() if isinstance(m, _BatchNorm))
 
 
 def bn_bytes(model: str, width: float) -> int:
