@@ -77,6 +77,7 @@ class Config:
     nesterov: bool = False  # Nesterov momentum
     label_smoothing: float = 0.0  # training loss: cross-entropy with this label smoothing (0..1; 0 = none)
     ema_epochs: float = 0.0  # evaluate an exponential moving average of the weights whose time constant is this many epochs (e.g. 0.5: the same horizon at every np; 0 = the weights themselves)
+    clip_grad_norm: float = 0.0  # before each optimizer step, scale the averaged gradient down to this global L2 norm if it is longer (0 = never)
     tta: bool = False  # evaluation averages the logits of each test image and of its mirror image
     weight_decay: float = 5e-4  # L2 penalty coefficient
     weight_decay_on: str = "weights"  # weights: conv/linear weights only | all parameters
@@ -140,7 +141,7 @@ class Config:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
         nonneg = ("image_size", "train_subset", "test_subset", "max_steps", "ghost_batch", "bn_group", "threads",
-                  "checkpoint_every", "checkpoint_every_steps", "straggler_threshold", "warmup_epochs", "ema_epochs", "weight_decay", "momentum", "seed")
+                  "checkpoint_every", "checkpoint_every_steps", "straggler_threshold", "warmup_epochs", "ema_epochs", "clip_grad_norm", "weight_decay", "momentum", "seed")
         for name in nonneg:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")

@@ -22,6 +22,7 @@ LAYERS = {
     "hosts": -1,  # host/slot lists from a hostfile, --hosts or a Slurm allocation (no pilab imports)
     "launch": 0, "files": 0, "embedded": 0,
     "engine.optim": 0, "engine.buckets": 0, "models.names": 0,
+    "engine.component": 0,  # what a loop feature is: the moments the loop calls (no imports)
     "engine.noise": 0,  # the gradient noise scale and the batch it chooses (arithmetic only)
     "engine.signals": 0,  # installing signal handlers and putting the old ones back; no pilab imports
     "verdict": 0,  # the one logic that judges a study's rows; no pilab imports (a leaf: plots and study use it)
@@ -32,9 +33,15 @@ LAYERS = {
     "models.zoo": 1, "config": 1, "testbed": 1,
     "models.memory": 1.5,  # predicted memory per rank: config and the models only (the doctor and train use it)
     "engine.watchdog": 2, "engine.stragglers": 2,
+    "engine.comm": 1.8, "engine.gradsync": 1.9,  # MPI primitives and shared exact arithmetic; GradSync
     "engine.dist": 2, "data": 2, "engine.checkpoint": 2,
-    "engine.layers": 3, "engine.ema": 3,
-    "engine.exactness": 3.2,  # your own model's layers checked for what the simulator cannot make per-rank  # ema: the weights' moving average (torch only)
+    "engine.layers": 3, "engine.ema": 3.2,  # ema: the weights' moving average (and its loop feature)
+    "engine.exactness": 3.2,  # your own model's layers checked for what the simulator cannot make per-rank
+    "engine.clip": 3,  # the loop feature clipping the averaged gradient's norm
+    "engine.features": 3.4,  # the loop's features, each a component in a file of its own
+    "engine.backend": 3.3,  # what the loop asks of a rank backend, and the pieces every backend uses
+    "engine.records": 3.35,  # what the loop records: an epoch's sums and record, the run's result
+    "engine.resume": 3.3, "engine.keeper": 3,  # checkpoints as the loop writes and resumes them; a failed run's result
     "engine.localsgd": 3,  # local SGD's plan and the simulator's per-rank weights (torch only)
     "engine.ranks": 3.5,  # the rank backends (MPI ranks, the simulator's virtual ranks) the loop drives
     "engine.loop": 4,
@@ -58,7 +65,7 @@ LAYERS = {
 # Third-party modules only these parts may import (anywhere in them): ipywidgets is the notebook
 # panel's; mpi4py is loaded through pilab.launch.mpi() (importing it initialises MPI, which a process
 # that only plots, predicts or launches must not do) and used directly only by the communication layer.
-ONLY_IN = {"ipywidgets": {"lab.widgets"}, "mpi4py": {"engine.dist", "launch"}}
+ONLY_IN = {"ipywidgets": {"lab.widgets"}, "mpi4py": {"engine.comm", "launch"}}
 # Third-party modules that only these modules may import at module level: Bokeh costs ~1 s to import,
 # and a rank, the engine or a benchmark never draws. The view draws the figures; the study's report is
 # the one place that puts them into a page. Elsewhere Bokeh is imported inside the function that draws.

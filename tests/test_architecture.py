@@ -48,16 +48,16 @@ def test_the_checker_catches_a_circle_inside_one_part(tmp_path, monkeypatch):
 
 
 def test_the_checker_fences_mpi4py_and_bokeh(tmp_path, monkeypatch):
-    # mpi4py only through pilab.launch.mpi() (or in dist); Bokeh at module level only in the view and
+    # mpi4py only through pilab.launch.mpi() (or in engine.comm); Bokeh at module level only in the view and
     # the study's report: inside a function elsewhere is fine.
     problems = _check_fake(tmp_path, monkeypatch, {
         "engine.py": "import bokeh.plotting\nfrom mpi4py import MPI\n",
         "study/energy.py": "def draw():\n    import bokeh.plotting\n",
         "study/report.py": "import bokeh.plotting\n",
-        "engine/dist.py": "from mpi4py import MPI\n"})
+        "engine/comm.py": "from mpi4py import MPI\n"})
     assert any(p.startswith("pilab.engine:2 imports mpi4py") for p in problems), problems
     assert any(p.startswith("pilab.engine:1 imports bokeh at module level") for p in problems), problems
-    assert not any(p.startswith(("pilab.study.energy", "pilab.study.report", "pilab.engine.dist"))
+    assert not any(p.startswith(("pilab.study.energy", "pilab.study.report", "pilab.engine.comm"))
                    for p in problems), problems
 
 
@@ -83,7 +83,7 @@ def test_one_training_loop():
                     callers.add(path.relative_to(REPO).as_posix())
     # the engine's rank backends (their steps), and GradSync.backward (the loss scaled to this rank's share
     # of the mean)
-    assert callers - set(BACKWARD_ALLOWED) == {"pilab/engine/ranks.py", "pilab/engine/dist.py"}, callers
+    assert callers - set(BACKWARD_ALLOWED) == {"pilab/engine/ranks.py", "pilab/engine/gradsync.py"}, callers
     assert set(BACKWARD_ALLOWED) <= callers, "an allowed file no longer calls backward: drop it from the list"
 
 
@@ -123,3 +123,42 @@ def test_help_and_a_bad_argument_load_no_heavy_library():
     loaded, errors = p.stdout.split("\n")[:2]
     assert loaded == "[]", f"--help / a usage error imported {loaded}"
     assert errors == "2", p.stdout  # both bad arguments got their one-line error
+
+
+def test_both_rank_backends_implement_the_declared_protocol():
+    # MPIRanks and VirtualRanks against pilab.engine.backend.RankBackend: every method, with the
+    # protocol's parameters in its order (a backend may add keyword-only ones of its own)
+    import inspect
+
+    from pilab.engine.backend import RankBackend
+    from pilab.engine.ranks import MPIRanks, VirtualRanks
+    methods = [n for n, v in vars(RankBackend).items() if callable(v) and not n.startswith("_")]
+    assert len(methods) >= 10, methods
+    for backend in (MPIRanks(None), VirtualRanks(2)):
+        assert isinstance(backend, RankBackend), type(backend)
+        for name in methods:
+            want = list(inspect.signature(getattr(RankBackend, name)).parameters)[1:]
+            have = list(inspect.signature(getattr(backend, name)).parameters)
+            assert have[:len(want)] == want, (type(backend).__name__, name, have, want)
+
+
+def test_the_loop_names_no_feature_and_stays_short():
+    # Features are components (pilab.engine.features); the loop and its Session call their moments only
+    import ast
+
+    from pilab.engine import features
+    src = (REPO / "pilab" / "engine" / "loop.py").read_text()
+    tree = ast.parse(src)
+    # the code, not its prose: every name and attribute the loop uses, and every module it imports
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+        {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
+        {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    for f in features.FEATURES:
+        module = f.__module__.rpartition(".")[2]
+        assert not {f.__name__, module, f.name} & used, (f.__name__, {f.__name__, module, f.name} & used)
+    assert "ema_epochs" not in used and "straggler_threshold" not in used
+    sizes = {f"{getattr(p, 'name', '')}.{n.name}": n.end_lineno - n.lineno + 1
+             for p in ast.walk(tree) if isinstance(getattr(p, "body", None), list) for n in p.body
+             if isinstance(n, ast.FunctionDef)}
+    assert sizes[".train"] <= 70 and sizes["Session.__init__"] <= 35, sizes
+    assert all(v <= 60 for k, v in sizes.items() if k != ".train"), sizes

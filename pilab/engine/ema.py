@@ -13,9 +13,13 @@ model's own (settled as usual before evaluation).
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import torch
+
+from . import localsgd
+from .component import Component
 
 
 class WeightAverage:
@@ -48,3 +52,42 @@ class WeightAverage:
     def load(self, state: list) -> None:
         for s, v in zip(self.shadow, state):
             s.copy_(v)
+
+
+class EMA(Component):
+    """The loop's feature (``Config.ema_epochs``): the average updated after every step whose parameters
+    every rank shares (``steps`` since the last such step), its time constant kept in epochs under a
+    batch ramp, evaluated instead of the weights, saved in every checkpoint."""
+
+    name = "ema"
+
+    @classmethod
+    def wanted(cls, cfg, ranks) -> bool:
+        return cfg.ema_epochs > 0
+
+    def start(self, session) -> None:
+        self.params = session.params
+        self.avg = WeightAverage(self.params, math.exp(-1 / (self.cfg.ema_epochs * session.steps_per_epoch)))
+        self.pending = 0  # steps since its last update
+
+    def begin_epoch(self, session, epoch: int) -> None:
+        if self.cfg.batch_ramp and epoch < self.cfg.epochs:  # the same time constant in epochs, whatever the steps
+            self.avg.decay = math.exp(-1 / (self.cfg.ema_epochs * session.epoch_steps[epoch]))
+
+    def after_step(self, session, epoch: int, step: int, st) -> list:
+        self.pending += 1
+        ph = localsgd.phase(self.cfg, session.epoch_steps[epoch], epoch, step)
+        if not ph.local or ph.average:
+            self.avg.update(self.params, steps=self.pending)
+            self.pending = 0
+        return []
+
+    def evaluating(self, session):
+        return self.avg.applied(self.params)
+
+    def state_dict(self) -> dict:
+        return {"shadow": self.avg.state(), "pending": self.pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.avg.load(state["shadow"])
+        self.pending = int(state["pending"])

@@ -1,4 +1,4 @@
-"""The two ways to run a training loop's ranks, and the pieces both use.
+"""The two ways to run a training loop's ranks (``pilab.engine.backend.RankBackend``).
 
 * ``MPIRanks(comm)`` — this process is one rank of an MPI job (or the only process, ``comm=None``):
   gradients averaged by ``GradSync``, metrics and the stop vote riding with its last bucket,
@@ -9,7 +9,8 @@
 
 A backend builds the model and its loaders, takes one synchronous step (``step``: a ``StepResult`` that
 every rank agrees on), re-cuts its batches for a batch ramp, settles, gathers and restores per-rank state
-for checkpoints, and evaluates. The loop that drives them (schedule, records, checkpoints, events) is
+for checkpoints, and evaluates. What both use (the forward-and-loss recipe, the model, the evaluation)
+is ``pilab.engine.backend``'s. The loop that drives them (schedule, records, checkpoints, events) is
 ``pilab.engine.loop``, which re-exports everything here::
 
     from pilab.engine import loop as engine
@@ -18,176 +19,32 @@ for checkpoints, and evaluates. The loop that drives them (schedule, records, ch
 from __future__ import annotations
 
 import os
-import platform
-import resource
 import socket
-import sys
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .. import __version__
 from . import localsgd
 from .. import data as data_mod
-from ..config import EVAL_CHUNK, Config, ConfigError
-from ..launch import mpi, mpi_versions
-from .dist import (GradSync, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
-                   reduce_sums, share_of_mean, squared_norm, sync_buffers_, world)
-from .exactness import check_custom_model
-from .layers import (RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_, use_batch_renorm,
-                     use_ghost_batchnorm, use_rank_dropout)
-from ..models.names import is_builder_spec
-from ..models.zoo import build_model
+from ..config import Config, ConfigError
+from ..launch import mpi
+# the pieces every backend uses, re-exported (``pilab.engine.loop`` re-exports them again)
+from .backend import (EVAL_BATCH, NUM_CLASSES, RankBackend, StepResult, base_model,  # noqa: F401
+                      environment, evaluate, forward_loss, load_data, peak_mem_mb, resolve_device, usable_cores)
+from .dist import (GradSync, Slots, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
+                   share_of_mean, squared_norm, sync_buffers_, world)
+from .layers import RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_
 
-NUM_CLASSES = 10
-EVAL_BATCH = Config.eval_batch  # the default; a run uses cfg.eval_batch
 FAST_CHUNK_IMAGES = 512  # simulate_mode=fast: images per forward (memory stays bounded at any np)
-# what MPIRanks.step sums over ranks with the last bucket: a stop or a checkpoint asked for by any rank
-# (rank 0's clock decides a --checkpoint-minutes save) happens on every rank after the same step
-_META = ("loss_sum", "correct", "stop_votes", "save_votes")
+_SUMS = ("loss_sum", "correct", "stop_votes", "save_votes")  # MPIRanks' slots summed with the last bucket
 
 
-# ----------------------------------------------------------------------------------------------
-# pieces every backend uses
-# ----------------------------------------------------------------------------------------------
-def resolve_device(cfg: Config) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no CUDA device is available; use device=cpu")
-    return torch.device(cfg.device)
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity; all cores where affinity is unknown)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
-
-
-def load_data(cfg: Config, comm=None) -> "data_mod.CIFAR10":
-    """Load the dataset named by ``cfg.data``; rank 0 first so only one rank decodes and caches it."""
-    rank, size = world(comm)
-    kwargs = dict(train_subset=cfg.train_subset, test_subset=cfg.test_subset, seed=cfg.seed,
-                  image_size=cfg.image_size)
-    if rank == 0:
-        ds = data_mod.load(cfg.data, **kwargs)
-    if size > 1:
-        comm.Barrier()
-    if rank != 0:
-        ds = data_mod.load(cfg.data, **kwargs)
-    return ds
-
-
-def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=None,
-               steps_per_epoch: int = 1, data=None) -> nn.Module:
-    """The model with identical initial weights on every rank (seeded; broadcast later anyway);
-    ghost BatchNorm when ``cfg.ghost_batch``, ``ranks`` > 1 (virtual ranks) or ``cfg.bn="renorm"`` asks
-    for it; plain BatchNorm with ``cfg.bn="sync"`` (MPI ranks convert it to SyncBatchNorm; the simulator
-    runs every virtual rank in one forward, so its statistics are the global batch's), ghost BatchNorm
-    over groups of ``cfg.bn_group`` virtual ranks when that is fewer than all. Batch
-    Renormalization is plain BatchNorm through the lr warmup (at least an epoch of ``steps_per_epoch``)
-    while the running statistics settle, its limits widened over as many steps again."""
-    torch.manual_seed(cfg.seed)
-    classes = len(data.classes) if data is not None else NUM_CLASSES  # the data's (``data``: its CIFAR10)
-    model = build_model(cfg.model, num_classes=classes, width=cfg.width, timesteps=cfg.timesteps)
-    if is_builder_spec(cfg.model):  # your own model: its output and its layers checked before training
-        check_custom_model(model, cfg.model, data.image_shape if data is not None else (3, 32, 32), classes)
-    if cfg.bn != "sync" and (cfg.ghost_batch or ranks > 1 or context is not None or cfg.bn == "renorm"):
-        use_ghost_batchnorm(model, ranks=ranks, ghost_batch=cfg.ghost_batch, context=context)
-    elif cfg.sync_group(ranks) < ranks:  # SyncBatchNorm in groups over virtual ranks: each group's images
-        use_ghost_batchnorm(model, ranks=ranks, context=context, rank_group=cfg.sync_group(ranks))
-    if cfg.bn == "renorm":
-        start = round(max(1.0, cfg.warmup_epochs) * steps_per_epoch)
-        use_batch_renorm(model, start, 2 * start)
-    if context is not None:
-        use_rank_dropout(model, context)
-    return model.to(device=device, memory_format=torch.channels_last)
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH, *, tta: bool = False) -> tuple[float, float]:
-    """Test loss and accuracy; each test image is evaluated exactly once over the ranks and the
-    sums (not per-rank averages) are reduced, so uneven shards weigh correctly. The loss is summed per
-    ``batch`` images (``cfg.eval_batch``); the model sees at most ``EVAL_CHUNK`` of them per forward,
-    so the evaluation's memory does not grow with ``batch`` (the logits are the same: see
-    ``pilab.config.EVAL_CHUNK``). ``tta``: the logits of each image and of its mirror image averaged."""
-    rank, size = world(comm)
-    sl = data_mod.test_shard(len(ds.y_test), size, rank)
-    held = ds.test_rows
-    if held is not None and not held.start <= sl.start <= sl.stop <= held.stop:
-        raise data_mod.DataError(f"this data set holds test images {held.start}..{held.stop - 1} only, but rank "
-                                 f"{rank} of {size} evaluates {sl.start}..{sl.stop - 1}; evaluate it at the np "
-                                 "it was made for, or load the data set again")
-    model.eval()
-    loss_sum = correct = 0.0
-    x_all = torch.from_numpy(ds.x_test[sl])
-    y_all = torch.from_numpy(ds.y_test[sl])
-    for i in range(0, len(y_all), batch):
-        x = data_mod.to_input(x_all[i:i + batch], ds.mean, ds.std).to(device)
-        y = y_all[i:i + batch].to(device)
-        pieces = torch.tensor_split(x, -(-len(x) // EVAL_CHUNK))
-        out = torch.cat([(model(piece) + model(piece.flip(3))) / 2 if tta else model(piece) for piece in pieces])
-        loss_sum += F.cross_entropy(out, y, reduction="sum").item()
-        correct += (out.argmax(1) == y).sum().item()
-    model.train()
-    loss_sum, correct, n = reduce_sums([loss_sum, correct, len(y_all)], comm)
-    return float(loss_sum / n), float(correct / n)
-
-
-def environment(comm, threads: int, device) -> dict:
-    """Library versions, hosts and MPI library of the run (gathered once, in rank order)."""
-    env = {
-        "pilab": __version__, "python": platform.python_version(), "torch": torch.__version__,
-        "numpy": np.__version__, "platform": platform.platform(), "machine": platform.machine(),
-        "threads_per_rank": threads, "device": str(device), "cpu_count": os.cpu_count(),
-    }
-    host = socket.gethostname()
-    if comm is not None:
-        # only with a communicator: a single process needs no MPI library
-        env.update(mpi_versions())
-        env["hostnames"] = comm.gather(host, root=0) if comm.Get_size() > 1 else [host]
-    else:
-        env["mpi_library"] = None
-        env["hostnames"] = [host]
-    return env
-
-
-def peak_mem_mb() -> float:
-    """Peak resident memory of this process in MiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (2 ** 20 if sys.platform == "darwin" else 2 ** 10)
-
-
-@dataclass
-class StepResult:
-    """One synchronous step as every rank agrees on it: global sums, and this rank's times (s)."""
-    loss_sum: float  # sum of per-image losses over the global batch
-    correct: float  # correctly classified images of the global batch
-    stop_votes: float  # ranks that asked to stop after this step
-    time: float  # the whole step, data included
-    compute: float  # forward + backward + optimizer, waiting excluded
-    comm: float  # communication in flight (hidden or not)
-    comm_exposed: float  # communication waited for
-    data: float  # building the batch (indexing + augmentation)
-    bytes_sent: int = 0
-    # of comm_exposed: waiting for the slowest rank to finish its backward (the rest is network time)
-    comm_wait: float = 0.0
-    save_votes: float = 0.0  # ranks that asked for a checkpoint after this step
-    # every rank's compute of this step and network time of the step before (s; MPI ranks only), and the
-    # payload that network time moved (bytes: that step's bytes_sent, which local SGD makes vary)
-    ranks_compute: object = None
-    ranks_network: object = None
-    network_bytes: int | None = None
-    # a noise-driven batch ramp (batch_ramp="gns:MAX"): every rank's squared gradient norm as sent (of its
-    # share g_r / np), and the averaged gradient's (see pilab.engine.noise)
-    ranks_grad_sq: object = None
-    avg_grad_sq: float | None = None
+def _on_grads(fns, params: list) -> None:
+    """The components' ``on_grads`` moment: the gradients a backend is about to step with."""
+    for fn in fns:
+        fn([p.grad for p in params])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,9 +73,6 @@ class MPIRanks:
         cores = max(usable_cores(), os.cpu_count() or 1) if self.comm is not None else usable_cores()
         return max(1, cores // local)
 
-    def load(self, cfg: Config):
-        return load_data(cfg, self.comm)
-
     def check(self, cfg: Config) -> None:
         """Settings this backend cannot run (MPI ranks run them all)."""
 
@@ -232,16 +86,24 @@ class MPIRanks:
             convert_sync_batchnorm(model, self.comm, cfg.sync_group(self.np_))
         return model
 
-    def start(self, cfg: Config, model: nn.Module, optimizer) -> None:
-        """Every rank starts identical: rank 0's parameters, buffers and optimizer state."""
+    def start(self, cfg: Config, model: nn.Module, optimizer, on_grads=()) -> None:
+        """Every rank starts identical: rank 0's parameters, buffers and optimizer state. ``on_grads``:
+        callables given the gradients (``p.grad`` of the trainable parameters) before every optimizer
+        step, once they are averaged (a local-SGD step: this rank's own)."""
         broadcast_module_(model, self.comm)
         broadcast_optimizer_state_(optimizer, self.comm)
-        # meta: [loss sum, correct, stop votes] ride with the last gradient bucket (plus every rank's
-        # ready time, which GradSync adds), so a step has one synchronisation point, not two.
-        # ... and so does each rank's network time of the step before (one slot per rank), which
-        # rank 0's straggler monitor compares live (pilab.engine.stragglers)
+        # The step's sums ride with the last gradient bucket (plus every rank's ready time, which GradSync
+        # adds), so a step has one synchronisation point, not two: the loss and correct images, the votes
+        # to stop or checkpoint after this step (any rank's, so every rank acts after the same step; rank
+        # 0's clock decides a --checkpoint-minutes save), and each rank's network time of the step before
+        # (one slot per rank), which rank 0's straggler monitor compares live (pilab.engine.stragglers)
+        self.slots = Slots()
+        for name in _SUMS:
+            self.slots.declare(name)
+        self.slots.declare("network", self.np_)
         self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, compression=cfg.compression,
-                              meta=len(_META) + self.np_, norms=bool(cfg.gns_max))
+                              meta=self.slots, norms=bool(cfg.gns_max))
+        self.on_grads = tuple(on_grads)
         self._prev_net, self._prev_sent = 0.0, None
         self.optimizer, self.local = optimizer, cfg.local_steps > 1
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -257,8 +119,7 @@ class MPIRanks:
         t1 = time.perf_counter()
         torch.manual_seed(step_seed(cfg.seed, epoch, step, self.rank))
         optimizer.zero_grad(set_to_none=False)
-        out = model(x)
-        loss = F.cross_entropy(out, y, label_smoothing=cfg.label_smoothing)
+        out, loss = forward_loss(model, x, y, cfg, self.device)
         # The step's metrics and the stop vote are known once the forward is done; they ride with the
         # last gradient bucket (GradSync's meta), so the step synchronises the ranks once, not twice.
         # On CPU reading them here costs nothing; the stop is polled before backward, and still takes
@@ -267,16 +128,17 @@ class MPIRanks:
         with torch.no_grad():
             correct = (out.argmax(1) == y).sum()
         want_save = bool(save()) if save is not None else False
-        sync.meta[:len(_META)] = (loss.item() * self.batch, correct.item(), want_stop, want_save)
-        nets = sync.meta[len(_META):len(_META) + self.np_]
+        meta, at = sync.meta, self.slots
+        meta[[at[k].start for k in _SUMS]] = (loss.item() * self.batch, correct.item(), want_stop, want_save)
+        nets = meta[at["network"]]
         nets[:] = 0.0
         nets[self.rank] = self._prev_net
         sync.backward(loss)
         cstats = sync.finish()
         grad_sq = avg_sq = None
         if sync.norms and sync.exchange:  # every rank's, exact (see GradSync's norms); the average's
-            n0 = len(_META) + 2 * self.np_
-            grad_sq, avg_sq = sync.meta[n0:n0 + self.np_].copy(), squared_norm([p.grad for p in self.params])
+            grad_sq, avg_sq = meta[at["grad_sq"]].copy(), squared_norm([p.grad for p in self.params])
+        _on_grads(self.on_grads, self.params)
         optimizer.step()
         averaged, sent = 0.0, cstats.bytes_sent
         if ph.average:  # local SGD: the ranks' parameters and BatchNorm statistics averaged, blocking
@@ -287,12 +149,11 @@ class MPIRanks:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
-        sums = sync.meta
-        loss_sum, correct_sum, votes, saves = map(float, sums[:len(_META)])
+        loss_sum, correct_sum, votes, saves = (float(meta[at[k]][0]) for k in _SUMS)
         # Every step starts together (right after the previous step's exchange), so a rank whose last
         # gradient was ready `max(ready) - ready` before the slowest rank's waited that long for it;
         # the rest of the exposed time is the network's.
-        ready = sums[len(_META) + self.np_:len(_META) + 2 * self.np_]
+        ready = meta[at["ready"]]
         wait = min(cstats.exposed, max(0.0, float(ready.max() - ready[self.rank]))) if self.np_ > 1 else 0.0
         self._prev_net = cstats.exposed - wait + averaged
         # the first step reports no network time yet (0 s): any payload pairs with it
@@ -302,7 +163,7 @@ class MPIRanks:
                           compute=(t2 - t1) - cstats.exposed - averaged, comm=cstats.total + averaged,
                           comm_exposed=cstats.exposed + averaged, data=t1 - t0,
                           bytes_sent=sent, comm_wait=wait, save_votes=saves,
-                          ranks_compute=ready.copy(), ranks_network=sums[len(_META):len(_META) + self.np_].copy(),
+                          ranks_compute=ready.copy(), ranks_network=meta[at["network"]].copy(),
                           network_bytes=net_bytes,
                           ranks_grad_sq=grad_sq, avg_grad_sq=avg_sq)
 
@@ -386,9 +247,6 @@ class VirtualRanks:
     def threads(self, cfg: Config) -> int:
         return cfg.threads or usable_cores()
 
-    def load(self, cfg: Config):
-        return load_data(cfg)
-
     def check(self, cfg: Config) -> None:
         """Refuse settings the simulator does not emulate exactly."""
         if cfg.bn == "sync" and self.ranks_per_chunk not in (0, self.np_):
@@ -437,8 +295,9 @@ class VirtualRanks:
         return base_model(cfg, device, ranks=np_, context=self.context, steps_per_epoch=self.steps_per_epoch,
                           data=ds)
 
-    def start(self, cfg: Config, model: nn.Module, optimizer) -> None:
+    def start(self, cfg: Config, model: nn.Module, optimizer, on_grads=()) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.on_grads = tuple(on_grads)  # as MPIRanks': on the averaged gradient (a local step: each rank's)
         # Averaged gradient, built as MPI builds it: each rank's loss scaled by 1/np before backward (so
         # its gradient comes out divided, as GradSync.backward does), the ranks' gradients summed in rank order.
         self.avg = [torch.zeros_like(p) for p in self.params]
@@ -470,9 +329,7 @@ class VirtualRanks:
             self.context.ranks = (r0, r1)
             # Without dropout nothing else draws from the global RNG; seed it as rank r0 would.
             torch.manual_seed(step_seed(cfg.seed, epoch, step, r0))
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                out = model(x)
-                loss = F.cross_entropy(out.float(), y, label_smoothing=cfg.label_smoothing)
+            out, loss = forward_loss(model, x, y, cfg, device)
             optimizer.zero_grad(set_to_none=False)
             if one_chunk:
                 loss.backward()  # the mean loss over every rank's images: the average itself
@@ -496,6 +353,7 @@ class VirtualRanks:
         if not one_chunk:
             torch._foreach_copy_([p.grad for p in self.params], self.avg)
         avg_sq = squared_norm([p.grad for p in self.params]) if grad_sq is not None else None
+        _on_grads(self.on_grads, self.params)
         optimizer.step()
         if device.type == "cuda" and not self.defer_metrics:
             torch.cuda.synchronize()
@@ -525,10 +383,10 @@ class VirtualRanks:
             t_data += time.perf_counter() - td
             self.context.ranks = (r, r + 1)
             torch.manual_seed(step_seed(cfg.seed, epoch, step, r))
-            out = model(x)
-            loss = F.cross_entropy(out, y, label_smoothing=cfg.label_smoothing)
+            out, loss = forward_loss(model, x, y, cfg, device)
             optimizer.zero_grad(set_to_none=False)
             loss.backward()
+            _on_grads(self.on_grads, self.params)
             optimizer.step()
             loss_sum += loss.item() * self.batch
             correct += (out.argmax(1) == y).sum().item()

@@ -30,6 +30,8 @@ from collections import deque
 
 import numpy as np
 
+from .component import Component
+
 __all__ = ["Monitor", "THRESHOLD", "MIN_RATE", "WINDOW", "STEPS", "EVERY_S"]
 
 THRESHOLD = 0.2  # slower than the median rank by this fraction (compute), or this share in the network
@@ -132,3 +134,35 @@ class Monitor:
         largest windowed excess: compute over the median rank - 1, or network share), first/last step;
         a network straggler's ``mb_per_s``: the lowest payload rate of its windows beyond the threshold."""
         return [dict(v) for _, v in sorted(self.found.items())]
+
+
+class StragglerWatch(Component):
+    """The loop's feature (a ``pilab.engine.component.Component``): rank 0 of an MPI job of 2+ ranks
+    feeds every step's per-rank times to a ``Monitor`` (``Config.straggler_threshold`` > 0) and emits
+    its warnings as events; result.json's ``stragglers`` and ``straggler_lines`` are its own (empty where
+    it does not watch)."""
+
+    name = "stragglers"
+
+    @classmethod
+    def wanted(cls, cfg, ranks) -> bool:
+        return ranks.rank == 0
+
+    def __init__(self, cfg, ranks):
+        self.cfg, self.monitor = cfg, None
+        self.watch = not ranks.simulated and ranks.np_ > 1 and cfg.straggler_threshold > 0
+
+    def after_step(self, session, epoch: int, step: int, st) -> list:
+        if self.watch and self.monitor is None:  # the hosts are known once the run's environment is
+            n = self.cfg.straggler_steps
+            self.monitor = Monitor(session.env["hostnames"], threshold=self.cfg.straggler_threshold, steps=n,
+                                   window=2 * n)
+        if self.monitor is None or st.ranks_compute is None:
+            return []
+        gstep = session.epoch_start[epoch] + step + 1
+        return [{"kind": "straggler", "line": line, "global_step": gstep, "stragglers": self.monitor.summary()}
+                for line in self.monitor.add(gstep, st.ranks_compute, st.ranks_network, st.network_bytes)]
+
+    def result(self) -> dict:
+        m = self.monitor
+        return {"stragglers": m.summary() if m is not None else [], "straggler_lines": m.lines if m is not None else []}

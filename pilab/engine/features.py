@@ -1,0 +1,17 @@
+"""The training loop's features, each a ``pilab.engine.component.Component`` in a file of its own; the
+loop calls them at fixed moments and never names one. A new feature is a file, a ``Config`` field and a
+line here::
+
+    chosen(cfg, ranks)     # the features cfg asks for, in this order
+"""
+from __future__ import annotations
+
+from .clip import ClipGradNorm
+from .ema import EMA
+from .stragglers import StragglerWatch
+
+FEATURES = (ClipGradNorm, EMA, StragglerWatch)
+
+
+def chosen(cfg, ranks) -> list:
+    return [f(cfg, ranks) for f in FEATURES if f.wanted(cfg, ranks)]

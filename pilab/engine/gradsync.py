@@ -1,0 +1,440 @@
+"""Fused, overlapped gradient averaging: ``GradSync`` posts each bucket's ``Iallreduce`` from the
+gradient hooks while backward is still running (Horovod's fusion buffer, DDP's buckets), with named
+``Slots`` of per-step values riding with the last bucket. Re-exported by ``pilab.engine.dist``::
+
+    sync = GradSync(model, MPI.COMM_WORLD, bucket_mb=1.0)
+    sync.backward(loss)      # buckets are posted from gradient hooks as they fill
+    stats = sync.finish()    # waits for the rest, writes averaged gradients into p.grad
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from .buckets import bucket_assignment
+from .comm import MPI, Slots, _buf, share_of_mean, squared_norm, world  # noqa: F401 (re-exported)
+
+
+def fp16_type():
+    """MPI datatype for IEEE half precision, or None if this MPI library has none."""
+    t = getattr(MPI, "FLOAT16_T", None) if MPI is not None else None
+    if t is None or t == MPI.DATATYPE_NULL:
+        return None
+    return t
+
+
+@dataclass
+class StepComm:
+    """Communication figures of one step, in seconds and bytes (this rank)."""
+    total: float = 0.0  # first bucket posted -> last bucket complete
+    exposed: float = 0.0  # time spent waiting after backward ended (not hidden behind compute)
+    bytes_sent: int = 0  # payload handed to Allreduce (halved by fp16 compression)
+    buckets: int = 0
+    messages: int = 0  # Iallreduce calls for them (buckets ready together go as one)
+    first_post: float = 0.0  # perf_counter() when the first bucket was posted
+    backward_end: float = 0.0  # perf_counter() when finish() was called
+    posts: list = field(default_factory=list)  # perf_counter() of each post, in bucket order
+    ready: float = 0.0  # perf_counter() when this rank's last bucket went out (its gradients were all in)
+    tests: int = 0  # Testall calls made from the gradient hooks this step
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter], flat: torch.Tensor, wire: torch.Tensor | None, offset: int):
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.offset = offset  # where it starts in GradSync's one buffer (consecutive buckets are adjacent)
+        self.flat = flat[offset:offset + self.numel]
+        self.wire = wire[offset:offset + self.numel] if wire is not None else self.flat
+        self.pending = 0
+        self.views: list = []  # per parameter: its slot of `flat` with the parameter's strides, or None
+        self.all_views = False  # every parameter has a slot: no per-parameter copy into or out of `flat`
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def _dense(p: torch.Tensor) -> bool:
+    """True if ``p`` covers its numel elements without gaps (so a slot of a flat buffer can hold it)."""
+    return p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last))
+
+
+WAITS = ("sleep", "spin")  # how finish() waits: Testall, then Testall + short naps; or MPI's busy Waitall
+SPIN_S = 2e-3  # wait="sleep" polls without napping this long first: a transfer in flight finishes at full speed
+# ... or longer when much was posted at the end: the time those bytes take at this (conservative) rate, so
+# naps never slow a transfer that is still moving (a bucket of 8.5 MB took 2.3 ms here; napping after 2 ms
+# cost GradSync a third of the raw bandwidth in BENCHMARKS.md).
+SPIN_BYTES_PER_S = 1e9
+SLEEP_S = 50e-6  # then one nap between Testall calls (Linux timer slack adds ~50 us)
+
+
+def wait_polling(reqs, spin_s: float = SPIN_S) -> None:
+    """Wait for ``reqs`` as GradSync does: Testall busily for ``spin_s``, then with a nap between calls.
+    MPICH moves a shared-memory Allreduce only inside MPI calls, so napping between calls slows a
+    transfer in flight (measured: 0.28x the raw bandwidth with naps alone); a long wait is a slower rank
+    still computing, and a nap leaves it the CPU."""
+    spin_until = time.perf_counter() + spin_s
+    while not MPI.Request.Testall(reqs):
+        if time.perf_counter() > spin_until:
+            time.sleep(SLEEP_S)
+
+
+class GradSync:
+    """Average gradients over ``comm`` in fused buckets, posting each bucket's ``Iallreduce`` from
+    the gradient hooks as soon as it is full, so communication overlaps the rest of backward
+    (Horovod's fusion buffer, DDP's buckets).
+
+    Gradients are *views into the buckets* (``views=True``, DDP's ``gradient_as_bucket_view``): backward
+    accumulates straight into the fusion buffer and the averaged result lands in ``p.grad`` in place —
+    no copy in, no copy out. A gradient that someone replaced (``zero_grad(set_to_none=True)``) is copied
+    in once and re-pointed at its slot.
+
+    MPICH progresses a non-blocking collective only inside MPI calls, so the hooks call ``Testall`` on
+    the outstanding requests: every ``poll_every``-th gradient and at every post (``poll=False``: never;
+    ``MPIR_CVAR_ASYNC_PROGRESS=1`` is the alternative, measured by ``python -m pilab bench --sections sync``).
+    Every gradient by default: between two nodes at 1 Gbit/s each phase of a 1 MiB Allreduce waits for
+    the next poll, and polling every 8th gradient left 9-13% more on the step than every one (MobileNetV2
+    1.0, 2 nodes, 15 alternated rounds, 2026-12-03; the same at 200 Mbit/s, where the link bounds it),
+    while a Testall costs about a microsecond.
+
+    ``finish()`` polls with Testall for ``SPIN_S`` and then naps between polls (``wait="sleep"``), instead
+    of MPI's busy ``Waitall`` (``wait="spin"``): on a machine with more runnable processes than cores a
+    rank spinning while it waits for a straggler takes CPU from that rank, and the time shows up as the
+    straggler's *compute*.
+
+    ``meta`` (a count, or named ``Slots``) float64 slots ride with the last bucket (their own tiny
+    Iallreduce, posted the moment the last bucket is, completed by the same wait): the caller writes
+    per-step values into its slots before backward; after ``finish()`` they hold the sums over ranks, and
+    GradSync's own slots ``sync.meta[sync.slots["ready"]]`` every rank's ready time (its last post, seconds
+    after ``begin(t0)``) and, with ``norms=True``, ``sync.meta[sync.slots["grad_sq"]]`` every rank's squared
+    gradient norm as sent.
+    So the step needs no second collective — and no second point where ranks wait for each other.
+
+    Each rank's gradient is divided by the world size before it is sent (so the sum is the mean, and with
+    ``compression="fp16"`` the sum of np halves cannot overflow): for free when the caller runs backward
+    through ``sync.backward(loss)``, which scales the loss by 1/size; by a pass over each bucket
+    otherwise. With ``compression="fp16"`` the bucket is sent as half precision: half the bytes.
+
+        sync = GradSync(model, comm, bucket_mb=1.0, meta=2)
+        for x, y in batches:
+            opt.zero_grad(set_to_none=False)
+            sync.begin(time.perf_counter())
+            loss = loss_fn(model(x), y)
+            sync.meta[:2] = [loss.item(), len(y)]
+            sync.backward(loss)        # or loss.backward(): the same mean, one pass more
+            stats = sync.finish()      # StepComm: total and exposed seconds; sync.meta: the sums
+            opt.step()
+    """
+
+    def __init__(self, model: nn.Module, comm, *, bucket_mb: float = 1.0,
+                 compression: str = "none", poll: bool = True, poll_every: int = 1,
+                 views: bool = True, wait: str = "sleep", meta: "int | Slots" = 0, norms: bool = False):
+        if wait not in WAITS:
+            raise ValueError(f"wait={wait!r}; use one of {', '.join(WAITS)}")
+        if poll_every < 1:
+            raise ValueError(f"poll_every={poll_every} must be >= 1")
+        self.comm = comm
+        self.rank, self.size = world(comm)
+        self.poll, self.poll_every, self.wait = poll, poll_every, wait
+        self.fp16 = compression == "fp16"
+        self.half_type = fp16_type() if self.fp16 else None
+        if self.fp16 and self.size > 1 and self.half_type is None:
+            raise RuntimeError("compression=fp16 needs an MPI library with a half-precision type "
+                               "(MPICH >= 4.1); use compression=none")
+        params = [p for p in model.parameters() if p.requires_grad]
+        # Gradients arrive roughly in reverse definition order; fill buckets in that order so the
+        # first one is complete early in backward.
+        order = list(reversed(params))
+        groups = [[order[i] for i in idx] for idx in bucket_assignment([p.numel() for p in order], bucket_mb)]
+        # One buffer, the buckets adjacent slices of it in posting order: buckets that are ready together
+        # (what is left when backward ends; all of them when the hooks are off) go as one Allreduce, which
+        # MPI moves faster than several (one 8.9 MB message vs twelve of 0.75 MB: 0.78x the bandwidth here).
+        total = sum(p.numel() for p in params)
+        # numpy's allocation, not torch's: MPICH's shared-memory Allreduce moved a buffer at torch's 64-byte
+        # alignment ~10% slower than the same bytes at numpy's (2.7 vs 3.0 ms for 8.9 MB, np=2, here)
+        self._flat = torch.from_numpy(np.zeros(total, dtype=np.float32))
+        self._wire = torch.zeros(total, dtype=torch.float16) if self.fp16 else self._flat
+        self._wire_np = _buf(self._wire)  # sliced per message: a numpy slice is cheaper than a tensor's
+        offsets = list(itertools.accumulate([0] + [sum(p.numel() for p in g) for g in groups]))
+        self.buckets: list[_Bucket] = [_Bucket(g, self._flat, self._wire if self.fp16 else None, off)
+                                       for g, off in zip(groups, offsets)]
+        self._where: dict[int, int] = {}
+        for i, b in enumerate(self.buckets):
+            for p in b.params:
+                self._where[id(p)] = i
+        self.slots = meta if isinstance(meta, Slots) else Slots()
+        if not isinstance(meta, Slots):
+            self.slots.declare("user", meta)
+        self.n_meta = self.slots.size  # the caller's slots; GradSync's own follow
+        self.slots.declare("ready", self.size)  # rank r's: its last post, seconds after begin(t0)
+        # norms: each rank's squared gradient norm as sent (of its share g_r / size), one slot per rank,
+        # summed with the rest: rank r's value is in every rank's meta, exactly (the other ranks add
+        # zeros). For the gradient noise scale (pilab.engine.noise).
+        self.norms = norms and self.size > 1
+        if self.norms:
+            self.slots.declare("grad_sq", self.size)
+        self.meta = np.zeros(self.slots.size, dtype=np.float64)
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._sq = [0.0] * len(params)
+        self._meta_request = None
+        self._t0 = 0.0
+        self._hooks = []
+        # False for a local-SGD step (pilab.engine.localsgd): the gradients stay this rank's, only meta travels
+        self.exchange = True
+        self._pflat: list | None = None  # average_parameters_'s buffers, made on first use
+        self.views = views and self.size > 1
+        if self.size > 1:
+            for b in self.buckets:
+                b.views = self._make_views(b) if self.views else [None] * len(b.params)
+                b.all_views = all(v is not None for v in b.views)
+            for p in params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._reset()
+
+    @staticmethod
+    def _make_views(b: _Bucket) -> list:
+        out, offset = [], 0
+        with torch.no_grad():
+            for p in b.params:
+                n = p.numel()
+                view = None
+                if _dense(p) and p.device.type == "cpu" and p.dtype == torch.float32:
+                    view = b.flat.as_strided(p.shape, p.stride(), b.flat.storage_offset() + offset)
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                    p.grad = view
+                out.append(view)
+                offset += n
+        return out
+
+    # -- per step --------------------------------------------------------------------------
+    def _reset(self):
+        for b in self.buckets:
+            b.pending = len(b.params)
+        self._next = 0  # buckets are posted strictly in index order: same collective order on all ranks
+        self._ready = [False] * len(self.buckets)
+        self._inflight: list = []
+        self._requests: list = []  # one per message (a run of buckets shares it)
+        self._meta_request = None
+        self._hooked = 0
+        self.seeded = False  # this step's gradients came out of backward already divided (see backward())
+        self.stats = StepComm()
+
+    def begin(self, t0: float) -> None:
+        """The step's start (``time.perf_counter()``): ready times in ``meta`` are counted from it."""
+        self._t0 = t0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` with the average's 1/size folded into the loss (``share_of_mean``): the
+        gradients come out already divided, so a bucket is sent as it is (no pass over its bytes to divide it, which cost
+        GradSync a seventh of its shared-memory bandwidth). A local-SGD step keeps its own gradient::
+
+            sync.backward(loss)     # instead of loss.backward()
+            sync.finish()
+
+        The simulator scales its ranks' losses alike (``pilab.engine.ranks.VirtualRanks``), so the
+        two still form the same sums bit for bit."""
+        if self.size > 1 and self.exchange:
+            self.seeded = True
+            share_of_mean(loss, self.size).backward()
+        else:
+            loss.backward()
+
+    def _on_grad(self, p):
+        if not self.exchange:
+            return
+        i = self._where[id(p)]
+        b = self.buckets[i]
+        b.pending -= 1
+        self._hooked += 1
+        if b.pending == 0:
+            self._ready[i] = True
+            self._post_ready()
+        elif self.poll and self._hooked % self.poll_every == 0:
+            self._test()
+
+    def _post_ready(self):
+        first = self._next
+        while self._next < len(self.buckets) and self._ready[self._next]:
+            self._prepare(self.buckets[self._next])
+            self._next += 1
+        if self._next > first:  # the ready run of buckets, adjacent in the buffer: one message
+            self._send(self.buckets[first:self._next])
+            if self._next == len(self.buckets):
+                self._post_meta()
+        if self.poll:
+            self._test()
+
+    def _prepare(self, b: _Bucket):
+        """The bucket's bytes made ready to send: every gradient in its slot, divided, cast for fp16."""
+        # The usual case first, in one pass at C speed: backward accumulated every gradient into its slot
+        # (the per-parameter loop below took 0.09 ms of a 2 ms exchange of 8.9 MB on shared memory)
+        if not (b.all_views and all(map(operator.is_, map(_GRAD, b.params), b.views))):
+            self._gather(b)
+        if not self.seeded:  # pre-divide: the sum is then the mean, and fp16 cannot overflow
+            b.flat.div_(self.size)
+        if self.norms:
+            self._norms(b)
+        if self.fp16:
+            b.wire.copy_(b.flat)
+
+    def _norms(self, b: _Bucket) -> None:
+        """Each of ``b``'s gradients' squared norm, as sent, into its parameter's place."""
+        offset = 0
+        for p, view in zip(b.params, b.views):
+            n = p.numel()
+            self._sq[self._index[id(p)]] = squared_norm([view if view is not None else b.flat[offset:offset + n]])
+            offset += n
+
+    @staticmethod
+    def _gather(b: _Bucket):
+        """Every gradient of ``b`` into its slot: those backward put elsewhere (a replaced or dropped
+        ``p.grad``) copied, and the slot made ``p.grad`` again; parameters without a slot copied."""
+        offset = 0
+        for p, view in zip(b.params, b.views):
+            n = p.numel()
+            if view is not None:
+                g = p.grad
+                if g is view:  # backward accumulated into the slot (torch keeps one Python object per tensor)
+                    offset += n
+                    continue
+                if g is None or g.data_ptr() != view.data_ptr():  # replaced or dropped: back into its slot
+                    if g is None:
+                        view.zero_()
+                    else:
+                        view.copy_(g)
+                    p.grad = view
+            elif p.grad is None:
+                b.flat[offset:offset + n].zero_()
+            else:
+                b.flat[offset:offset + n].copy_(p.grad.reshape(-1))
+            offset += n
+
+    def _send(self, run: list):
+        lo, hi = run[0].offset, run[-1].offset + run[-1].numel
+        wire = self._wire_np[lo:hi]
+        msg = [wire, self.half_type] if self.fp16 else wire
+        now = time.perf_counter()
+        if not self.stats.posts:
+            self.stats.first_post = now
+        self.stats.posts.extend([now] * len(run))  # one time per bucket, whatever the messages
+        self.stats.bytes_sent += wire.nbytes
+        request = self.comm.Iallreduce(MPI.IN_PLACE, msg, op=MPI.SUM)
+        self.stats.messages += 1
+        self._requests.append(request)
+        self._inflight.append(request)
+
+    def _post_meta(self):
+        now = time.perf_counter()
+        self.stats.ready = now
+        self.meta[self.n_meta:] = 0.0
+        self.meta[self.slots["ready"]][self.rank] = now - self._t0
+        if self.norms and self.exchange:
+            self.meta[self.slots["grad_sq"]][self.rank] = math.fsum(self._sq)
+        self._meta_request = self.comm.Iallreduce(MPI.IN_PLACE, self.meta, op=MPI.SUM)
+        self._inflight.append(self._meta_request)
+
+    def _test(self):
+        if self._inflight:
+            self.stats.tests += 1
+            if MPI.Request.Testall(self._inflight):
+                self._inflight = []
+
+    def _wait(self, late_bytes: int = 0):
+        reqs = self._requests + [self._meta_request]
+        if self.wait == "spin":
+            MPI.Request.Waitall(reqs)
+            return
+        wait_polling(reqs, max(SPIN_S, late_bytes / SPIN_BYTES_PER_S))
+
+    def finish(self) -> StepComm:
+        """Call after ``backward()``: posts what is left, waits, leaves averaged grads in ``p.grad``
+        (and the summed ``meta``)."""
+        stats = self.stats
+        if self.size == 1:
+            stats.ready = time.perf_counter()
+            self.meta[self.slots["ready"]][0] = stats.ready - self._t0
+            self._reset()
+            return stats
+        t_end = time.perf_counter()
+        stats.backward_end = t_end
+        if not self.exchange:  # a local step: the metrics and votes alone are summed
+            return self._finish_meta(t_end)
+        # Parameters that got no gradient this step (unused branches) still take part, as zeros.
+        for i in range(len(self.buckets)):
+            self._ready[i] = True
+        sent = stats.bytes_sent
+        self._post_ready()
+        if self._meta_request is None:  # no buckets at all (nothing trainable): the metrics still travel
+            self._post_meta()
+        self._wait(stats.bytes_sent - sent)
+        if self.fp16:
+            self._flat.copy_(self._wire)
+        for b in self.buckets:
+            if b.all_views:  # every gradient is already its slot of the averaged buffer
+                continue
+            offset = 0
+            for p, view in zip(b.params, b.views):
+                n = p.numel()
+                if view is None:  # not a view (views=False, or a layout a flat slot cannot hold)
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)
+                    p.grad.copy_(b.flat[offset:offset + n].view_as(p.grad))
+                offset += n
+        done = time.perf_counter()
+        stats.exposed = done - t_end
+        stats.total = done - stats.first_post
+        stats.buckets = len(self.buckets)
+        self._reset()
+        return stats
+
+    def _finish_meta(self, t_end: float) -> StepComm:
+        stats = self.stats
+        stats.first_post = t_end
+        self._post_meta()
+        MPI.Request.Waitall([self._meta_request])
+        done = time.perf_counter()
+        stats.exposed = stats.total = done - t_end
+        self._reset()
+        return stats
+
+    @torch.no_grad()
+    def average_parameters_(self) -> int:
+        """Average the parameters over the ranks (local SGD; blocking); returns the bytes sent.
+
+        In the gradient buckets' layout and order, each bucket divided by the world size and summed by
+        Allreduce: the sums are formed as the gradients' are, which the simulator reproduces
+        (``pilab.engine.localsgd.VirtualReplicas.average_``)."""
+        if self.size == 1:
+            return 0
+        if self._pflat is None:
+            self._pflat = [torch.empty_like(b.flat) for b in self.buckets]
+        reqs, sent = [], 0
+        for b, flat in zip(self.buckets, self._pflat):
+            offset = 0
+            for p in b.params:
+                n = p.numel()
+                flat[offset:offset + n].copy_(p.reshape(-1))
+                offset += n
+            flat.div_(self.size)
+            reqs.append(self.comm.Iallreduce(MPI.IN_PLACE, _buf(flat), op=MPI.SUM))
+            sent += flat.numel() * flat.element_size()
+        MPI.Request.Waitall(reqs)
+        for b, flat in zip(self.buckets, self._pflat):
+            offset = 0
+            for p in b.params:
+                n = p.numel()
+                p.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
+        return sent
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
