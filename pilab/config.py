@@ -128,6 +128,11 @@ class Config:
             if not isinstance(value, want) or (want is int and isinstance(value, bool)):
                 raise ConfigError(
                     f"{f.name}={value!r} has the wrong type; give a {want.__name__}")
+        self._validate_values()
+        self._validate_combinations()
+
+    def _validate_values(self) -> None:
+        """Each setting alone: a known model (or your own builder) and width, numbers in their ranges."""
         from .models.names import check_width
 
         try:  # a registered name, or your own builder as "package.module:function"
@@ -156,6 +161,9 @@ class Config:
             raise ConfigError("nesterov=True needs momentum > 0")
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
+
+    def _validate_combinations(self) -> None:
+        """Settings that cannot go together."""
         if self.ghost_batch and self.bn == "sync":
             raise ConfigError("ghost_batch needs bn='local' or 'renorm'; SyncBatchNorm already spans ranks")
         if self.bn_group and self.bn != "sync":

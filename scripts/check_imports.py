@@ -23,7 +23,7 @@ LAYERS = {
     "launch": 0, "files": 0, "embedded": 0,
     "engine.optim": 0, "engine.buckets": 0, "models.names": 0,
     "engine.component": 0,  # what a loop feature is: the moments the loop calls (no imports)
-    "engine.noise": 0,  # the gradient noise scale and the batch it chooses (arithmetic only)
+    "engine.noise": 0.2,  # the gradient noise scale, the batch it chooses, and the ramp as a loop feature
     "engine.signals": 0,  # installing signal handlers and putting the old ones back; no pilab imports
     "verdict": 0,  # the one logic that judges a study's rows; no pilab imports (a leaf: plots and study use it)
     "plots": 0.5,  # draws what pilab.verdict judged

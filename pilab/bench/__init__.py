@@ -23,7 +23,7 @@ failed job raises ``launch.JobError``).
 * ``ranks``: memory, communication (bandwidth, bucket sweep, hidden share) and the np=2 step
   (pilab vs DDP-gloo vs the sync-only floor vs the no-exchange ceiling, strong scaling);
 * ``sync``: the ways to average a step's gradients at np=2 (per-tensor and fused blocking Allreduce,
-  GradSync with and without polling, fp16, MPICH's async progress thread);
+  GradSync, fp16, MPICH's async progress thread);
 * ``memory``: peak RSS per rank itemised at the study's setting (``pilab.bench.memory``, real ranks),
   and ``pilab.models.memory``'s prediction against it over 3 widths x 2 batch sizes.
 

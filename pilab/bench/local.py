@@ -202,22 +202,24 @@ def fast_deviation(cfg: Config, np_: int, steps: int) -> dict:
 
 
 def checkpoint_cost(cfg: Config, saves: int, interval_min: float = 10.0) -> dict:
-    """The cost of one mid-epoch checkpoint (``engine._checkpoint``: gather the rank states, checksum,
+    """The cost of one mid-epoch checkpoint (``pilab.engine.resume.write``: gather the rank states, checksum,
     serialise, write, fsync, rename) for ``cfg``'s model, against the multi-node default interval::
 
         checkpoint_cost(Config(width=0.25), saves=5)   # {'save_s': {...}, 'bytes': ..., 'share_of_interval': ...}
     """
     import os
     import tempfile
+
+    from ..engine import records, resume
     with tempfile.TemporaryDirectory() as out:
         session = engine.Session(replace(cfg, out=out, checkpoint_every_steps=1), engine.MPIRanks(None))
         session.model.train()
         times, size = [], 0
         for k in range(saves):
             session.step(0, k % session.steps_per_epoch)
-            acc = engine._Epoch()
+            acc = records.EpochSums()
             t = time.perf_counter()
-            failed = engine._checkpoint(session, 0, k + 1, [], step_in_epoch=k + 1, acc=acc)
+            failed = resume.write(session, 0, k + 1, [], step_in_epoch=k + 1, acc=acc)
             times.append(time.perf_counter() - t)
             assert failed is None, failed
             size = os.path.getsize(os.path.join(out, "checkpoint.pt"))

@@ -9,11 +9,10 @@ measured in the same sitting, alternated round by round:
   static-sharded rank's loader holds only its shard;
 * comm: GradSync's effective bandwidth vs one raw Allreduce of the same bytes, the bucket-size sweep with
   the share of communication hidden behind backward, and the small costs of a step (Testall, copies);
-* e2e: one synchronous step, pilab vs DDP-gloo (loopback) vs the sync-only floor vs the no-exchange
-  ceiling, the pre-issue-12 GradSync and pilab with a busy wait, and one rank alone (strong scaling);
-* sync (only when asked for, ``--sections sync``; ``pilab.bench`` runs it once more under
-  ``MPIR_CVAR_ASYNC_PROGRESS=1``): the ways to average one step's gradients, per-tensor and fused
-  blocking Allreduce vs GradSync with and without polling, fp16 and async progress.
+* e2e: one synchronous step, pilab vs DDP-gloo (loopback), the sync-only floor, the no-exchange ceiling
+  and one rank alone (strong scaling);
+* sync (``--sections sync`` only; ``pilab.bench`` runs it again under ``MPIR_CVAR_ASYNC_PROGRESS=1``): the
+  ways to average a step's gradients, per-tensor and fused blocking Allreduce, GradSync, fp16.
 """
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from ..engine import loop as engine, train
 from ..config import Config
-from ..engine.dist import GradSync, broadcast_module_, reduce_sums
+from ..engine.dist import GradSync, broadcast_module_
 from ..launch import mpi, mpi_library
 from ..engine.optim import build_optimizer
 from .stats import ratios, summary
@@ -49,10 +48,9 @@ def nap_barrier() -> None:
 
 
 def slowest(seconds: float) -> float:
-    return COMM.allreduce(seconds, op=MPI.MAX)
+    return COMM.allreduce(seconds, op=MPI.MAX)  # the slower rank's time: what a synchronous step waits for
 
 
-# ----------------------------------------------------------------------------------------------
 def memory(quick: bool) -> dict:
     steps = 4 if quick else 10
     cfg = Config(max_steps=steps, threads=1)  # the default run, cut short: its peak is reached in step 1
@@ -70,7 +68,6 @@ def memory(quick: bool) -> dict:
             "peak_rss_mb_per_rank": result["peak_mem_mb"], "shards": shards}
 
 
-# ----------------------------------------------------------------------------------------------
 def _model(cfg: Config):
     m = engine.base_model(cfg, torch.device("cpu"))
     broadcast_module_(m, COMM)
@@ -78,13 +75,20 @@ def _model(cfg: Config):
 
 
 def comm_section(cfg: Config, rounds: int, repeat: int, buckets) -> dict:
+    """GradSync's bandwidth against a raw Allreduce, the bucket-size sweep, the small costs of a step."""
     sess = engine.Session(cfg, engine.MPIRanks(COMM))
-    loader = sess.ranks.loader
-    x, y = loader.batch(0, 0)
-    out = {}
-    # 1) bandwidth: GradSync's exchange alone (all buckets posted at once, after backward) vs one raw
-    # Allreduce of a flat buffer with the same bytes. The buffers are refilled (untimed) each time.
+    x, y = sess.ranks.loader.batch(0, 0)
     model = _model(cfg)
+    out = {"bandwidth": _bandwidth(model, cfg, rounds, repeat),
+           "bucket_sweep": _bucket_sweep(cfg, rounds, repeat, buckets, x, y),
+           "micro": _micro(model, x, y)}
+    sess.ranks.close()
+    return out
+
+
+def _bandwidth(model, cfg: Config, rounds: int, repeat: int) -> dict:
+    """GradSync's exchange alone (all buckets posted at once, after backward) vs one raw Allreduce of a
+    flat buffer with the same bytes. The buffers are refilled (untimed) each time."""
     gs = GradSync(model, COMM, bucket_mb=cfg.bucket_mb)
     gs.remove()  # no hooks: finish() then posts every bucket itself
     nbytes = sum(b.flat.numel() * 4 for b in gs.buckets)
@@ -93,8 +97,14 @@ def comm_section(cfg: Config, rounds: int, repeat: int, buckets) -> dict:
     # Iallreduce requests and one Waitall (MPICH's non-blocking path, which GradSync must use to overlap).
     views = [b.flat.numpy() for b in gs.buckets]
 
-    def bare():
-        MPI.Request.Waitall([COMM.Iallreduce(MPI.IN_PLACE, v, op=MPI.SUM) for v in views])
+    def run(name):
+        if name == "raw":
+            COMM.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        elif name == "gradsync":
+            gs.seeded = True  # as in training: backward (GradSync.backward) already divided them
+            gs.finish()
+        else:
+            MPI.Request.Waitall([COMM.Iallreduce(MPI.IN_PLACE, v, op=MPI.SUM) for v in views])
     names = ["raw", "gradsync", "iallreduce"]
     samples = {n: [] for n in names}
     for r in range(rounds):
@@ -106,32 +116,27 @@ def comm_section(cfg: Config, rounds: int, repeat: int, buckets) -> dict:
                     b.flat.fill_(1.0)
                 nap_barrier()
                 t = time.perf_counter()
-                if name == "raw":
-                    COMM.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
-                elif name == "gradsync":
-                    gs.seeded = True  # as in training: backward (GradSync.backward) already divided them
-                    gs.finish()
-                else:
-                    bare()
+                run(name)
                 ts.append(slowest(time.perf_counter() - t))
             samples[name].append(float(np.median(ts)))
-    out["bandwidth"] = {"bytes": nbytes, "buckets": len(gs.buckets),
-                        "seconds": {n: summary(v) for n, v in samples.items()},
-                        "raw_gb_per_s": summary([nbytes / t / 1e9 for t in samples["raw"]]),
-                        "gradsync_gb_per_s": summary([nbytes / t / 1e9 for t in samples["gradsync"]]),
-                        "iallreduce_gb_per_s": summary([nbytes / t / 1e9 for t in samples["iallreduce"]]),
-                        "effective_bw_ratio": summary(ratios(samples, "raw", "gradsync")),
-                        "gradsync_vs_bare_iallreduce": summary(ratios(samples, "iallreduce", "gradsync")),
-                        "bare_iallreduce_vs_raw": summary(ratios(samples, "raw", "iallreduce")), "raw": samples}
-    # 2) bucket sweep: forward + backward + exchange per bucket size, and the share hidden behind backward
+    return {"bytes": nbytes, "buckets": len(gs.buckets), "seconds": {n: summary(v) for n, v in samples.items()},
+            "raw_gb_per_s": summary([nbytes / t / 1e9 for t in samples["raw"]]),
+            "gradsync_gb_per_s": summary([nbytes / t / 1e9 for t in samples["gradsync"]]),
+            "iallreduce_gb_per_s": summary([nbytes / t / 1e9 for t in samples["iallreduce"]]),
+            "effective_bw_ratio": summary(ratios(samples, "raw", "gradsync")),
+            "gradsync_vs_bare_iallreduce": summary(ratios(samples, "iallreduce", "gradsync")),
+            "bare_iallreduce_vs_raw": summary(ratios(samples, "raw", "iallreduce")), "raw": samples}
+
+
+def _bucket_sweep(cfg: Config, rounds: int, repeat: int, buckets, x, y) -> dict:
+    """Forward + backward + exchange per bucket size, and the share hidden behind backward."""
     variants = {}
     for mb in buckets:
         m = _model(cfg)
         variants[mb] = (m, GradSync(m, COMM, bucket_mb=mb), build_optimizer(m, cfg, 0.01))
     rec = {mb: {"step": [], "exposed": [], "total": []} for mb in buckets}
     for r in range(rounds):
-        order = buckets[r % len(buckets):] + buckets[:r % len(buckets)]
-        for mb in order:
+        for mb in buckets[r % len(buckets):] + buckets[:r % len(buckets)]:
             m, g, opt = variants[mb]
             st, ex, to = [], [], []
             nap_barrier()
@@ -146,59 +151,54 @@ def comm_section(cfg: Config, rounds: int, repeat: int, buckets) -> dict:
             rec[mb]["step"].append(slowest(float(np.median(st))))
             rec[mb]["exposed"].append(float(np.median(ex)))
             rec[mb]["total"].append(float(np.median(to)))
+    for _, g, _ in variants.values():
+        g.remove()
     ref = 1.0 if 1.0 in buckets else buckets[0]
-    out["bucket_sweep"] = {str(mb): {
+    return {str(mb): {
         "buckets": len(variants[mb][1].buckets),
         "step_s": summary(rec[mb]["step"]),
         "step_vs_%gMiB" % ref: summary([a / b for a, b in zip(rec[mb]["step"], rec[ref]["step"])]),
         "exposed_s": summary(rec[mb]["exposed"]), "comm_total_s": summary(rec[mb]["total"]),
         "hidden_share": summary([1 - e / t for e, t in zip(rec[mb]["exposed"], rec[mb]["total"]) if t > 0]),
     } for mb in buckets}
-    for m, g, _ in variants.values():
-        g.remove()
-    # 3) the small costs of one step, measured directly (rank 0's, seconds)
+
+
+def _per_call(fn, n: int) -> float:
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n
+
+
+def _micro(model, x, y) -> dict:
+    """The small costs of one step, measured directly (rank 0's, seconds)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None] or \
         [torch.ones_like(p) for p in model.parameters()]
     buf = torch.empty(sum(t.numel() for t in grads))
-    t = time.perf_counter()
-    for _ in range(20):
+
+    def copy_in_and_out():  # the copy into the buckets and back that views remove
         off = 0
-        for gr in grads:  # the copy into the buckets and back that views remove
+        for gr in grads:
             n = gr.numel()
             buf[off:off + n].copy_(gr.reshape(-1))
             gr.copy_(buf[off:off + n].view_as(gr))
             off += n
-    copy_s = (time.perf_counter() - t) / 20
-    req = [COMM.Iallreduce(MPI.IN_PLACE, np.zeros(1), op=MPI.SUM)]
-    MPI.Request.Waitall(req)
+    copy_s = _per_call(copy_in_and_out, 20)
+    MPI.Request.Waitall([COMM.Iallreduce(MPI.IN_PLACE, np.zeros(1), op=MPI.SUM)])
     reqs = [COMM.Iallreduce(MPI.IN_PLACE, np.zeros(1), op=MPI.SUM) for _ in range(8)]
-    t = time.perf_counter()
-    for _ in range(2000):
-        MPI.Request.Testall(reqs)
-    test_s = (time.perf_counter() - t) / 2000
+    test_s = _per_call(lambda: MPI.Request.Testall(reqs), 2000)
     MPI.Request.Waitall(reqs)
     loss = F.cross_entropy(model(x), y)
-    t = time.perf_counter()
-    for _ in range(200):
-        loss.item()
-    item_s = (time.perf_counter() - t) / 200
+    item_s = _per_call(loss.item, 200)
     nap_barrier()
-    t = time.perf_counter()
-    for _ in range(200):
-        COMM.Allreduce(MPI.IN_PLACE, np.zeros(6), op=MPI.SUM)
-    tiny_s = (time.perf_counter() - t) / 200
-    out["micro"] = {"copy_in_and_out_s": copy_s, "testall_call_s": test_s, "item_s": item_s,
-                    "tiny_allreduce_s": tiny_s, "gradient_tensors": len(grads),
-                    "testall_calls_per_step_before": len(grads)}
-    sess.ranks.close()
-    return out
+    tiny_s = _per_call(lambda: COMM.Allreduce(MPI.IN_PLACE, np.zeros(6), op=MPI.SUM), 200)
+    return {"copy_in_and_out_s": copy_s, "testall_call_s": test_s, "item_s": item_s, "tiny_allreduce_s": tiny_s,
+            "gradient_tensors": len(grads), "testall_calls_per_step_before": len(grads)}
 
 
-# ----------------------------------------------------------------------------------------------
 def e2e(cfg: Config, rounds: int, repeat: int) -> dict:
     """One synchronous step, every contender on its own copy of the model, the same batches."""
     import torch.distributed as tdist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     # DDP over gloo, on loopback only: rank 0 picks a free port on 127.0.0.1 and tells the others.
     port = None
@@ -209,10 +209,30 @@ def e2e(cfg: Config, rounds: int, repeat: int) -> dict:
     port = COMM.bcast(port, root=0)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     tdist.init_process_group("gloo", rank=RANK, world_size=SIZE)
-
     ds = engine.load_data(cfg, COMM)  # shared by the sessions below (a Session keeps data it is given)
     sess = engine.Session(cfg, engine.MPIRanks(COMM), data=ds)
     sess.model.train()
+    contenders, records = _e2e_contenders(cfg, ds, sess)
+    timings, gc_stats = _e2e_rounds(contenders, rounds, repeat)
+    rs = {"pilab_over_floor": ratios(timings, "pilab", "floor"),
+          "pilab_over_ddp": ratios(timings, "pilab", "ddp_gloo"),
+          "pilab_over_ceiling": ratios(timings, "pilab", "ceiling"),
+          "floor_over_ceiling": ratios(timings, "floor", "ceiling"), "ddp_over_ceiling": ratios(timings, "ddp_gloo", "ceiling"),
+          "scaling_efficiency": ratios(timings, "np1", "pilab")}
+    parts = {k: summary([getattr(st, k) for st in records[1:]])  # the first one was the warm-up
+             for k in ("time", "compute", "comm", "comm_exposed", "comm_wait", "data")}
+    sess.ranks.close()
+    tdist.destroy_process_group()
+    return {"model": cfg.model, "width": cfg.width, "per_rank_batch": sess.batch, "threads": cfg.threads,
+            "bucket_mb": cfg.bucket_mb, "rounds": rounds, "steps_per_round": repeat,
+            "step_s": {n: summary(v) for n, v in timings.items()}, "ratios": {k: summary(v) for k, v in rs.items()},
+            "raw": timings, "pilab_step_parts": parts, "gc": {**gc_stats, "pilab_steps": rounds * repeat}}
+
+
+def _e2e_contenders(cfg: Config, ds, sess) -> tuple[dict, list]:
+    """The contenders of one step (name -> a call that takes one), and the list pilab's steps go to."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     loader, spe, b = sess.ranks.loader, sess.steps_per_epoch, sess.batch
     counter = {"k": 0}
 
@@ -221,23 +241,20 @@ def e2e(cfg: Config, rounds: int, repeat: int) -> dict:
         counter["k"] += 1
         return loader.batch(*divmod(k % spe, spe))
 
-    def plain(model, opt, after=None, sync=None):
+    def plain(model, opt, after=None):
         def step():
             x, y = batch()
             opt.zero_grad(set_to_none=False)
             out = model(x)
             loss = F.cross_entropy(out, y)
             loss.backward()
-            if sync is not None:
-                sync.finish()
             opt.step()
             correct = (out.argmax(1) == y).sum().item()
             if after is not None:
                 after(loss.item() * b, correct)
-            return None
         return step
 
-    contenders, timings, extra = {}, {}, {}
+    contenders, records = {}, []
     m = _model(cfg)
     contenders["ceiling"] = plain(m, build_optimizer(m, cfg, 0.01))  # no exchange at all
     m = _model(cfg)
@@ -248,26 +265,12 @@ def e2e(cfg: Config, rounds: int, repeat: int) -> dict:
         warnings.simplefilter("ignore", FutureWarning)
         m = DDP(_model(cfg), broadcast_buffers=False)
     contenders["ddp_gloo"] = plain(m, build_optimizer(m.module, cfg, 0.01))
-    # GradSync as it was before issue 12: copies into the buckets, Testall in every hook, a busy
-    # Waitall, and the metrics in a second blocking Allreduce after the optimizer step.
-    m = _model(cfg)
-    legacy = GradSync(m, COMM, bucket_mb=cfg.bucket_mb, views=False, poll_every=1, wait="spin")
-    contenders["pilab_before"] = plain(m, build_optimizer(m, cfg, 0.01), sync=legacy,
-                                       after=lambda l, c: reduce_sums([l, c, 0.0, 0.0, 0.0], COMM))
-    # pilab today but waiting busily (isolates the wait)
-    spin = engine.Session(cfg, engine.MPIRanks(COMM), data=ds)
-    spin.ranks.gsync.wait = "spin"
-    records = {"pilab": [], "pilab_spin": []}
 
-    def engine_step(session, key):
-        def step():
-            k = counter["k"]
-            counter["k"] += 1
-            st, _ = session.step(*divmod(k % spe, spe))
-            records[key].append(st)
-        return step
-    contenders["pilab_spin"] = engine_step(spin, "pilab_spin")
-    contenders["pilab"] = engine_step(sess, "pilab")
+    def pilab():
+        k = counter["k"]
+        counter["k"] += 1
+        records.append(sess.step(*divmod(k % spe, spe))[0])
+    contenders["pilab"] = pilab
     # one rank alone (strong scaling, per-rank batch fixed): rank 0 trains, rank 1 sleeps
     solo = engine.Session(cfg, engine.MPIRanks(None), data=ds) if RANK == 0 else None
     solo_k = {"k": 0}
@@ -277,9 +280,13 @@ def e2e(cfg: Config, rounds: int, repeat: int) -> dict:
             solo.step(*divmod(solo_k["k"] % solo.steps_per_epoch, solo.steps_per_epoch))
             solo_k["k"] += 1
     contenders["np1"] = alone
+    return contenders, records
 
-    gc_pauses = []
-    gc_t = {}
+
+def _e2e_rounds(contenders: dict, rounds: int, repeat: int) -> tuple[dict, dict]:
+    """Every contender ``repeat`` steps a round, alternated round by round; the slower rank's median
+    step per round, and the garbage collector's pauses during pilab's steps."""
+    gc_pauses, gc_t = [], {}
 
     def gc_cb(phase, info):
         if phase == "start":
@@ -290,11 +297,9 @@ def e2e(cfg: Config, rounds: int, repeat: int) -> dict:
     for n in names:  # warm-up
         nap_barrier()
         contenders[n]()
-    for n in names:
-        timings[n] = []
+    timings = {n: [] for n in names}
     for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for n in order:
+        for n in names[r % len(names):] + names[:r % len(names)]:
             nap_barrier()
             ts = []
             if n == "pilab":
@@ -307,35 +312,10 @@ def e2e(cfg: Config, rounds: int, repeat: int) -> dict:
                 gc.callbacks.remove(gc_cb)
             mine = float(np.median(ts)) if (n != "np1" or RANK == 0) else 0.0
             timings[n].append(slowest(mine))
-    steps = {n: summary(v) for n, v in timings.items()}
-
-    def parts(key):
-        rs = records[key][1:]  # the first one was the warm-up
-        return {k: summary([getattr(s, k) for s in rs])
-                for k in ("time", "compute", "comm", "comm_exposed", "comm_wait", "data")}
-    extra["pilab_step_parts"] = parts("pilab")
-    extra["pilab_spin_step_parts"] = parts("pilab_spin")
-    extra["gc"] = {"collections": len(gc_pauses), "total_s": float(sum(gc_pauses)),
-                   "max_s": float(max(gc_pauses)) if gc_pauses else 0.0,
-                   "pilab_steps": rounds * repeat}
-    rs = {"pilab_over_floor": ratios(timings, "pilab", "floor"),
-          "pilab_over_ddp": ratios(timings, "pilab", "ddp_gloo"),
-          "pilab_over_ceiling": ratios(timings, "pilab", "ceiling"),
-          "floor_over_ceiling": ratios(timings, "floor", "ceiling"),
-          "ddp_over_ceiling": ratios(timings, "ddp_gloo", "ceiling"),
-          "before_over_floor": ratios(timings, "pilab_before", "floor"),
-          "pilab_over_before": ratios(timings, "pilab", "pilab_before"),
-          "spin_over_pilab": ratios(timings, "pilab_spin", "pilab"),
-          "scaling_efficiency": ratios(timings, "np1", "pilab")}
-    sess.ranks.close()
-    spin.ranks.close()
-    tdist.destroy_process_group()
-    return {"model": cfg.model, "width": cfg.width, "per_rank_batch": b, "threads": cfg.threads,
-            "bucket_mb": cfg.bucket_mb, "rounds": rounds, "steps_per_round": repeat,
-            "step_s": steps, "ratios": {k: summary(v) for k, v in rs.items()}, "raw": timings, **extra}
+    return timings, {"collections": len(gc_pauses), "total_s": float(sum(gc_pauses)),
+                     "max_s": float(max(gc_pauses)) if gc_pauses else 0.0}
 
 
-# ----------------------------------------------------------------------------------------------
 # Ways to average one step's gradients: each is made for its own model and, called after backward,
 # returns (messages, bytes sent[, exposed seconds as GradSync measures them]).
 def _per_tensor(model, cfg):
@@ -380,29 +360,25 @@ def _gradsync(**kw):
     return make
 
 
-SYNC_VARIANTS = {  # key: (label, maker); e and e+poll run under MPIR_CVAR_ASYNC_PROGRESS=1
+SYNC_VARIANTS = {  # key: (label, maker); e runs under MPIR_CVAR_ASYNC_PROGRESS=1
     "a": ("per-tensor blocking", _per_tensor), "b": ("fused blocking", _fused),
-    "c": ("GradSync poll", _gradsync()), "d": ("GradSync no poll", _gradsync(poll=False)),
-    "fp16": ("GradSync poll fp16", _gradsync(compression="fp16")),
-    "e": ("GradSync async progress, no poll", _gradsync(poll=False)),
-    "e+poll": ("GradSync async progress + poll", _gradsync())}
-THREAD_LEVELS = {"THREAD_SINGLE": "single", "THREAD_FUNNELED": "funneled", "THREAD_SERIALIZED": "serialized",
-                 "THREAD_MULTIPLE": "multiple"}
+    "c": ("GradSync", _gradsync()), "fp16": ("GradSync fp16", _gradsync(compression="fp16")),
+    "e": ("GradSync async progress", _gradsync())}
+THREAD_LEVELS = ("THREAD_SINGLE", "THREAD_FUNNELED", "THREAD_SERIALIZED", "THREAD_MULTIPLE")
 
 
 def sync(cfg: Config, rounds: int, repeat: int) -> dict:
     """Ways to average the gradients of one step at one bucket size (``cfg.bucket_mb``), each on its own
     copy of the model, the same batch: per-tensor blocking Allreduce (a, the baseline), one fused
-    blocking Allreduce (b), GradSync polling from the hooks (c), GradSync without polling (d: MPICH
-    progresses only in finish()'s Waitall), GradSync with fp16 compression. Under
+    blocking Allreduce (b), GradSync (c: polling from its hooks), GradSync with fp16 compression. Under
     ``MPIR_CVAR_ASYNC_PROGRESS=1`` (a progress thread per rank; ``pilab.bench`` runs a second job) the
-    contenders are a, GradSync without polling (e) and with polling (e+poll). Forward + backward +
+    contenders are a and GradSync (e). Forward + backward +
     averaging, no optimizer step (the same for all); the slower rank's step per round."""
     async_progress = os.environ.get("MPIR_CVAR_ASYNC_PROGRESS", "0") not in ("", "0")
     g = torch.Generator().manual_seed(1 + RANK)  # each rank its own batch, as in training
     x = torch.randn(cfg.batch_size, 3, 32, 32, generator=g).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (cfg.batch_size,), generator=g)
-    keys = ["a", "e", "e+poll"] if async_progress else ["a", "b", "c", "d", "fp16"]
+    keys = ["a", "e"] if async_progress else ["a", "b", "c", "fp16"]
     contenders = {}
     for k in keys:
         model = _model(cfg)
@@ -434,7 +410,7 @@ def sync(cfg: Config, rounds: int, repeat: int) -> dict:
              "step_vs_a": summary([s / b for s, b in zip(rec[k]["step"], rec["a"]["step"])]),
              "exposed_vs_a": summary([e / b for e, b in zip(rec[k]["exposed"], rec["a"]["exposed"]) if b > 0])}
             for k in keys]
-    level = next((v for k, v in THREAD_LEVELS.items() if getattr(MPI, k) == MPI.Query_thread()), "?")
+    level = next((k[7:].lower() for k in THREAD_LEVELS if getattr(MPI, k) == MPI.Query_thread()), "?")
     return {"model": cfg.model, "width": cfg.width, "per_rank_batch": cfg.batch_size, "bucket_mb": cfg.bucket_mb,
             "async_progress": async_progress, "thread_level": level, "rounds": rounds, "steps_per_round": repeat,
             "rows": rows, "raw": rec}

@@ -279,11 +279,10 @@ def _e2e(ranks: dict, res: dict) -> list[str]:
                 f"{e['model']} width {e['width']}, {e['per_rank_batch']} images per rank, {e['threads']} thread per "
                 f"rank, channels_last, {e['rounds']} rounds × {e['steps_per_round']} steps per contender (median step of "
                 "the slower rank). *ceiling*: no exchange; *floor*: plus one 8-byte Allreduce per step; *DDP-gloo*: "
-                "torch DDP (defaults, broadcast_buffers=False) over gloo on 127.0.0.1; *pilab before*: GradSync as it "
-                "was before issue 12; *pilab spin*: today's pilab with MPI's busy Waitall; *np=1*: rank 0 alone "
+                "torch DDP (defaults, broadcast_buffers=False) over gloo on 127.0.0.1; *np=1*: rank 0 alone "
                 "(rank 1 asleep). " + _when(res), "",
                 "| contender | step |", "|---|---|"]
-        for k in ("ceiling", "floor", "pilab", "pilab_spin", "pilab_before", "ddp_gloo", "np1"):
+        for k in ("ceiling", "floor", "pilab", "ddp_gloo", "np1"):
             out.append(f"| {k} | {_ms(st.get(k))} |")
         out += ["", "| ratio | median (p10–p90) | goal |", "|---|---|---|",
                 f"| pilab / floor | {_r(r['pilab_over_floor'], 3)} | {_goal(r['pilab_over_floor'], res, 'e2e_pilab_over_floor')} |",
@@ -292,10 +291,7 @@ def _e2e(ranks: dict, res: dict) -> list[str]:
                 f"{_goal(r['scaling_efficiency'], res, 'e2e_scaling_efficiency')} |",
                 f"| pilab / ceiling | {_r(r['pilab_over_ceiling'], 3)} | |",
                 f"| floor / ceiling (the cost of synchronising at all) | {_r(r['floor_over_ceiling'], 3)} | |",
-                f"| DDP-gloo / ceiling | {_r(r['ddp_over_ceiling'], 3)} | |",
-                f"| pilab before / floor | {_r(r['before_over_floor'], 3)} | |",
-                f"| pilab / pilab before | {_r(r['pilab_over_before'], 3)} | |",
-                f"| pilab spin / pilab | {_r(r['spin_over_pilab'], 3)} | |", ""]
+                f"| DDP-gloo / ceiling | {_r(r['ddp_over_ceiling'], 3)} | |", ""]
         p = e["pilab_step_parts"]
         out += ["pilab's own step timings (StepResult, this run): "
                 + ", ".join(f"{k} {_ms(p[k])}" for k in ("time", "compute", "comm_exposed", "comm_wait", "data"))

@@ -120,7 +120,6 @@ def probe_figures(alone, busy, alone16, nbytes: int) -> dict:
 def run(cfg: Config, rounds: int, repeat: int, master: str) -> dict:
     """The contenders' step times (slowest rank per round) and their per-round ratios to the ceiling."""
     import torch.distributed as tdist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(PORT))
     tdist.init_process_group("gloo", rank=RANK, world_size=SIZE)
@@ -130,6 +129,30 @@ def run(cfg: Config, rounds: int, repeat: int, master: str) -> dict:
                                              engine.MPIRanks(COMM), data=ds),
                 "pilab_one_bucket": engine.Session(Config(**{**cfg.to_dict(), "bucket_mb": 64.0}),
                                                    engine.MPIRanks(COMM), data=ds)}
+    steps, batch, forward, model = _contenders(cfg, sessions)
+    n_params = sum(p.numel() for p in sessions["pilab"].model.parameters() if p.requires_grad)
+    probe = Probe(model(), 4 * n_params)
+    timings, probes = _rounds(steps, probe, batch, rounds, repeat, n_params)
+    for s in sessions.values():
+        s.ranks.close()
+    tdist.destroy_process_group()
+    fwd = slowest(float(np.median(forward[repeat:] or forward)))
+    return {"np": SIZE, "model": cfg.model, "width": cfg.width, "per_rank_batch": cfg.batch_size,
+            "threads": cfg.threads, "rounds": rounds, "steps_per_round": repeat, "params": n_params,
+            "gradient_bytes": 4 * n_params, "forward_s": fwd,
+            "step_s": {k: summary(v) for k, v in timings.items()},
+            "over_ceiling": {k: summary(ratios(timings, k, "ceiling")) for k in CONTENDERS},
+            "pilab_over_ddp": summary(ratios(timings, "pilab", "ddp_gloo")),
+            "probe_bytes": probe.nbytes,
+            "probe": {k: float(np.median([p[k] for p in probes])) for k in probes[0]
+                      if k != "saturated"} | {"saturated": sum(p["saturated"] for p in probes)},
+            "probe_rounds": probes, "raw": timings}
+
+
+def _contenders(cfg: Config, sessions: dict):
+    """(name -> one step, the shared batch source, the ceiling's forward times, a fresh seeded model)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     base = sessions["pilab"]
     loader, spe = base.ranks.loader, base.steps_per_epoch
     counter = {"k": 0}
@@ -159,16 +182,15 @@ def run(cfg: Config, rounds: int, repeat: int, master: str) -> dict:
         torch.manual_seed(cfg.seed)
         return engine.base_model(cfg, torch.device("cpu"))
 
-    steps = {}
-    m = model()
-    steps["ceiling"] = plain(m, build_optimizer(m, cfg, 0.01), timed=True)
-
     def engine_step(session):
         def step():
             k = counter["k"]
             counter["k"] += 1
             session.step(*divmod(k % spe, spe))
         return step
+    steps = {}
+    m = model()
+    steps["ceiling"] = plain(m, build_optimizer(m, cfg, 0.01), timed=True)
     for key, s in sessions.items():
         steps[key] = engine_step(s)
     with warnings.catch_warnings():  # broadcast_buffers=False: BN statistics stay per rank, as in pilab
@@ -177,8 +199,11 @@ def run(cfg: Config, rounds: int, repeat: int, master: str) -> dict:
         ddp1 = DDP(model(), broadcast_buffers=False, bucket_cap_mb=1)
     steps["ddp_gloo"] = plain(ddp, build_optimizer(ddp.module, cfg, 0.01))
     steps["ddp_gloo_1mb"] = plain(ddp1, build_optimizer(ddp1.module, cfg, 0.01))
-    n_params = sum(p.numel() for p in base.model.parameters() if p.requires_grad)
-    probe = Probe(model(), 4 * n_params)
+    return steps, batch, forward, model
+
+
+def _rounds(steps: dict, probe, batch, rounds: int, repeat: int, n_params: int) -> tuple[dict, list]:
+    """The contenders alternated round by round, then the probe once a round (round -1: the warm-up)."""
     timings = {k: [] for k in CONTENDERS}
     probes = []
     for r in range(-1, rounds):  # round -1: the warm-up, not kept
@@ -204,20 +229,7 @@ def run(cfg: Config, rounds: int, repeat: int, master: str) -> dict:
             # (else the probe only bounds the rate from below); the same factor on every rank
             a, b = slowest(float(np.median(alone))), slowest(float(np.median([x for x, _ in busy])))
             probe.resize(4 * n_params * min(PROBE_MAX_FACTOR, max(1, math.ceil(2 * b / a))))
-    for s in sessions.values():
-        s.ranks.close()
-    tdist.destroy_process_group()
-    fwd = slowest(float(np.median(forward[repeat:] or forward)))
-    return {"np": SIZE, "model": cfg.model, "width": cfg.width, "per_rank_batch": cfg.batch_size,
-            "threads": cfg.threads, "rounds": rounds, "steps_per_round": repeat, "params": n_params,
-            "gradient_bytes": 4 * n_params, "forward_s": fwd,
-            "step_s": {k: summary(v) for k, v in timings.items()},
-            "over_ceiling": {k: summary(ratios(timings, k, "ceiling")) for k in CONTENDERS},
-            "pilab_over_ddp": summary(ratios(timings, "pilab", "ddp_gloo")),
-            "probe_bytes": probe.nbytes,
-            "probe": {k: float(np.median([p[k] for p in probes])) for k in probes[0]
-                      if k != "saturated"} | {"saturated": sum(p["saturated"] for p in probes)},
-            "probe_rounds": probes, "raw": timings}
+    return timings, probes
 
 
 def main(argv=None) -> int:

@@ -174,28 +174,18 @@ def _train_rank(cfg: Config, args) -> int:
     MPI = mpi()  # LaunchError naming the fix without an MPI library
 
     from ..engine import harness
-    from ..engine.dist import check_launcher
-    from ..engine.loop import Handoff, load_data
-    from ..engine.watchdog import hang_s_from_env
     comm = MPI.COMM_WORLD
-    check_launcher(comm)
 
-    def check():
+    def also(cfg_):  # pilab train's own checks, on every rank before the vote
         if args.np is not None and args.np != comm.Get_size():
             raise ConfigError(f"--np {args.np} but this job has {comm.Get_size()} ranks; "
                               "drop --np under mpiexec")
-        ds = load_data(cfg)
-        cfg.check_world(comm.Get_size(), len(ds.y_train))
-        hang_s = args.hang_s if args.hang_s is not None else hang_s_from_env()
-        if hang_s < 0:
-            raise ConfigError(f"--hang-s {args.hang_s} must be >= 0 (0: no watchdog)")
-        stale = False
-        if comm.Get_rank() == 0:  # only rank 0 writes: its view of --out and of the checkpoint counts
-            stale = _check_output(cfg, args, comm.Get_size())
-        _check_memory_flags(args)  # a bad --node-memory fails here, on every rank, before the vote
-        return ds, stale, hang_s
+        _check_memory_flags(args)  # a bad --node-memory fails here, on every rank
+        # only rank 0 writes: its view of --out and of the checkpoint counts
+        return _check_output(cfg_, args, comm.Get_size()) if comm.Get_rank() == 0 else False
     try:
-        ds, stale, hang_s = harness.vote(comm, check, refusals=(UsageError,))
+        cfg, data, hang_s, stale = harness.prepare(comm, lambda: cfg, args.hang_s, also=also,
+                                                   refusals=(UsageError,))
     except harness.Refused as e:
         if e.speaks:  # the lowest failing rank speaks for all
             print(f"pilab: error: {e.error}", file=sys.stderr)
@@ -205,8 +195,6 @@ def _train_rank(cfg: Config, args) -> int:
         _memory_warning(cfg, args, comm.Get_size(), args.ranks_per_node or local)
     if stale:
         clear_out_dir(cfg.out)
-    # handed over: the rank keeps its shard, not the whole training set (~150 MB of CIFAR-10)
-    data, ds = Handoff(ds), None
     out = harness.guarded_run(cfg, comm, data=data, callbacks=progress_callbacks(args.quiet), hang_s=hang_s)
     return _report(out.result, cfg, out.signum, speak=comm.Get_rank() == 0)
 

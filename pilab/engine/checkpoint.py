@@ -31,10 +31,12 @@ import re
 import torch
 
 from ..config import Config, ConfigError
+from ..files import atomic_write
 
 __all__ = ["CheckpointError", "WriteError", "save", "load", "verify", "digest", "latest", "FORMAT"]
 
-FORMAT = "pilab.checkpoint/1"
+# /2: every loop feature's state under its name in "components" (was "ema", "ema_pending", "gns" at the top)
+FORMAT = "pilab.checkpoint/2"
 NAME = "checkpoint.pt"
 # Settings that may differ between a run and its resumption: they don't change what is computed.
 RESUMABLE = ("out", "resume", "checkpoint_every", "keep", "max_steps", "eval_every", "eval_batch", "threads",
@@ -86,39 +88,22 @@ def digest(payload: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 # writing
 # ----------------------------------------------------------------------------------------------
-def _write_synced(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def _write(data: bytes):
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    return write
 
 
-def _fsync_dir(d: str) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _replace_with(src: str, dst: str) -> None:
-    """Make ``dst`` the same file as ``src`` atomically (hard link + rename; a copy where links fail)."""
-    tmp = f"{dst}.tmp{os.getpid()}"
-    try:
+def _link_or_copy(src: str):
+    """``dst`` (a temporary path) becomes the same file as ``src``: a hard link, a copy where links fail."""
+    def write(tmp: str) -> None:
         try:
             os.link(src, tmp)
         except OSError:
             with open(src, "rb") as f:
-                _write_synced(tmp, f.read())
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+                _write(f.read())(tmp)
+    return write
 
 
 def epoch_files(out: str) -> list[tuple[int, str]]:
@@ -149,21 +134,14 @@ def save(out: str, payload: dict, *, keep: int = 1) -> str:
     mid = int(ck.get("step_in_epoch") or 0)
     path = os.path.join(out, file_name(ck["epoch"], mid))
     what = f"step {ck['step']} (mid-epoch {int(ck['epoch']) + 1})" if mid else f"epoch {ck['epoch']}"
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        os.makedirs(out, exist_ok=True)
-        _write_synced(tmp, buf.getvalue())
-        os.replace(tmp, path)
-        _replace_with(path, os.path.join(out, NAME))
-        _fsync_dir(out)
+    try:  # the numbered file, then checkpoint.pt pointed at it: each atomic, on the disk before it counts
+        atomic_write(path, _write(buf.getvalue()), durable=True)
+        atomic_write(os.path.join(out, NAME), _link_or_copy(path), durable=True)
     except OSError as e:
         err = WriteError(f"cannot write the checkpoint of {what} to {out}: "
                          f"{e.strerror or e}")
         err.errno = e.errno
         raise err from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     for _, old in epoch_files(out)[:-max(1, keep)]:
         try:
             os.remove(old)
@@ -207,7 +185,10 @@ def read(path: str) -> dict:
     if not isinstance(ck, dict) or not {"model", "optimizer", "epoch", "config"} <= set(ck):
         raise CheckpointError(f"{path} is a torch file but not a pilab checkpoint "
                               "(no model/optimizer/epoch/config)")
-    if "sha256" in ck and digest(ck) != ck["sha256"]:
+    if ck.get("format") != FORMAT:
+        raise CheckpointError(f"{path} was written by another pilab (format {ck.get('format')!r}, this one reads "
+                              f"{FORMAT!r}); resume it with the pilab that wrote it, or start again")
+    if digest(ck) != ck.get("sha256"):
         raise CheckpointError(f"{path} is corrupt: its checksum does not match its contents; resume "
                               f"from an earlier checkpoint{_others(path) or ' or start again'}")
     return ck

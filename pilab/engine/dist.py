@@ -34,7 +34,7 @@ from ..launch import launcher_size
 # the primitives and the optimizer-side piece, each in a module of its own, re-exported: ``dist`` is
 # the communication layer's one public face
 from .comm import MPI, _buf, allreduce_, broadcast_, world  # noqa: F401
-from .gradsync import (SLEEP_S, SPIN_BYTES_PER_S, SPIN_S, WAITS, GradSync, Slots, StepComm,  # noqa: F401
+from .gradsync import (SLEEP_S, SPIN_BYTES_PER_S, SPIN_S, GradSync, Slots, StepComm,  # noqa: F401
                        fp16_type, share_of_mean, squared_norm, wait_polling)
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from .clip import ClipGradNorm
 from .ema import EMA
+from .noise import NoiseRamp
 from .stragglers import StragglerWatch
 
-FEATURES = (ClipGradNorm, EMA, StragglerWatch)
+FEATURES = (ClipGradNorm, EMA, NoiseRamp, StragglerWatch)
 
 
 def chosen(cfg, ranks) -> list:

@@ -65,8 +65,7 @@ def _dense(p: torch.Tensor) -> bool:
     return p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last))
 
 
-WAITS = ("sleep", "spin")  # how finish() waits: Testall, then Testall + short naps; or MPI's busy Waitall
-SPIN_S = 2e-3  # wait="sleep" polls without napping this long first: a transfer in flight finishes at full speed
+SPIN_S = 2e-3  # finish() polls without napping this long first: a transfer in flight finishes at full speed
 # ... or longer when much was posted at the end: the time those bytes take at this (conservative) rate, so
 # naps never slow a transfer that is still moving (a bucket of 8.5 MB took 2.3 ms here; napping after 2 ms
 # cost GradSync a third of the raw bandwidth in BENCHMARKS.md).
@@ -90,21 +89,21 @@ class GradSync:
     the gradient hooks as soon as it is full, so communication overlaps the rest of backward
     (Horovod's fusion buffer, DDP's buckets).
 
-    Gradients are *views into the buckets* (``views=True``, DDP's ``gradient_as_bucket_view``): backward
+    Gradients are *views into the buckets* (DDP's ``gradient_as_bucket_view``): backward
     accumulates straight into the fusion buffer and the averaged result lands in ``p.grad`` in place —
     no copy in, no copy out. A gradient that someone replaced (``zero_grad(set_to_none=True)``) is copied
-    in once and re-pointed at its slot.
+    in once and re-pointed at its slot; a parameter whose layout a flat slot cannot hold is copied.
 
     MPICH progresses a non-blocking collective only inside MPI calls, so the hooks call ``Testall`` on
-    the outstanding requests: every ``poll_every``-th gradient and at every post (``poll=False``: never;
-    ``MPIR_CVAR_ASYNC_PROGRESS=1`` is the alternative, measured by ``python -m pilab bench --sections sync``).
-    Every gradient by default: between two nodes at 1 Gbit/s each phase of a 1 MiB Allreduce waits for
+    the outstanding requests at every gradient and every post (``MPIR_CVAR_ASYNC_PROGRESS=1`` is the
+    alternative, measured by ``python -m pilab bench --sections sync``). Every gradient: between two
+    nodes at 1 Gbit/s each phase of a 1 MiB Allreduce waits for
     the next poll, and polling every 8th gradient left 9-13% more on the step than every one (MobileNetV2
     1.0, 2 nodes, 15 alternated rounds, 2026-12-03; the same at 200 Mbit/s, where the link bounds it),
     while a Testall costs about a microsecond.
 
-    ``finish()`` polls with Testall for ``SPIN_S`` and then naps between polls (``wait="sleep"``), instead
-    of MPI's busy ``Waitall`` (``wait="spin"``): on a machine with more runnable processes than cores a
+    ``finish()`` polls with Testall for ``SPIN_S`` and then naps between polls, instead of MPI's busy
+    ``Waitall``: on a machine with more runnable processes than cores a
     rank spinning while it waits for a straggler takes CPU from that rank, and the time shows up as the
     straggler's *compute*.
 
@@ -133,15 +132,9 @@ class GradSync:
     """
 
     def __init__(self, model: nn.Module, comm, *, bucket_mb: float = 1.0,
-                 compression: str = "none", poll: bool = True, poll_every: int = 1,
-                 views: bool = True, wait: str = "sleep", meta: "int | Slots" = 0, norms: bool = False):
-        if wait not in WAITS:
-            raise ValueError(f"wait={wait!r}; use one of {', '.join(WAITS)}")
-        if poll_every < 1:
-            raise ValueError(f"poll_every={poll_every} must be >= 1")
+                 compression: str = "none", meta: "int | Slots" = 0, norms: bool = False):
         self.comm = comm
         self.rank, self.size = world(comm)
-        self.poll, self.poll_every, self.wait = poll, poll_every, wait
         self.fp16 = compression == "fp16"
         self.half_type = fp16_type() if self.fp16 else None
         if self.fp16 and self.size > 1 and self.half_type is None:
@@ -188,10 +181,9 @@ class GradSync:
         # False for a local-SGD step (pilab.engine.localsgd): the gradients stay this rank's, only meta travels
         self.exchange = True
         self._pflat: list | None = None  # average_parameters_'s buffers, made on first use
-        self.views = views and self.size > 1
         if self.size > 1:
             for b in self.buckets:
-                b.views = self._make_views(b) if self.views else [None] * len(b.params)
+                b.views = self._make_views(b)
                 b.all_views = all(v is not None for v in b.views)
             for p in params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -222,7 +214,6 @@ class GradSync:
         self._inflight: list = []
         self._requests: list = []  # one per message (a run of buckets shares it)
         self._meta_request = None
-        self._hooked = 0
         self.seeded = False  # this step's gradients came out of backward already divided (see backward())
         self.stats = StepComm()
 
@@ -252,11 +243,10 @@ class GradSync:
         i = self._where[id(p)]
         b = self.buckets[i]
         b.pending -= 1
-        self._hooked += 1
         if b.pending == 0:
             self._ready[i] = True
             self._post_ready()
-        elif self.poll and self._hooked % self.poll_every == 0:
+        else:
             self._test()
 
     def _post_ready(self):
@@ -268,8 +258,7 @@ class GradSync:
             self._send(self.buckets[first:self._next])
             if self._next == len(self.buckets):
                 self._post_meta()
-        if self.poll:
-            self._test()
+        self._test()
 
     def _prepare(self, b: _Bucket):
         """The bucket's bytes made ready to send: every gradient in its slot, divided, cast for fp16."""
@@ -348,9 +337,6 @@ class GradSync:
 
     def _wait(self, late_bytes: int = 0):
         reqs = self._requests + [self._meta_request]
-        if self.wait == "spin":
-            MPI.Request.Waitall(reqs)
-            return
         wait_polling(reqs, max(SPIN_S, late_bytes / SPIN_BYTES_PER_S))
 
     def finish(self) -> StepComm:
@@ -382,7 +368,7 @@ class GradSync:
             offset = 0
             for p, view in zip(b.params, b.views):
                 n = p.numel()
-                if view is None:  # not a view (views=False, or a layout a flat slot cannot hold)
+                if view is None:  # not a view (a layout a flat slot cannot hold)
                     if p.grad is None:
                         p.grad = torch.empty_like(p)
                     p.grad.copy_(b.flat[offset:offset + n].view_as(p.grad))

@@ -29,7 +29,7 @@ from typing import Any, Callable
 from ..config import Config, ConfigError
 from .signals import exit_code_for, interruptible
 
-__all__ = ["guarded_run", "Outcome", "vote", "Refused", "exit_code", "EXIT_WRITE", "print_stragglers"]
+__all__ = ["guarded_run", "Outcome", "prepare", "vote", "Refused", "exit_code", "EXIT_WRITE", "print_stragglers"]
 
 EXIT_WRITE = 74  # a result or checkpoint could not be written (sysexits' EX_IOERR)
 EXIT_REFUSED = 2  # a rank refused the settings (the CLI's exit code for bad input)
@@ -69,6 +69,34 @@ def vote(comm, check: Callable[[], Any], refusals: tuple = ()) -> Any:
     if first < size:
         raise Refused(error, first, speaks=rank == first)
     return value
+
+
+def prepare(comm, make_cfg: Callable[[], Config], hang_s: float | None, *, also=None, refusals: tuple = ()):
+    """Every rank of a job before it trains (``pilab train`` under mpiexec, and :func:`main`): the
+    launcher checked, then on every rank the Config (``make_cfg()``), ``also(cfg)`` (the caller's own
+    checks), the data set and that it fits the world, the watchdog's seconds (``hang_s``, else
+    ``$PILAB_HANG_S``); one :func:`vote`, so a bad setting on any rank raises :class:`Refused` on all.
+    Returns (cfg, the data handed over, hang_s, ``also``'s value)::
+
+        cfg, data, hang_s, _ = harness.prepare(comm, lambda: cfg, None)
+        harness.guarded_run(cfg, comm, data=data, hang_s=hang_s)
+    """
+    from .dist import check_launcher
+    from .loop import Handoff, load_data
+    from .watchdog import hang_s_from_env
+    check_launcher(comm)
+
+    def check():
+        cfg = make_cfg()
+        extra = also(cfg) if also is not None else None
+        ds = load_data(cfg)
+        cfg.check_world(comm.Get_size(), len(ds.y_train))
+        seconds = hang_s if hang_s is not None else hang_s_from_env()
+        if seconds < 0:
+            raise ConfigError(f"--hang-s {hang_s} must be >= 0 (0: no watchdog)")
+        return cfg, ds, seconds, extra
+    cfg, ds, seconds, extra = vote(comm, check, refusals)
+    return cfg, Handoff(ds), seconds, extra  # handed over: a rank keeps its shard, not the whole training set
 
 
 @dataclass
@@ -176,28 +204,14 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True, help="the Config as JSON (its to_dict())")
     p.add_argument("--hang-s", type=float, default=None, help="watchdog (default: $PILAB_HANG_S or 120)")
     a = p.parse_args(argv)
-    from .dist import check_launcher
-    from .loop import Handoff, load_data
     from ..files import save_json
-    from .watchdog import hang_s_from_env
     comm = _mpi().COMM_WORLD
-    check_launcher(comm)
-
-    def check():
-        cfg = Config(**json.loads(a.config))
-        ds = load_data(cfg)
-        cfg.check_world(comm.Get_size(), len(ds.y_train))
-        hang_s = a.hang_s if a.hang_s is not None else hang_s_from_env()
-        if hang_s < 0:
-            raise ConfigError(f"--hang-s {a.hang_s} must be >= 0 (0: no watchdog)")
-        return cfg, ds, hang_s
     try:
-        cfg, ds, hang_s = vote(comm, check)
+        cfg, data, hang_s, _ = prepare(comm, lambda: Config(**json.loads(a.config)), a.hang_s)
     except Refused as e:
         if e.speaks:
             print(f"pilab: error: {e.error}", file=sys.stderr)
         return EXIT_REFUSED
-    data, ds = Handoff(ds), None  # handed over: the rank keeps its shard, not the whole training set
     out = guarded_run(cfg, comm, data=data, callbacks=[print_stragglers], hang_s=hang_s)
     if comm.Get_rank() == 0:
         save_json(out.result, a.answer)

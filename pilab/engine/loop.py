@@ -20,14 +20,13 @@ import dataclasses
 import itertools
 import os
 import time
-from dataclasses import replace
 
 import numpy as np
 import torch
 from torch import nn
 
 from .. import __version__
-from . import checkpoint, features, localsgd, noise, records, resume
+from . import checkpoint, features, localsgd, records, resume
 from .. import data as data_mod
 from .checkpoint import CheckpointError
 from ..config import Config
@@ -87,11 +86,8 @@ class Session:
         self.model = ranks.build(cfg, self.device, self.ds, self.batch)
         self.first_batch = self.batch
         self.steps_per_epoch = ranks.steps_per_epoch  # the first epoch's (a batch ramp changes it)
-        # a noise-driven ramp (batch_ramp="gns:MAX") measures the gradient noise scale over each epoch and
-        # chooses the next epoch's batch from it (pilab.engine.noise); the choices so far are an explicit
-        # ramp, which the rest of the Session follows as it follows a given one
-        self.noise = noise.NoiseScale() if cfg.gns_max else None
-        self._set_plan(replace(cfg, batch_ramp="") if self.noise is not None else cfg)
+        self.schedule_in_epochs = False  # a feature that chooses the batches as it goes sets it (see lr)
+        self.follow_plan(cfg)
         self.peak_lr = cfg.peak_lr(self.np_)
         self.optimizer = build_optimizer(self.model, cfg, self.peak_lr)
         ck = self._resume(owned)
@@ -127,9 +123,6 @@ class Session:
         self.start_epoch, self.history = ck.get("epoch", 0), ck.get("history", [])
         self.start_step = ck.get("step_in_epoch", 0)  # steps of start_epoch already done
         self.partial = ck.get("partial")  # that epoch's sums so far
-        if self.noise is not None and ck.get("gns"):  # the batches chosen so far, the noise measured so far
-            self._set_plan(replace(cfg, batch_ramp=ck["gns"]["plan"]))
-            self.noise.restore(ck["gns"]["noise"])
         self.resumed_np = ck.get("np", self.np_)
         if cfg.batch_ramp and self.resumed_np != self.np_:
             raise CheckpointError(f"{cfg.resume} was made at np={self.resumed_np} with a batch ramp, whose epochs "
@@ -157,10 +150,10 @@ class Session:
         """Every feature started on the set-up session, then given its state from the checkpoint."""
         for c in self.components:
             c.start(self)
-        self.enter_epoch(self.start_epoch)
         for c in self.components:
             if saved.get(c.name) is not None:
                 c.load_state_dict(saved[c.name])
+        self.enter_epoch(self.start_epoch)
 
     def _set_checkpoints(self) -> None:
         """Mid-epoch checkpoints: every K steps, and/or every M minutes (rank 0's clock, voted with the
@@ -174,9 +167,10 @@ class Session:
         self.last_save = time.monotonic()
         self.saves: list[dict] = []  # seconds, bytes, path of each checkpoint written (rank 0)
 
-    def _set_plan(self, bcfg: Config) -> None:
-        """Follow ``bcfg``'s batches (``cfg``, or under a noise-driven ramp the choices so far): every
-        epoch's steps, the global steps where each starts, the schedule's and the run's steps."""
+    def follow_plan(self, bcfg: Config) -> None:
+        """Follow ``bcfg``'s batches (``cfg``, or the choices so far of a feature that chooses them, such as
+        ``pilab.engine.noise.NoiseRamp``): every epoch's steps, the global steps where each starts, the
+        schedule's and the run's steps."""
         cfg, spe = self.cfg, self.steps_per_epoch
         self.bcfg = bcfg
         self.epoch_steps = [spe if bcfg.per_rank_batch(self.np_, e) == self.first_batch else data_mod.epoch_accounting(
@@ -190,20 +184,6 @@ class Session:
         whole, part = int(cfg.warmup_epochs), cfg.warmup_epochs % 1
         self.warmup_steps = round(cfg.warmup_epochs * spe) if not cfg.batch_ramp else \
             self.epoch_start[whole] + (round(part * self.epoch_steps[whole]) if whole < cfg.epochs else 0)
-
-    def choose_batch(self, epoch: int) -> dict:
-        """After every step of ``epoch`` (a noise-driven ramp only): the epoch's gradient noise scale and
-        the per-rank batch it chooses for the next epoch, which the plan then follows. The same numbers on
-        every rank (their norms travel exactly), so every rank chooses alike, with no collective."""
-        value = self.noise.value()
-        cur = self.bcfg.per_rank_batch(self.np_, epoch)
-        nxt = noise.next_batch(cur, self.cfg.gns_ladder_per_rank(self.np_), self.np_, value)
-        self.noise.reset()
-        if nxt != cur and epoch + 1 < self.cfg.epochs:
-            sense = nxt if self.cfg.batch_mode == "per_rank" else nxt * self.np_
-            self._set_plan(replace(self.cfg, batch_ramp=",".join(filter(None, [self.bcfg.batch_ramp,
-                                                                                f"{epoch + 1}:{sense}"]))))
-        return {**noise.record(value), "next_per_rank_batch": nxt if epoch + 1 < self.cfg.epochs else None}
 
     def enter_epoch(self, epoch: int) -> int:
         """The ranks set up for ``epoch`` (under a batch ramp: its batch); its number of steps."""
@@ -221,11 +201,12 @@ class Session:
         if cfg.batch_ramp:  # the lr rule follows each epoch's global batch
             epoch = min(bisect.bisect_right(self.epoch_start, global_step) - 1, cfg.epochs - 1)
             peak = self.bcfg.peak_lr(self.np_, epoch)
-        if self.noise is None:
+        if not self.schedule_in_epochs:
             return lr_at(global_step, peak_lr=peak, total_steps=self.schedule_steps,
                          warmup_steps=self.warmup_steps, schedule=cfg.schedule)
-        # A noise-driven ramp's later epochs have steps not yet known: its schedule runs in epochs, counted
-        # in the first epoch's steps (so that epoch's learning rates are those of a run without the ramp)
+        # A ramp chosen as it goes (a noise-driven one) has later epochs whose steps are not yet known: its
+        # schedule runs in epochs, counted in the first epoch's steps (so that epoch's learning rates are
+        # those of a run without the ramp)
         unit = self.epoch_steps[0]
         at = (epoch + (global_step - self.epoch_start[epoch]) / self.epoch_steps[epoch]) * unit
         return lr_at(at, peak_lr=peak, total_steps=cfg.epochs * unit, warmup_steps=cfg.warmup_epochs * unit,
@@ -242,8 +223,6 @@ class Session:
         set_lr(self.optimizer, lr)
         st = self.ranks.step(self.cfg, self.model, self.optimizer, epoch, step, stop,
                              lambda: self._save_due(gstep + 1))
-        if self.noise is not None and st.avg_grad_sq is not None:
-            self.noise.add(st.ranks_grad_sq, st.avg_grad_sq, self.batch, self.np_)
         self.events = [e for c in self.components for e in c.after_step(self, epoch, step, st)]
         return st, lr
 
@@ -275,8 +254,6 @@ class Session:
               "ranks": states}
         states = {c.name: c.state_dict() for c in self.components}
         ck["components"] = {k: v for k, v in states.items() if v is not None}
-        if self.noise is not None:
-            ck["gns"] = {"plan": self.bcfg.batch_ramp, "noise": self.noise.state()}
         return checkpoint.save(self.cfg.out, ck, keep=self.cfg.keep)
 
 
@@ -370,11 +347,8 @@ def _train_epoch(run: _Run, epoch: int, stop) -> bool:
             run.stop_reason = (getattr(stop, "reason", None) if s.rank == 0 else None) or \
                 f"stop requested on {int(st.stop_votes)} of {s.np_} rank(s)"
             break
-    # a noise-driven ramp chooses the next epoch's batch after each whole epoch (before its checkpoint)
-    chosen = s.choose_batch(epoch) if s.noise is not None and acc.steps == s.epoch_steps[epoch] else {}
     record, checkpoint_now = records.end_epoch(s, epoch, acc, time.perf_counter() - t_epoch, run.steps_log,
                                         run.stopped, run.gstep, force=save_at_end)
-    record.update(chosen)
     for c in s.components:
         c.end_epoch(s, epoch, record)
     record["started_at"] = started_at
@@ -413,9 +387,9 @@ def _finish(run: _Run) -> dict:
     s, cfg = run.s, run.s.cfg
     result = records.result(s, run.epochs_log, run.steps_log, run.bytes_per_step, run.stopped,
                      time.perf_counter() - run.t_wall)
+    for c in s.components:  # a component that runs on rank 0 alone (the straggler monitor) speaks there only
+        result.update(c.result())
     if s.rank == 0:
-        for c in s.components:
-            result.update(c.result())
         result["checkpoints"] = resume.summary(s)
         result["last_checkpoint"] = result["checkpoints"]["last"]
     result["stop_reason"] = run.stop_reason

@@ -23,7 +23,10 @@ and the simulator hold the same numbers and choose the same batch).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+
+from .component import Component
 
 
 class NoiseScale:
@@ -81,3 +84,55 @@ def next_batch(current: int, ladder: list[int], np_: int, noise_scale: float | N
         return current
     fits = [b for b in ladder if b * np_ <= noise_scale]
     return max([current] + fits)
+
+
+class NoiseRamp(Component):
+    """The loop's feature for ``batch_ramp="gns:MAX"``: every synchronous step's norms into a
+    ``NoiseScale``; after each whole epoch, the batch it chooses for the next one, which the session then
+    follows as an explicit ramp (the choices so far: ``batch_ramp_chosen`` in result.json, and with the
+    noise measured so far in every checkpoint). The same numbers on every rank (their norms travel
+    exactly), so every rank chooses alike, with no collective. Its later epochs' steps are not known
+    ahead, so the learning-rate schedule runs in epochs (``session.schedule_in_epochs``)."""
+
+    name = "gns"
+
+    @classmethod
+    def wanted(cls, cfg, ranks) -> bool:
+        return bool(cfg.gns_max)
+
+    def __init__(self, cfg, ranks):
+        super().__init__(cfg, ranks)
+        self.scale = NoiseScale()
+
+    def start(self, session) -> None:
+        self.session = session
+        session.schedule_in_epochs = True
+        session.follow_plan(dataclasses.replace(self.cfg, batch_ramp=""))  # nothing chosen yet
+
+    def after_step(self, session, epoch: int, step: int, st) -> list:
+        if st.avg_grad_sq is not None:
+            self.scale.add(st.ranks_grad_sq, st.avg_grad_sq, session.batch, session.np_)
+        return []
+
+    def end_epoch(self, session, epoch: int, rec: dict) -> None:
+        if rec["steps"] != session.epoch_steps[epoch]:  # a partial epoch chooses nothing
+            return
+        cfg, np_, value = self.cfg, session.np_, self.scale.value()
+        cur = session.bcfg.per_rank_batch(np_, epoch)
+        nxt = next_batch(cur, cfg.gns_ladder_per_rank(np_), np_, value)
+        self.scale.reset()
+        if nxt != cur and epoch + 1 < cfg.epochs:
+            sense = nxt if cfg.batch_mode == "per_rank" else nxt * np_
+            chosen = ",".join(filter(None, [session.bcfg.batch_ramp, f"{epoch + 1}:{sense}"]))
+            session.follow_plan(dataclasses.replace(cfg, batch_ramp=chosen))
+        rec.update({**record(value), "next_per_rank_batch": nxt if epoch + 1 < cfg.epochs else None})
+
+    def state_dict(self) -> dict:
+        return {"plan": self.session.bcfg.batch_ramp, "noise": self.scale.state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.session.follow_plan(dataclasses.replace(self.cfg, batch_ramp=state["plan"]))
+        self.scale.restore(state["noise"])
+
+    def result(self) -> dict:
+        return {"batch_ramp_chosen": self.session.bcfg.batch_ramp}

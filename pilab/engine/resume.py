@@ -100,17 +100,17 @@ def load(cfg: Config, ranks, model, optimizer) -> dict:
     if rank == 0:
         try:
             ck = checkpoint.load(cfg.resume, cfg, np_)
-            other_np = int(ck.get("np", np_)) != np_
+            other_np = int(ck["np"]) != np_
             if other_np and ranks.simulated:
                 _regroup_(ck["model"], model, cfg.bn_buffers)
             checkpoint.apply(ck, model, optimizer, cfg.resume)
-            states = ck.get("ranks")
+            states = ck["ranks"]
             if other_np and states and not ranks.simulated and cfg.bn_buffers == "average":
                 _average_saved_buffers_(model, states)
             meta = {"epoch": int(ck["epoch"]), "history": list(ck["history"]),
-                    "step_in_epoch": int(ck.get("step_in_epoch") or 0), "partial": ck.get("partial"),
-                    "np": int(ck.get("np", np_)), "order_np": int(ck.get("order_np") or ck.get("np", np_)),
-                    "has_ranks": states is not None, "components": ck.get("components") or {}, "gns": ck.get("gns")}
+                    "step_in_epoch": int(ck["step_in_epoch"]), "partial": ck["partial"], "np": int(ck["np"]),
+                    "order_np": int(ck["order_np"]), "has_ranks": states is not None,
+                    "components": ck["components"]}
         except CheckpointError as e:
             error = str(e)
     if size > 1:

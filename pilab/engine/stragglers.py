@@ -153,7 +153,8 @@ class StragglerWatch(Component):
         self.watch = not ranks.simulated and ranks.np_ > 1 and cfg.straggler_threshold > 0
 
     def after_step(self, session, epoch: int, step: int, st) -> list:
-        if self.watch and self.monitor is None:  # the hosts are known once the run's environment is
+        # the hosts are known once train() has the run's environment (a Session stepped by hand has none)
+        if self.watch and self.monitor is None and getattr(session, "env", None):
             n = self.cfg.straggler_steps
             self.monitor = Monitor(session.env["hostnames"], threshold=self.cfg.straggler_threshold, steps=n,
                                    window=2 * n)
