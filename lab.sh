@@ -3,6 +3,8 @@
 #
 #   ./lab.sh demo    # strong-scaling demo on the embedded CIFAR-10 subset -> runs/demo/report.html
 #   ./lab.sh test    # the whole test suite (what .ci/run runs)
+#   ./lab.sh docs    # the manual (Sphinx + MyST-NB, warnings as errors) -> docs/_build/html/index.html
+#   ./lab.sh notebooks [NAME.ipynb ...]  # run the notebooks in small mode and keep their outputs in them
 #   ./lab.sh setup   # only the set-up
 #
 # Environment knobs:
@@ -33,8 +35,8 @@ setup() {
         say "PILAB_SYSTEM_MPI=1 needs a venv that sees the system's mpi4py, but $venv was made without it; remove it (rm -rf $venv) and rerun"
         exit 1
     fi
-    extras=test,snn
-    [ "$sysmpi" = 1 ] || extras=test,mpich,snn
+    extras=test,docs,snn
+    [ "$sysmpi" = 1 ] || extras=test,docs,mpich,snn
     # Re-install only when what we install changed.
     want=$(cat pyproject.toml lab.sh | sha256sum | cut -c1-16)-$extras-$torch_spec
     stamp=$venv/.pilab-stamp
@@ -140,13 +142,27 @@ case "${1:-}" in
         shift
         export PATH="$venv/bin:$PATH"
         export PILAB_NB_SMALL=1   # the notebooks' small mode (one core, as on Binder)
-        # One pytest run: unit tests in-process, MPI tests spawn real mpiexec ranks, and the five notebooks
-        # run once, in JupyterLab in headless Chromium (tests/test_browser.py), not a second time under nbval;
+        # One pytest run: unit tests in-process, MPI tests spawn real mpiexec ranks, every notebook runs once
+        # under nbval against its committed outputs (tests/test_notebooks.py), the manual is built with -W
+        # (tests/test_docs.py), and the browser test drives only what needs a browser (tests/test_browser.py);
         # --durations lists the 15 slowest tests, so a suite drifting past ~15 minutes shows its cause.
         exec "$py" -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
         ;;
+    docs)
+        setup
+        export PATH="$venv/bin:$PATH"
+        # -W: a broken reference, a missing page or a stale API name is an error, as in the suite
+        "$py" -m sphinx -q -W --keep-going -b html docs docs/_build/html
+        say "the manual: $here/docs/_build/html/index.html (works from file://, offline)"
+        ;;
+    notebooks)
+        setup
+        shift
+        export PATH="$venv/bin:$PATH"
+        exec "$py" scripts/notebooks.py "$@"
+        ;;
     *)
-        echo "usage: ./lab.sh demo | test | setup" >&2
+        echo "usage: ./lab.sh demo | test | docs | notebooks | setup" >&2
         exit 2
         ;;
 esac

@@ -1,23 +1,17 @@
-"""The notebooks as a person sees them: JupyterLab in headless Chromium runs each of the five notebooks
-top to bottom in small mode (PILAB_NB_SMALL=1, as on Binder) and checks what a person checks -- it ends
-within its budget, no error or stderr box, no widget shown as text, every Bokeh figure drawn, progress
-shown during long cells with the kernel busy, tables as HTML, and the verdict text agreeing with its table.
-In 01 the live plot grows while the ranks train and the panel's Stop button ends a run.
+"""What only a browser shows: JupyterLab in headless Chromium. In 01 the control panel's widgets are drawn
+(not shown as text), its live plot grows while the ranks train, its Stop button ends the run and
+``lab.stop()`` says one line; on a short training cell the kernel indicator says busy throughout and the
+progress bar names the run and estimates the time left. Every Bokeh figure on those pages is drawn.
 
-This is the notebooks' only run in the suite (``./lab.sh test`` runs no nbval pass over them).
-
-The budget: each notebook's first cell promises at most 3 minutes on one idle core. A shared CI box
-makes wall time say little, so the test measures the CPU time of the notebook's kernel and of every
-process it started (``psutil``: the kernel's own time, its waited-for children's, and any still alive),
-and a MobileNetV2-0.25 training step of 32 images beside it; the budget is 180 s at the 66 ms such a step
-takes on one idle core of this machine (docs/spiking.md), scaled by the step time measured now (a loaded
-box slows both alike). Wall time is recorded, and bounded only by the test's timeout.
+The notebooks' full runs are tests/test_notebooks.py's (nbval, once per suite, with the 3-minute budget
+their first cells promise); this file runs only the cells the browser checks need.
 
 Also the pieces the page shows (plots.LivePlot, widgets.ControlPanel, the report layout), without a
-browser. Chromium is Debian's (/usr/bin/chromium, ``apt-get install chromium``); playwright never
-downloads one. Without it the browser tests are skipped, except under CI=true where that is a failure.
-Writes test-artifacts/browser/ (timings.json, a screenshot per notebook); PILAB_UPDATE_SCREENSHOT=1 also
-refreshes docs/screenshot.png and docs/notebooks/NN.png.
+browser, and the table-against-verdict checks tests/test_notebooks.py applies to the committed outputs.
+Chromium is Debian's (/usr/bin/chromium, ``apt-get install chromium``); playwright never downloads one.
+Without it the browser tests are skipped, except under CI=true where that is a failure. Writes
+test-artifacts/browser/ (timings.json, a screenshot per page); PILAB_UPDATE_SCREENSHOT=1 also refreshes
+docs/screenshot.png.
 """
 from __future__ import annotations
 
@@ -32,7 +26,6 @@ import time
 import urllib.request
 
 import pytest
-from conftest import IDLE_STEP_S, reference_step_cpu
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(REPO, "notebooks")
@@ -285,25 +278,6 @@ TABLES_JS = """() => [...document.querySelectorAll('table.pilab-table')].map(t =
 WIDGET_AS_TEXT = re.compile(r"^(HBox|VBox|GridBox|IntProgress|FloatProgress|HTML|Button|BokehModel|Output)\(|"
                             r"Error displaying widget|model not found|Loading widget\.\.\.$", re.M)
 
-# The budget the notebooks' first cells promise, and the step it is measured in (see the docstring).
-BUDGET_S = 180.0
-# the step it is measured in: conftest's IDLE_STEP_S and reference_step_cpu (shared with the suite's clock)
-def tree_cpu(proc) -> float:
-    """CPU seconds of ``proc`` (the kernel) and all it started: its own, its waited-for children's
-    (runs, engines, the controller once stopped), and its descendants still alive."""
-    import psutil
-
-    t = proc.cpu_times()
-    total = t.user + t.system + t.children_user + t.children_system
-    for k in proc.children(recursive=True):
-        try:
-            c = k.cpu_times()
-            total += c.user + c.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 class Page:
     """One notebook open in JupyterLab: run cells, wait, read what the page shows."""
 
@@ -347,12 +321,15 @@ class Page:
             self.sample()
             time.sleep(1.0)
 
-    def wait_cells_done(self, upto: str | None = None, timeout: float = 3600) -> None:
-        """Until every code cell (up to the one holding ``upto``) ran and the kernel is idle."""
+    def wait_cells_done(self, upto: str | None = None, timeout: float = 3600, only: str | None = None) -> None:
+        """Until every code cell (up to the one holding ``upto``, or only the one holding ``only``) ran and
+        the kernel is idle."""
         def done():
             cells = self.cells()
             if upto is not None:
                 cells = cells[:next(i for i, c in enumerate(cells) if upto in c[0])]
+            if only is not None:
+                cells = [c for c in cells if only in c[0]]
             return all(c[1] is not None and not c[2] for c in cells) and \
                 self.page.evaluate(KERNEL_JS) == "idle"
         self.wait_until(done, timeout, "the cells finished")
@@ -390,9 +367,6 @@ class Page:
         time.sleep(1.0)
         shot = os.path.join(ARTIFACTS, f"{self.name}.png")
         self.page.screenshot(path=shot)
-        if os.environ.get("PILAB_UPDATE_SCREENSHOT") == "1":  # refresh the README's pictures
-            os.makedirs(os.path.join(REPO, "docs", "notebooks"), exist_ok=True)
-            shutil.copy(shot, os.path.join(REPO, "docs", "notebooks", f"{self.name[:2]}.png"))
         return shot
 
 
@@ -446,10 +420,9 @@ def _browser(p):
 
 
 def run_notebook(lab: Lab, name: str, body) -> dict:
-    """Open ``name``, let ``body(page)`` run it, then check the page and the budget; returns timings."""
+    """Open ``name``, let ``body(page, timings)`` run what it needs, then check the page; returns timings."""
     from playwright.sync_api import sync_playwright
 
-    ref_before = reference_step_cpu()
     t0 = time.monotonic()
     timings: dict = {"notebook": name}
     with sync_playwright() as p:
@@ -458,13 +431,9 @@ def run_notebook(lab: Lab, name: str, body) -> dict:
             page = Page(browser.new_page(viewport={"width": 1400, "height": 1000}), lab, name)
             page.open()
             timings["kernel_ready_s"] = round(time.monotonic() - t0, 1)
-            kernel = lab.kernel()
-            assert kernel is not None, "no kernel process"
-            cpu0 = tree_cpu(kernel)
             t_run = time.monotonic()
-            body(page, timings, lambda: tree_cpu(kernel) - cpu0)
+            body(page, timings)
             timings["wall_s"] = round(time.monotonic() - t_run, 1)
-            timings.setdefault("cpu_s", round(tree_cpu(kernel) - cpu0, 1))
             timings["figures"] = page.check_clean()
             # progress: every cell that ran for more than ~5 s showed a bar, and the kernel said busy
             long = {}
@@ -483,14 +452,7 @@ def run_notebook(lab: Lab, name: str, body) -> dict:
                                for s in ss[2:]), f"{name}: no progress bar while `{cell}` ran"
         finally:
             browser.close()
-    ref = (ref_before + reference_step_cpu()) / 2
-    timings["reference_step_cpu_s"] = round(ref, 4)
-    timings["idle_core_equivalent_s"] = round(timings["cpu_s"] * IDLE_STEP_S / ref, 1)
     _record(timings)
-    assert timings["idle_core_equivalent_s"] <= BUDGET_S, (
-        f"{name}: {timings['cpu_s']:.0f} CPU s = {timings['idle_core_equivalent_s']:.0f} s on one idle core "
-        f"(a reference step took {ref * 1000:.0f} ms here against {IDLE_STEP_S * 1000:.0f} ms idle), over the "
-        f"{BUDGET_S:.0f} s the notebook promises")
     return timings
 
 
@@ -500,35 +462,29 @@ def _record(timings: dict) -> None:
         json.dump(timings, f, indent=1)
 
 
-WALL_LIMIT = 2400  # s per notebook: a hang guard only (a shared box runs a 3-minute notebook for minutes)
+WALL_LIMIT = 1800  # s per test: a hang guard only
 
 
 @pytest.mark.browser
 @pytest.mark.mpi  # the notebook starts 2 MPI engines (mpiexec)
 @pytest.mark.timeout(WALL_LIMIT)
-def test_01_quickstart(jupyterlab):
-    """Engines, a %%px run, the live panel run that learns (its plot grows while the kernel waits), its
-    summary; then Start and Stop on the panel (after the budget's clock); lab.stop() says one line."""
+def test_01_live_panel(jupyterlab):
+    """01's engines and control panel only: Start, the live plot growing, Stop, lab.stop()'s one line."""
     steps_js = STEPS_JS % __import__("pilab.plots", fromlist=["plots"]).STEP_SOURCE
 
-    def body(page: Page, timings: dict, cpu):
+    def body(page: Page, timings: dict):
         steps = lambda: page.page.evaluate(steps_js)  # noqa: E731
-        page.run_from("lab.stop()", "notebook:run-all-above")
-        page.wait_until(lambda: steps() >= 2, 1200, "the live plot's first steps")
+        for cell in ("from pilab.lab import cluster", "lab = cluster.start", "panel = widgets.ControlPanel"):
+            page.run_from(cell, "notebook:run-cell")
+            page.wait_cells_done(upto=None, only=cell)
+        # the panel's buttons reach an idle kernel
+        page.page.locator("button.jupyter-button", has_text="Start").click()
+        page.wait_until(lambda: steps() >= 2, 900, "the live plot's first steps")
         n1 = steps()
         page.wait_until(lambda: steps() > n1 or steps() < 0, 300, "the live plot growing")
-        page.wait_cells_done(upto="lab.stop()")
-        timings["cpu_s"] = round(cpu(), 1)  # the budget: the notebook's own cells
-        tables = page.summary()
-        m = re.search(r"to ([\d.]+)%: well above chance", tables)
-        assert m and float(m.group(1)) >= 30.0, f"01: the live run did not learn: {tables}"
-        timings["test_acc"] = float(m.group(1)) / 100
         timings["screenshot"] = page.screenshot(".jp-OutputArea-output .bk-Canvas")
         if os.environ.get("PILAB_UPDATE_SCREENSHOT") == "1":
             shutil.copy(timings["screenshot"], os.path.join(REPO, "docs", "screenshot.png"))
-        # Start/Stop on the panel: the kernel is idle now, so the buttons reach it
-        page.page.locator("button.jupyter-button", has_text="Start").click()
-        page.wait_until(lambda: 2 <= steps() <= 40, 600, "the second run's first steps")
         page.page.locator("button.jupyter-button", has_text="Stop").click()
         t_stop = time.monotonic()
         page.page.locator(".widget-html-content", has_text="stopped early").wait_for(timeout=120_000)
@@ -537,107 +493,46 @@ def test_01_quickstart(jupyterlab):
         time.sleep(3)
         assert steps() == n3, "live plot still growing after Stop"
         page.run_from("lab.stop()", "notebook:run-cell")
-        page.wait_cells_done()
+        page.wait_cells_done(only="lab.stop()")
         out = page.page.locator(".jp-OutputArea-output").last.inner_text().strip()
         assert re.fullmatch(r"stopped 2 engines and their controller \(their log: \S+\.log\)", out), out
 
     run_notebook(jupyterlab, "01_quickstart", body)
 
 
-@pytest.mark.browser
-@pytest.mark.mpi
-@pytest.mark.timeout(WALL_LIMIT)
-def test_02_strong_scaling(jupyterlab):
-    """np=1 learns, np=2 stays right, np=8 (simulated) turns fast-but-wrong; table and verdict agree."""
-    def body(page: Page, timings: dict, cpu):
-        page.run_all()
-        page.wait_cells_done()
-        t = next(t for t in page.tables() if t["kind"] == "study")
-        rows = check_study_table(t, "02")
-        timings["test_acc"] = {p: acc(r["test acc"]) for p, r in rows.items()}
-        assert acc(rows[1]["test acc"]) >= 0.30, rows[1]
-        assert any(r["verdict"].startswith("ok") for p, r in rows.items() if p > 1), "no np stays right"
-        assert any(r["verdict"].startswith("FAST-BUT-WRONG") for r in rows.values()), "no np turns fast-but-wrong"
-        assert "fast but wrong" in page.summary()
-        page.screenshot("table.pilab-table")
-
-    run_notebook(jupyterlab, "02_strong_scaling", body)
+PROGRESS_NB = {"cells": [
+    {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source":
+     "from dataclasses import replace\nfrom pilab.lab import widgets\nfrom pilab.study import scaling\n"
+     "cfg = replace(scaling.notebook_config(), train_subset=512, test_subset=250, epochs=2)"},
+    {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source":
+     "study = scaling.study(cfg, nps=(1,), simulate_nps=(2,), target='pi4b_cluster', out='runs/progress',\n"
+     "                      callbacks=[widgets.Progress('a short study')])"}],
+    "metadata": {"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}},
+    "nbformat": 4, "nbformat_minor": 5}
 
 
 @pytest.mark.browser
 @pytest.mark.timeout(WALL_LIMIT)
-def test_03_fast_but_wrong(jupyterlab):
-    """The ablations tell the step count from the batch statistics; the search re-runs none of them and
-    puts on its front only runs that reach the target."""
-    def body(page: Page, timings: dict, cpu):
+def test_progress_bar_and_busy_kernel(jupyterlab):
+    """A training cell as the notebooks have them (02-05), made short: while it runs the kernel indicator
+    says busy and the progress bar names the run and estimates the time left."""
+    (jupyterlab.root / "progress.ipynb").write_text(json.dumps(PROGRESS_NB))
+
+    def body(page: Page, timings: dict):
         page.run_all()
         page.wait_cells_done()
-        tables = {t["kind"]: t for t in page.tables()}
-        abl = [dict(zip(tables["ablations"]["head"], r)) for r in tables["ablations"]["rows"]]
-        by_cause = {}
-        for r in abl:
-            by_cause.setdefault(r["cause"], r)
-        timings["ablations"] = {r["run"]: r["test acc"] for r in abl}
-        assert acc(by_cause["reference"]["test acc"]) >= 0.30, abl[0]
-        step, bn = by_cause["global batch & steps"], by_cause["per-rank BN batch"]
-        assert float(step["change"].split()[0]) <= -4, f"the step count shows no effect: {step}"
-        words = tables["ablations"]["verdict"]
-        assert "lost mainly to the step count" in words or "lost mainly to the batch statistics" in words, words
-        rem = [dict(zip(tables["remedies"]["head"], r)) for r in tables["remedies"]["rows"]]
-        known = {r["run"] for r in abl}
-        for r in rem:  # the ablations' runs are taken, not run again
-            if r["candidate"] == "baseline":
-                assert r["run"].startswith("the run of") and r["run"][len("the run of '"):-1] in known, r
-            if r["fast and right"]:
-                assert r["time to target"] not in ("not reached", "no target"), r
-        timings["remedies"] = {r["candidate"]: r["test acc"] for r in rem}
-        page.summary()
-        page.screenshot("table.pilab-table")
+        assert any(v >= 6 for v in page_long(page).values()), "the training cell ran too briefly to check"
 
-    run_notebook(jupyterlab, "03_fast_but_wrong", body)
+    run_notebook(jupyterlab, "progress", body)
 
 
-@pytest.mark.browser
-@pytest.mark.mpi
-@pytest.mark.timeout(WALL_LIMIT)
-def test_04_models(jupyterlab):
-    """Both models' studies, one table (HTML, 'model' column) and an answer to the title's question, or
-    an honest 'too small to tell' with the committed study's answer."""
-    def body(page: Page, timings: dict, cpu):
-        page.run_all()
-        page.wait_cells_done()
-        t = next(t for t in page.tables() if t["kind"] == "models")
-        assert t["head"][0] == "model", t["head"]
-        rows = check_models_table(t, "04")
-        timings["test_acc"] = {r["model"]: r["test acc (np ref)"] for r in rows}
-        assert acc(rows[0]["test acc (np ref)"]) >= 0.30, rows[0]
-        words = page.summary()
-        assert re.search(r"scales better|keeps the most|too small to tell|Neither keeps", words), words
-        assert "The committed comparison" in words, words
-        page.screenshot("table.pilab-table")
-
-    run_notebook(jupyterlab, "04_models", body)
-
-
-@pytest.mark.browser
-@pytest.mark.mpi
-@pytest.mark.timeout(WALL_LIMIT)
-def test_05_spiking(jupyterlab):
-    """The spiking CNN learns, its table and verdict agree, and it stands beside the committed models."""
-    def body(page: Page, timings: dict, cpu):
-        page.run_all()
-        page.wait_cells_done()
-        tables = page.tables()
-        rows = check_study_table(next(t for t in tables if t["kind"] == "study"), "05")
-        timings["test_acc"] = {p: acc(r["test acc"]) for p, r in rows.items()}
-        assert acc(rows[1]["test acc"]) >= 0.30, rows[1]
-        models = check_models_table(next(t for t in tables if t["kind"] == "models"), "05")
-        assert len(models) == 3 and sum("(committed)" in r["model"] for r in models) == 2, models
-        words = page.summary()
-        assert "The committed comparison" in words, words
-        page.screenshot("table.pilab-table")
-
-    run_notebook(jupyterlab, "05_spiking", body)
+def page_long(page: Page) -> dict:
+    """Seconds each cell was seen running."""
+    seen: dict = {}
+    for s in page.samples:
+        if s["running"]:
+            seen.setdefault(s["running"], []).append(s["t"])
+    return {k: v[-1] - v[0] for k, v in seen.items()}
 
 
 @pytest.mark.browser

@@ -1,21 +1,19 @@
 """Every file a study writes, in one place: study.json and study.csv, the self-contained HTML reports
-(BokehJS inline, figures from :mod:`pilab.plots`) and their PNG screenshots, for ``pilab scale``,
+(BokehJS inline, figures from :mod:`pilab.plots`) and their static figures, for ``pilab scale``,
 ``pilab remedies`` and ``pilab compare`` alike::
 
     from pilab.study import report
-    report.write(study, "runs/demo")            # study.json, study.csv, report.html, report.png
+    report.write(study, "runs/demo")            # study.json, study.csv, report.html, report.png + .svg
     report.write_remedies(search, "runs/rem")   # report.html, report.png beside remedies.json
     report.write_compare(cmp, "runs/cmp")       # compare.json, compare.html, compare.png
 
-A PNG needs Debian's Chromium and Playwright; without them a report is written without its PNG.
+The PNG (and an SVG beside it) is drawn with matplotlib by :mod:`pilab.plots.static`: no browser needed.
 """
 from __future__ import annotations
 
 import csv
 import io
 import os
-import sys
-import threading
 from html import escape
 
 from bokeh.embed import file_html
@@ -26,7 +24,7 @@ from bokeh.resources import INLINE
 from .. import plots
 from .. import verdict as judging
 from ..files import atomic_write_text, save_json
-from ..plots import html_table
+from ..plots import html_table, static
 from . import paper
 from .compare import compare_title, differing_settings
 from .points import stored
@@ -69,7 +67,7 @@ def write(study_: dict, out: str) -> dict:
     atomic_write_text(html_path, report_html(study_))
     paths = {"json": os.path.join(out, "study.json"), "csv": os.path.join(out, "study.csv"),
              "html": html_path}
-    png = export_png(html_path, os.path.join(out, "report.png"))
+    png = static.write_study(study_, os.path.join(out, "report.png"))  # matplotlib: PNG + SVG, no browser
     if png:
         paths["png"] = png
     return paths
@@ -112,43 +110,6 @@ def report_html(study_: dict) -> str:
         f"jobs; simulated points are exact virtual-rank emulations. {times}</p>")
     return file_html(column(Div(text=head, width=900), plots.report_layout(study_)), INLINE,
                      "pilab scaling study")
-
-
-def export_png(html_path: str, png_path: str) -> str | None:
-    """Screenshot the report with Debian's Chromium through Playwright, where both are installed.
-
-    The browser is driven from a thread of its own: Playwright's sync API refuses to run in a thread
-    with a running asyncio loop, which is every Jupyter kernel's main thread."""
-    chromium = "/usr/bin/chromium"
-    if not os.path.exists(chromium):
-        return None
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        return None
-    outcome: dict = {}
-
-    def shoot():
-        try:
-            with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=chromium, args=[
-                    "--no-sandbox", "--disable-background-networking", "--disable-gpu"])
-                page = browser.new_page(viewport={"width": 1000, "height": 900})
-                page.goto("file://" + os.path.abspath(html_path))
-                page.wait_for_timeout(1500)
-                page.screenshot(path=png_path, full_page=True)
-                browser.close()
-            outcome["png"] = png_path
-        except Exception as e:  # a report without its PNG is still a report
-            outcome["error"] = e
-
-    worker = threading.Thread(target=shoot, name="pilab-png-export", daemon=True)
-    worker.start()
-    worker.join()
-    if "error" in outcome:
-        e = outcome["error"]
-        print(f"pilab: PNG export skipped ({e.__class__.__name__}: {e})", file=sys.stderr)
-    return outcome.get("png")
 
 
 _COMPARE_HEAD = ("study", "np", "kind", "global batch", "peak lr", "steps", "final test acc",
@@ -194,8 +155,8 @@ def compare_layout(cmp: dict):
 
 
 def write_remedies(res: dict, out: str) -> dict:
-    """report.html (self-contained: the table, the front, the command) and report.png where a browser
-    is available, beside remedies.json; returns their paths."""
+    """report.html (self-contained: the table, the front, the command) and report.png + .svg
+    (matplotlib), beside remedies.json; returns their paths."""
     head = (f"<h2>pilab remedies at np={res['np']}</h2>"
             f"<p><b>command:</b> <code>{escape(res.get('command') or 'python API')}</code></p>"
             f"<p>Reference accuracy {res['reference_acc']:.3f}; {_target_text(res)}. "
@@ -210,7 +171,7 @@ def write_remedies(res: dict, out: str) -> dict:
     atomic_write_text(html_path, file_html(column(Div(text=head, width=1000), plots.remedies_figure(res)),
                                            INLINE, "pilab remedies"))
     paths = {"html": html_path}
-    png = export_png(html_path, os.path.join(out, "report.png"))
+    png = static.write_remedies(res, os.path.join(out, "report.png"))
     if png:
         paths["png"] = png
     return paths
@@ -218,7 +179,7 @@ def write_remedies(res: dict, out: str) -> dict:
 
 def write_seeds(tab: dict, prefix: str, *, columns: tuple, cells: list, reference: str, goal: str) -> dict:
     """``<prefix>.html`` (the figure over seeds, then the table: ``columns`` and ``cells``, with the ``reference``
-    and ``goal`` lines) and ``<prefix>.png`` where a browser is available, for a fast-and-right study's table
+    and ``goal`` lines) and ``<prefix>.png`` + .svg (matplotlib), for a fast-and-right study's table
     (experiments/fast-but-wrong/remedies/seeds_table.py gives them); their paths."""
     head = ("<h2>Fast and right at np=48 in np=1's epochs: every point on all 10,000 test images</h2>"
             "<p>Red: the Pareto front (no other row is faster on the Pi, more accurate and cheaper in energy "
@@ -230,7 +191,7 @@ def write_seeds(tab: dict, prefix: str, *, columns: tuple, cells: list, referenc
                                                       width=1000)),
                                            INLINE, "pilab fast and right"))
     paths = {"html": html_path}
-    png = export_png(html_path, prefix + ".png")
+    png = static.write_seeds(tab, prefix + ".png")
     if png:
         paths["png"] = png
     return paths
@@ -238,13 +199,14 @@ def write_seeds(tab: dict, prefix: str, *, columns: tuple, cells: list, referenc
 
 def write_compare(cmp: dict, out: str, side: dict | None = None) -> dict:
     """compare.json, compare.html (``side``: the studies beside the paper first, from
-    :func:`pilab.paper.beside_paper`) and compare.png where a browser is available; their paths."""
+    :func:`pilab.paper.beside_paper`) and compare.png + .svg (matplotlib); their paths."""
     html_path = os.path.join(out, "compare.html")
     html = paper_html(side, cmp) if side is not None else compare_html(cmp)
     save_json(cmp, os.path.join(out, "compare.json"))
     atomic_write_text(html_path, html)
     paths = {"json": os.path.join(out, "compare.json"), "html": html_path}
-    png = export_png(html_path, os.path.join(out, "compare.png"))
+    png = static.write_compare(dict(cmp, paper=side) if side is not None else cmp,
+                               os.path.join(out, "compare.png"))
     if png:
         paths["png"] = png
     return paths

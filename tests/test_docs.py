@@ -1,0 +1,199 @@
+"""The manual: the Sphinx site builds from docs/ with warnings as errors (a broken reference, a missing page,
+a stale API name fails), offline, into HTML that needs no CDN; its results tables are the committed JSON's
+numbers; its tutorial pages show the notebooks' committed outputs. And the README stays a short manual.
+
+Also the static figures (pilab.plots.static): PNG and SVG with matplotlib, no browser; without matplotlib,
+one line saying what to install and no file.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    try:
+        import furo  # noqa: F401
+        import myst_nb  # noqa: F401
+        import sphinx  # noqa: F401
+    except ImportError as e:
+        msg = f"{e.name} is not installed; install the docs extra: pip install -e '.[docs]' (./lab.sh setup does)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true: the manual must build: {msg}")
+        pytest.skip(msg)
+    out = tmp_path_factory.mktemp("site")
+    # offline: no proxy reachable, so a page or extension that fetched anything would fail here
+    env = dict(os.environ, http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9",
+               no_proxy="", PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run([sys.executable, "-m", "sphinx", "-q", "-W", "--keep-going", "-b", "html",
+                           "-d", str(out / "doctrees"), "docs", str(out / "html")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"the manual does not build with -W:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return out / "html"
+
+
+def _text(path) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def test_every_page_is_built_and_linked(site):
+    pages = {os.path.relpath(p, site) for p in glob.glob(str(site / "**" / "*.html"), recursive=True)}
+    for want in ["index.html", "getting-started.html", "architecture.html", "api.html", "failures.html",
+                 "cluster.html", "jupyter.html", "results/paper-size.html", "results/fast-but-wrong.html",
+                 "results/fast-and-right.html", "tutorials/index.html"]:
+        assert want in pages, (want, sorted(pages))
+    for cmd in ["train", "simulate", "scale", "remedies", "compare", "perfmodel", "doctor", "testbed", "bench"]:
+        assert f"guide/{cmd}.html" in pages, cmd
+    # every guide page and notebook has its page (the glob toctrees pick up pages other work adds)
+    for md in glob.glob(os.path.join(REPO, "docs", "guide", "*.md")):
+        assert f"guide/{os.path.basename(md)[:-3]}.html" in pages, md
+    for nb in glob.glob(os.path.join(REPO, "notebooks", "*.ipynb")):
+        assert f"tutorials/{os.path.basename(nb)[:-6]}.html" in pages, nb
+
+
+def test_html_needs_no_network(site):
+    """Works from file:// offline: no script, stylesheet or image from another host."""
+    remote = re.compile(r"""<(?:script|link|img)\b[^>]*\b(?:src|href)=["'](?:https?:)?//""", re.I)
+    for page in glob.glob(str(site / "**" / "*.html"), recursive=True):
+        m = remote.search(_text(page))
+        assert not m, f"{page}: {m.group(0)}"
+
+
+def _cells(html: str, caption_source: str) -> list[list[str]]:
+    """The rows of the generated table whose caption names ``caption_source``."""
+    i = html.index(caption_source)
+    start = html.rindex("<table", 0, i)
+    table = html[start:html.index("</table>", start)]
+    rows = re.findall(r"<tr[^>]*>(.*?)</tr>", table, re.S)
+    return [[re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<t[dh][^>]*>(.*?)</t[dh]>", r, re.S)]
+            for r in rows]
+
+
+def test_results_tables_are_the_committed_json(site):
+    with open(os.path.join(REPO, "experiments", "paper-size", "compare.json")) as f:
+        side = json.load(f)["paper"]
+    rows = _cells(_text(site / "results" / "paper-size.html"), "experiments/paper-size/compare.json")
+    head, body = rows[0], rows[1:]
+    assert head[4:] == side["labels"]
+    assert [int(r[0]) for r in body] == [r["np"] for r in side["rows"]]
+    for cells, r in zip(body, side["rows"]):
+        for label, cell in zip(side["labels"], cells[4:]):
+            acc = r["studies"].get(label, {}).get("final_test_acc")
+            assert cell == ("" if acc is None else f"{acc:.3f}"), (r["np"], label, cell, acc)
+
+    with open(os.path.join(REPO, "experiments", "fast-but-wrong", "remedies", "full-test", "table.json")) as f:
+        tab = json.load(f)
+    rows = _cells(_text(site / "results" / "fast-and-right.html"), "full-test/table.json")
+    shown = {(r[0], int(r[1])): r[2] for r in rows[1:]}
+    assert len(shown) == len(tab["rows"])
+    for r in tab["rows"]:
+        assert shown[(r["label"], r["np"])].startswith(f"{r['acc_mean']:.3f}"), r["label"]
+
+    rows = _cells(_text(site / "results" / "fast-but-wrong.html"), "experiments/fast-but-wrong/compare.json")
+    assert [r[0] for r in rows[1:]] == ["naive", "linear", "linear+warmup", "sqrt+warmup"]
+
+
+def test_tutorial_pages_show_the_committed_outputs(site):
+    quick = _text(site / "tutorials" / "01_quickstart.html")
+    assert "pilab-summary" in quick and "so it learned" in quick  # the closing paragraph, as committed
+    assert "2 MPI engines" in quick                                # the engines' table
+    study = _text(site / "tutorials" / "02_strong_scaling.html")
+    assert "pilab-table" in study and "FAST-BUT-WRONG" in study
+    assert re.search(r'<img[^>]+src="[^"]+\.png"', study), "the committed figure is not on the page"
+
+
+def test_readme_is_a_short_manual():
+    text = _text(os.path.join(REPO, "README.md"))
+    assert len(text.splitlines()) <= 250
+    dated = re.findall(r"\b20\d\d-\d\d-\d\d\b|\bcommit [0-9a-f]{7}\b|\bload (?:average )?~?\d", text)
+    assert not dated, f"dated prose in the README (it belongs in an experiment's LOG.md): {dated}"
+    assert text.index("./lab.sh demo") < text.index("## ", text.index("## ") + 1), "the two commands come first"
+    assert "docs/demo-report.png" in text
+
+
+# ---- figures without a browser -------------------------------------------------------------------
+def _committed_study():
+    from pilab.plots.static import _study_with_runs
+
+    return _study_with_runs(os.path.join(REPO, "experiments", "testbed-scale", "study.json"))
+
+
+def test_static_study_figure_is_png_and_svg(tmp_path):
+    from pilab.plots import static
+
+    png = static.write_study(_committed_study(), str(tmp_path / "report.png"))
+    assert png == str(tmp_path / "report.png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    svg = _text(tmp_path / "report.svg")
+    assert svg.lstrip().startswith("<?xml") and "<svg" in svg and "speedup" in svg
+    assert sorted(os.listdir(tmp_path)) == ["report.png", "report.svg"]  # no temporary files left
+
+
+def test_without_matplotlib_one_line_and_no_file(tmp_path):
+    """matplotlib made unimportable in a fresh interpreter: the figure is skipped with one line naming
+    what to install; nothing is written."""
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from pilab.plots import static\n"
+            "import json\n"
+            f"study = static._study_with_runs({os.path.join(REPO, 'experiments', 'testbed-scale', 'study.json')!r})\n"
+            f"print(static.write_study(study, {str(tmp_path / 'report.png')!r}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "None"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "matplotlib" in lines[0] and "pip install matplotlib" in lines[0], lines
+    assert os.listdir(tmp_path) == []
+
+
+def test_every_figure_names_the_command_that_regenerates_it():
+    """Under each picture in the manual, the line that says which command made it."""
+    command = re.compile(r"`(?:\./lab\.sh|python |bash |PILAB_\w+=\S+ python)[^`]*`")
+    for md in glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True):
+        if "_build" in md:
+            continue
+        lines = _text(md).splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("!["):
+                after = " ".join(lines[i + 1:i + 5])
+                assert command.search(after), f"{os.path.relpath(md, REPO)}:{i + 1}: no command under {line[:80]}"
+
+
+def _slug(heading: str) -> str:
+    """MyST's anchor for a heading (myst_heading_anchors): lower case, punctuation dropped, spaces to -."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def test_every_link_in_the_manual_leads_somewhere():
+    """Relative links in docs/ (to pages, to repository files outside docs/, to headings) name a file that
+    exists and, with #anchor, a heading it has: what -W checks for pages, checked for the rest too."""
+    link = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+    bad = []
+    for md in glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True):
+        if "_build" in md:
+            continue
+        text = re.sub(r"```.*?```", "", _text(md), flags=re.S)
+        for target in link.findall(text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = os.path.normpath(os.path.join(os.path.dirname(md), path)) if path else md
+            if not os.path.exists(dest):
+                bad.append(f"{os.path.relpath(md, REPO)}: {target} (no such file)")
+            elif anchor and dest.endswith(".md"):
+                slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", _text(dest), re.M)}
+                if anchor not in slugs:
+                    bad.append(f"{os.path.relpath(md, REPO)}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
