@@ -1,7 +1,7 @@
 """Run the notebooks in small mode and commit what a reader should see: ``./lab.sh notebooks``.
 
 Each ``notebooks/*.ipynb`` (or the ones named) is executed top to bottom with nbclient in a temporary
-copy of ``notebooks/`` (what the notebook writes, e.g. ``runs/nb02/``, stays there), with
+copy of ``notebooks/`` (the notebook and the files beside it) (what the notebook writes, e.g. ``runs/nb02/``, stays there), with
 ``PILAB_NB_SMALL=1`` as on Binder and in the suite, then written back with its outputs, less what varies
 from run to run or cannot be shown outside a live kernel:
 
@@ -82,6 +82,9 @@ def run(path: str) -> float:
     nb = nbformat.read(path, as_version=4)
     with tempfile.TemporaryDirectory(prefix="pilab-nb-") as tmp:
         t0 = time.monotonic()
+        for name in os.listdir(NOTEBOOKS):  # the files a notebook uses beside it (e.g. 06's mynet.py)
+            if os.path.isfile(os.path.join(NOTEBOOKS, name)) and not name.endswith(".ipynb"):
+                shutil.copy(os.path.join(NOTEBOOKS, name), tmp)
         env = dict(os.environ, PILAB_NB_SMALL="1")
         env.pop("PILAB_NB_LIVE_EPOCHS", None)
         os.environ.update(PILAB_NB_SMALL="1")  # the kernel inherits this process's environment

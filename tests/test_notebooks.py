@@ -41,7 +41,9 @@ CELL_TIMEOUT_S = 2400  # a hang guard only: a loaded shared box runs a small-mod
 def test_notebook_runs_under_nbval(name, tmp_path):
     work = tmp_path / "notebooks"
     work.mkdir()
-    shutil.copy(os.path.join(REPO, "notebooks", name), work / name)
+    for f in os.listdir(os.path.join(REPO, "notebooks")):  # the notebook and the files beside it (06's mynet.py)
+        if f == name or (os.path.isfile(os.path.join(REPO, "notebooks", f)) and not f.endswith(".ipynb")):
+            shutil.copy(os.path.join(REPO, "notebooks", f), work / f)
     env = dict(os.environ, PILAB_NB_SMALL="1",
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     env.pop("PILAB_NB_LIVE_EPOCHS", None)
