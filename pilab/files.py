@@ -14,7 +14,7 @@ import sys
 from typing import Any, Callable
 
 
-__all__ = ["atomic_write", "atomic_write_text", "save_json", "load_json", "dumps", "sha256_file"]
+__all__ = ["atomic_write", "atomic_write_text", "save_json", "load_json", "dumps", "sha256_file", "sha256_tree"]
 
 
 def atomic_write(path: str, write: Callable[[str], Any], *, durable: bool = False) -> None:
@@ -117,12 +117,28 @@ def save_json(obj, path: str, *, indent: int | None = 1) -> None:
 
 def sha256_file(path: str) -> str:
     """The SHA-256 of the file's bytes, in hex (what a study records beside each point's result.json)."""
+    return sha256_tree(path)[0]
+
+
+def sha256_tree(path: str) -> tuple[str, int]:
+    """(SHA-256 in hex, bytes read) of a file's bytes, or of a directory's files: each one's path relative
+    to the directory, a NUL and its bytes, in sorted order. The data cache keys on it and the doctor
+    compares it between hosts; an unreadable file raises ``OSError``::
+
+        sha256_tree("data/my-imagefolder")   # ('9f2c...', 1843200)
+    """
     import hashlib
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    h, size = hashlib.sha256(), 0
+    files = [path] if not os.path.isdir(path) else sorted(
+        os.path.join(root, f) for root, _, names in os.walk(path) for f in names)
+    for f in files:
+        if f != path:
+            h.update(os.path.relpath(f, path).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+                size += len(block)
+    return h.hexdigest(), size
 
 
 def load_json(path: str):

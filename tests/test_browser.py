@@ -76,13 +76,16 @@ def test_live_plot_streams_events_into_its_sources():
 
 
 def _study():
-    return {"rows": [
+    """A two-row study, judged when it is made (as scaling.study does): readers never judge."""
+    from pilab import verdict
+
+    rows = [
         {"np": 1, "speedup": 1.0, "efficiency": 1.0, "final_test_acc": 0.5, "final_train_acc": 0.6,
-         "comm_exposed_share": 0.0, "time_per_epoch": 10.0, "images_per_s": 100.0, "fast_but_wrong": False},
+         "comm_exposed_share": 0.0, "time_per_epoch": 10.0, "images_per_s": 100.0},
         {"np": 4, "speedup": 3.1, "efficiency": 0.78, "final_test_acc": 0.3, "final_train_acc": 0.35,
-         "comm_exposed_share": 0.2, "time_per_epoch": 3.2, "images_per_s": 310.0, "fast_but_wrong": True,
-         "simulated": True}],
-        "runs": {"1": _result(1), "4": _result(4)}}
+         "comm_exposed_share": 0.2, "time_per_epoch": 3.2, "images_per_s": 310.0, "simulated": True}]
+    return {"rows": verdict.judge(rows, reference_np=1, speed_baseline_np=1, reference_acc=0.5),
+            "runs": {"1": _result(1), "4": _result(4)}}
 
 
 def _sources_with(layout, column: str) -> list[dict]:

@@ -17,6 +17,7 @@ import warnings
 
 import numpy as np
 
+from ..files import sha256_tree
 from .dataset import CIFAR10, CLASSES, _checksum
 
 _CACHE_VERSION = 2  # bump when decoding changes, so old caches are not reused (2: any classes and size)
@@ -83,20 +84,6 @@ def cache_path(cache: str, kind: str, path: str, variant: str = "") -> str:
     return os.path.join(cache, f"cifar10-{cache_key(kind, path, variant, cache)}.npz")  # matches _CACHE_NAME
 
 
-def _content_hash(path: str) -> str:
-    """sha256 over a file's bytes, or over a directory's files (relative path and bytes, sorted)."""
-    h = hashlib.sha256()
-    files = [path] if not os.path.isdir(path) else sorted(
-        os.path.join(root, f) for root, _, names in os.walk(path) for f in names)
-    for f in files:
-        if f != path:
-            h.update(os.path.relpath(f, path).encode() + b"\0")
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
-
-
 def cache_key(kind: str, path: str, variant: str = "", cache: str | None = None) -> str:
     """Key from the source's content (its bytes; a directory's files and their relative paths), so two
     copies of the same data share an entry and a changed file makes a new one. Hashing is done once per
@@ -119,7 +106,7 @@ def cache_key(kind: str, path: str, variant: str = "", cache: str | None = None)
     except OSError:
         content = ""
     if len(content) != 64:
-        content = _content_hash(path)
+        content = sha256_tree(path)[0]
         _write_small(memo, content)
     text = f"v{_CACHE_VERSION}|{kind}|{content}|{variant}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 
+from ..files import sha256_tree
 from .common import HELLO, MARK  # the head reads the lines that start with these from the job's stdout
 
 
@@ -114,20 +115,11 @@ def fingerprint(path: str) -> dict:
         return {}
     if not os.path.exists(path):
         return {"path": path, "missing": True}
-    h, size = hashlib.sha256(), 0
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
     try:
-        for f in files:
-            if f != path:
-                h.update(os.path.relpath(f, path).encode() + b"\0")
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-                    size += len(block)
+        digest, size = sha256_tree(path)
     except OSError as e:
         return {"path": path, "error": str(e)}
-    return {"path": path, "sha256": h.hexdigest(), "bytes": size}
+    return {"path": path, "sha256": digest, "bytes": size}
 
 
 def _read(path: str) -> str | None:
