@@ -195,29 +195,20 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
     "epoch_time" adds evaluation. Settings that cannot run (np < 1, more ranks than the cluster has)
     raise ``ConfigError``.
     """
-    from ..data import epoch_accounting  # pilab.data loads torch: not at `import pilab.perfmodel`
-
-    if profile not in PROFILES:
-        raise ConfigError(f"profile={profile!r}; use one of {', '.join(PROFILES)}")
-    averaging, evaluation = PROFILES[profile]
+    _profile(profile)
     cfg = _as_config(cfg)
     cl = resolve_cluster(cluster)
-    p = int(np_)
-    if p < 1:
-        raise ConfigError(f"np={p} must be >= 1")
-    if baseline_np is not None and baseline_np < 1:
-        raise ConfigError(f"baseline_np={baseline_np} must be >= 1")
-    if cl.nodes and cl.ranks_per_node and p > cl.nodes * cl.ranks_per_node:
-        raise ConfigError(f"np={p} exceeds {cl.name}: {cl.nodes} nodes x {cl.ranks_per_node} ranks")
+    p = _checked_np(np_, baseline_np, cl)
     n_train, n_test = _sizes(cfg, n_train, n_test)
-    if cfg.batch_ramp:
-        out = _ramped(cfg, p, cl, profile, n_train, n_test)
-        return _with_speedup(out, cfg, p, cl, profile, baseline_np, n_train, n_test)
+    out = (_ramped if cfg.batch_ramp else _one_batch)(cfg, p, cl, profile, n_train, n_test)
+    return _with_speedup(out, cfg, p, cl, profile, baseline_np, n_train, n_test)
+
+
+def _one_batch(cfg: Config, p: int, cl, profile: str, n_train: int, n_test: int) -> dict:
+    """``predict``'s epoch at one batch size (a ramp's epochs are each one: ``_ramped``)."""
+    averaging, evaluation = _profile(profile)
     b = cfg.per_rank_batch(p)
-    steps = epoch_accounting(n_train, p, b, cfg.sharding, seed=cfg.seed)["steps"]
-    if steps < 1:  # no step to time (a speedup would divide by zero)
-        raise ConfigError(f"np={p}: each rank holds at most {-(-n_train // p)} of the {n_train} training images, "
-                          f"fewer than its batch of {b}; use at least {p * b} training images (or a smaller batch)")
+    steps = _steps(cfg, p, b, n_train)
     place = _placement(cfg, p, cl)
     layout = gradient_layout(cfg.model, cfg.width)
     rank = _rank_costs(cfg, p, b, cl, place, len(layout))
@@ -226,50 +217,20 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
     def ar(nbytes):
         return allreduce_time(nbytes, p, cl, None, place["crowded"])
     metric = ar(METRIC_BYTES) if p > 1 else 0.0
-    messages, comm, exposed = (0, 0.0, 0.0) if p == 1 else \
-        _gradient_comm(cfg, layout, averaging, compute, cl, ar, _overlap_rate(cl, place))
-    comm += metric
-    exposed += metric
-    overhead = cl.step_overhead_s
-    # Local SGD: a local step sends only the metrics (a blocking Allreduce, so stragglers still wait each
-    # step); every local_steps steps and at each epoch's end the parameters and BatchNorm statistics are
-    # averaged, blocking, nothing to hide behind. Mixed by the share of local steps in the run.
     local = _local_share(cfg, p)
-    if local:
-        n_params = sum(n for n, _ in layout)
-        average = ar(n_params * ELEMENT_BYTES) + ar(bn_bytes(cfg.model, cfg.width))
-        per_step_average = average * math.ceil(steps / cfg.local_steps) / steps
-        comm = (1 - local) * comm + local * (metric + per_step_average)
-        exposed = (1 - local) * exposed + local * (metric + per_step_average)
-        messages = (1 - local) * messages + local * (1 + len(buckets_for(layout, cfg.bucket_mb))
-                                                     * math.ceil(steps / cfg.local_steps) / steps)
-    # SyncBatchNorm (bn="sync"): every BatchNorm layer Allreduces [sum, sum of squares, count] forward and
-    # [sum dy, sum dy*xhat] backward, in float64 (pilab.engine.layers), blocking: the layer cannot go on
-    # until it has them, so each is on the critical path and none hides behind compute. Each is also a
-    # point where every rank waits for the slowest; the straggler term still counts one per step, so at
-    # large np this is a lower bound.
-    # With bn_group the Allreduces span a group of consecutive ranks only (2 per Pi node: shared memory).
-    sync_bn = 0.0
-    group = cfg.sync_group(p)
-    if group > 1:
-        chans = bn_channels(cfg.model, cfg.width)
-
-        def gar(nbytes):
-            return allreduce_time(nbytes, group, cl, None, place["crowded"])
-        sync_bn = sum(gar((2 * c + 1) * 8) + gar(2 * c * 8) for c in chans)
-        comm += sync_bn
-        exposed += sync_bn
-        messages += 2 * len(chans)
+    messages, comm, exposed, sync_bn = _step_comm(cfg, p, cl, place, layout, averaging, compute, steps, ar,
+                                                  metric, local)
+    overhead = cl.step_overhead_s
     step = data + compute + straggler + exposed + overhead
     eval_time = _eval_time(cfg, p, n_test, rank["eval_s_per_image"], evaluation, ar, metric)
     # evaluation runs every eval_every epochs and after the last: its average share per epoch
-    n_evals = len({e for e in range(1, cfg.epochs + 1) if e % cfg.eval_every == 0} | {cfg.epochs})
-    evals_per_epoch = n_evals / cfg.epochs
+    evals_per_epoch = len({e for e in range(1, cfg.epochs + 1) if e % cfg.eval_every == 0} | {cfg.epochs}) \
+        / cfg.epochs
     time_ = steps * step
     images = steps * b * p
     n_params = sum(n for n, _ in layout)
     wire = 2 if cfg.compression == "fp16" else ELEMENT_BYTES
-    out = {
+    return {
         "np": p, "profile": profile, "cluster": cl.name, "model": cfg.model, "width": cfg.width,
         "nodes": place["nodes"], "ranks_per_node": place["ranks_per_node"],
         "threads": place["threads"], "oversubscription": place["oversubscription"],
@@ -291,7 +252,80 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
         "first_epoch_time": time_ + cl.warmup_s,
         "images_per_s": images / time_ if time_ > 0 else None,
     }
-    return _with_speedup(out, cfg, p, cl, profile, baseline_np, n_train, n_test)
+
+
+def _steps(cfg: Config, p: int, b: int, n_train: int) -> int:
+    """Optimizer steps in an epoch at np=p; none is refused (a speedup would divide by zero)."""
+    from ..data import epoch_accounting  # pilab.data loads torch: not at `import pilab.perfmodel`
+
+    steps = epoch_accounting(n_train, p, b, cfg.sharding, seed=cfg.seed)["steps"]
+    if steps < 1:
+        raise ConfigError(f"np={p}: each rank holds at most {-(-n_train // p)} of the {n_train} training images, "
+                          f"fewer than its batch of {b}; use at least {p * b} training images (or a smaller batch)")
+    return steps
+
+
+def _step_comm(cfg: Config, p: int, cl, place: dict, layout, averaging: str, compute: float, steps: int, ar,
+               metric: float, local: float) -> tuple:
+    """(messages, comm, exposed, sync_bn) per step: the gradients' Allreduces (hidden behind backward as far
+    as the overlap allows), the metrics' one, local SGD's averages and SyncBatchNorm's Allreduces."""
+    messages, comm, exposed = (0, 0.0, 0.0) if p == 1 else \
+        _gradient_comm(cfg, layout, averaging, compute, cl, ar, _overlap_rate(cl, place))
+    comm += metric
+    exposed += metric
+    if local:
+        comm, exposed, messages = _mix_local_steps(cfg, local, steps, layout, ar, metric, comm, exposed, messages)
+    sync_bn, sync_messages = _sync_bn_cost(cfg, p, cl, place)
+    return messages + sync_messages, comm + sync_bn, exposed + sync_bn, sync_bn
+
+
+def _profile(profile: str) -> tuple:
+    if profile not in PROFILES:
+        raise ConfigError(f"profile={profile!r}; use one of {', '.join(PROFILES)}")
+    return PROFILES[profile]
+
+
+def _checked_np(np_, baseline_np, cl) -> int:
+    p = int(np_)
+    if p < 1:
+        raise ConfigError(f"np={p} must be >= 1")
+    if baseline_np is not None and baseline_np < 1:
+        raise ConfigError(f"baseline_np={baseline_np} must be >= 1")
+    if cl.nodes and cl.ranks_per_node and p > cl.nodes * cl.ranks_per_node:
+        raise ConfigError(f"np={p} exceeds {cl.name}: {cl.nodes} nodes x {cl.ranks_per_node} ranks")
+    return p
+
+
+def _mix_local_steps(cfg: Config, local: float, steps: int, layout, ar, metric: float, comm: float,
+                     exposed: float, messages: float) -> tuple[float, float, float]:
+    """(comm, exposed, messages) per step with local SGD: a local step sends only the metrics (a blocking
+    Allreduce, so stragglers still wait each step); every local_steps steps and at each epoch's end the
+    parameters and BatchNorm statistics are averaged, blocking, nothing to hide behind. Mixed by the share
+    ``local`` of local steps in the run."""
+    n_params = sum(n for n, _ in layout)
+    average = ar(n_params * ELEMENT_BYTES) + ar(bn_bytes(cfg.model, cfg.width))
+    per_step_average = average * math.ceil(steps / cfg.local_steps) / steps
+    return ((1 - local) * comm + local * (metric + per_step_average),
+            (1 - local) * exposed + local * (metric + per_step_average),
+            (1 - local) * messages + local * (1 + len(buckets_for(layout, cfg.bucket_mb))
+                                              * math.ceil(steps / cfg.local_steps) / steps))
+
+
+def _sync_bn_cost(cfg: Config, p: int, cl, place: dict) -> tuple[float, int]:
+    """(seconds, messages) per step of SyncBatchNorm (bn="sync"): every BatchNorm layer Allreduces [sum, sum
+    of squares, count] forward and [sum dy, sum dy*xhat] backward, in float64 (pilab.engine.layers),
+    blocking: the layer cannot go on until it has them, so each is on the critical path and none hides
+    behind compute. Each is also a point where every rank waits for the slowest; the straggler term still
+    counts one per step, so at large np this is a lower bound. With bn_group the Allreduces span a group of
+    consecutive ranks only (2 per Pi node: shared memory)."""
+    group = cfg.sync_group(p)
+    if group <= 1:
+        return 0.0, 0
+    chans = bn_channels(cfg.model, cfg.width)
+
+    def gar(nbytes):
+        return allreduce_time(nbytes, group, cl, None, place["crowded"])
+    return sum(gar((2 * c + 1) * 8) + gar(2 * c * 8) for c in chans), 2 * len(chans)
 
 
 def _with_speedup(out: dict, cfg: Config, p: int, cl, profile: str, baseline_np, n_train, n_test) -> dict:
