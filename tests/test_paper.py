@@ -116,10 +116,17 @@ def test_compare_paper_sets_a_tiny_real_study_beside_the_published_figures(tiny_
 def test_the_full_set_gets_its_image_counts_from_the_runs_for_the_performance_model(tiny_study, cifar_archive):
     r = json.loads((tiny_study / "np1" / "result.json").read_text())
     whole = Config(data=str(cifar_archive), width=0.25)  # train_subset=0: all the images
-    # the study loaded the archive, so its cache gives the counts; a copy never loaded has none
+    # the study loaded the archive, so its cache gives the counts; the cache is keyed by content, so a
+    # byte-identical copy elsewhere has them too, and a file whose content was never loaded has none
     assert perfmodel.predict(whole, 2, "pi4b_cluster")["n_train"] == 50000
     other = tiny_study.parent / "never-loaded.tar.gz"
     shutil.copyfile(cifar_archive, other)
+    assert perfmodel.predict(dataclasses.replace(whole, data=str(other)), 2, "pi4b_cluster")["n_train"] == 50000
+    with open(other, "r+b") as f:  # one byte changed: other content
+        f.seek(1000)
+        b = f.read(1)
+        f.seek(1000)
+        f.write(bytes([b[0] ^ 1]))
     with pytest.raises(ConfigError, match="n_train"):
         perfmodel.predict(dataclasses.replace(whole, data=str(other)), 2, "pi4b_cluster")
     sized = analysis.sized_for_model(whole, {1: r})
