@@ -5,7 +5,7 @@ import os
 import tempfile
 
 from ..launch import LaunchError, find_mpiexec, mpiexec_command
-from .checks import _checks
+from .checks import _checks, _skip
 from .common import DoctorError
 from .jobs import (_Job, _Listener, _hostfile, _launcher_words, _needs_snn, _net_job, _probe_cmd,
                    controller_address, data_path, predicted_peak)
@@ -61,7 +61,10 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
     report["checks"] = {h: _checks(h, jobs[h], why[h], probes[h], report, answered, peak)
                         for h, _ in hosts}
     for h, check in placement_checks(hosts, ranks_per_node, env=env).items():
-        report["checks"][h]["placement"] = check
+        # "as checked" needs the memory and CPU checks it refers to: a host that did not answer had none
+        # (a wrong slot count or a drained node is still said: neither needs the host to answer)
+        ok = check["ok"] and report["checks"][h]["answers"]["ok"]
+        report["checks"][h]["placement"] = check if ok or check["ok"] is False else _skip()
     report["ok"] = all(c["ok"] for per in report["checks"].values() for c in per.values())
     return report
 
