@@ -27,6 +27,8 @@ import urllib.request
 
 import pytest
 
+from conftest import skip_or_fail
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(REPO, "notebooks")
 ARTIFACTS = os.path.join(REPO, "test-artifacts", "browser")
@@ -156,10 +158,8 @@ def _need_browser():
     else:
         missing = None if os.access(CHROMIUM, os.X_OK) else f"no Chromium at {CHROMIUM}"
     if missing:
-        msg = f"{missing}; install it with `apt-get install chromium` (./lab.sh test does)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true: the browser test must run: {msg}")
-        pytest.skip(msg)
+        skip_or_fail(f"{missing}; install it with `apt-get install chromium` (./lab.sh test does)",
+                     "the browser test must run")
 
 
 def _free_port() -> int:

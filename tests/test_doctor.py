@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import mpi_env
+from conftest import mpi_env, skip_or_fail
 
 from pilab import testbed
 from pilab.cli import main as cli_main
@@ -36,9 +36,7 @@ RUN = ["--width", "0.25", "--batch-size", "16", "--threads", "1"]
 def tb():
     why = testbed.available()
     if why:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI runs as root here and must run the multi-node tests: {why}")
-        pytest.skip(why)
+        skip_or_fail(why, "CI runs as root here and must run the multi-node tests")
     testbed.down(NAME)
     bed = testbed.up(testbed.Testbed(nodes=3, slots=2, rate="1gbit", subnet=SUBNET, name=NAME))
     try:

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import mpi_env, run_on_testbed
+from conftest import mpi_env, run_on_testbed, skip_or_fail
 
 from pilab import testbed
 
@@ -36,9 +36,7 @@ TINY = ["--width", "0.25", "--train-subset", "256", "--test-subset", "100", "--t
 def tb():
     why = testbed.available()
     if why:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI runs as root here and must run the multi-node tests: {why}")
-        pytest.skip(why)
+        skip_or_fail(why, "CI runs as root here and must run the multi-node tests")
     testbed.down(NAME)
     bed = testbed.up(testbed.Testbed(nodes=2, slots=2, rate="1gbit", subnet=SUBNET, name=NAME))
     try:

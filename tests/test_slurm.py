@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import mpi_env, run_on_testbed
+from conftest import mpi_env, run_on_testbed, skip_or_fail
 
 from pilab import testbed
 from pilab.testbed import slurm
@@ -30,9 +30,7 @@ TINY = ["--width", "0.25", "--train-subset", "256", "--test-subset", "100", "--b
 def _need_slurm():
     why = testbed.available() or slurm.available()
     if why:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI runs as root with Slurm installed by lab.sh and must run the Slurm tests: {why}")
-        pytest.skip(why)
+        skip_or_fail(why, "CI runs as root with Slurm installed by lab.sh and must run the Slurm tests")
 
 
 @pytest.fixture(scope="module")
