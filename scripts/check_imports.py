@@ -25,6 +25,7 @@ LAYERS = {
     "engine.component": 0,  # what a loop feature is: the moments the loop calls (no imports)
     "engine.noise": 0.2,  # the gradient noise scale, the batch it chooses, and the ramp as a loop feature
     "engine.signals": 0,  # installing signal handlers and putting the old ones back; no pilab imports
+    "tracefile": 0.1,  # the Chrome Trace Event Format: build, write, read, check (files only)
     "verdict": 0,  # the one logic that judges a study's rows; no pilab imports (a leaf: plots and study use it)
     "plots": 0.5,  # draws what pilab.verdict judged
     "models.custom": 0.9,  # your own model's builder, found by its string (torch only)
