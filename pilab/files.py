@@ -14,7 +14,16 @@ import sys
 from typing import Any, Callable
 
 
-__all__ = ["atomic_write", "atomic_write_text", "save_json", "load_json", "dumps", "sha256_file", "sha256_tree"]
+__all__ = ["atomic_write", "atomic_write_text", "temp_name", "save_json", "load_json", "dumps", "sha256_file", "sha256_tree"]
+
+
+def temp_name(path: str) -> str:
+    """Where ``atomic_write`` writes ``path`` first: a hidden name beside it, this process's, with the same
+    extension (a writer that picks the format from it, such as matplotlib's, writes the right one);
+    a process that must leave at once removes it (``pilab.engine.keeper``), and the data cache
+    recognises its own leftovers by the ``.tmp-`` prefix (``pilab.data.cache``)."""
+    d, base = os.path.split(path)
+    return os.path.join(d, f".tmp-{base}-{os.getpid()}{os.path.splitext(base)[1]}")
 
 
 def atomic_write(path: str, write: Callable[[str], Any], *, durable: bool = False) -> None:
@@ -28,7 +37,7 @@ def atomic_write(path: str, write: Callable[[str], Any], *, durable: bool = Fals
         atomic_write("out/x.bin", lambda tmp: open(tmp, "wb").write(data), durable=True)
     """
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = temp_name(path)
     try:
         write(tmp)
         if durable:
@@ -58,10 +67,13 @@ def _fsync(path: str, flags: int, *, quiet: bool = False) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str, text: str) -> None:
+def atomic_write_text(path: str, text: str, *, mode: int | None = None) -> None:
+    """``text`` into ``path`` atomically; ``mode``: its permission bits (e.g. 0o755 for a script)."""
     def write(tmp):
         with open(tmp, "w") as f:
             f.write(text)
+        if mode is not None:
+            os.chmod(tmp, mode)
     atomic_write(path, write)
 
 

@@ -50,6 +50,7 @@ from ..launch import mpi  # noqa: E402
 
 from ..engine import loop as engine  # noqa: E402
 from ..config import Config  # noqa: E402
+from ..files import atomic_write_text  # noqa: E402
 from ..models.memory import breakdown  # noqa: E402
 
 RUNTIME_WITH_TORCH = _status()["VmRSS"]
@@ -133,10 +134,7 @@ def main(argv=None) -> int:
                "ranks": ranks, "peak_max": max(r["peak"] for r in ranks),
                "malloc": ranks[0]["malloc"],
                "predicted": breakdown(cfg, np_=comm.Get_size(), allocator=ranks[0]["malloc"])}
-        tmp = a.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(res, f, indent=1)
-        os.replace(tmp, a.out)
+        atomic_write_text(a.out, json.dumps(res, indent=1))
     return 0
 
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import tempfile
 import warnings
 
 import numpy as np
 
-from ..files import sha256_tree
+from ..files import atomic_write, atomic_write_text, sha256_tree
 from .dataset import CIFAR10, CLASSES, _checksum
 
 _CACHE_VERSION = 2  # bump when decoding changes, so old caches are not reused (2: any classes and size)
@@ -115,11 +114,7 @@ def cache_key(kind: str, path: str, variant: str = "", cache: str | None = None)
 def _write_small(path: str, text: str) -> None:
     """Best effort, atomic: a read-only cache only costs hashing again."""
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-content-", dir=os.path.dirname(path))
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        atomic_write_text(path, text)
     except OSError:
         pass
 
@@ -186,25 +181,16 @@ def cached_sizes(path: str) -> tuple[int, int] | None:
 
 
 def write_cache(path: str, ds: CIFAR10) -> None:
-    """Write atomically: a temp file in the same directory, then os.replace (no half-written cache)."""
-    d = os.path.dirname(path)
-    tmp = None
-    try:
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + "-", suffix=".npz", dir=d)
-        with os.fdopen(fd, "wb") as f:
+    """Write atomically (``pilab.files.atomic_write``: no half-written cache; an interrupted write leaves
+    a ``.tmp-`` file that ``clear_cache`` recognises)."""
+    def write(tmp):
+        with open(tmp, "wb") as f:
             np.savez(f, x_train=ds.x_train, y_train=ds.y_train, x_test=ds.x_test, y_test=ds.y_test,
                      checksum=np.array(ds.checksum), source=np.array(ds.source), classes=np.array(ds.classes),
                      mean=np.array(ds.mean), std=np.array(ds.std))
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the cache holds public data
-        os.replace(tmp, path)
-        tmp = None
+    try:
+        atomic_write(path, write, durable=True)
     except OSError as e:  # a read-only home should not stop training: only the cache is lost
         warnings.warn(f"could not write the data cache {path} ({e}); set PILAB_CACHE to a writable "
                       "directory to avoid decoding again", RuntimeWarning, stacklevel=3)
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
 

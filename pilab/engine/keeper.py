@@ -17,6 +17,7 @@ from .. import __version__
 from . import checkpoint
 from .checkpoint import CheckpointError
 from ..config import Config
+from ..files import temp_name
 
 
 def failure_reason(rank: int, e: BaseException) -> str:
@@ -65,8 +66,8 @@ class Keeper:
 
     def cleanup(self) -> None:
         """Remove a temporary file a write cut short left (a process about to ``os._exit``)."""
-        tmp = f"{getattr(self, '_path', '')}.tmp{os.getpid()}"
-        if getattr(self, "_path", "") and os.path.exists(tmp):
+        tmp = temp_name(self._path) if getattr(self, "_path", "") else ""
+        if tmp and os.path.exists(tmp):
             try:
                 os.remove(tmp)
             except OSError:

@@ -20,6 +20,8 @@ import json
 import os
 import sys
 
+from ..files import atomic_write
+
 CHANCE = 0.10
 DPI = 120
 
@@ -42,9 +44,8 @@ def save(fig, png_path: str) -> str:
     base = os.path.splitext(png_path)[0]
     try:
         for ext in ("png", "svg"):
-            tmp = f"{base}.tmp-{os.getpid()}.{ext}"
-            fig.savefig(tmp, dpi=DPI, bbox_inches="tight", metadata={"Date": None} if ext == "svg" else None)
-            os.replace(tmp, f"{base}.{ext}")
+            atomic_write(f"{base}.{ext}", lambda tmp: fig.savefig(
+                tmp, format=ext, dpi=DPI, bbox_inches="tight", metadata={"Date": None} if ext == "svg" else None))
     finally:
         plt.close(fig)
     return png_path

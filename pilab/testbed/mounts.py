@@ -7,7 +7,7 @@ import json
 import os
 import shlex
 
-from ..files import save_json
+from ..files import atomic_write_text, save_json
 from .nodes import Testbed, TestbedError
 
 
@@ -52,9 +52,7 @@ def _etc_hosts(tb: Testbed) -> str:
     path = os.path.join(tb.state_dir, "etc-hosts")
     head = ipaddress.ip_network(tb.subnet).network_address + 2  # Slurm's head namespace (testbed.slurm)
     lines = ["127.0.0.1 localhost", f"{head} head", *(f"{tb.address(h)} {h}" for h in tb.hosts)]
-    with open(path + ".tmp", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(path + ".tmp", path)
+    atomic_write_text(path, "\n".join(lines) + "\n")
     return f"mount --bind {shlex.quote(path)} /etc/hosts 2>/dev/null"
 
 
@@ -68,10 +66,7 @@ def _write_mounts(tb: Testbed, overlays: list) -> None:
                      f'{{ echo "pilab testbed: cannot bind {src} over {dst} on {host}" >&2; exit 1; }}')
     lines.append("true")
     save_json([list(o) for o in overlays], os.path.join(tb.state_dir, "overlays.json"))
-    tmp = _mounts_file(tb) + ".tmp"
-    with open(tmp, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(tmp, _mounts_file(tb))
+    atomic_write_text(_mounts_file(tb), "\n".join(lines) + "\n")
 
 
 def overlay(tb: Testbed, host: str, src: str, dst: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import shlex
 
-from ..files import save_json
+from ..files import atomic_write_text, save_json
 from .mounts import _mounts_file, _write_mounts
 from .nodes import Testbed
 
@@ -65,19 +65,13 @@ def _write_files(tb: Testbed) -> None:
     shim = SHIM.format(name=tb.name, cases=cases, hosts=" ".join(tb.hosts), mounts=_mounts_file(tb))
     if not os.path.exists(_mounts_file(tb)):
         _write_mounts(tb, [])
-    tmp = tb.shim + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(shim)
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, tb.shim)
+    atomic_write_text(tb.shim, shim, mode=0o755)
     # Addresses, not names: no name lookup of node01 can leave this machine (there is no DNS entry).
     # Hydra takes whole-line comments only.
     lines = [f"# pilab testbed {tb.name}: MPICH hostfile (host:slots); rank 0 on the first host",
              "# " + "  ".join(f"{tb.address(h)}={h}" for h in tb.hosts),
              *(f"{tb.address(h)}:{tb.slots}" for h in tb.hosts)]
-    with open(tb.hostfile + ".tmp", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(tb.hostfile + ".tmp", tb.hostfile)
+    atomic_write_text(tb.hostfile, "\n".join(lines) + "\n")
     with open(os.path.join(tb.state_dir, "env.sh"), "w") as f:
         f.write("# eval this (or `eval \"$(python -m pilab testbed env)\"`) before mpiexec / ipcluster\n")
         for k, v in tb.env_vars().items():

@@ -45,6 +45,7 @@ import signal
 import subprocess
 import time
 
+from ..files import atomic_write_text
 from .nodes import NODE_IFACE, Testbed, TestbedError, _links, _netns_list, _run, slurm_conf, state_dir
 from .shim import _write_files
 
@@ -127,9 +128,7 @@ def write_conf(tb: Testbed) -> str:
     ]
     for sub in ("munge", "ctld", "log", *(f"spool/{h}" for h in tb.hosts)):
         os.makedirs(os.path.join(d, sub), exist_ok=True)
-    with open(conf_path(tb.name) + ".tmp", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(conf_path(tb.name) + ".tmp", conf_path(tb.name))
+    atomic_write_text(conf_path(tb.name), "\n".join(lines) + "\n")
     return conf_path(tb.name)
 
 
