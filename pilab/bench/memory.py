@@ -113,6 +113,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="itemised peak RSS per rank (run under mpiexec)")
     p.add_argument("out")
     p.add_argument("--data", default="embedded")
+    p.add_argument("--model", default=Config.model, help="a registered name or package.module:builder")
     p.add_argument("--width", type=float, default=1.0)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--eval-batch", type=int, default=Config.eval_batch)
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
     p.add_argument("--test-subset", type=int, default=0)
     a = p.parse_args(argv)
     comm = mpi().COMM_WORLD
-    cfg = Config(data=a.data, width=a.width, batch_size=a.batch_size, eval_batch=a.eval_batch,
+    cfg = Config(data=a.data, model=a.model, width=a.width, batch_size=a.batch_size, eval_batch=a.eval_batch,
                  threads=a.threads, max_steps=a.steps, train_subset=a.train_subset,
                  test_subset=a.test_subset)
     rank = measure(cfg, a.steps, comm)
