@@ -36,6 +36,7 @@ from .backend import (EVAL_BATCH, NUM_CLASSES, RankBackend, StepResult, base_mod
 from .dist import (GradSync, Slots, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
                    share_of_mean, squared_norm, sync_buffers_, world)
 from .layers import RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_
+from .trace import Timeline
 
 FAST_CHUNK_IMAGES = 512  # simulate_mode=fast: images per forward (memory stays bounded at any np)
 _SUMS = ("loss_sum", "correct", "stop_votes", "save_votes")  # MPIRanks' slots summed with the last bucket
@@ -101,8 +102,9 @@ class MPIRanks:
         for name in _SUMS:
             self.slots.declare(name)
         self.slots.declare("network", self.np_)
+        self.trace = cfg.trace  # each step's phase boundaries and messages' flights (pilab.engine.trace)
         self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, compression=cfg.compression,
-                              meta=self.slots, norms=bool(cfg.gns_max))
+                              meta=self.slots, norms=bool(cfg.gns_max), observe=cfg.trace)
         self.on_grads = tuple(on_grads)
         self._prev_net, self._prev_sent = 0.0, None
         self.optimizer, self.local = optimizer, cfg.local_steps > 1
@@ -133,8 +135,10 @@ class MPIRanks:
         nets = meta[at["network"]]
         nets[:] = 0.0
         nets[self.rank] = self._prev_net
+        tf = time.perf_counter() if self.trace else 0.0
         sync.backward(loss)
         cstats = sync.finish()
+        tw = time.perf_counter() if self.trace else 0.0
         grad_sq = avg_sq = None
         if sync.norms and sync.exchange:  # every rank's, exact (see GradSync's norms); the average's
             grad_sq, avg_sq = meta[at["grad_sq"]].copy(), squared_norm([p.grad for p in self.params])
@@ -165,7 +169,9 @@ class MPIRanks:
                           bytes_sent=sent, comm_wait=wait, save_votes=saves,
                           ranks_compute=ready.copy(), ranks_network=meta[at["network"]].copy(),
                           network_bytes=net_bytes,
-                          ranks_grad_sq=grad_sq, avg_grad_sq=avg_sq)
+                          ranks_grad_sq=grad_sq, avg_grad_sq=avg_sq,
+                          timeline=Timeline(self.rank, (t0, t1, tf, cstats.backward_end or tw, tw, t2),
+                                            cstats.flights) if self.trace else None)
 
     def set_batch(self, batch: int) -> None:
         """A batch-size ramp's next batch: the same shard, cut into batches of ``batch``."""
@@ -318,6 +324,7 @@ class VirtualRanks:
         if not one_chunk:
             torch._foreach_zero_(self.avg)
         self.context.epoch, self.context.step = epoch, step
+        spans = [] if cfg.trace else None  # Config.trace: each chunk's data, forward and backward on its first rank's track
         for r0 in range(0, np_, self.chunk):
             r1 = min(np_, r0 + self.chunk)
             td = time.perf_counter()
@@ -325,11 +332,15 @@ class VirtualRanks:
             x = (parts[0][0] if r1 - r0 == 1 else torch.cat([p[0] for p in parts])).to(device, non_blocking=True)
             y = (parts[0][1] if r1 - r0 == 1 else torch.cat([p[1] for p in parts])).to(device, non_blocking=True)
             x = x.contiguous(memory_format=torch.channels_last)
-            t_data += time.perf_counter() - td
+            tx = time.perf_counter()
+            t_data += tx - td
             self.context.ranks = (r0, r1)
             # Without dropout nothing else draws from the global RNG; seed it as rank r0 would.
             torch.manual_seed(step_seed(cfg.seed, epoch, step, r0))
             out, loss = forward_loss(model, x, y, cfg, device)
+            if spans is not None:
+                tb = time.perf_counter()
+                spans += [(r0, "data", td, tx), (r0, "forward", tx, tb)]
             optimizer.zero_grad(set_to_none=False)
             if one_chunk:
                 loss.backward()  # the mean loss over every rank's images: the average itself
@@ -343,6 +354,8 @@ class VirtualRanks:
             else:  # several ranks per forward (the mean over their images): weighted by their share
                 loss.backward()
                 torch._foreach_add_(self.avg, torch._foreach_mul([p.grad for p in self.params], (r1 - r0) / np_))
+            if spans is not None:
+                spans.append((r0, "backward", tb, time.perf_counter()))
             with torch.no_grad():
                 if self.defer_metrics:
                     loss_sum = loss_sum + loss.detach() * (b * (r1 - r0))
@@ -353,16 +366,21 @@ class VirtualRanks:
         if not one_chunk:
             torch._foreach_copy_([p.grad for p in self.params], self.avg)
         avg_sq = squared_norm([p.grad for p in self.params]) if grad_sq is not None else None
+        to = time.perf_counter() if spans is not None else 0.0
         _on_grads(self.on_grads, self.params)
         optimizer.step()
         if device.type == "cuda" and not self.defer_metrics:
             torch.cuda.synchronize()
-        total = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        total = t_end - t0
+        if spans is not None:
+            spans.append((0, "optimizer", to, t_end))
         want_stop = bool(stop()) if stop is not None else False
         want_save = bool(save()) if save is not None else False
         return StepResult(loss_sum, correct, float(want_stop), time=total, compute=total - t_data,
                           comm=0.0, comm_exposed=0.0, data=t_data, save_votes=float(want_save),
-                          ranks_grad_sq=np.array(grad_sq) if grad_sq is not None else None, avg_grad_sq=avg_sq)
+                          ranks_grad_sq=np.array(grad_sq) if grad_sq is not None else None, avg_grad_sq=avg_sq,
+                          timeline=Timeline(0, spans=spans) if spans is not None else None)
 
     def _local_step(self, cfg: Config, model, optimizer, epoch: int, step: int, ph, stop, save) -> StepResult:
         """A local-SGD step: each rank's own forward, backward and optimizer step on its own weights
