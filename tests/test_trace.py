@@ -151,3 +151,15 @@ def test_bad_window_is_one_line_exit_2(tmp_path):
                        capture_output=True, text=True, timeout=120, env=mpi_env())
     assert p.returncode == 2 and "trace_window=0" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_panel_has_a_trace_checkbox():
+    """The notebook panel's trace box sets Config.trace (ipywidgets only; no run)."""
+    pytest.importorskip("ipywidgets")
+    from pilab.config import Config
+    from pilab.lab import widgets
+
+    panel = widgets.ControlPanel(None, Config(width=0.25), settings_only=True)
+    assert panel.config().trace is False
+    panel.controls["trace"].value = True
+    assert panel.config().trace is True and panel.controls["trace"].tooltip == Config.help("trace") != ""
