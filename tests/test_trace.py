@@ -101,11 +101,12 @@ def _cpu_cgroup(name):
 
 def test_throttled_rank_shows(tmp_path):
     """Rank 1's process in a cgroup with a tenth of a core (MPMD: its own wrapper moves itself in,
-    then execs python): the trace shows rank 1's longer forward and backward, and rank 0's longer wait."""
+    then execs python): the trace shows rank 1's longer forward and backward, and rank 0's longer wait;
+    the steps the straggler warning named are kept beyond the window."""
     cg = _cpu_cgroup(f"pilab-trace-test-{os.getpid()}")
     wrap = ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$@"', "sh"]
     try:
-        res = _train(tmp_path / "t", "--trace", "--straggler-threshold", "0",
+        res = _train(tmp_path / "t", "--trace", "--trace-window", "2", "--straggler-steps", "2",
                      prefix=lambda a: [MPIEXEC, "-n", "1", *PY, *a, ":", "-n", "1", *wrap, *PY, *a], timeout=180)
     finally:
         for knob, v in (("cpu.cfs_quota_us", "-1"), ("cpu.max", "max")):
@@ -114,6 +115,12 @@ def test_throttled_rank_shows(tmp_path):
                     f.write(v)
         os.rmdir(cg)
     spans, _ = _by_step(tracefile.read(str(tmp_path / "t" / "trace.json")))
+    # the straggler warning's steps are kept beyond the window (first 5, last 2), on both ranks alike
+    t = res["trace"]
+    assert set(t["named"]) - {1, 2, 3, 4, 5, 11, 12}, t
+    assert set(t["steps"]) == {1, 2, 3, 4, 5, 11, 12} | set(t["named"])
+    assert set(spans) == {(r, s) for r in (0, 1) for s in t["steps"]}
+    assert res["stragglers"] and res["stragglers"][0]["rank"] == 1
     fb = [_median(spans, r, "forward", "backward") for r in (0, 1)]
     wait = [_median(spans, r, "wait") for r in (0, 1)]
     assert fb[1] > 1.5 * fb[0], fb

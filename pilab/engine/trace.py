@@ -148,7 +148,8 @@ class Trace(Component):
             self.last.append(rec)
         if self.monitor is not None and st.ranks_compute is not None:
             self.monitor.add(g, st.ranks_compute, st.ranks_network, st.network_bytes)
-            if self.n_named < self.window and any(f.get("last_step") == g for f in self.monitor.found.values()):
+            if self.seen > FIRST and self.n_named < self.window and \
+                    any(f.get("last_step") == g for f in self.monitor.found.values()):
                 self.named.append(rec)
                 self.n_named += 1
         return []
