@@ -49,11 +49,12 @@ class StepComm:
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], flat: torch.Tensor, wire: torch.Tensor | None, offset: int):
+    def __init__(self, params: list[nn.Parameter], flat: torch.Tensor, wire: torch.Tensor | None, offset: int,
+                 index: int = 0):
         self.params = params
         self.numel = sum(p.numel() for p in params)
         self.offset = offset  # where it starts in GradSync's one buffer (consecutive buckets are adjacent)
-        self.index = 0  # its place in posting order
+        self.index = index  # its place in posting order
         self.flat = flat[offset:offset + self.numel]
         self.wire = wire[offset:offset + self.numel] if wire is not None else self.flat
         self.pending = 0
@@ -144,9 +145,7 @@ class GradSync:
     def __init__(self, model: nn.Module, comm, *, bucket_mb: float = 1.0,
                  compression: str = "none", meta: "int | Slots" = 0, norms: bool = False, observe: bool = False):
         self.comm = comm
-        # observe: note when each message is first seen complete (StepComm.flights), testing the requests
-        # one by one in posting order instead of one Testall; only a traced run asks (pilab.engine.trace)
-        self.observe = observe
+        self.observe = observe  # note when each message completes (StepComm.flights): a traced run's only
         self.rank, self.size = world(comm)
         self.fp16 = compression == "fp16"
         self.half_type = fp16_type() if self.fp16 else None
@@ -168,10 +167,8 @@ class GradSync:
         self._wire = torch.zeros(total, dtype=torch.float16) if self.fp16 else self._flat
         self._wire_np = _buf(self._wire)  # sliced per message: a numpy slice is cheaper than a tensor's
         offsets = list(itertools.accumulate([0] + [sum(p.numel() for p in g) for g in groups]))
-        self.buckets: list[_Bucket] = [_Bucket(g, self._flat, self._wire if self.fp16 else None, off)
-                                       for g, off in zip(groups, offsets)]
-        for i, b in enumerate(self.buckets):
-            b.index = i
+        self.buckets: list[_Bucket] = [_Bucket(g, self._flat, self._wire if self.fp16 else None, off, i)
+                                       for i, (g, off) in enumerate(zip(groups, offsets))]
         self._where: dict[int, int] = {}
         for i, b in enumerate(self.buckets):
             for p in b.params:
@@ -355,8 +352,9 @@ class GradSync:
                 self._inflight = []
 
     def _observe(self) -> bool:
-        """Test each message not yet seen complete, in posting order, noting the time it is first seen
-        so (``StepComm.flights``); True once every message and the metrics are done."""
+        """``observe=True``'s test: each message not yet seen complete tested on its own, in posting order
+        (instead of one Testall), the time it is first seen complete noted in ``StepComm.flights``; True
+        once every message and the metrics are done."""
         flights, now = self.stats.flights, None
         for f, request in zip(flights, self._requests):
             if f[3] is None and request.Test():  # a completed request becomes REQUEST_NULL: Testall skips it
