@@ -170,3 +170,11 @@ def test_panel_has_a_trace_checkbox():
     assert panel.config().trace is False
     panel.controls["trace"].value = True
     assert panel.config().trace is True and panel.controls["trace"].tooltip == Config.help("trace") != ""
+
+
+def test_a_resumed_run_traces_its_own_steps(tmp_path):
+    """--trace may be turned on at a resume (it changes no number): the trace holds the steps after it."""
+    _train(tmp_path / "a", "--max-steps", "6", "--checkpoint-every", "1")
+    res = _train(tmp_path / "b", "--resume", str(tmp_path / "a" / "checkpoint.pt"), "--trace")
+    spans, _ = _by_step(tracefile.read(str(tmp_path / "b" / "trace.json")))
+    assert sorted({s for _, s in spans}) == res["trace"]["steps"] == [7, 8, 9, 10, 11, 12]
