@@ -1,6 +1,8 @@
 """A per-rank trace of a real run (``--trace``, pilab.engine.trace): real mpiexec ranks on a small slice,
 the file checked against the format (pilab.tracefile.validate), a straggler made by a real CPU quota
-(a cgroup), the bounded window, and the same losses bit for bit with and without tracing."""
+(a cgroup), the bounded window, and the same losses bit for bit with and without tracing; on the testbed
+(two network namespaces, root; hold /tmp/pilab-testbed.lock), one node's link 10x slower makes the
+gradient messages crossing it finish late."""
 import json
 import os
 import subprocess
@@ -178,3 +180,40 @@ def test_a_resumed_run_traces_its_own_steps(tmp_path):
     res = _train(tmp_path / "b", "--resume", str(tmp_path / "a" / "checkpoint.pt"), "--trace")
     spans, _ = _by_step(tracefile.read(str(tmp_path / "b" / "trace.json")))
     assert sorted({s for _, s in spans}) == res["trace"]["steps"] == [7, 8, 9, 10, 11, 12]
+
+
+def test_a_slow_link_makes_the_buckets_finish_late(tmp_path):
+    """Two testbed nodes, one rank each: the same traced run at 1 Gbit/s and with node02's link at 100
+    Mbit/s. Every Allreduce crosses that link, so on both ranks the messages' flights (posted to first
+    seen complete) and the wait at the end of backward grow; compute does not."""
+    from conftest import run_on_testbed
+    from pilab import testbed
+    from pilab.launch import find_mpiexec
+
+    why = testbed.available()
+    if why:
+        skip_or_fail(why, "CI runs as root here and must run the multi-node tests")
+    name = "pltrace"
+    testbed.down(name)
+    tb = testbed.up(testbed.Testbed(nodes=2, slots=1, rate="1gbit", subnet="10.87.0.0/24", name=name))
+    medians = {}
+    try:
+        for rate in ("1gbit", "100mbit"):
+            bed = testbed.shape(tb, "node02", rate)
+            out = tmp_path / rate
+            rank = [*PY, *TINY, "--epochs", "1", "--hang-s", "0", "--trace", "--out", str(out)]
+            p = run_on_testbed(bed, [find_mpiexec(), *bed.mpiexec_args(), "-hosts",
+                                     f"{bed.address('node01')}:1,{bed.address('node02')}:1", "-n", "2", *rank],
+                               env=bed.env(mpi_env()), timeout=300)
+            assert p.returncode == 0, p.stderr[-3000:]
+            spans, flights = _by_step(tracefile.read(str(out / "trace.json")))
+            medians[rate] = {r: {"flight": float(np.median([e["ts"] - b["ts"] for (q, s), fl in flights.items()
+                                                            if q == r and s > 1 for b, e in fl])),
+                                 "wait": _median(spans, r, "wait"), "compute": _median(spans, r, "forward", "backward")}
+                             for r in (0, 1)}
+    finally:
+        testbed.down(name)
+    fast, slow = medians["1gbit"], medians["100mbit"]
+    for r in (0, 1):
+        assert slow[r]["flight"] > 3 * fast[r]["flight"], medians
+        assert slow[r]["wait"] > fast[r]["wait"], medians
