@@ -206,8 +206,8 @@ class Trace(Component):
         pid = (lambda tid: names.index(hosts[tid])) if self.comm is not None else (lambda tid: 0)
         ev = [tracefile.process(i, h) for i, h in enumerate(names if self.comm is not None else names[:1])]
         ev += [tracefile.thread(pid(r), r, f"rank {r}") for r in range(self.np_)]
-        for g, row in self.kept.items():
-            for epoch, _, spans, flights in row.values():
+        for g, row in list(self.kept.items()):  # a copy: an aborted run's rank 0 may call this mid-merge
+            for epoch, _, spans, flights in list(row.values()):
                 ev += [tracefile.span(n, pid=pid(tid), tid=tid, ts=b, dur=max(0.0, e - b), step=g, epoch=epoch)
                        for tid, n, b, e in spans]
                 for tid, k, nb, a, b in flights:
@@ -234,8 +234,8 @@ class Trace(Component):
         """Per rank (track), medians over the kept steps of its data, compute (forward + backward +
         optimizer), network (the wait span less the wait for a slower rank) and wait seconds."""
         per: dict = {}
-        for row in self.kept.values():
-            for r, (_, wait, spans, _) in row.items():
+        for row in list(self.kept.values()):
+            for r, (_, wait, spans, _) in list(row.items()):
                 for tid in {s[0] for s in spans}:
                     d = {n: (e - b) / 1e6 for t, n, b, e in spans if t == tid}
                     if "wait" in d:
