@@ -108,6 +108,9 @@ class Config:
     checkpoint_every_steps: int = 0  # also checkpoint every K optimizer steps, mid-epoch included; 0 = never
     straggler_threshold: float = 0.2  # warn when a rank computes this fraction slower than the median rank (or spends this share of it in the exchange); 0 = never
     straggler_steps: int = 10  # ... for this many consecutive steps (medians over a window of 2x as many)
+    # --- a per-rank trace (issue 39) ---
+    trace: bool = False  # record every rank's step (data, forward, backward, each gradient message's Allreduce, wait, optimizer, evaluation, checkpoints) on clocks aligned over MPI into <out>/trace.json (Chrome Trace Event Format: open it in ui.perfetto.dev) and a per-rank table in result.json
+    trace_window: int = 50  # with trace: keep the first 5 steps, the last this many, and the steps a straggler warning named (a bounded file for a long run)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -141,7 +144,8 @@ class Config:
             raise ConfigError(str(e)) from None
         if self.timesteps < 1:
             raise ConfigError(f"timesteps={self.timesteps} must be >= 1")
-        positive = ("epochs", "batch_size", "lr_ref_batch", "eval_every", "eval_batch", "keep", "straggler_steps")
+        positive = ("epochs", "batch_size", "lr_ref_batch", "eval_every", "eval_batch", "keep", "straggler_steps",
+                    "trace_window")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")

@@ -34,6 +34,7 @@ LAYERS = {
     "models.zoo": 1, "config": 1, "testbed": 1,
     "models.memory": 1.5,  # predicted memory per rank: config and the models only (the doctor and train use it)
     "engine.watchdog": 2, "engine.stragglers": 2,
+    "engine.trace": 2.5,  # a per-rank trace of a real run (a loop feature): its timeline, clocks, trace.json
     "engine.comm": 1.8, "engine.gradsync": 1.9,  # MPI primitives and shared exact arithmetic; GradSync
     "engine.dist": 2, "data": 2, "engine.checkpoint": 2,
     "engine.layers": 3, "engine.ema": 3.2,  # ema: the weights' moving average (and its loop feature)

@@ -12,7 +12,9 @@ measured in the same sitting, alternated round by round:
 * e2e: one synchronous step, pilab vs DDP-gloo (loopback), the sync-only floor, the no-exchange ceiling
   and one rank alone (strong scaling);
 * sync (``--sections sync`` only; ``pilab.bench`` runs it again under ``MPIR_CVAR_ASYNC_PROGRESS=1``): the
-  ways to average a step's gradients, per-tensor and fused blocking Allreduce, GradSync, fp16.
+  ways to average a step's gradients, per-tensor and fused blocking Allreduce, GradSync, fp16;
+* trace (``--sections trace`` only): a training step with ``Config.trace`` against the same step without it
+  (``pilab.engine.trace``'s overhead), two sessions alternated round by round.
 """
 from __future__ import annotations
 
@@ -316,6 +318,46 @@ def _e2e_rounds(contenders: dict, rounds: int, repeat: int) -> tuple[dict, dict]
                      "max_s": float(max(gc_pauses)) if gc_pauses else 0.0}
 
 
+def trace_cost(cfg: Config, rounds: int, repeat: int) -> dict:
+    """``Session.step`` with ``trace=True`` vs without: two sessions on their own models, the same data,
+    ``repeat`` steps each per round, alternated (order rotated), the slower rank's median step per round."""
+    ds = engine.load_data(cfg, COMM)
+    sessions = {"plain": engine.Session(cfg, engine.MPIRanks(COMM), data=ds),
+                "traced": engine.Session(replace(cfg, trace=True), engine.MPIRanks(COMM), data=ds)}
+    counters = {n: 0 for n in sessions}
+
+    def stepper(name):
+        sess = sessions[name]
+        sess.model.train()
+
+        def step():
+            spe = sess.steps_per_epoch
+            sess.step(*divmod(counters[name] % spe, spe))
+            counters[name] += 1
+        return step
+    steps = {n: stepper(n) for n in sessions}
+    for n in steps:  # warm-up
+        nap_barrier()
+        steps[n]()
+    timings = {n: [] for n in steps}
+    names = list(steps)
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            nap_barrier()
+            ts = []
+            for _ in range(repeat):
+                t = time.perf_counter()
+                steps[n]()
+                ts.append(time.perf_counter() - t)
+            timings[n].append(slowest(float(np.median(ts))))
+    for sess in sessions.values():
+        sess.ranks.close()
+    return {"model": cfg.model, "width": cfg.width, "per_rank_batch": cfg.batch_size, "bucket_mb": cfg.bucket_mb,
+            "threads": cfg.threads, "rounds": rounds, "steps_per_round": repeat,
+            "step_s": {n: summary(v) for n, v in timings.items()},
+            "traced_over_plain": summary(ratios(timings, "traced", "plain")), "raw": timings}
+
+
 # Ways to average one step's gradients: each is made for its own model and, called after backward,
 # returns (messages, bytes sent[, exposed seconds as GradSync measures them]).
 def _per_tensor(model, cfg):
@@ -420,7 +462,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="pilab benchmarks that need ranks (run under mpiexec)")
     p.add_argument("out")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--sections", default="memory,comm,e2e", help="memory,comm,e2e and/or sync")
+    p.add_argument("--sections", default="memory,comm,e2e", help="memory,comm,e2e and/or sync, trace")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     sections = a.sections.split(",")
@@ -439,6 +481,10 @@ def main(argv=None) -> int:
         res["e2e"] = e2e(cfg, 5 if q else 10, 2)
     if "sync" in sections:  # a smaller batch than the step's: communication is a larger share
         res["sync"] = sync(replace(cfg, batch_size=4 if q else 16), 5 if q else 10, 2 if q else 3)
+    if "trace" in sections:  # a shorter step than e2e's (tracing's cost per step is a larger share of it), and
+        # many short rounds: on a shared machine the load moves less within one round
+        res["trace"] = trace_cost(replace(cfg, width=0.25 if q else 0.5, batch_size=8 if q else 32,
+                                          straggler_threshold=0), 5 if q else 31, 3)
     res["wall_s"] = time.perf_counter() - t
     if RANK == 0:
         with open(a.out, "w") as f:

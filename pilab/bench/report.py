@@ -68,7 +68,7 @@ def markdown_report(res: dict) -> str:
         + (f"; the rank job: `{ranks['command']}`" if ranks.get("command") else ""),
         "",
     ]
-    for part in (_one_rank(res), _malloc(res), _models(res), _data(res), _cache(res), _comm(ranks, res), _sync(res),
+    for part in (_one_rank(res), _malloc(res), _models(res), _data(res), _cache(res), _comm(ranks, res), _sync(res), _trace(res),
                  _e2e(ranks, res), _memory(ranks), _memory_per_rank(res), _simulator(res), _checkpoint(res), _cli(res), _perfmodel(res),
                  _network(res), _gpu(res)):
         out += part
@@ -178,6 +178,26 @@ def _sync(res: dict) -> list[str]:
                        f"{_ms(r['step_s'])} | {_ms(r['exposed_s'])} | {_r(r['step_vs_a'], 3)} | "
                        f"{_r(r['exposed_vs_a'])} |")
     return out + ["", f"- `{s['command']}`", ""]
+
+
+def _trace(res: dict) -> list[str]:
+    t = res.get("trace")
+    if not t:
+        return []
+    st = t["step_s"]
+    return ["## Recording a trace: a step with `--trace` vs without (np=2, shared memory)", "",
+            f"{t['model']} width {t['width']}, {t['per_rank_batch']} images per rank, {t['threads']} thread, buckets "
+            f"of {t['bucket_mb']:g} MiB: one training step (`Session.step`: data, forward, backward, averaging, "
+            "optimizer, the loop's features) of two sessions in one job, one with `Config.trace` (every phase "
+            "stamped, each message tested on its own to note when it completes: `pilab.engine.trace`), "
+            f"{t['rounds']} rounds x {t['steps_per_round']} steps each, alternated; the slower rank's median step "
+            "per round. " + _when(res), "",
+            "| figure | value |", "|---|---|",
+            f"| step without trace | {_ms(st['plain'])} |",
+            f"| step with trace | {_ms(st['traced'])} |",
+            f"| ratio traced / plain | {_r(t['traced_over_plain'], 3)} — "
+            f"{_goal(t['traced_over_plain'], res, 'trace_overhead')} |",
+            "", f"- `{t['command']}`", ""]
 
 
 def _cli(res: dict) -> list[str]:

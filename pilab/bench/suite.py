@@ -15,7 +15,7 @@ from .machine import machine
 
 
 SECTIONS = ("one_rank", "malloc", "models", "data", "cache", "simulator", "checkpoint", "cli", "ranks", "sync",
-            "memory")
+            "trace", "memory")
 # not in the default run: the fast mode's 100-step deviation (~7 min here), the performance model
 # against real runs (~4 min), its network half on a testbed (~15 min, root)
 EXTRA_SECTIONS = ("deviation", "perfmodel", "network")
@@ -116,6 +116,7 @@ def _plan(q: bool, mpiexec, log, before, out, command) -> dict:
         "cache": lambda: lambda: local.cache(source, 3),
         "ranks": lambda: lambda: _ranks_job(q, mpiexec),
         "sync": lambda: lambda: sync_section(q, mpiexec),
+        "trace": lambda: lambda: trace_section(q, mpiexec),
         "memory": lambda: lambda: memory_section(q, mpiexec, log=log, before=before),
         "perfmodel": lambda: _perfmodel_section(q, mpiexec, log),
         "network": lambda: _network_section(q, mpiexec, log, out, command),
@@ -204,6 +205,17 @@ def sync_section(quick: bool, mpiexec: str | None = None) -> dict:
         out[key] = job["sync"]
     out["command"] = "OMP_NUM_THREADS=1 [MPIR_CVAR_ASYNC_PROGRESS=1] mpiexec -n 2 python -m pilab.bench.ranks " \
         "OUT.json --sections sync" + (" --quick" if quick else "")
+    return out
+
+
+def trace_section(quick: bool, mpiexec: str | None = None) -> dict:
+    """The ``trace`` rank job (``pilab.bench.ranks --sections trace``): a step with ``--trace`` vs without."""
+    from ..launch import run_job
+    job = run_job(2, "pilab.bench.ranks", {"sections": "trace", "quick": quick}, name="the trace job",
+                  mpiexec=mpiexec, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = job["trace"]
+    out["command"] = "OMP_NUM_THREADS=1 mpiexec -n 2 python -m pilab.bench.ranks OUT.json --sections trace" + \
+        (" --quick" if quick else "")
     return out
 
 

@@ -189,6 +189,8 @@ class StepResult:
     # share g_r / np), and the averaged gradient's (see pilab.engine.noise)
     ranks_grad_sq: object = None
     avg_grad_sq: float | None = None
+    # Config.trace only: this rank's step on its own clock (pilab.engine.trace.Timeline), else None
+    timeline: object = None
 
 
 @runtime_checkable

@@ -40,7 +40,8 @@ FORMAT = "pilab.checkpoint/2"
 NAME = "checkpoint.pt"
 # Settings that may differ between a run and its resumption: they don't change what is computed.
 RESUMABLE = ("out", "resume", "checkpoint_every", "keep", "max_steps", "eval_every", "eval_batch", "threads",
-             "checkpoint_minutes", "checkpoint_every_steps", "straggler_threshold", "straggler_steps")
+             "checkpoint_minutes", "checkpoint_every_steps", "straggler_threshold", "straggler_steps", "trace",
+             "trace_window")
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's (zip) format
 _EPOCH_FILE = re.compile(r"checkpoint-e(\d+)(?:-s(\d+))?\.pt$")
 

@@ -10,8 +10,9 @@ from .clip import ClipGradNorm
 from .ema import EMA
 from .noise import NoiseRamp
 from .stragglers import StragglerWatch
+from .trace import Trace
 
-FEATURES = (ClipGradNorm, EMA, NoiseRamp, StragglerWatch)
+FEATURES = (ClipGradNorm, EMA, NoiseRamp, StragglerWatch, Trace)
 
 
 def chosen(cfg, ranks) -> list:

@@ -43,13 +43,18 @@ class StepComm:
     posts: list = field(default_factory=list)  # perf_counter() of each post, in bucket order
     ready: float = 0.0  # perf_counter() when this rank's last bucket went out (its gradients were all in)
     tests: int = 0  # Testall calls made from the gradient hooks this step
+    # observe=True only (a traced run, pilab.engine.trace): per message [first bucket index, bytes, posted,
+    # first seen complete] (perf_counter() seconds), in posting order
+    flights: list = field(default_factory=list)
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], flat: torch.Tensor, wire: torch.Tensor | None, offset: int):
+    def __init__(self, params: list[nn.Parameter], flat: torch.Tensor, wire: torch.Tensor | None, offset: int,
+                 index: int = 0):
         self.params = params
         self.numel = sum(p.numel() for p in params)
         self.offset = offset  # where it starts in GradSync's one buffer (consecutive buckets are adjacent)
+        self.index = index  # its place in posting order
         self.flat = flat[offset:offset + self.numel]
         self.wire = wire[offset:offset + self.numel] if wire is not None else self.flat
         self.pending = 0
@@ -73,12 +78,18 @@ SPIN_BYTES_PER_S = 1e9
 SLEEP_S = 50e-6  # then one nap between Testall calls (Linux timer slack adds ~50 us)
 
 
-def wait_polling(reqs, spin_s: float = SPIN_S) -> None:
+def wait_polling(reqs, spin_s: float = SPIN_S, test=None) -> None:
     """Wait for ``reqs`` as GradSync does: Testall busily for ``spin_s``, then with a nap between calls.
     MPICH moves a shared-memory Allreduce only inside MPI calls, so napping between calls slows a
     transfer in flight (measured: 0.28x the raw bandwidth with naps alone); a long wait is a slower rank
-    still computing, and a nap leaves it the CPU."""
+    still computing, and a nap leaves it the CPU. ``test``: a callable polled instead of Testall (True
+    when all are done; GradSync's observed wait, which notes when each message completes)."""
     spin_until = time.perf_counter() + spin_s
+    if test is not None:
+        while not test():
+            if time.perf_counter() > spin_until:
+                time.sleep(SLEEP_S)
+        return
     while not MPI.Request.Testall(reqs):
         if time.perf_counter() > spin_until:
             time.sleep(SLEEP_S)
@@ -132,8 +143,9 @@ class GradSync:
     """
 
     def __init__(self, model: nn.Module, comm, *, bucket_mb: float = 1.0,
-                 compression: str = "none", meta: "int | Slots" = 0, norms: bool = False):
+                 compression: str = "none", meta: "int | Slots" = 0, norms: bool = False, observe: bool = False):
         self.comm = comm
+        self.observe = observe  # note when each message completes (StepComm.flights): a traced run's only
         self.rank, self.size = world(comm)
         self.fp16 = compression == "fp16"
         self.half_type = fp16_type() if self.fp16 else None
@@ -155,8 +167,8 @@ class GradSync:
         self._wire = torch.zeros(total, dtype=torch.float16) if self.fp16 else self._flat
         self._wire_np = _buf(self._wire)  # sliced per message: a numpy slice is cheaper than a tensor's
         offsets = list(itertools.accumulate([0] + [sum(p.numel() for p in g) for g in groups]))
-        self.buckets: list[_Bucket] = [_Bucket(g, self._flat, self._wire if self.fp16 else None, off)
-                                       for g, off in zip(groups, offsets)]
+        self.buckets: list[_Bucket] = [_Bucket(g, self._flat, self._wire if self.fp16 else None, off, i)
+                                       for i, (g, off) in enumerate(zip(groups, offsets))]
         self._where: dict[int, int] = {}
         for i, b in enumerate(self.buckets):
             for p in b.params:
@@ -318,6 +330,8 @@ class GradSync:
         self.stats.messages += 1
         self._requests.append(request)
         self._inflight.append(request)
+        if self.observe:
+            self.stats.flights.append([run[0].index, wire.nbytes, now, None])
 
     def _post_meta(self):
         now = time.perf_counter()
@@ -332,12 +346,29 @@ class GradSync:
     def _test(self):
         if self._inflight:
             self.stats.tests += 1
-            if MPI.Request.Testall(self._inflight):
+            if self.observe:
+                self._observe()
+            elif MPI.Request.Testall(self._inflight):
                 self._inflight = []
+
+    def _observe(self) -> bool:
+        """``observe=True``'s test: each message not yet seen complete tested on its own, in posting order
+        (instead of one Testall), the time it is first seen complete noted in ``StepComm.flights``; True
+        once every message and the metrics are done."""
+        flights, now = self.stats.flights, None
+        for f, request in zip(flights, self._requests):
+            if f[3] is None and request.Test():  # a completed request becomes REQUEST_NULL: Testall skips it
+                now = now or time.perf_counter()
+                f[3] = now
+        done = all(f[3] is not None for f in flights)
+        if done and self._meta_request is not None and self._meta_request.Test():
+            self._inflight = []
+            return True
+        return False
 
     def _wait(self, late_bytes: int = 0):
         reqs = self._requests + [self._meta_request]
-        wait_polling(reqs, max(SPIN_S, late_bytes / SPIN_BYTES_PER_S))
+        wait_polling(reqs, max(SPIN_S, late_bytes / SPIN_BYTES_PER_S), test=self._observe if self.observe else None)
 
     def finish(self) -> StepComm:
         """Call after ``backward()``: posts what is left, waits, leaves averaged grads in ``p.grad``

@@ -36,6 +36,7 @@ from .backend import (EVAL_BATCH, NUM_CLASSES, RankBackend, StepResult, base_mod
 from .dist import (GradSync, Slots, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
                    share_of_mean, squared_norm, sync_buffers_, world)
 from .layers import RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_
+from .trace import Timeline
 
 FAST_CHUNK_IMAGES = 512  # simulate_mode=fast: images per forward (memory stays bounded at any np)
 _SUMS = ("loss_sum", "correct", "stop_votes", "save_votes")  # MPIRanks' slots summed with the last bucket
@@ -101,8 +102,9 @@ class MPIRanks:
         for name in _SUMS:
             self.slots.declare(name)
         self.slots.declare("network", self.np_)
+        self.trace = cfg.trace  # each step's phase boundaries and messages' flights (pilab.engine.trace)
         self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, compression=cfg.compression,
-                              meta=self.slots, norms=bool(cfg.gns_max))
+                              meta=self.slots, norms=bool(cfg.gns_max), observe=cfg.trace)
         self.on_grads = tuple(on_grads)
         self._prev_net, self._prev_sent = 0.0, None
         self.optimizer, self.local = optimizer, cfg.local_steps > 1
@@ -133,6 +135,7 @@ class MPIRanks:
         nets = meta[at["network"]]
         nets[:] = 0.0
         nets[self.rank] = self._prev_net
+        tf = time.perf_counter() if self.trace else 0.0
         sync.backward(loss)
         cstats = sync.finish()
         grad_sq = avg_sq = None
@@ -165,7 +168,15 @@ class MPIRanks:
                           bytes_sent=sent, comm_wait=wait, save_votes=saves,
                           ranks_compute=ready.copy(), ranks_network=meta[at["network"]].copy(),
                           network_bytes=net_bytes,
-                          ranks_grad_sq=grad_sq, avg_grad_sq=avg_sq)
+                          ranks_grad_sq=grad_sq, avg_grad_sq=avg_sq, timeline=self._timeline(t0, t1, tf, cstats, t2))
+
+    def _timeline(self, t0: float, t1: float, tf: float, cstats, t2: float):
+        """With ``Config.trace``, the step's phases (data from t0, forward from t1, backward from tf, the
+        wait from the end of backward, the optimizer from the wait's end to t2) and its messages' flights."""
+        if not self.trace:
+            return None
+        tw = cstats.backward_end + cstats.exposed if cstats.backward_end else cstats.ready  # one rank: no wait
+        return Timeline(self.rank, (t0, t1, tf, cstats.backward_end or tw, tw, t2), cstats.flights)
 
     def set_batch(self, batch: int) -> None:
         """A batch-size ramp's next batch: the same shard, cut into batches of ``batch``."""
@@ -309,7 +320,7 @@ class VirtualRanks:
         ph = localsgd.phase(cfg, self.steps_per_epoch, epoch, step)
         if ph.local:
             return self._local_step(cfg, model, optimizer, epoch, step, ph, stop, save)
-        np_, b, device = self.np_, self.batch, self.device
+        np_, device = self.np_, self.device
         t0 = time.perf_counter()
         t_data = 0.0
         loss_sum = correct = 0  # python numbers, or 0-d device tensors with defer_metrics
@@ -318,18 +329,17 @@ class VirtualRanks:
         if not one_chunk:
             torch._foreach_zero_(self.avg)
         self.context.epoch, self.context.step = epoch, step
+        spans = [] if cfg.trace else None  # Config.trace: each chunk's phases, on its first rank's track
         for r0 in range(0, np_, self.chunk):
             r1 = min(np_, r0 + self.chunk)
             td = time.perf_counter()
-            parts = [self.loaders[r].batch(epoch, step) for r in range(r0, r1)]
-            x = (parts[0][0] if r1 - r0 == 1 else torch.cat([p[0] for p in parts])).to(device, non_blocking=True)
-            y = (parts[0][1] if r1 - r0 == 1 else torch.cat([p[1] for p in parts])).to(device, non_blocking=True)
-            x = x.contiguous(memory_format=torch.channels_last)
-            t_data += time.perf_counter() - td
+            x, y = self._images(r0, r1, epoch, step)
+            t_data += (tx := time.perf_counter()) - td
             self.context.ranks = (r0, r1)
             # Without dropout nothing else draws from the global RNG; seed it as rank r0 would.
             torch.manual_seed(step_seed(cfg.seed, epoch, step, r0))
             out, loss = forward_loss(model, x, y, cfg, device)
+            tb = time.perf_counter() if spans is not None else 0.0
             optimizer.zero_grad(set_to_none=False)
             if one_chunk:
                 loss.backward()  # the mean loss over every rank's images: the average itself
@@ -343,16 +353,13 @@ class VirtualRanks:
             else:  # several ranks per forward (the mean over their images): weighted by their share
                 loss.backward()
                 torch._foreach_add_(self.avg, torch._foreach_mul([p.grad for p in self.params], (r1 - r0) / np_))
-            with torch.no_grad():
-                if self.defer_metrics:
-                    loss_sum = loss_sum + loss.detach() * (b * (r1 - r0))
-                    correct = correct + (out.argmax(1) == y).sum()
-                else:
-                    loss_sum += loss.item() * b * (r1 - r0)
-                    correct += (out.argmax(1) == y).sum().item()
+            if spans is not None:
+                spans += [(r0, "data", td, tx), (r0, "forward", tx, tb), (r0, "backward", tb, time.perf_counter())]
+            loss_sum, correct = self._add_metrics(loss_sum, correct, loss, out, y, r1 - r0)
         if not one_chunk:
             torch._foreach_copy_([p.grad for p in self.params], self.avg)
         avg_sq = squared_norm([p.grad for p in self.params]) if grad_sq is not None else None
+        to = time.perf_counter() if spans is not None else 0.0
         _on_grads(self.on_grads, self.params)
         optimizer.step()
         if device.type == "cuda" and not self.defer_metrics:
@@ -362,7 +369,24 @@ class VirtualRanks:
         want_save = bool(save()) if save is not None else False
         return StepResult(loss_sum, correct, float(want_stop), time=total, compute=total - t_data,
                           comm=0.0, comm_exposed=0.0, data=t_data, save_votes=float(want_save),
-                          ranks_grad_sq=np.array(grad_sq) if grad_sq is not None else None, avg_grad_sq=avg_sq)
+                          ranks_grad_sq=np.array(grad_sq) if grad_sq is not None else None, avg_grad_sq=avg_sq,
+                          timeline=Timeline(0, spans=spans + [(0, "optimizer", to, t0 + total)]) if spans is not None
+                          else None)
+
+    def _add_metrics(self, loss_sum, correct, loss, out, y, ranks: int):
+        """The sums so far plus a chunk of ``ranks`` ranks' loss and correct images: python numbers, or with
+        defer_metrics 0-d device tensors (nothing waits for the device)."""
+        with torch.no_grad():
+            if self.defer_metrics:
+                return loss_sum + loss.detach() * (self.batch * ranks), correct + (out.argmax(1) == y).sum()
+            return loss_sum + loss.item() * self.batch * ranks, correct + (out.argmax(1) == y).sum().item()
+
+    def _images(self, r0: int, r1: int, epoch: int, step: int):
+        """Virtual ranks r0..r1-1's images and labels of this step, as one batch on the device."""
+        parts = [self.loaders[r].batch(epoch, step) for r in range(r0, r1)]
+        x = (parts[0][0] if r1 - r0 == 1 else torch.cat([p[0] for p in parts])).to(self.device, non_blocking=True)
+        y = (parts[0][1] if r1 - r0 == 1 else torch.cat([p[1] for p in parts])).to(self.device, non_blocking=True)
+        return x.contiguous(memory_format=torch.channels_last), y
 
     def _local_step(self, cfg: Config, model, optimizer, epoch: int, step: int, ph, stop, save) -> StepResult:
         """A local-SGD step: each rank's own forward, backward and optimizer step on its own weights

@@ -47,7 +47,7 @@ def write(s: Session, epoch: int, gstep: int, epochs_log: list, *, step_in_epoch
             path = s.save_checkpoint(epoch, gstep, epochs_log, step_in_epoch=step_in_epoch,
                                      partial=acc.state() if step_in_epoch and acc is not None else None,
                                      states=states)
-            s.saves.append({"seconds": time.perf_counter() - t, "bytes": os.path.getsize(path),
+            s.saves.append({"at": t, "seconds": time.perf_counter() - t, "bytes": os.path.getsize(path),
                             "path": os.path.join(s.cfg.out, checkpoint.NAME), "step": gstep})
             s.last_save = time.monotonic()
         except WriteError as e:

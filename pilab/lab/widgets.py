@@ -106,6 +106,8 @@ class ControlPanel:
                                                 tooltip=Config.help("warmup_epochs"), style=style),
             "optimizer": _dropdown("optimizer", CHOICES["optimizer"], c.optimizer),
             "bn": _dropdown("bn", CHOICES["bn"], c.bn),
+            # every rank's step on one time axis (pilab.engine.trace): <out>/trace.json where the run has an out
+            "trace": W.Checkbox(value=c.trace, description="trace", tooltip=Config.help("trace"), style=style),
         }
         # SqueezeNet has no width multiplier: grey the slider out rather than let validation refuse.
         self.controls["model"].observe(self._model_changed, names="value")

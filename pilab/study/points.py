@@ -43,7 +43,7 @@ _LR_RULE = ("lr", "lr_scaling", "lr_ref_batch")
 
 # how a run is kept and watched, not what it computes
 _NOT_TRAINING = ("out", "resume", "checkpoint_every", "keep", "checkpoint_minutes", "checkpoint_every_steps",
-                 "straggler_threshold", "straggler_steps")
+                 "straggler_threshold", "straggler_steps", "trace", "trace_window")
 
 
 def same_training(saved: dict, cfg: Config, p: int) -> bool:

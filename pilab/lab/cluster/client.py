@@ -14,6 +14,7 @@ pids and (for local engines) their process status.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Callable, Iterable
 
@@ -97,16 +98,21 @@ class Engines:
         return _wait_ar(self, ar, timeout)
 
     def train(self, cfg, np_: int | None = None, *, callbacks: Iterable[Callable] = (),
-              scatter: bool = False, hang_s: float = 120.0, poll_s: float = 0.2) -> "Run":
+              scatter: bool = False, hang_s: float = 120.0, poll_s: float = 0.2, trace: bool | None = None) -> "Run":
         """Start ``train.run(cfg)`` on ranks ``0..np_-1`` (default: all) and return a :class:`Run`
         at once. Rank 0's events are passed to each callback as they arrive, from a watcher thread;
         engines of ranks ``>= np_`` take part only in the communicator split and then idle.
         ``scatter=True``: rank 0 loads the data and sends each rank its shard (no copy on the nodes).
-        ``hang_s``: seconds without an event from rank 0 after which the run counts as stuck::
+        ``hang_s``: seconds without an event from rank 0 after which the run counts as stuck. ``trace``:
+        ``cfg.trace`` set (every rank's step on one time axis, ``pilab.engine.trace``: ``<out>/trace.json``
+        and the result's ``trace``)::
 
             run = lab.train(cfg, np_=1, callbacks=[plots.LivePlot()])
             run.wait()["np"]     # 1
+            lab.train(replace(cfg, out="runs/t"), trace=True).wait()["trace"]["path"]   # 'runs/t/trace.json'
         """
+        if trace is not None:
+            cfg = dataclasses.replace(cfg, trace=bool(trace))
         np_ = self.size if np_ is None else int(np_)
         if not 1 <= np_ <= self.size:
             raise ClusterError(f"np_={np_} must be between 1 and the {self.size} engines")
