@@ -142,3 +142,23 @@ def test_validate_table(tmp_path):
     v = compare(tf.read(str(out)), tf.read(str(out)))
     assert v["step"]["error"] == pytest.approx(0, abs=1e-9)
     assert all(b["error"] == pytest.approx(0, abs=1e-9) for b in v["buckets"]) and v["buckets"]
+
+
+def test_validate_cli(tmp_path):
+    """`perfmodel validate` predicts the measured trace's own config and np; goals given on the command
+    line are judged (a synthetic trace is far from a Pi's step: a miss, shown)."""
+    from pilab.config import Config
+    path = make_trace(tmp_path / "trace.json", slow_rank=None)
+    doc = tf.read(str(path))
+    cfg = Config(width=0.25, train_subset=960, test_subset=200)
+    tf.write(str(path), doc["traceEvents"], meta={**doc["otherData"], "config": cfg.to_dict(), "np": 4})
+    r = _cli("perfmodel", "validate", str(path), "--step-goal", "0.1", "--tail-goal", "0.2",
+             "--out", str(tmp_path / "v.json"), "--predicted-out", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr
+    assert "bucket 0" in r.stdout and "MISS (goal 10%)" in r.stdout
+    v = json.loads((tmp_path / "v.json").read_text())
+    assert v["np"] == 4 and v["step"]["measured"] == pytest.approx(0.073, rel=0.05)
+    assert tf.read(str(tmp_path / "p.json"))["otherData"]["np"] == 4
+    bare = make_trace(tmp_path / "bare.json")  # no config in its meta
+    r = _cli("perfmodel", "validate", str(bare))
+    assert r.returncode == 2 and "no config" in r.stderr and len(r.stderr.strip().splitlines()) == 1

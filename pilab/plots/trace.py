@@ -129,7 +129,7 @@ def write_step_png(doc: dict, step: int, png_path: str) -> str:
     rows, _ = lanes(doc)
     sh = shapes(doc, step)
     t0 = min((s["start"] for s in sh), default=0.0)
-    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.45 * len(rows)))
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.4 * len(rows)))
     seen = set()
     for s in sh:
         off, h = _place(s)
@@ -142,6 +142,6 @@ def write_step_png(doc: dict, step: int, png_path: str) -> str:
     ax.set_ylim(-len(rows) + 0.4, 0.6)
     ax.set_xlabel(f"ms from step {step}'s start")
     ax.set_title(f"step {step}")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.6 / len(rows)), ncol=5, fontsize=8, frameon=False)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     return save(fig, png_path)

@@ -11,7 +11,8 @@ The figures, per rank and step (seconds; the ranks' clocks aligned by the record
 
     compute  = forward + backward + optimizer
     peer     = the wait at the end of backward spent on a slower peer: the slowest rank's backward end
-               minus this rank's, clipped to [0, wait]
+               minus this rank's, clipped to [0, wait] (a predicted trace, whose ranks are alike, states
+               it: the wait span's ``peer_s``, the model's straggler term)
     network  = wait - peer: the exposed network (buckets still on the wire after backward)
     data     = the batch's loading and augmentation
 
@@ -66,6 +67,8 @@ def steps(doc: dict) -> tuple[dict, dict]:
             old = x["spans"].get(ev["name"], [a, b])
             x["spans"][ev["name"]] = [min(old[0], a), max(old[1], b)]
             x["busy"][ev["name"]] = x["busy"].get(ev["name"], 0.0) + ev["dur"] / 1e6
+            if ev["name"] == "wait" and "peer_s" in args:  # a predicted trace states its straggler wait
+                x["peer_s"] = x.get("peer_s", 0.0) + args["peer_s"]
         elif ph == "b" and ev.get("cat") == tf.ASYNC_CAT and "bucket" in args:
             begins[(ev["cat"], ev["id"])] = (r, args.get("step"), args["bucket"], ev["ts"] / 1e6)
         elif ph == "e" and (ev.get("cat"), ev["id"]) in begins:
@@ -76,7 +79,7 @@ def steps(doc: dict) -> tuple[dict, dict]:
     return {k: v for k, v in recs.items() if v["spans"]}, names
 
 
-def _figures(recs: dict) -> dict:
+def figures(recs: dict) -> dict:
     """Per (rank, step): time, compute, data, wait, peer, network (seconds)."""
     by_step: dict = {}
     for (r, s), x in recs.items():
@@ -89,7 +92,9 @@ def _figures(recs: dict) -> dict:
             sp, busy = x["spans"], x["busy"]
             wait = busy.get("wait", 0.0)
             peer = 0.0
-            if slowest is not None and "backward" in sp:
+            if "peer_s" in x:
+                peer = min(wait, x["peer_s"])
+            elif slowest is not None and "backward" in sp:
                 peer = min(wait, max(0.0, slowest - sp["backward"][1]))
             out[(r, s)] = {"time": max(b for _, b in sp.values()) - min(a for a, _ in sp.values()),
                            "compute": sum(busy.get(n, 0.0) for n in COMPUTE), "data": busy.get("data", 0.0),
@@ -106,7 +111,7 @@ def analyse(doc: dict, top: int = 5, step: int | None = None) -> dict:
     if not recs:
         raise tf.TraceError("the trace has no step spans (data/forward/backward/wait/optimizer with "
                             "args.step); record one with `python -m pilab train --trace`")
-    fig = _figures(recs)
+    fig = figures(recs)
     ranks = sorted({r for r, _ in fig})
     step_ids = sorted({s for _, s in fig})
     step_time = {s: max(fig[(r, s)]["time"] for r in ranks if (r, s) in fig) for s in step_ids}
