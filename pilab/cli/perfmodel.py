@@ -339,10 +339,13 @@ def run_trace(args, argv) -> int:
     for k in ("data", "compute", "straggler", "comm_exposed", "overhead"):
         print(f"{k:>14}: {1e3 * p[k]:10.2f}")
     print(f"{'step':>14}: {1e3 * p['step_time']:10.2f}")
-    print(f"\n{'bucket':>6} {'MB':>7} {'posted':>9} {'start':>9} {'end':>9} {'on wire':>9}")
+    print(f"\n{'bucket':>6} {'MB':>7} {'posted':>9} {'start':>9} {'end':>9} {'on wire':>9} {'intra':>7} "
+          f"{'inter':>7}  (ms; intra/inter: the phases' times on an idle wire)")
     for k, b in enumerate(p["buckets"]):
+        alone = {kind: 1e3 * sum(t for q, t in b["phases"] if q == kind) for kind in ("intra", "inter")}
         print(f"{k:>6} {b['bytes'] / 1e6:>7.2f} {1e3 * b['posted']:>9.2f} {1e3 * b['start']:>9.2f} "
-              f"{1e3 * b['end']:>9.2f} {1e3 * (b['end'] - b['start']):>9.2f}")
+              f"{1e3 * b['end']:>9.2f} {1e3 * (b['end'] - b['start']):>9.2f} {alone['intra']:>7.2f} "
+              f"{alone['inter']:>7.2f}")
     out = args.out or f"runs/perfmodel/predicted_np{args.np}.json"
     tf.write(out, events, meta=meta)
     print(f"\nwrote {out} (read it: python -m pilab trace {out}; or open it in ui.perfetto.dev)")

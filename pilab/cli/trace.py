@@ -45,8 +45,9 @@ def run_trace(args, argv) -> int:
     print(report(a))
     html = os.path.join(args.run, "trace.html") if os.path.isdir(args.run) \
         else os.path.splitext(args.run)[0] + ".html"
-    print(f"\nwrote {tp.write_html(doc, html, f'pilab trace: {args.run}')} (open trace.json in "
-          f"ui.perfetto.dev for the full viewer)")
+    source = os.path.join(args.run, "trace.json") if os.path.isdir(args.run) else args.run
+    print(f"\nwrote {tp.write_html(doc, html, f'pilab trace: {args.run}')} (or open {source} in "
+          f"ui.perfetto.dev)")
     if args.png:
         print(f"wrote {tp.write_step_png(doc, a['critical']['step'], args.png)}")
     return 0

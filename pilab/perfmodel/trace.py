@@ -49,7 +49,7 @@ def predicted_trace(cfg, np_: int, cluster, profile: str = "pilab", **sizes) -> 
     part = out["step"]
     meta = {"kind": "predicted", "config": cfg.to_dict(), "np": p, "cluster": cl.name, "profile": profile,
             "prediction": {"step_time": out["step_time"], **part,
-                           "buckets": [{k: b[k] for k in ("bytes", "posted", "start", "end", "cost")}
+                           "buckets": [{k: b[k] for k in ("bytes", "posted", "start", "end", "cost", "phases")}
                                        for b in out["schedule"]["buckets"]]}}
     return events, meta
 
