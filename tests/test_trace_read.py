@@ -162,3 +162,12 @@ def test_validate_cli(tmp_path):
     bare = make_trace(tmp_path / "bare.json")  # no config in its meta
     r = _cli("perfmodel", "validate", str(bare))
     assert r.returncode == 2 and "no config" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, words", [(["--np", "49"], "exceeds pi4b_cluster"),
+                                         (["--np", "4", "--profile", "naive"], "profile='naive'"),
+                                         (["--np", "0"], "--np 0")], ids=["np", "profile", "np0"])
+def test_perfmodel_trace_bad_input(tmp_path, args, words):
+    r = _cli("perfmodel", "trace", *args, "--out", str(tmp_path / "p.json"))
+    assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "p.json").exists()

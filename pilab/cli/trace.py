@@ -33,6 +33,11 @@ def run_trace(args, argv) -> int:
         raise UsageError(f"--top {args.top} must be >= 0")
     if args.png and not args.png.lower().endswith(".png"):
         raise UsageError(f"--png {args.png}: name a .png file (the .svg is written beside it)")
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401  (checked before anything is written)
+        except ImportError:
+            raise UsageError("--png needs matplotlib: pip install matplotlib (or leave --png out)") from None
     try:
         doc = load(args.run)
         a = analyse(doc, top=args.top, step=args.step)
