@@ -175,6 +175,8 @@ def _late(here: dict, host: dict) -> tuple[float, str]:
     if not names or len(names) == len(here):
         return worst, (f"link {all_hosts[0]}-{all_hosts[1]}" if len(all_hosts) == 2 else "all ranks")
     hosts = sorted({host[r] for r in names})
+    if len(names) == 1:
+        return worst, f"rank {names[0]} ({host[names[0]]})"
     if len(hosts) == 2:
         return worst, f"link {hosts[0]}-{hosts[1]}"
     if len(hosts) == 1 and len(all_hosts) > 1:
