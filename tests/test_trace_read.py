@@ -178,3 +178,16 @@ def test_perfmodel_trace_bad_input(tmp_path, args, words):
     r = _cli("perfmodel", "trace", *args, "--out", str(tmp_path / "p.json"))
     assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("algorithm", ["mpich", "ring", "recursive_doubling", "rabenseifner", "hierarchical"])
+def test_allreduce_phases_add_up_to_its_time(algorithm):
+    """The phases a predicted trace draws are allreduce_time's own rounds, split by link."""
+    from pilab import perfmodel as pm
+    cl = pm.pi4b_cluster()
+    phases = pm.allreduce_phases(4e6, 48, cl, algorithm)
+    assert sum(t for _, t in phases) == pytest.approx(pm.allreduce_time(4e6, 48, cl, algorithm), rel=1e-12)
+    # a ring's every round has a flow between nodes: all of it is inter-node
+    assert {k for k, _ in phases} == ({"inter"} if algorithm == "ring" else {"intra", "inter"})
+    if algorithm == "hierarchical":  # reduce inside the node, leaders across, broadcast inside
+        assert [k for k, _ in phases] == ["intra", "inter", "intra"]
