@@ -61,6 +61,8 @@ def test_throttled_rank_named(tmp_path):
     assert rows[3]["peer"] == 0 and all(rows[r]["peer"] > 0.02 for r in (0, 1, 2))
     c = a["critical"]
     assert c["median"] and abs(sum(c["shares"].values()) - 1) < 1e-9 and c["shares"]["compute"] > 0.5
+    # on the critical path: the throttled rank, which waited for no one
+    assert c["rank"] == 3 and c["path"]["peer"] == 0 and c["path_shares"]["compute"] > c["shares"]["compute"]
     assert "rank 3 (node02)" in report(a)
 
 

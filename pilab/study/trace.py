@@ -6,6 +6,7 @@ model's predicted one alike (the conventions of ``pilab.tracefile``)::
     a = analyse(load("runs/x"), top=5)        # a run directory or a trace file
     print(report(a))                          # the table `python -m pilab trace runs/x` prints
     a["slow"][0]["who"]                       # "rank 3 (node02)" or "link node01-node02"
+    a["critical"]["path"]                     # the median step on its critical rank: compute, network, ...
 
 The figures, per rank and step (seconds; the ranks' clocks aligned by the recorder):
 
@@ -99,7 +100,7 @@ def figures(recs: dict) -> dict:
             out[(r, s)] = {"time": max(b for _, b in sp.values()) - min(a for a, _ in sp.values()),
                            "compute": sum(busy.get(n, 0.0) for n in COMPUTE), "data": busy.get("data", 0.0),
                            "wait": wait, "peer": peer, "network": wait - peer,
-                           "buckets": x["buckets"]}
+                           "buckets": x["buckets"], "pace": sp["backward"][1] if "backward" in sp else 0.0}
     return out
 
 
@@ -132,7 +133,7 @@ def analyse(doc: dict, top: int = 5, step: int | None = None) -> dict:
     return {"kind": meta.get("kind", "measured"), "np": len(ranks), "steps": len(step_ids),
             "clock_error_us": (meta.get("clock") or {}).get("error_us"), "ranks": table,
             "slow": [{"step": s, "time": step_time[s], **_blame(s, step_time[s], ranks, fig, host, typical)} for s in slow],
-            "critical": _critical(chosen, step_time[chosen], ranks, fig, median_step == chosen)}
+            "critical": _critical(chosen, step_time[chosen], ranks, fig, host, median_step == chosen)}
 
 
 def _blame(s: int, time: float, ranks: list, fig: dict, host: dict, typical: dict) -> dict:
@@ -184,14 +185,23 @@ def _late(here: dict, host: dict) -> tuple[float, str]:
     return worst, "ranks " + ", ".join(map(str, names))
 
 
-def _critical(s: int, time: float, ranks: list, fig: dict, is_median: bool) -> dict:
-    """Where step ``s``'s time went, averaged over its ranks: compute, exposed network, waiting for a
-    peer, data, and the rest (gaps between spans)."""
-    here = [fig[(r, s)] for r in ranks if (r, s) in fig]
-    parts = {k: statistics.fmean(f[k] for f in here) for k in ("compute", "network", "peer", "data")}
-    parts["other"] = max(0.0, statistics.fmean(f["time"] for f in here) - sum(parts.values()))
-    return {"step": s, "median": is_median, "time": time, "parts": parts,
-            "shares": {k: v / time if time else 0.0 for k, v in parts.items()}}
+def _critical(s: int, time: float, ranks: list, fig: dict, host: dict, is_median: bool) -> dict:
+    """Where step ``s``'s time went: on the critical path, the rank that ended backward last (its data,
+    compute, exposed network; no wait for a peer: it was the one waited for), and averaged over all
+    ranks (the others' wait for it shows as peer). Each with the rest (gaps between spans)."""
+    here = {r: fig[(r, s)] for r in ranks if (r, s) in fig}
+    keys = ("compute", "network", "peer", "data")
+
+    def split(fs):
+        parts = {k: statistics.fmean(f[k] for f in fs) for k in keys}
+        parts["other"] = max(0.0, statistics.fmean(f["time"] for f in fs) - sum(parts.values()))
+        return parts
+    last = max(here, key=lambda r: here[r]["pace"])
+    parts, path = split(here.values()), split([here[last]])
+    return {"step": s, "median": is_median, "time": time, "parts": parts, "rank": last,
+            "who": f"rank {last} ({host[last]})", "path": path,
+            "shares": {k: v / time if time else 0.0 for k, v in parts.items()},
+            "path_shares": {k: v / time if time else 0.0 for k, v in path.items()}}
 
 
 def report(a: dict) -> str:
@@ -212,9 +222,11 @@ def report(a: dict) -> str:
         lines.append(f"{x['step']:>6} {x['time'] * ms:>9.1f} {x['cause']:<8} {x['excess'] * ms:>9.1f}  {x['who']}")
     c = a["critical"]
     lines += ["", f"critical path of {'the median ' if c['median'] else ''}step {c['step']} "
-                  f"({c['time'] * ms:.1f} ms; mean over ranks)"]
+                  f"({c['time'] * ms:.1f} ms): {c['who']}, the last to end backward; beside it the mean "
+                  f"over ranks", f"  {'':<20} {'critical rank':>19} {'mean over ranks':>19}"]
     label = {"compute": "compute", "network": "exposed network", "peer": "waiting for a peer",
              "data": "data", "other": "other (gaps)"}
     for k, v in c["parts"].items():
-        lines.append(f"  {label[k]:<20} {v:>9.4f} s {100 * c['shares'][k]:>5.1f}%")
+        lines.append(f"  {label[k]:<20} {c['path'][k]:>9.4f} s {100 * c['path_shares'][k]:>6.1f}% "
+                     f"{v:>9.4f} s {100 * c['shares'][k]:>6.1f}%")
     return "\n".join(lines)
