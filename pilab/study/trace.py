@@ -162,14 +162,18 @@ def _blame(s: int, time: float, ranks: list, fig: dict, host: dict, typical: dic
 
 
 def _late(here: dict, host: dict) -> tuple[float, str]:
-    """(how late the latest rank's buckets finished against the earliest rank's same bucket, whose):
+    """(how late the latest rank's buckets finished against the earliest rank's same bucket, whose),
+    counting the buckets each rank saw complete while it waited after backward:
     the ranks within a quarter of the latest, named as the link between their two hosts, their host,
     or the ranks; all ranks together on two hosts: the link between them (every bucket crosses it)."""
+    # only completions a rank saw while it waited after backward: during backward it sees a bucket at its
+    # next gradient hook, later than the bucket finished (the recorder tests requests between layers)
+    seen = {r: {k: end for k, (_, end) in f["buckets"].items() if end >= f["pace"]} for r, f in here.items()}
     first: dict = {}
-    for f in here.values():
-        for k, (_, end) in f["buckets"].items():
+    for ends in seen.values():
+        for k, end in ends.items():
             first[k] = min(first.get(k, end), end)
-    late = {r: max((end - first[k] for k, (_, end) in f["buckets"].items()), default=0.0) for r, f in here.items()}
+    late = {r: max((end - first[k] for k, end in ends.items()), default=0.0) for r, ends in seen.items()}
     worst = max(late.values(), default=0.0)
     names = sorted(r for r, v in late.items() if worst > 0 and v >= 0.75 * worst)
     all_hosts = sorted({host[r] for r in here})
