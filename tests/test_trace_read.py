@@ -193,3 +193,19 @@ def test_allreduce_phases_add_up_to_its_time(algorithm):
     assert {k for k, _ in phases} == ({"inter"} if algorithm == "ring" else {"intra", "inter"})
     if algorithm == "hierarchical":  # reduce inside the node, leaders across, broadcast inside
         assert [k for k, _ in phases] == ["intra", "inter", "intra"]
+
+
+def test_committed_example_is_what_the_reader_says():
+    """experiments/perfmodel/trace-example: the testbed trace, its prediction and the validation JSON the
+    driver wrote agree with the reader as it is now."""
+    import os
+    from pilab.study.trace_validation import compare
+    d = os.path.join(os.path.dirname(__file__), "..", "experiments", "perfmodel", "trace-example")
+    measured = load(os.path.join(d, "trace-200mbit.json"))
+    a = analyse(measured)
+    assert (a["kind"], a["np"], a["steps"]) == ("measured", 2, 40)
+    v = compare(measured, load(os.path.join(d, "predicted-200mbit.json")))
+    with open(os.path.join(d, "validation.json")) as f:
+        saved = json.load(f)["rates"]["200mbit"]
+    assert v["step"]["error"] == pytest.approx(saved["step"]["error"], rel=1e-9)
+    assert [b["error"] for b in v["buckets"]] == pytest.approx([b["error"] for b in saved["buckets"]], rel=1e-9)
