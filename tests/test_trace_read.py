@@ -89,8 +89,11 @@ def test_run_dir_and_step(tmp_path):
     make_trace(tmp_path / "trace.json", slow_rank=1)
     a = analyse(load(str(tmp_path)), step=5)
     assert a["critical"]["step"] == 5 and not a["critical"]["median"]
-    with pytest.raises(tf.TraceError, match="step 99"):
+    with pytest.raises(ValueError, match="step 99 is not in the trace"):
         analyse(load(str(tmp_path)), step=99)
+    r = _cli("trace", str(tmp_path), "--step", "99")
+    assert r.returncode == 2 and r.stderr.startswith("pilab: error: --step 99: step 99 is not in the trace")
+    assert not (tmp_path / "trace.html").exists()
 
 
 def _cli(*args, cwd=None):

@@ -45,6 +45,8 @@ def run_trace(args, argv) -> int:
         raise UsageError(str(e)) from None
     except tf.TraceError as e:
         raise UsageError(f"{args.run}: not a pilab trace ({e})") from None
+    except ValueError as e:  # --step names a step the trace does not hold
+        raise UsageError(f"--step {args.step}: {e}") from None
     from ..plots import trace as tp
 
     print(report(a))

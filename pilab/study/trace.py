@@ -37,7 +37,7 @@ EVEN_NETWORK = 0.10  # ... and an even step's exposed network from this share on
 
 def load(path: str) -> dict:
     """The checked trace at ``path``: a run directory (its ``trace.json``) or a trace file. Raises
-    ``FileNotFoundError`` or ``tracefile.TraceError``, each naming the file."""
+    ``FileNotFoundError`` (naming the path) or ``tracefile.TraceError`` (naming the problem)."""
     if os.path.isdir(path):
         path = os.path.join(path, "trace.json")
     if not os.path.isfile(path):
@@ -106,8 +106,8 @@ def figures(recs: dict) -> dict:
 
 def analyse(doc: dict, top: int = 5, step: int | None = None) -> dict:
     """Per-rank table, the ``top`` slowest steps with who made each slow, and the critical path of the
-    median step (or of ``step``). Raises ``tracefile.TraceError`` for a trace with no step spans or
-    an unknown ``step``."""
+    median step (or of ``step``). Raises ``tracefile.TraceError`` for a trace with no step spans,
+    ``ValueError`` for a ``step`` it does not hold."""
     recs, host = steps(doc)
     if not recs:
         raise tf.TraceError("the trace has no step spans (data/forward/backward/wait/optimizer with "
@@ -127,12 +127,13 @@ def analyse(doc: dict, top: int = 5, step: int | None = None) -> dict:
     slow = sorted(step_ids, key=lambda s: (-step_time[s], s))[:max(0, top)]
     median_step = sorted(step_ids, key=lambda s: (step_time[s], s))[(len(step_ids) - 1) // 2]
     if step is not None and step not in step_time:
-        raise tf.TraceError(f"step {step} is not in the trace (it holds steps {step_ids[0]}..{step_ids[-1]})")
+        raise ValueError(f"step {step} is not in the trace (it holds steps {step_ids[0]}..{step_ids[-1]})")
     chosen = median_step if step is None else step
     meta = doc.get("otherData") or {}
     return {"kind": meta.get("kind", "measured"), "np": len(ranks), "steps": len(step_ids),
             "clock_error_us": (meta.get("clock") or {}).get("error_us"), "ranks": table,
-            "slow": [{"step": s, "time": step_time[s], **_blame(s, step_time[s], ranks, fig, host, typical)} for s in slow],
+            "slow": [{"step": s, "time": step_time[s], **_blame(s, step_time[s], ranks, fig, host, typical)}
+                     for s in slow],
             "critical": _critical(chosen, step_time[chosen], ranks, fig, host, median_step == chosen)}
 
 
