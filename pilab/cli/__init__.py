@@ -7,6 +7,7 @@
     python -m pilab compare runs/a runs/b --out runs/ab  # studies side by side
     python -m pilab remedies --np 48 --out runs/r      # settings that stay accurate at np=48
     python -m pilab perfmodel table                    # the performance model's Pi-cluster table
+    python -m pilab trace runs/x                       # a run's trace: stragglers, critical path, swim lanes
     python -m pilab data fetch                         # official CIFAR-10 (needs torchvision + internet)
     python -m pilab testbed up --help                  # a Pi cluster on one machine (network namespaces)
     python -m pilab bench --help                       # benchmarks against baselines of the same run
@@ -27,13 +28,13 @@ import sys
 
 from ..config import ConfigError
 from ..launch import LaunchError, launcher_rank
-from . import bench, compare, data, doctor, perfmodel, remedies, scale, simulate, testbed, train
+from . import bench, compare, data, doctor, perfmodel, remedies, scale, simulate, testbed, trace, train
 from ..engine.harness import EXIT_WRITE
 from .common import EXIT_USAGE, Parser, UsageError
 
 __all__ = ["main", "build_parser", "UsageError", "EXIT_USAGE"]
 
-COMMANDS = (train, simulate, scale, compare, remedies, perfmodel, data, testbed, bench, doctor)
+COMMANDS = (train, simulate, scale, compare, remedies, perfmodel, trace, data, testbed, bench, doctor)
 
 
 def build_parser() -> Parser:

@@ -1,9 +1,11 @@
-"""``pilab perfmodel {bench,calibrate,predict,table}``: the performance model (``pilab.perfmodel``).
+"""``pilab perfmodel {bench,calibrate,predict,table,trace,validate}``: the performance model (``pilab.perfmodel``).
 
     python -m pilab perfmodel bench --np 2 3          # launches mpiexec; runs/perfmodel/comm_bench.json
     python -m pilab perfmodel calibrate --result runs/np1/result.json --bench runs/perfmodel/comm_bench.json
     python -m pilab perfmodel predict --np 48 --profile both --baseline-np 2      # Pi preset, one np
     python -m pilab perfmodel table --published       # the Pi table beside the published figures
+    python -m pilab perfmodel trace --np 48 --cluster pi4b_cluster --out runs/pi48/predicted.json
+    python -m pilab perfmodel validate runs/x/trace.json --calibration runs/perfmodel/calibration.json
 
 Unlike the other command modules this one imports its library at the top: the flags' defaults and
 choices come from it (one source), and ``pilab.perfmodel`` loads neither torch nor MPI.
@@ -23,7 +25,7 @@ from .common import UsageError, add_config_arguments, config_from_args
 
 
 def add_parser(sub) -> None:
-    """Register ``python -m pilab perfmodel {bench,calibrate,predict,table}``."""
+    """Register ``python -m pilab perfmodel {bench,calibrate,predict,table,trace,validate}``."""
     p = sub.add_parser("perfmodel", help="performance model: micro-benchmark, calibrate, predict",
                        description="Predict time per epoch at any np from an np=1 run and an Allreduce "
                                    "micro-benchmark (see docs/perfmodel.md).")
@@ -47,6 +49,41 @@ def add_parser(sub) -> None:
                    help=f"both profiles beside the published Pi figures (baseline np={pm.PI_BASELINE_NP})")
     _add_machine_arguments(t)
     t.set_defaults(func=run_table)
+    _add_trace(ps)
+    _add_validate(ps)
+
+
+def _add_trace(ps) -> None:
+    tr = ps.add_parser("trace", help="one predicted step as a Chrome trace (open it with `pilab trace`)",
+                       description="The performance model's prediction of one step of the configured run, "
+                                   "as a trace in the format of `train --trace`: forward, backward, each "
+                                   "bucket's Allreduce posted when backward has filled it with its intra- "
+                                   "and inter-node phases, the exposed tail, the optimizer. One process "
+                                   "per node, one track per rank.")
+    tr.add_argument("--np", type=int, required=True, help="number of MPI ranks")
+    _add_machine_arguments(tr)
+    tr.set_defaults(func=run_trace, out=None)
+
+
+def _add_validate(ps) -> None:
+    v = ps.add_parser("validate", help="a measured trace beside its prediction: per bucket and step errors",
+                      description="Predicts the run a measured trace recorded (its config and np) and "
+                                  "prints per bucket the predicted and measured Allreduce time and the "
+                                  "error, and the same for the step time and the exposed tail.")
+    v.add_argument("trace", metavar="MEASURED_TRACE", help="a run's trace.json (or its run directory)")
+    v.add_argument("--preset", "--cluster", default="pi4b_cluster",
+                   help="a preset name or a Cluster/Calibration JSON (default: %(default)s)")
+    v.add_argument("--calibration", default=None, help="the measuring machine's calibration JSON "
+                                                       "(overrides --preset)")
+    v.add_argument("--algorithm", default=None, choices=pm.ALGORITHMS, help="Allreduce algorithm")
+    v.add_argument("--step-goal", dest="step_goal", type=float, default=None,
+                   help="show whether the step's error is within this fraction (e.g. 0.10)")
+    v.add_argument("--tail-goal", dest="tail_goal", type=float, default=None,
+                   help="show whether the exposed tail's error is within this fraction (e.g. 0.20)")
+    v.add_argument("--out", default=None, help="also write the comparison as JSON here")
+    v.add_argument("--predicted-out", dest="predicted_out", default=None,
+                   help="also write the predicted trace here (side by side in Perfetto)")
+    v.set_defaults(func=run_validate, train_gflops=None, inter_alpha=None, inter_mbps=None)
 
 
 def _add_bench(ps) -> None:
@@ -99,7 +136,7 @@ def _add_calibrate(ps) -> None:
 def _add_machine_arguments(q) -> None:
     pi = pm.pi4b_cluster()
     g = q.add_argument_group("machine")
-    g.add_argument("--preset", default="pi4b_cluster",
+    g.add_argument("--preset", "--cluster", default="pi4b_cluster",
                    help="pi4b_cluster, or a Cluster/Calibration JSON file (default: %(default)s)")
     g.add_argument("--calibration", default=None,
                    help="a calibration JSON: predict for this box (overrides --preset)")
@@ -285,4 +322,54 @@ def run_table(args, argv) -> int:
         print(f"\n{cl.name}, profile {prof}, baseline np={rows[0].get('baseline_np')}")
         print(pm.markdown_table(rows, pm.TABLE_COLUMNS))
     _write_json(result, args.out)
+    return 0
+
+
+def run_trace(args, argv) -> int:
+    from .. import tracefile as tf
+
+    _check_range(args, "np", 1)
+    if args.profile == "both":
+        raise UsageError("--profile both: a trace draws one profile; pass --profile pilab")
+    cfg = config_from_args(args, _defaults(args))
+    cl = _cluster(args)
+    events, meta = pm.predicted_trace(cfg, args.np, cl, args.profile)
+    p = meta["prediction"]
+    print(f"{cl.name}, np={args.np}, profile {args.profile}: one step, predicted (ms)")
+    for k in ("data", "compute", "straggler", "comm_exposed", "overhead"):
+        print(f"{k:>14}: {1e3 * p[k]:10.2f}")
+    print(f"{'step':>14}: {1e3 * p['step_time']:10.2f}")
+    print(f"\n{'bucket':>6} {'MB':>7} {'posted':>9} {'start':>9} {'end':>9} {'on wire':>9} {'intra':>7} "
+          f"{'inter':>7}  (ms; intra/inter: the phases' times on an idle wire)")
+    for k, b in enumerate(p["buckets"]):
+        alone = {kind: 1e3 * sum(t for q, t in b["phases"] if q == kind) for kind in ("intra", "inter")}
+        print(f"{k:>6} {b['bytes'] / 1e6:>7.2f} {1e3 * b['posted']:>9.2f} {1e3 * b['start']:>9.2f} "
+              f"{1e3 * b['end']:>9.2f} {1e3 * (b['end'] - b['start']):>9.2f} {alone['intra']:>7.2f} "
+              f"{alone['inter']:>7.2f}")
+    out = args.out or f"runs/perfmodel/predicted_np{args.np}.json"
+    tf.write(out, events, meta=meta)
+    print(f"\nwrote {out} (read it: python -m pilab trace {out}; or open it in ui.perfetto.dev)")
+    return 0
+
+
+def run_validate(args, argv) -> int:
+    from .. import tracefile as tf
+    from ..study.trace import load
+    from ..study.trace_validation import table, validate
+
+    _check_range(args, "step_goal", 0, strict=True)
+    _check_range(args, "tail_goal", 0, strict=True)
+    try:
+        doc = load(args.trace)
+        v = validate(doc, _cluster(args))
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    except tf.TraceError as e:
+        raise UsageError(f"{args.trace}: not a pilab trace ({e})") from None
+    print(f"{args.trace} at np={v['np']} beside its prediction on {v['predicted']['otherData']['cluster']}")
+    print(table(v, step_goal=args.step_goal, tail_goal=args.tail_goal))
+    if args.predicted_out:
+        tf.write(args.predicted_out, v["predicted"]["traceEvents"], meta=v["predicted"]["otherData"])
+        print(f"wrote {args.predicted_out}")
+    _write_json({k: v[k] for k in ("np", "buckets", "step", "tail")}, args.out)
     return 0

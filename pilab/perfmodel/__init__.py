@@ -40,13 +40,13 @@ One module per concern, each depending only on those above it in this list: ``as
 stated constants), ``metrics`` (speedup, efficiency, Karp-Flatt), ``machine`` (Link, Cluster),
 ``allreduce`` (schedules and their cost), ``fit`` (alpha-beta), ``bench`` (the MPI micro-benchmark and
 its launcher), ``layout`` (gradient tensors and buckets of a model), ``calibrate`` (Calibration,
-this_box), ``presets`` (the Pi facts, pi4b_cluster, the published figures), ``predict``, ``tables``
-(Markdown). Importing the package loads neither torch nor MPI; the command line lives in
+this_box), ``presets`` (the Pi facts, pi4b_cluster, the published figures), ``predict``, ``trace`` (a predicted step as
+a Chrome trace), ``tables`` (Markdown). Importing the package loads neither torch nor MPI; the command line lives in
 ``pilab.cli.perfmodel``. See docs/perfmodel.md for the assumptions and the Raspberry Pi table.
 """
 from __future__ import annotations
 
-from .allreduce import allreduce_rounds, allreduce_time
+from .allreduce import allreduce_phases, allreduce_rounds, allreduce_time
 from .assumptions import (BACKWARD_FRACTION, ELEMENT_BYTES, FLOPS_PER_ACTIVATION_CPU, METRIC_BYTES,
                           STEP_WORK_PER_TENSOR_CPU, THREAD_EXPONENT)
 from .bench import DEFAULT_SIZES, comm_bench, run_comm_bench
@@ -55,19 +55,20 @@ from .fit import fit_alpha_beta
 from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, work_per_image
 from .machine import ALGORITHMS, Cluster, Link
 from .metrics import efficiency, karp_flatt, speedup
-from .predict import PROFILES, exchange, pi_table, predict, predict_table
+from .predict import PROFILES, bucket_schedule, exchange, pi_table, predict, predict_table, step_schedule
 from .presets import (PI_BASELINE_NP, PI_CORES_PER_NODE, PI_GBE_GOODPUT, PI_NODES, PI_RANKS_PER_NODE,
                       PI_STUDY_NPS, PI_TABLE_NPS, PI_THREADS_PER_RANK, PRESETS, PUBLISHED, pi4b_cluster,
                       pi_config, published_table, relinked, resolve_cluster)
+from .trace import predicted_trace
 from .tables import PI_TABLE_COLUMNS, TABLE_COLUMNS, markdown_table, pi_table_markdown
 
 __all__ = [
     "speedup", "efficiency", "karp_flatt", "PUBLISHED", "published_table",
-    "Link", "Cluster", "Calibration", "allreduce_rounds", "allreduce_time", "ALGORITHMS",
+    "Link", "Cluster", "Calibration", "allreduce_rounds", "allreduce_time", "allreduce_phases", "ALGORITHMS",
     "comm_bench", "run_comm_bench", "DEFAULT_SIZES", "fit_alpha_beta", "calibrate",
     "this_box", "pi4b_cluster", "cluster_from_calibration", "PRESETS", "resolve_cluster", "relinked",
     "gradient_layout", "buckets_for", "work_per_image", "bn_bytes", "bn_channels",
-    "PROFILES", "predict", "predict_table", "exchange", "pi_config", "pi_table",
+    "PROFILES", "predict", "predict_table", "exchange", "bucket_schedule", "step_schedule", "predicted_trace", "pi_config", "pi_table",
     "markdown_table", "pi_table_markdown", "TABLE_COLUMNS", "PI_TABLE_COLUMNS",
     "FLOPS_PER_ACTIVATION_CPU", "STEP_WORK_PER_TENSOR_CPU", "BACKWARD_FRACTION", "THREAD_EXPONENT",
     "ELEMENT_BYTES", "METRIC_BYTES",

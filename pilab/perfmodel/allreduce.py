@@ -3,6 +3,7 @@
     from pilab.perfmodel import allreduce_rounds, allreduce_time, pi4b_cluster
     allreduce_rounds(4, 1e6, "rabenseifner")        # 4 rounds of (src, dst, bytes, reduce_bytes) flows
     allreduce_time(4e6, 48, pi4b_cluster())         # seconds for one 4 MB Allreduce over 48 Pi ranks
+    allreduce_phases(4e6, 48, pi4b_cluster())       # the same, split into intra- and inter-node phases
 """
 from __future__ import annotations
 
@@ -117,21 +118,51 @@ def _round_time(flows, cluster: Cluster, p: int) -> float:
     return worst
 
 
+def _timed_rounds(nbytes: float, p: int, cluster: Cluster, algorithm: str | None,
+                  oversubscribed: bool) -> tuple[float, list[tuple[bool, float]]]:
+    """(the oversubscription's extra seconds, [(crosses nodes, seconds) per round]) of one Allreduce:
+    what ``allreduce_time`` adds up and ``allreduce_phases`` splits by link."""
+    rounds = allreduce_rounds(p, nbytes, algorithm or cluster.algorithm, cluster.ranks_per_node,
+                              cluster.short_msg_bytes)
+    node = [cluster.node_of(r, p) for r in range(p)]
+    cache: dict[int, tuple[bool, float]] = {}
+    out = []
+    for rnd in rounds:  # ring repeats one round object 2(p-1) times: time it once
+        key = id(rnd)
+        if key not in cache:
+            cache[key] = (any(node[s] != node[d] for s, d, _, _ in rnd), _round_time(rnd, cluster, p))
+        out.append(cache[key])
+    return (len(rounds) * cluster.oversub_alpha if oversubscribed else 0.0), out
+
+
 @functools.lru_cache(maxsize=65536)
 def allreduce_time(nbytes: float, p: int, cluster: Cluster, algorithm: str | None = None,
                    oversubscribed: bool = False) -> float:
     """Seconds for one Allreduce of ``nbytes`` per rank over ``p`` ranks of ``cluster``
     (``oversubscribed``: more ranks than cores on a node, each round pays ``cluster.oversub_alpha``)."""
-    rounds = allreduce_rounds(p, nbytes, algorithm or cluster.algorithm, cluster.ranks_per_node,
-                              cluster.short_msg_bytes)
-    cache: dict[int, float] = {}
-    total = len(rounds) * cluster.oversub_alpha if oversubscribed else 0.0
-    for rnd in rounds:  # ring repeats one round object 2(p-1) times: time it once
-        key = id(rnd)
-        if key not in cache:
-            cache[key] = _round_time(rnd, cluster, p)
-        total += cache[key]
+    total, rounds = _timed_rounds(nbytes, p, cluster, algorithm, oversubscribed)
+    for _, t in rounds:
+        total += t
     return total
+
+
+def allreduce_phases(nbytes: float, p: int, cluster: Cluster, algorithm: str | None = None,
+                     oversubscribed: bool = False) -> list[tuple[str, float]]:
+    """The same Allreduce as ``allreduce_time``, as its consecutive phases: ("intra" | "inter", seconds),
+    a phase being a run of rounds that stay inside the nodes or cross them (what a predicted trace draws)::
+
+        allreduce_phases(4e6, 48, pi4b_cluster())   # [("intra", ...), ("inter", ...), ("intra", ...)]
+    """
+    extra, rounds = _timed_rounds(nbytes, p, cluster, algorithm, oversubscribed)
+    each = extra / len(rounds) if rounds else 0.0
+    phases: list[list] = []
+    for crosses, t in rounds:
+        kind = "inter" if crosses else "intra"
+        if phases and phases[-1][0] == kind:
+            phases[-1][1] += t + each
+        else:
+            phases.append([kind, t + each])
+    return [(k, t) for k, t in phases]
 
 
 def _critical_counts(p: int, nbytes: float, algorithm: str, short_msg_bytes: int = 2048):

@@ -15,7 +15,7 @@ import statistics
 from typing import Callable, Iterable
 
 from ..config import Config, ConfigError
-from .allreduce import allreduce_time
+from .allreduce import allreduce_phases, allreduce_time
 from .assumptions import ELEMENT_BYTES, METRIC_BYTES, THREAD_EXPONENT
 from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, work_per_image
 from .machine import Cluster
@@ -96,25 +96,44 @@ def _gradient_comm(cfg: Config, layout, averaging: str, compute: float, cl: Clus
     if averaging == "per_tensor":
         comm = sum(ar(n * ELEMENT_BYTES) for n, _ in layout)
         return len(layout), comm, comm
+    sched = bucket_schedule(cfg, layout, compute, cl, ar, rate)
+    comm = 0.0
+    for b in sched["buckets"]:
+        comm += b["cost"]
+    end = sched["buckets"][-1]["end"] if sched["buckets"] else 0.0
+    return len(sched["buckets"]), comm, max(0.0, end - sched["backward_end"])
+
+
+def bucket_schedule(cfg: Config, layout, compute: float, cl: Cluster, ar: Callable[[float], float],
+                    rate: float = 1.0) -> dict:
+    """When each gradient bucket's Allreduce is posted, starts and ends in a step whose forward and
+    backward take ``compute`` seconds (from the forward's start), and what it costs on an idle wire:
+    ``{"forward_end", "backward_end", "buckets": [{numel, bytes, posted, start, end, cost}, ...]}`` in
+    GradSync's order. The one rule ``predict`` prices the exposed tail with and
+    ``pilab.perfmodel.trace`` draws::
+
+        bucket_schedule(Config(), gradient_layout("mobilenetv2_cifar", 1.0), 0.5, cl, ar)["buckets"][-1]
+    """
     fp16 = cfg.compression == "fp16"
     wire = 2 if fp16 else ELEMENT_BYTES
-    buckets = buckets_for(layout, cfg.bucket_mb)
     t_fwd = compute * (1 - cl.backward_fraction)
     t_bwd = compute * cl.backward_fraction
     done = t_fwd + t_bwd
     end = 0.0
-    comm = 0.0
-    for numel, ready in buckets:  # posted in order as they fill; one at a time on the wire
+    out = []
+    for numel, ready in buckets_for(layout, cfg.bucket_mb):  # posted in order as they fill; one at a time
         t = ar(numel * wire) + (numel * wire * cl.gamma_fp16 if fp16 else 0.0)
         # overlap < 1: only that share of the remaining backward can hide communication
-        start = max(end, t_fwd + t_bwd * (1 - cl.overlap * (1 - ready)))
+        posted = t_fwd + t_bwd * (1 - cl.overlap * (1 - ready))
+        start = max(end, posted)
         if rate < 1.0 and start < done:  # slowed until backward ends, then at full speed
             slow = (done - start) * rate  # the part of t moved before backward ends
             end = start + (t / rate if rate else 0.0) if slow >= t else done + t - slow
         else:
             end = start + t
-        comm += t
-    return len(buckets), comm, max(0.0, end - done)
+        out.append({"numel": numel, "bytes": numel * wire, "posted": posted, "start": start, "end": end,
+                    "cost": t})
+    return {"forward_end": t_fwd, "backward_end": done, "buckets": out}
 
 
 def exchange(cfg, np_: int, cluster, compute_s: float, *, forward_s: float | None = None,
@@ -142,9 +161,7 @@ def exchange(cfg, np_: int, cluster, compute_s: float, *, forward_s: float | Non
     if p == 1:
         return {"messages": 0, "comm": 0.0, "exposed": 0.0, "step": compute_s}
     place = _placement(cfg, p, cl)
-
-    def ar(nbytes):
-        return allreduce_time(nbytes, p, cl, None, place["crowded"])
+    ar = _allreduce_fn(p, cl, place)
     messages, comm, exposed = _gradient_comm(cfg, gradient_layout(cfg.model, cfg.width), "buckets",
                                              compute_s, cl, ar, _overlap_rate(cl, place))
     if metrics:
@@ -152,6 +169,48 @@ def exchange(cfg, np_: int, cluster, compute_s: float, *, forward_s: float | Non
         comm += metric
         exposed += metric
     return {"messages": messages, "comm": comm, "exposed": exposed, "step": compute_s + exposed}
+
+
+def _allreduce_fn(p: int, cl: Cluster, place: dict, phases: bool = False) -> Callable:
+    """Seconds of one Allreduce of n bytes over the job's ranks (``phases``: as
+    ``allreduce_phases``'s intra-/inter-node list)."""
+    cost = allreduce_phases if phases else allreduce_time
+
+    def ar(nbytes):
+        return cost(nbytes, p, cl, None, place["crowded"])
+    return ar
+
+
+def step_schedule(cfg, np_: int, cluster, profile: str = "pilab", **sizes) -> dict:
+    """One synchronous step of ``predict``'s, laid out in time for a predicted trace: ``predict``'s
+    dict (its ``step_time`` and ``step`` parts) plus ``schedule``, the buckets from ``bucket_schedule``
+    with the same compute, Allreduce cost and overlap ``predict`` priced them with, each with its
+    ``phases`` (``allreduce_phases``). Only bucketed averaging has buckets to lay out::
+
+        step_schedule(pi_config(), 48, "pi4b_cluster")["schedule"]["buckets"][-1]["phases"]
+    """
+    averaging, _ = _profile(profile)
+    cfg = _as_config(cfg)
+    cl = resolve_cluster(cluster)
+    if averaging != "buckets" or cfg.batch_ramp or _local_share(cfg, int(np_)):
+        raise ConfigError(f"profile={profile!r}, batch_ramp={cfg.batch_ramp!r}, local_steps={cfg.local_steps}: "
+                          "a predicted step is laid out for bucketed averaging at one batch size "
+                          "(use profile pilab, no batch ramp, no local SGD)")
+    out = predict(cfg, np_, cl, profile, **sizes)
+    p = out["np"]
+    place = _placement(cfg, p, cl)
+    layout = gradient_layout(cfg.model, cfg.width)
+    compute = out["step"]["compute"]
+    if p > 1:
+        sched = bucket_schedule(cfg, layout, compute, cl, _allreduce_fn(p, cl, place), _overlap_rate(cl, place))
+    else:
+        sched = {"forward_end": compute * (1 - cl.backward_fraction), "backward_end": compute, "buckets": []}
+    phases = _allreduce_fn(p, cl, place, phases=True)
+    for b in sched["buckets"]:
+        b["phases"] = phases(b["bytes"])
+    out["schedule"] = sched
+    out["metric_s"] = _allreduce_fn(p, cl, place)(METRIC_BYTES) if p > 1 else 0.0
+    return out
 
 
 def _overlap_rate(cl: Cluster, place: dict) -> float:
@@ -213,9 +272,7 @@ def _one_batch(cfg: Config, p: int, cl, profile: str, n_train: int, n_test: int)
     layout = gradient_layout(cfg.model, cfg.width)
     rank = _rank_costs(cfg, p, b, cl, place, len(layout))
     compute, data, straggler = rank["compute"], rank["data"], rank["straggler"]
-
-    def ar(nbytes):
-        return allreduce_time(nbytes, p, cl, None, place["crowded"])
+    ar = _allreduce_fn(p, cl, place)
     metric = ar(METRIC_BYTES) if p > 1 else 0.0
     local = _local_share(cfg, p)
     messages, comm, exposed, sync_bn = _step_comm(cfg, p, cl, place, layout, averaging, compute, steps, ar,
