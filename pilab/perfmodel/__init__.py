@@ -55,12 +55,12 @@ from .fit import fit_alpha_beta
 from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, work_per_image
 from .machine import ALGORITHMS, Cluster, Link
 from .metrics import efficiency, karp_flatt, speedup
-from .predict import PROFILES, bucket_schedule, exchange, pi_table, predict, predict_table, step_schedule
+from .predict import PROFILES, bucket_schedule, exchange, predict, step_schedule
 from .presets import (PI_BASELINE_NP, PI_CORES_PER_NODE, PI_GBE_GOODPUT, PI_NODES, PI_RANKS_PER_NODE,
                       PI_STUDY_NPS, PI_TABLE_NPS, PI_THREADS_PER_RANK, PRESETS, PUBLISHED, pi4b_cluster,
                       pi_config, published_table, relinked, resolve_cluster)
 from .trace import predicted_trace
-from .tables import PI_TABLE_COLUMNS, TABLE_COLUMNS, markdown_table, pi_table_markdown
+from .tables import PI_TABLE_COLUMNS, TABLE_COLUMNS, markdown_table, pi_table, pi_table_markdown, predict_table
 
 __all__ = [
     "speedup", "efficiency", "karp_flatt", "PUBLISHED", "published_table",

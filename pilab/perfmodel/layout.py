@@ -92,11 +92,10 @@ def work_per_image(model: str, width: float, flops_per_activation: float = 0.0,
 def bn_channels(model: str, width: float) -> tuple[int, ...]:
     """Channels of each BatchNorm layer, in forward order: ``bn_channels("mobilenetv2_cifar", 0.25)``
     has 52 layers, 5,328 channels."""
-    from torch import nn  # here, not at the top: see the module docstring
+    # here, not at the top: see the module docstring
+    from torch.nn.modules.batchnorm import _BatchNorm  # every BatchNorm: your own model's 1d and 3d too
 
     from ..models.zoo import probe_model
-
-    from torch.nn.modules.batchnorm import _BatchNorm  # every BatchNorm: your own model's 1d and 3d too
 
     return tuple(m.num_features for m in probe_model(model, width=width).modules() if isinstance(m, _BatchNorm))
 

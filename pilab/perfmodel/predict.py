@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Callable, Iterable
+from typing import Callable
 
 from ..config import Config, ConfigError
 from .allreduce import allreduce_phases, allreduce_time
@@ -20,7 +20,7 @@ from .assumptions import ELEMENT_BYTES, METRIC_BYTES, THREAD_EXPONENT
 from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, work_per_image
 from .machine import Cluster
 from .metrics import efficiency, karp_flatt, speedup
-from .presets import PI_TABLE_NPS, PUBLISHED, pi4b_cluster, pi_config, published_table, resolve_cluster
+from .presets import resolve_cluster
 
 # image counts of the named sources, so that a Config without subsets needs no data on disk
 _SOURCE_SIZES = {"embedded": (5000, 1000), "cifar10": (50000, 10000)}
@@ -421,35 +421,3 @@ def _ramped(cfg: Config, p: int, cl, profile: str, n_train: int, n_test: int) ->
                          for e, q in enumerate(parts)]
     return out
 
-
-def predict_table(cfg, nps: Iterable[int], cluster, profile: str = "pilab",
-                  baseline_np: int | None = None, **kwargs) -> list[dict]:
-    """``predict`` at each np, with speedup/efficiency against ``baseline_np`` (default: the first)."""
-    nps = list(nps)
-    if not nps:
-        raise ConfigError("predict_table needs at least one np")
-    base = nps[0] if baseline_np is None else baseline_np
-    return [predict(cfg, p, cluster, profile, baseline_np=base, **kwargs) for p in nps]
-
-
-def pi_table(cfg=None, nps: Iterable[int] = PI_TABLE_NPS, cluster=None) -> list[dict]:
-    """Predicted Pi-cluster scaling for both profiles beside the published figures (p0 = 2)."""
-    cfg = pi_config() if cfg is None else _as_config(cfg)
-    cl = pi4b_cluster() if cluster is None else resolve_cluster(cluster)
-    p0 = PUBLISHED["baseline_np"]
-    published = {r["np"]: r for r in published_table()}
-    rows = []
-    for p in nps:
-        pil = predict(cfg, p, cl, "pilab", baseline_np=p0)
-        nai = predict(cfg, p, cl, "naive", baseline_np=p0)
-        pub = published.get(p, {})
-        rows.append({
-            "np": p, "nodes": pil["nodes"],
-            "published_speedup": pub.get("speedup"), "published_efficiency": pub.get("efficiency"),
-            "naive_speedup": nai["speedup"], "naive_efficiency": nai["efficiency"],
-            "pilab_speedup": pil["speedup"], "pilab_efficiency": pil["efficiency"],
-            "naive_epoch_s": nai["epoch_time"], "pilab_epoch_s": pil["epoch_time"],
-            "naive_comm_exposed_s": nai["comm_exposed"], "pilab_comm_exposed_s": pil["comm_exposed"],
-            "naive_eval_s": nai["eval_time"], "pilab_eval_s": pil["eval_time"],
-        })
-    return rows

@@ -1,4 +1,4 @@
-"""Markdown output: predictions and the Pi table as GitHub tables.
+"""Predictions over several np (``predict_table``, the Pi table) and as GitHub tables.
 
     from pilab.perfmodel import markdown_table, pi_table_markdown, predict_table
     print(markdown_table(predict_table(Config(), [2, 4, 8], "pi4b_cluster"), TABLE_COLUMNS))
@@ -7,9 +7,44 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-from .predict import pi_table
+from ..config import ConfigError
+from .predict import _as_config, predict
+from .presets import PI_TABLE_NPS, PUBLISHED, pi4b_cluster, pi_config, published_table, resolve_cluster
+
+def predict_table(cfg, nps: Iterable[int], cluster, profile: str = "pilab",
+                  baseline_np: int | None = None, **kwargs) -> list[dict]:
+    """``predict`` at each np, with speedup/efficiency against ``baseline_np`` (default: the first)."""
+    nps = list(nps)
+    if not nps:
+        raise ConfigError("predict_table needs at least one np")
+    base = nps[0] if baseline_np is None else baseline_np
+    return [predict(cfg, p, cluster, profile, baseline_np=base, **kwargs) for p in nps]
+
+
+def pi_table(cfg=None, nps: Iterable[int] = PI_TABLE_NPS, cluster=None) -> list[dict]:
+    """Predicted Pi-cluster scaling for both profiles beside the published figures (p0 = 2)."""
+    cfg = pi_config() if cfg is None else _as_config(cfg)
+    cl = pi4b_cluster() if cluster is None else resolve_cluster(cluster)
+    p0 = PUBLISHED["baseline_np"]
+    published = {r["np"]: r for r in published_table()}
+    rows = []
+    for p in nps:
+        pil = predict(cfg, p, cl, "pilab", baseline_np=p0)
+        nai = predict(cfg, p, cl, "naive", baseline_np=p0)
+        pub = published.get(p, {})
+        rows.append({
+            "np": p, "nodes": pil["nodes"],
+            "published_speedup": pub.get("speedup"), "published_efficiency": pub.get("efficiency"),
+            "naive_speedup": nai["speedup"], "naive_efficiency": nai["efficiency"],
+            "pilab_speedup": pil["speedup"], "pilab_efficiency": pil["efficiency"],
+            "naive_epoch_s": nai["epoch_time"], "pilab_epoch_s": pil["epoch_time"],
+            "naive_comm_exposed_s": nai["comm_exposed"], "pilab_comm_exposed_s": pil["comm_exposed"],
+            "naive_eval_s": nai["eval_time"], "pilab_eval_s": pil["eval_time"],
+        })
+    return rows
+
 
 # the columns `pilab perfmodel table` prints of each predict() row
 TABLE_COLUMNS = ["np", "nodes", "threads", "per_rank_batch", "steps_per_epoch", "step_time",
