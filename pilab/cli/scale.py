@@ -48,6 +48,19 @@ def add_parser(sub) -> None:
                         "/ cluster JSON (default: pi4b_cluster; this machine's times are shown beside it)")
     p.add_argument("--hostfile", default=None, help="MPI hostfile for the measured runs (Pi cluster)")
     p.add_argument("--mpiexec", default=None, help="launcher (default: next to this Python, then PATH)")
+    p.add_argument("--launcher", choices=("mpiexec", "slurm"), default="mpiexec",
+                   help="how the measured points run: mpiexec from this shell (the default), or slurm: each "
+                        "point one sbatch job (<out>/np<p>/job.sbatch), the queue shown while it waits")
+    p.add_argument("--partition", default=None, help="--launcher slurm: the partition (sinfo lists them)")
+    p.add_argument("--time", dest="time_limit", default=None,
+                   help="--launcher slurm: each point's time limit as sbatch takes it (30, 01:30:00)")
+    p.add_argument("--ranks-per-node", type=int, default=0,
+                   help="--launcher slurm: ranks on each node (default: the partition's CPUs per node / "
+                        "--threads); a point asks for ceil(np / this) nodes")
+    p.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                   help="--launcher slurm: one more #SBATCH line for every point, e.g. --sbatch=--account=proj")
+    p.add_argument("--dry-run", action="store_true",
+                   help="--launcher slurm: print each point's batch script; submit and write nothing")
     p.add_argument("--resume", dest="resume_study", action="store_true",
                    help="continue the interrupted study in --out: keep its finished np points, run only "
                         "the missing ones")
@@ -103,6 +116,88 @@ def _progress(ev) -> None:
           f"global batch {r['global_batch']:<5} final test acc {acc:.3f}  ({took})", file=sys.stderr, flush=True)
 
 
+def _batch_progress(ev) -> None:
+    """As :func:`_progress`, a measured point showing its job's training time (it ran now, as a job)."""
+    _progress({**ev, "kept": False} if ev.get("kind") == "run" and not ev["simulated"] else ev)
+
+
+def _batch_options(args, cfg, nps):
+    """(batch.Options, cfg with threads per rank fixed) for --launcher slurm after Slurm's checks; (None,
+    cfg) for mpiexec, where the Slurm-only flags are refused."""
+    from ..study import batch
+    slurm_only = [f for f, v in (("--partition", args.partition), ("--time", args.time_limit),
+                                 ("--dry-run", args.dry_run), ("--sbatch", args.sbatch),
+                                 ("--ranks-per-node", args.ranks_per_node)) if v]
+    if args.launcher != "slurm":
+        if slurm_only:
+            raise UsageError(f"{slurm_only[0]} is for --launcher slurm; add it, or leave {slurm_only[0]} out")
+        return None, cfg
+    if not args.partition or not args.time_limit:
+        raise UsageError("--launcher slurm needs --partition P and --time T (sinfo lists the partitions)")
+    if args.hostfile:
+        raise UsageError("--hostfile is for --launcher mpiexec; Slurm places a batch point's ranks itself")
+    if not nps:
+        raise UsageError("--launcher slurm submits the measured points, and --nps is empty; give --nps")
+    cfg = replace(cfg, threads=cfg.threads or 1)  # a job's rank has the CPUs it asked for
+    opts = batch.Options(args.partition, args.time_limit, args.ranks_per_node, tuple(args.sbatch))
+    part = batch.check(opts, cfg, nps)
+    return replace(opts, ranks_per_node=part["ranks_per_node"]), batch.job_config(cfg, opts)
+
+
+def _run_batch(cfg, args, opts, nps, sims, criteria, argv) -> int:
+    """--launcher slurm: the measured points as batch jobs, then the simulated points and the study here."""
+    import time
+
+    from ..study import batch, report, tables
+    from ..study.scaling import Interrupted, _partial_study, study
+    out = cfg.out
+    if not out:
+        raise UsageError("--launcher slurm keeps the study's state in --out; give --out DIR")
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    if args.dry_run:
+        batch.dry_run(cfg, nps, out, opts, opts.ranks_per_node, resume=args.resume_study, log=log)
+        if sims:
+            log(f"then simulated np {sims} here, and the study in {out}")
+        return 0
+    log(f"pilab scale: measured np {nps} as Slurm jobs (partition {opts.partition}, --time {opts.time}, "
+        f"{opts.ranks_per_node} rank(s) per node), simulated np {sims} here; writing {out}")
+    command = ("python -m pilab scale " + " ".join(argv)).strip()
+    t0 = time.time()
+    try:
+        with sigterm_as_interrupt():
+            runs, failed = batch.run_points(cfg, nps, out, opts, opts.ranks_per_node,
+                                            resume=args.resume_study, log=log)
+    except batch.Stopped as e:
+        what = ", ".join(f"job {j} (np={p})" for p, j in e.cancelled) or "no job (none was queued)"
+        log(f"pilab: scale interrupted; cancelled {what}; the same command with --resume submits "
+            "the unfinished points again and keeps the finished ones")
+        cause = e.cause
+        return exit_code_for(15 if cause.args and cause.args[0] == "SIGTERM" else 2)
+    if failed:
+        for f in failed:
+            log(f"pilab: np={f['np']}: job {f['job']} ended {f['state']}; the end of its log:\n{f['log']}")
+        partial = _partial_study(cfg, criteria, nps, sims, runs, sorted(runs), t0, command,
+                                 RuntimeError(f"{len(failed)} point(s) failed"))
+        partial["slurm_failed"] = [{k: f[k] for k in ("np", "job", "state")} for f in failed]
+        report.write_partial(partial, out)
+        log(f"pilab: scale finished np {sorted(runs)}; failed "
+            + ", ".join(f"np={f['np']} (job {f['job']} {f['state']})" for f in failed)
+            + "; the same command with --resume submits only those again")
+        return 1
+    try:
+        with sigterm_as_interrupt():
+            res = study(cfg, nps, simulate_nps=sims, criteria=criteria, out=out, callbacks=[_batch_progress],
+                        command=command, target=args.target, resume=True,
+                        reuse=[d for d in args.reuse.split(",") if d])
+    except Interrupted as e:
+        log(f"pilab: scale {e.study['stopped']}; missing np {e.study['missing']}; the same command with "
+            "--resume runs only those")
+        return 1 if not isinstance(e.cause, KeyboardInterrupt) else exit_code_for(2)
+    print(tables.table(res))
+    print(f"report: {os.path.join(out, 'report.html')}")
+    return 0
+
+
 def run(args, argv) -> int:
     from ..study import analysis, tables
     from ..study.scaling import Interrupted, study
@@ -129,6 +224,7 @@ def run(args, argv) -> int:
                                  wrong_gap=args.wrong_gap, wrong_floor=args.wrong_floor)
     if baseline and baseline not in nps:
         raise ConfigError(f"--baseline {baseline} is not among --nps {args.nps}; add it")
+    batch_opts, cfg = _batch_options(args, cfg, nps)  # Slurm's refusals, before anything is written
     check_study_dir(cfg, overwrite=args.overwrite, resume=args.resume_study)
     for d in (d for d in args.reuse.split(",") if d):
         if not glob.glob(os.path.join(glob.escape(d), "np*", "result.json")):
@@ -137,6 +233,8 @@ def run(args, argv) -> int:
     if nps:
         from .common import mpi_or_error
         mpi_or_error()
+    if batch_opts is not None:
+        return _run_batch(cfg, args, batch_opts, nps, sims, criteria, argv)
     print(f"pilab scale: measured np {nps}, simulated np {sims}, writing {cfg.out}", file=sys.stderr)
 
     command = "python -m pilab scale " + " ".join(argv)
