@@ -6,10 +6,15 @@ them where it can): skipped with the reason elsewhere, a failure under CI=true.
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -25,6 +30,12 @@ NAME = "pilabs"  # neither the default testbed's name nor test_testbed's
 SUBNET = "10.83.0.0/24"
 TINY = ["--width", "0.25", "--train-subset", "256", "--test-subset", "100", "--batch-size", "16",
         "--threads", "1", "--quiet", "--epochs", "1"]
+
+
+# a study's tiny points (scale takes the training flags, not train's --quiet)
+STUDY = [sys.executable, "-m", "pilab", "scale", "--simulate-nps", "", "--target", "this",
+         *[a for a in TINY if a != "--quiet"]]
+BATCH = ["--launcher", "slurm", "--partition", "pi", "--time", "5"]
 
 
 def _need_slurm():
@@ -170,6 +181,165 @@ def test_more_ranks_than_the_allocation_or_no_srun_is_one_line_exit_2(tb, tmp_pa
                             *TINY, "--out", str(out)], tmp_path)
     assert p.returncode == 2, p.stderr
     assert "no srun on PATH" in p.stderr and not out.exists()
+
+
+def _study(tb, cmd, cwd, *, timeout=300):
+    return run_on_testbed(tb, cmd, env=tb.env(mpi_env()), timeout=timeout, cwd=cwd)
+
+
+def _per_node(hostnames: list[str]) -> list[int]:
+    """Ranks on each node in rank order: [2, 2] for node01, node01, node02, node02 (the placement's shape)."""
+    return [hostnames.count(h) for h in dict.fromkeys(hostnames)]
+
+
+def _jobs(out) -> dict:
+    with open(os.path.join(out, "slurm.json")) as f:
+        return json.load(f)["points"]
+
+
+def _job_of(out, p: int, wait_s: float = 60) -> str:
+    """The job id of point ``p`` once the study has submitted it (its slurm.json says)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if (out / "slurm.json").exists() and str(p) in _jobs(out):
+            return _jobs(out)[str(p)]["job"]
+        time.sleep(0.2)
+    raise AssertionError(f"np={p} was not submitted within {wait_s} s")
+
+
+def _squeue(tb) -> str:
+    return subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=tb.env(), timeout=30).stdout
+
+
+def test_scale_as_slurm_jobs_equals_the_mpiexec_study(tb, tmp_path):
+    """Each point one sbatch job (np 1, 2, 4 on 2 nodes x 2 CPUs: np=4 waits for the others); the study's
+    numbers are the mpiexec study's, bitwise, the ranks placed alike (nodes filled in order)."""
+    from pilab.study import scaling
+    args = [*STUDY, "--nps", "1,2,4", "--baseline", "1"]
+    sl = _study(tb, [*args, *BATCH, "--out", str(tmp_path / "slurm")], tmp_path)
+    assert sl.returncode == 0, sl.stderr[-3000:]
+    for p in (1, 2, 4):
+        assert f"np={p:<3} submitted" in sl.stderr and re.search(rf"np={p} +job \d+ +RUNNING on node", sl.stderr)
+        assert re.search(rf"np={p} +job \d+ +done", sl.stderr), sl.stderr
+    script = (tmp_path / "slurm" / "np4" / "job.sbatch").read_text()
+    assert "#SBATCH --partition=pi\n#SBATCH --time=5\n#SBATCH --nodes=2\n#SBATCH --ntasks=4\n" in script
+    assert f"-m pilab train --np 4 --quiet" in script and f"--out {tmp_path}/slurm/np4" in script
+    jobs = _jobs(tmp_path / "slurm")
+    assert sorted(jobs) == ["1", "2", "4"] and all(j["state"] == "COMPLETED" for j in jobs.values())
+    assert (tmp_path / "slurm" / "np4" / f"slurm-{jobs['4']['job']}.log").exists()
+    mp = _study(tb, [*args, "--out", str(tmp_path / "mpiexec")], tmp_path)  # the testbed's hostfile
+    assert mp.returncode == 0, mp.stderr[-3000:]
+    a, b = scaling.load_study(str(tmp_path / "slurm")), scaling.load_study(str(tmp_path / "mpiexec"))
+    assert a["complete"] and [r["np"] for r in a["rows"]] == [1, 2, 4]
+    for p in ("1", "2", "4"):
+        ra, rb = a["runs"][p], b["runs"][p]
+        shape = {"1": [1], "2": [2], "4": [2, 2]}[p]  # which node does not matter, how many on each does
+        assert _per_node(ra["env"]["hostnames"]) == _per_node(rb["env"]["hostnames"]) == shape
+        assert ra["steps"]["loss"] == rb["steps"]["loss"]  # bitwise
+        assert [e["test_loss"] for e in ra["epochs"]] == [e["test_loss"] for e in rb["epochs"]]
+    assert [r["final_test_acc"] for r in a["rows"]] == [r["final_test_acc"] for r in b["rows"]]
+
+
+def test_a_point_cancelled_from_outside_is_reported_and_resume_reruns_only_it(tb, tmp_path):
+    out = tmp_path / "s"
+    cmd = [*STUDY, "--nps", "1,2", "--baseline", "1", *BATCH, "--out", str(out)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                          env=tb.env(mpi_env())) as proc:
+        victim = _job_of(out, 2)
+        subprocess.run(["scancel", victim], env=tb.env(), check=True, timeout=30)  # someone else's scancel
+        _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 1, err[-3000:]
+    assert f"np=2: job {victim} ended CANCELLED" in err
+    assert f"failed np=2 (job {victim} CANCELLED); the same command with --resume submits only those" in err
+    st = json.loads((out / "study.json").read_text())
+    assert st["complete"] is False and st["missing"] == [2] and sorted(st["runs"]) == ["1"]
+    kept = _jobs(out)["1"]["job"]
+    again = _study(tb, [*cmd, "--resume"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "np=1   kept: finished earlier" in again.stderr and f"job {victim} ended CANCELLED: submitting it again" \
+        in again.stderr
+    jobs = _jobs(out)
+    assert jobs["1"]["job"] == kept and jobs["2"]["job"] != victim and jobs["2"]["earlier"] == [victim]
+    assert json.loads((out / "study.json").read_text())["complete"] is True
+    assert _squeue(tb).strip() == ""
+
+
+def _ranks_of(point_dir: str) -> list[int]:
+    """Pids of the processes of a point's job (the train front, mpiexec, the ranks): their command line
+    names the point's --out."""
+    found = []
+    for d in glob.glob("/proc/[0-9]*"):
+        try:
+            with open(f"{d}/cmdline", "rb") as f:
+                if point_dir.encode() in f.read():
+                    found.append(int(d[6:]))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_point_that_hits_its_time_limit_keeps_its_checkpoint_and_resume_continues_it(tb, tmp_path):
+    """The job's time limit shortened while it runs (scontrol, as an admin or a reservation would), its
+    processes stopped right after their first mid-epoch checkpoint (SIGSTOP: a job that stalls) so that
+    Slurm's limit, not the training's end, finishes it: TIMEOUT, the checkpoint kept, and --resume
+    continues the point from it. Slurm's smallest limit is a minute: this test waits 60-90 s for it."""
+    out = tmp_path / "t"
+    cmd = [*STUDY, "--nps", "2", "--baseline", "2", "--train-subset", "1024", "--epochs", "2",
+           "--checkpoint-every-steps", "2", *BATCH, "--out", str(out)]
+    point = str(out / "np2")
+    stopped = []
+    try:
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                              env=tb.env(mpi_env())) as proc:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not glob.glob(f"{point}/checkpoint-e0000-s*.pt"):
+                time.sleep(0.05)
+            assert glob.glob(f"{point}/checkpoint-e0000-s*.pt"), "no mid-epoch checkpoint"
+            for pid in _ranks_of(point):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            job = _job_of(out, 2)
+            subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=1"], env=tb.env(), check=True,
+                           timeout=30)
+            _, err = proc.communicate(timeout=240)
+    finally:
+        for pid in stopped:  # those Slurm did not end (it does: SIGKILL after KillWait)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    assert f"np=2: job {job} ended TIMEOUT" in err
+    assert os.path.exists(f"{point}/checkpoint.pt")
+    again = _study(tb, [*cmd, "--resume"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"job {job} ended TIMEOUT: submitting it again, continued from" in again.stderr
+    assert f"--resume {point}/checkpoint.pt" in open(f"{point}/job.sbatch").read()
+    r = json.loads(open(f"{point}/result.json").read())
+    assert r["resumed_from_step"] > 0 and r["steps_done"] == r["total_steps"] and not r["stopped_early"]
+
+
+def test_batch_study_bad_input_is_one_line_exit_2_and_nothing_submitted(tb, tmp_path):
+    out = tmp_path / "bad"
+    bare = os.path.dirname(sys.executable)  # Python's venv, without Slurm's commands
+    cases = [
+        (["--partition", "gpu", "--time", "5"], None, "Slurm knows no such partition"),
+        (["--partition", "pi", "--time", "5", "--nps", "1,8"], None, "np=8 needs 8 CPUs"),
+        (["--partition", "pi", "--time", "2", "--checkpoint-minutes", "5"], None,
+         "--time 2 is shorter than one checkpoint interval"),
+        (["--partition", "pi", "--time", "5"], {"PATH": bare}, "not on PATH"),
+    ]
+    for extra, env, said in cases:
+        p = subprocess.run([*STUDY, "--nps", "1,2", "--launcher", "slurm", *extra, "--out", str(out)],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                           env={**tb.env(mpi_env()), **(env or {})})
+        errors = [ln for ln in p.stderr.splitlines() if ln.startswith("pilab: error:")]
+        assert p.returncode == 2 and len(errors) == 1 and said in errors[0], p.stderr
+        assert not out.exists()
+    # --dry-run: the scripts, nothing submitted or written
+    p = subprocess.run([*STUDY, "--nps", "1,2", *BATCH, "--dry-run", "--out", str(out)], capture_output=True,
+                       text=True, cwd=tmp_path, timeout=120, env=tb.env(mpi_env()))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("#!/bin/bash") == 2 and "#SBATCH --ntasks=2" in p.stdout and "not submitted" in p.stdout
+    assert not out.exists() and _squeue(tb).strip() == ""
 
 
 def test_down_stops_every_daemon_and_removes_the_head():

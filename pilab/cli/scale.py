@@ -213,6 +213,7 @@ def run(args, argv) -> int:
             cfg = replace(cfg, threads=PI_THREADS_PER_RANK)
     if any(p < 1 for p in nps + sims):
         raise ConfigError("process counts must be >= 1")
+    batch_opts, cfg = _batch_options(args, cfg, nps)  # Slurm's refusals, before anything is written
     # the count alone (the cache's labels): every point loads the images itself
     n_train = data.train_size(cfg.data, train_subset=cfg.train_subset, test_subset=cfg.test_subset,
                               seed=cfg.seed, image_size=cfg.image_size)
@@ -224,7 +225,6 @@ def run(args, argv) -> int:
                                  wrong_gap=args.wrong_gap, wrong_floor=args.wrong_floor)
     if baseline and baseline not in nps:
         raise ConfigError(f"--baseline {baseline} is not among --nps {args.nps}; add it")
-    batch_opts, cfg = _batch_options(args, cfg, nps)  # Slurm's refusals, before anything is written
     check_study_dir(cfg, overwrite=args.overwrite, resume=args.resume_study)
     for d in (d for d in args.reuse.split(",") if d):
         if not glob.glob(os.path.join(glob.escape(d), "np*", "result.json")):
