@@ -279,10 +279,11 @@ def _ranks_of(point_dir: str) -> list[int]:
 
 
 def test_a_point_that_hits_its_time_limit_keeps_its_checkpoint_and_resume_continues_it(tb, tmp_path):
-    """The job's time limit shortened while it runs (scontrol, as an admin or a reservation would), its
-    processes stopped right after their first mid-epoch checkpoint (SIGSTOP: a job that stalls) so that
-    Slurm's limit, not the training's end, finishes it: TIMEOUT, the checkpoint kept, and --resume
-    continues the point from it. Slurm's smallest limit is a minute: this test waits 60-90 s for it."""
+    """The job's processes stopped right after their first mid-epoch checkpoint (SIGSTOP: a job that
+    stalls), then its end time moved to now (``scontrol update EndTime=now``: its time limit is up, as an
+    admin shortening it would make it) so that Slurm's limit, not the training's end, finishes it:
+    TIMEOUT (slurmctld checks limits every 30 s), the checkpoint kept, and --resume continues the point
+    from it. (``--time 1``, Slurm's smallest limit, would cost a minute of waiting.)"""
     out = tmp_path / "t"
     cmd = [*STUDY, "--nps", "2", "--baseline", "2", "--train-subset", "1024", "--epochs", "2",
            "--checkpoint-every-steps", "2", *BATCH, "--out", str(out)]
@@ -299,7 +300,7 @@ def test_a_point_that_hits_its_time_limit_keeps_its_checkpoint_and_resume_contin
                 os.kill(pid, signal.SIGSTOP)
                 stopped.append(pid)
             job = _job_of(out, 2)
-            subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=1"], env=tb.env(), check=True,
+            subprocess.run(["scontrol", "update", f"JobId={job}", "EndTime=now"], env=tb.env(), check=True,
                            timeout=30)
             _, err = proc.communicate(timeout=240)
     finally:

@@ -199,9 +199,6 @@ def _run_batch(cfg, args, opts, nps, sims, criteria, argv) -> int:
 
 
 def run(args, argv) -> int:
-    from ..study import analysis, tables
-    from ..study.scaling import Interrupted, study
-    from .. import data
     from ..perfmodel import PI_BASELINE_NP, PI_STUDY_NPS, PI_THREADS_PER_RANK
     cfg = config_from_args(args, _defaults())
     nps, sims, baseline = ints(args.nps), ints(args.simulate_nps), args.baseline
@@ -214,6 +211,9 @@ def run(args, argv) -> int:
     if any(p < 1 for p in nps + sims):
         raise ConfigError("process counts must be >= 1")
     batch_opts, cfg = _batch_options(args, cfg, nps)  # Slurm's refusals, before anything is written
+    from ..study import analysis, tables  # these load torch (seconds): after the quick refusals
+    from ..study.scaling import Interrupted, study
+    from .. import data
     # the count alone (the cache's labels): every point loads the images itself
     n_train = data.train_size(cfg.data, train_subset=cfg.train_subset, test_subset=cfg.test_subset,
                               seed=cfg.seed, image_size=cfg.image_size)

@@ -26,16 +26,16 @@ from dataclasses import dataclass, fields, replace
 
 from .. import slurm
 from ..config import Config
-from ..engine import checkpoint
 from ..files import save_json
-from .points import _clear_point, _load_json, finished_run
+# .points and ..engine.checkpoint load torch (seconds): imported where a point is read, so that
+# check() refuses bad input at once
 
 __all__ = ["Options", "Stopped", "check", "job_config", "point_script", "dry_run", "run_points", "STATE_FILE"]
 
 STATE_FILE = "slurm.json"
 # A job that ended for one of these reasons was healthy: continued from its last checkpoint on --resume.
 CONTINUABLE = ("TIMEOUT", "PREEMPTED", "NODE_FAIL", "DEADLINE")
-POLL_S = 2.0  # between two looks at the queue
+POLL_S = 1.0  # between two looks at the queue
 LOG_LINES = 8  # of a failed job's log, in its report
 
 
@@ -131,6 +131,7 @@ def point_script(cfg: Config, p: int, out: str, opts: Options, rpn: int, resume:
 # the study's state on disk: <out>/slurm.json
 # ----------------------------------------------------------------------------------------------
 def _load_state(out: str) -> dict:
+    from .points import _load_json
     try:
         st = _load_json(os.path.join(out, STATE_FILE))
         return st if isinstance(st, dict) and isinstance(st.get("points"), dict) else {"points": {}}
@@ -143,12 +144,14 @@ def _save_state(out: str, st: dict) -> None:
 
 
 def _finished(cfg: Config, out: str, p: int) -> dict | None:
+    from .points import finished_run
     return finished_run(os.path.join(out, f"np{p}", "result.json"), p, replace(cfg, out=point_dir(out, p)),
                         False)
 
 
 def _plan(cfg: Config, nps, out: str, resume: bool, log) -> dict:
     """np -> ("kept", result) | ("wait", job) | ("submit", resume checkpoint or "")."""
+    from ..engine import checkpoint
     st = _load_state(out) if resume else {"points": {}}
     recorded = {p: st["points"].get(str(p)) for p in nps}
     now = slurm.states([r["job"] for r in recorded.values() if r]) if resume else {}
@@ -222,6 +225,7 @@ def run_points(cfg: Config, nps, out: str, opts: Options, rpn: int, *, resume: b
                 continue
             d = point_dir(out, p)
             if not arg:
+                from .points import _clear_point
                 _clear_point(d)
             os.makedirs(d, exist_ok=True)
             script = os.path.join(d, "job.sbatch")
