@@ -264,6 +264,23 @@ def test_a_point_cancelled_from_outside_is_reported_and_resume_reruns_only_it(tb
     assert _squeue(tb).strip() == ""
 
 
+def test_ctrl_c_cancels_the_studys_jobs_and_says_how_to_resume(tb, tmp_path):
+    out = tmp_path / "c"
+    cmd = [*STUDY, "--nps", "1,2", "--baseline", "1", *BATCH, "--out", str(out)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                          env=tb.env(mpi_env())) as proc:
+        ids = [_job_of(out, 1), _job_of(out, 2)]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    line = [ln for ln in err.splitlines() if ln.startswith("pilab: scale interrupted")]
+    assert line == [f"pilab: scale interrupted; cancelled job {ids[0]} (np=1), job {ids[1]} (np=2); the same "
+                    "command with --resume submits the unfinished points again and keeps the finished ones"], err
+    p = subprocess.run(["squeue", "-h", "--states=all", "-j", ",".join(ids), "-o", "%T"], capture_output=True,
+                       text=True, env=tb.env(), timeout=30)
+    assert p.stdout.split() == ["CANCELLED", "CANCELLED"], p.stdout + p.stderr
+
+
 def _ranks_of(point_dir: str) -> list[int]:
     """Pids of the processes of a point's job (the train front, mpiexec, the ranks): their command line
     names the point's --out."""
