@@ -150,7 +150,7 @@ def _finished(cfg: Config, out: str, p: int) -> dict | None:
 
 
 def _plan(cfg: Config, nps, out: str, resume: bool, log) -> dict:
-    """np -> ("kept", result) | ("wait", job) | ("submit", resume checkpoint or "")."""
+    """np -> ("kept", result) | ("wait", job) | ("submit", resume checkpoint or "" [, why again])."""
     from ..engine import checkpoint
     st = _load_state(out) if resume else {"points": {}}
     recorded = {p: st["points"].get(str(p)) for p in nps}
@@ -169,17 +169,19 @@ def _plan(cfg: Config, nps, out: str, resume: bool, log) -> dict:
             ended = job.state if job is not None and job.state != "UNKNOWN" else (rec or {}).get("state", "")
             ck = checkpoint.latest(point_dir(out, p))
             cont = ck if ended in CONTINUABLE and ck else ""
-            if rec:
-                log(f"  np={p:<3} job {rec['job']} ended {ended or 'UNKNOWN'}: submitting it again"
-                    + (f", continued from {os.path.relpath(ck)}" if cont else ""))
             plan[p] = ("submit", cont)
+            if rec:  # said as it is submitted again (run_points), or as it would be (dry_run)
+                plan[p] += (f"job {rec['job']} ended {ended or 'UNKNOWN'}: submitting it again"
+                            + (f", continued from {os.path.relpath(ck)}" if cont else ""),)
     return plan
 
 
 def dry_run(cfg: Config, nps, out: str, opts: Options, rpn: int, *, resume: bool, log) -> None:
     """Print the script of every point that would be submitted; submit and write nothing."""
-    for p, (what, arg) in _plan(cfg, nps, out, resume, log).items():
+    for p, (what, arg, *why) in _plan(cfg, nps, out, resume, log).items():
         if what == "submit":
+            for line in why:
+                log(f"  np={p:<3} {line}")
             print(f"# ---- {os.path.join(point_dir(out, p), 'job.sbatch')} (not submitted: --dry-run)")
             print(point_script(cfg, p, out, opts, rpn, arg), end="")
         else:
@@ -215,7 +217,9 @@ def run_points(cfg: Config, nps, out: str, opts: Options, rpn: int, *, resume: b
     st.update(partition=opts.partition, time=opts.time, ranks_per_node=rpn)
     runs, jobs = {}, {}
     try:
-        for p, (what, arg) in _plan(cfg, nps, out, resume, log).items():
+        for p, (what, arg, *why) in _plan(cfg, nps, out, resume, log).items():
+            for line in why:
+                log(f"  np={p:<3} {line}")
             if what == "kept":
                 runs[p] = arg
                 log(f"  np={p:<3} kept: finished earlier")
