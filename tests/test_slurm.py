@@ -281,6 +281,26 @@ def test_ctrl_c_cancels_the_studys_jobs_and_says_how_to_resume(tb, tmp_path):
     assert p.stdout.split() == ["CANCELLED", "CANCELLED"], p.stdout + p.stderr
 
 
+def test_the_study_process_gone_its_jobs_run_on_and_resume_waits_for_them(tb, tmp_path):
+    out = tmp_path / "h"
+    cmd = [*STUDY, "--nps", "1,2", "--baseline", "1", *BATCH, "--out", str(out)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                          env=tb.env(mpi_env())) as proc:
+        ids = [_job_of(out, 1), _job_of(out, 2)]
+        proc.kill()  # the login session gone, and the study's process with it: no chance to clean up
+        proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    # a new study over it, while its jobs run, is refused: they would write into the same points
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=tb.env(mpi_env()), timeout=120)
+    assert again.returncode == 2 and "still run; the same command with --resume waits for them" in again.stderr
+    resumed = _study(tb, [*cmd, "--resume"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "submitted" not in resumed.stderr and f"job {ids[1]} is still" in resumed.stderr
+    jobs = _jobs(out)
+    assert [jobs["1"]["job"], jobs["2"]["job"]] == ids and all(not j["earlier"] for j in jobs.values())
+    assert json.loads((out / "study.json").read_text())["complete"] is True
+
+
 def _ranks_of(point_dir: str) -> list[int]:
     """Pids of the processes of a point's job (the train front, mpiexec, the ranks): their command line
     names the point's --out."""

@@ -141,6 +141,7 @@ def _batch_options(args, cfg, nps):
     cfg = replace(cfg, threads=cfg.threads or 1)  # a job's rank has the CPUs it asked for
     opts = batch.Options(args.partition, args.time_limit, args.ranks_per_node, tuple(args.sbatch))
     part = batch.check(opts, cfg, nps)
+    batch.check_out(cfg.out, args.resume_study)
     return replace(opts, ranks_per_node=part["ranks_per_node"]), batch.job_config(cfg, opts)
 
 

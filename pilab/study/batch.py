@@ -18,6 +18,7 @@ editable: ``sbatch`` it by hand and the study's ``--resume`` takes its result), 
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -30,7 +31,7 @@ from ..files import save_json
 # .points and ..engine.checkpoint load torch (seconds): imported where a point is read, so that
 # check() refuses bad input at once
 
-__all__ = ["Options", "Stopped", "check", "job_config", "point_script", "dry_run", "run_points", "STATE_FILE"]
+__all__ = ["Options", "Stopped", "check", "check_out", "job_config", "point_script", "dry_run", "run_points", "STATE_FILE"]
 
 STATE_FILE = "slurm.json"
 # A job that ended for one of these reasons was healthy: continued from its last checkpoint on --resume.
@@ -84,6 +85,18 @@ def check(opts: Options, cfg: Config, nps) -> dict:
     return {**part, "ranks_per_node": rpn}
 
 
+def check_out(out: str, resume: bool) -> None:
+    """SlurmError where ``out`` holds a batch study whose jobs still run and ``resume`` is not asked: a
+    new study there would write into the same point directories as they do."""
+    if resume or not out:
+        return
+    recorded = [r["job"] for r in _load_state(out)["points"].values() if r.get("job")]
+    live = [j for j, job in slurm.states(recorded).items() if job.active] if recorded else []
+    if live:
+        raise slurm.SlurmError(f"--out {out} holds a batch study whose job(s) {', '.join(live)} still run; the "
+                               f"same command with --resume waits for them, or `scancel {' '.join(live)}` first")
+
+
 def job_config(cfg: Config, opts: Options) -> Config:
     """``cfg`` as a point's job trains it: train's default checkpoint interval (-1: 10 minutes on more
     than one node) becomes half the job's time limit where that is shorter, so a job stopped at its
@@ -131,9 +144,9 @@ def point_script(cfg: Config, p: int, out: str, opts: Options, rpn: int, resume:
 # the study's state on disk: <out>/slurm.json
 # ----------------------------------------------------------------------------------------------
 def _load_state(out: str) -> dict:
-    from .points import _load_json
     try:
-        st = _load_json(os.path.join(out, STATE_FILE))
+        with open(os.path.join(out, STATE_FILE)) as f:
+            st = json.load(f)
         return st if isinstance(st, dict) and isinstance(st.get("points"), dict) else {"points": {}}
     except (OSError, ValueError):
         return {"points": {}}
