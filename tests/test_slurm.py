@@ -301,6 +301,29 @@ def test_the_study_process_gone_its_jobs_run_on_and_resume_waits_for_them(tb, tm
     assert json.loads((out / "study.json").read_text())["complete"] is True
 
 
+def test_remedies_as_slurm_jobs_equals_the_search_run_here(tb, tmp_path):
+    """remedies --launcher slurm: the np=1 reference and each candidate one single-process job (the
+    simulator); the search then keeps them all, and its numbers are those of the search run here."""
+    args = [sys.executable, "-m", "pilab", "remedies", "--np", "4", "--only", "baseline,linear lr",
+            "--target", "none", *[a for a in TINY if a != "--quiet"]]
+    sl = _study(tb, [*args, *BATCH, "--out", str(tmp_path / "slurm")], tmp_path)
+    assert sl.returncode == 0, sl.stderr[-3000:]
+    jobs = _jobs(tmp_path / "slurm")
+    assert sorted(jobs) == ["baseline", "linear-lr", "reference"], jobs
+    assert all(j["state"] == "COMPLETED" for j in jobs.values())
+    script = (tmp_path / "slurm" / "linear-lr" / "job.sbatch").read_text()
+    assert "#SBATCH --ntasks=1\n" in script and "-m pilab simulate --np 4 --quiet" in script
+    assert "--lr-scaling linear" in script
+    here = _study(tb, [*args, "--out", str(tmp_path / "here")], tmp_path)
+    assert here.returncode == 0, here.stderr[-3000:]
+    a = json.loads((tmp_path / "slurm" / "remedies.json").read_text())
+    b = json.loads((tmp_path / "here" / "remedies.json").read_text())
+    assert a["reference_acc"] == b["reference_acc"]
+    assert [(r["label"], r["final_test_acc"], r["kept"]) for r in a["candidates"]] == \
+        [("baseline", b["candidates"][0]["final_test_acc"], "kept from the earlier search"),
+         ("linear lr", b["candidates"][1]["final_test_acc"], "kept from the earlier search")]
+
+
 def _ranks_of(point_dir: str) -> list[int]:
     """Pids of the processes of a point's job (the train front, mpiexec, the ranks): their command line
     names the point's --out."""

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from ..config import ConfigError
 from ..engine.signals import exit_code_for, sigterm_as_interrupt
-from .common import UsageError, add_config_arguments, config_from_args, ints
+from .common import UsageError, add_batch_arguments, add_config_arguments, batch_options, config_from_args, ints
 
 
 
@@ -48,19 +48,7 @@ def add_parser(sub) -> None:
                         "/ cluster JSON (default: pi4b_cluster; this machine's times are shown beside it)")
     p.add_argument("--hostfile", default=None, help="MPI hostfile for the measured runs (Pi cluster)")
     p.add_argument("--mpiexec", default=None, help="launcher (default: next to this Python, then PATH)")
-    p.add_argument("--launcher", choices=("mpiexec", "slurm"), default="mpiexec",
-                   help="how the measured points run: mpiexec from this shell (the default), or slurm: each "
-                        "point one sbatch job (<out>/np<p>/job.sbatch), the queue shown while it waits")
-    p.add_argument("--partition", default=None, help="--launcher slurm: the partition (sinfo lists them)")
-    p.add_argument("--time", dest="time_limit", default=None,
-                   help="--launcher slurm: each point's time limit as sbatch takes it (30, 01:30:00)")
-    p.add_argument("--ranks-per-node", type=int, default=0,
-                   help="--launcher slurm: ranks on each node (default: the partition's CPUs per node / "
-                        "--threads); a point asks for ceil(np / this) nodes")
-    p.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
-                   help="--launcher slurm: one more #SBATCH line for every point, e.g. --sbatch=--account=proj")
-    p.add_argument("--dry-run", action="store_true",
-                   help="--launcher slurm: print each point's batch script; submit and write nothing")
+    add_batch_arguments(p, "each measured point")
     p.add_argument("--resume", dest="resume_study", action="store_true",
                    help="continue the interrupted study in --out: keep its finished np points, run only "
                         "the missing ones")
@@ -122,27 +110,12 @@ def _batch_progress(ev) -> None:
 
 
 def _batch_options(args, cfg, nps):
-    """(batch.Options, cfg with threads per rank fixed) for --launcher slurm after Slurm's checks; (None,
-    cfg) for mpiexec, where the Slurm-only flags are refused."""
-    from ..study import batch
-    slurm_only = [f for f, v in (("--partition", args.partition), ("--time", args.time_limit),
-                                 ("--dry-run", args.dry_run), ("--sbatch", args.sbatch),
-                                 ("--ranks-per-node", args.ranks_per_node)) if v]
-    if args.launcher != "slurm":
-        if slurm_only:
-            raise UsageError(f"{slurm_only[0]} is for --launcher slurm; add it, or leave {slurm_only[0]} out")
-        return None, cfg
-    if not args.partition or not args.time_limit:
-        raise UsageError("--launcher slurm needs --partition P and --time T (sinfo lists the partitions)")
-    if args.hostfile:
+    """(batch.Options, the jobs' cfg) for --launcher slurm after Slurm's checks; (None, cfg) for mpiexec."""
+    if args.launcher == "slurm" and args.hostfile:
         raise UsageError("--hostfile is for --launcher mpiexec; Slurm places a batch point's ranks itself")
-    if not nps:
+    if args.launcher == "slurm" and not nps:
         raise UsageError("--launcher slurm submits the measured points, and --nps is empty; give --nps")
-    cfg = replace(cfg, threads=cfg.threads or 1)  # a job's rank has the CPUs it asked for
-    opts = batch.Options(args.partition, args.time_limit, args.ranks_per_node, tuple(args.sbatch))
-    part = batch.check(opts, cfg, nps)
-    batch.check_out(cfg.out, args.resume_study)
-    return replace(opts, ranks_per_node=part["ranks_per_node"]), batch.job_config(cfg, opts)
+    return batch_options(args, cfg, nps, resume=args.resume_study)
 
 
 def _run_batch(cfg, args, opts, nps, sims, criteria, argv) -> int:
@@ -156,7 +129,8 @@ def _run_batch(cfg, args, opts, nps, sims, criteria, argv) -> int:
         raise UsageError("--launcher slurm keeps the study's state in --out; give --out DIR")
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     if args.dry_run:
-        batch.dry_run(cfg, nps, out, opts, opts.ranks_per_node, resume=args.resume_study, log=log)
+        batch.dry_run(batch.scale_points(cfg, nps, out, opts, opts.ranks_per_node), out,
+                      resume=args.resume_study, log=log)
         if sims:
             log(f"then simulated np {sims} here, and the study in {out}")
         return 0
@@ -166,23 +140,24 @@ def _run_batch(cfg, args, opts, nps, sims, criteria, argv) -> int:
     t0 = time.time()
     try:
         with sigterm_as_interrupt():
-            runs, failed = batch.run_points(cfg, nps, out, opts, opts.ranks_per_node,
-                                            resume=args.resume_study, log=log)
+            done, failed = batch.run_points(batch.scale_points(cfg, nps, out, opts, opts.ranks_per_node), out,
+                                            opts, resume=args.resume_study, log=log)
+        runs = {int(i): r for i, r in sorted(done.items(), key=lambda kv: int(kv[0]))}
     except batch.Stopped as e:
-        what = ", ".join(f"job {j} (np={p})" for p, j in e.cancelled) or "no job (none was queued)"
+        what = ", ".join(f"job {j} ({name})" for name, j in e.cancelled) or "no job (none was queued)"
         log(f"pilab: scale interrupted; cancelled {what}; the same command with --resume submits "
             "the unfinished points again and keeps the finished ones")
         cause = e.cause
         return exit_code_for(15 if cause.args and cause.args[0] == "SIGTERM" else 2)
     if failed:
         for f in failed:
-            log(f"pilab: np={f['np']}: job {f['job']} ended {f['state']}; the end of its log:\n{f['log']}")
+            log(f"pilab: {f['name']}: job {f['job']} ended {f['state']}; the end of its log:\n{f['log']}")
         partial = _partial_study(cfg, criteria, nps, sims, runs, sorted(runs), t0, command,
                                  RuntimeError(f"{len(failed)} point(s) failed"))
-        partial["slurm_failed"] = [{k: f[k] for k in ("np", "job", "state")} for f in failed]
+        partial["slurm_failed"] = [{"np": int(f["id"]), "job": f["job"], "state": f["state"]} for f in failed]
         report.write_partial(partial, out)
         log(f"pilab: scale finished np {sorted(runs)}; failed "
-            + ", ".join(f"np={f['np']} (job {f['job']} {f['state']})" for f in failed)
+            + ", ".join(f"{f['name']} (job {f['job']} {f['state']})" for f in failed)
             + "; the same command with --resume submits only those again")
         return 1
     try:

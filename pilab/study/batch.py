@@ -9,7 +9,8 @@ each ends, the study's state on disk so that ``--resume`` picks up after the she
     from pilab.study import batch
     opts = batch.Options(partition="pi", time="20")
     batch.check(opts, cfg, [2, 4, 8])                      # SlurmError on bad input, before anything is written
-    runs, failed = batch.run_points(cfg, [2, 4, 8], "runs/s", opts, resume=False, log=print)
+    points = batch.scale_points(cfg, [2, 4, 8], "runs/s", opts, rpn=2)
+    runs, failed = batch.run_points(points, "runs/s", opts, resume=False, log=print)   # by point id "2" ...
 
 One job per point rather than a job array: the points ask for different numbers of nodes and tasks, and
 an array's tasks all share one request. Each point's script is ``<out>/np<p>/job.sbatch`` (kept, plain,
@@ -24,6 +25,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, fields, replace
+from typing import Callable, Optional
 
 from .. import slurm
 from ..config import Config
@@ -31,7 +33,8 @@ from ..files import save_json
 # .points and ..engine.checkpoint load torch (seconds): imported where a point is read, so that
 # check() refuses bad input at once
 
-__all__ = ["Options", "Stopped", "check", "check_out", "job_config", "point_script", "dry_run", "run_points", "STATE_FILE"]
+__all__ = ["Options", "Stopped", "Point", "check", "check_out", "job_config", "scale_points", "point_script",
+           "pilab_argv", "dry_run", "run_points", "STATE_FILE"]
 
 STATE_FILE = "slurm.json"
 # A job that ended for one of these reasons was healthy: continued from its last checkpoint on --resume.
@@ -49,7 +52,7 @@ class Options:
 
 
 class Stopped(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM while waiting: the study's active jobs were cancelled (``cancelled``: [(np, job)])."""
+    """Ctrl-C or SIGTERM while waiting: the study's active jobs were cancelled (``cancelled``: [(name, job)])."""
 
     def __init__(self, cancelled, cause: BaseException):
         super().__init__("interrupted")
@@ -106,11 +109,12 @@ def job_config(cfg: Config, opts: Options) -> Config:
     return replace(cfg, checkpoint_minutes=min(10.0, slurm.time_seconds(opts.time) / 120))
 
 
-def _train_argv(cfg: Config, np_: int, out: str, resume: str = "") -> list[str]:
-    """``python -m pilab train --np P --quiet --out OUT`` with every setting that differs from train's
-    defaults, so the script shows what the point trains (and train's own checks run in the job)."""
+def pilab_argv(command: str, cfg: Config, np_: int, out: str, resume: str = "") -> list[str]:
+    """``python -m pilab COMMAND --np P --quiet --out OUT`` (train or simulate) with every setting that
+    differs from the command's defaults, so the script shows what the point runs (and the command's
+    own checks run in the job)."""
     base, mine = Config().to_dict(), replace(cfg, out=out, resume=resume).to_dict()
-    argv = [sys.executable, "-m", "pilab", "train", "--np", str(np_), "--quiet"]
+    argv = [sys.executable, "-m", "pilab", command, "--np", str(np_), "--quiet"]
     for f in fields(Config):
         v = mine[f.name]
         if v == base[f.name] and f.name != "out":
@@ -123,21 +127,91 @@ def _train_argv(cfg: Config, np_: int, out: str, resume: str = "") -> list[str]:
     return argv
 
 
+@dataclass(frozen=True)
+class Point:
+    """One job of a batch study: ``id`` its key in slurm.json, ``name`` what the lines call it, ``dir``
+    where its job writes (absolute), ``script(resume)`` its job.sbatch (continued from checkpoint
+    ``resume``, "" from the start), ``finished()`` its result where it ran to the end, else None."""
+    id: str
+    name: str
+    dir: str
+    script: Callable[[str], str]
+    finished: Callable[[], Optional[dict]]
+
+
 def point_dir(out: str, p: int) -> str:
     return os.path.abspath(os.path.join(out, f"np{p}"))
 
 
+def scale_points(cfg: Config, nps, out: str, opts: Options, rpn: int) -> list[Point]:
+    """A scaling study's measured points: ``np<p>`` each, ``train --np p`` on ``ceil(p / rpn)`` nodes
+    filled in order, as a hostfile of ``rpn`` slots per host would place the ranks (the same placement
+    gives the same per-step losses)."""
+    def point(p: int) -> Point:
+        d = point_dir(out, p)
+
+        def script(resume: str) -> str:
+            per_node = min(p, rpn)
+            why = f"pilab scale: the np={p} point of the study in {os.path.abspath(out)}" + \
+                (f", continued from {os.path.basename(resume)}" if resume else "")
+            return slurm.job_script(pilab_argv("train", cfg, p, d, resume), name=f"pilab-np{p}",
+                                    partition=opts.partition, time=opts.time, nodes=math.ceil(p / per_node),
+                                    ntasks=p, ntasks_per_node=per_node, cpus_per_task=_threads(cfg),
+                                    log=os.path.join(d, "slurm-%j.log"), chdir=os.getcwd(),
+                                    options=list(opts.options), comment=why)
+
+        def finished():
+            from .points import finished_run
+            return finished_run(os.path.join(d, "result.json"), p, replace(cfg, out=d), False)
+        return Point(str(p), f"np={p}", d, script, finished)
+    return [point(p) for p in nps]
+
+
+def remedies_points(cfg: Config, np_: int, candidates, only, recipes_of, opts: Options, *,
+                    reference: bool) -> list[Point]:
+    """A remedies search's runs: each candidate ``simulate --np np_`` in ``<out>/<its slug>`` (where the
+    search keeps it), and the np=1 reference in ``<out>/reference`` where ``reference``; one process a
+    job (the simulator runs its np ranks in one process)."""
+    from . import remedies
+    defined_at = recipes_of or np_
+    cands = remedies._chosen((candidates or remedies.default_candidates)(cfg, defined_at), only, defined_at)
+    sim_cfg = replace(cfg, out="")
+
+    def point(pid: str, name: str, c: Config, p: int) -> Point:
+        d = os.path.abspath(os.path.join(cfg.out, pid))
+
+        def script(resume: str) -> str:
+            why = f"pilab remedies: {name} at np={p}, of the search in {os.path.abspath(cfg.out)}"
+            return slurm.job_script(pilab_argv("simulate", c, p, d, resume), name=f"pilab-{pid}"[:40],
+                                    partition=opts.partition, time=opts.time, nodes=1, ntasks=1,
+                                    ntasks_per_node=1, cpus_per_task=_threads(cfg),
+                                    log=os.path.join(d, "slurm-%j.log"), chdir=os.getcwd(),
+                                    options=list(opts.options), comment=why)
+
+        def finished():
+            from .points import finished_run
+            return finished_run(os.path.join(d, "result.json"), p, replace(c, out=d), True)
+        return Point(pid, name, d, script, finished)
+    points = [point("reference", "reference np=1", sim_cfg, 1)] if reference else []
+    return points + [point(remedies.slug(label), label, replace(sim_cfg, **changes), np_)
+                     for label, changes in cands if _fits(replace(sim_cfg, **changes), np_)]
+
+
+def _fits(c: Config, np_: int) -> bool:
+    """Whether a candidate can run at ``np_`` (the search reports the others as skipped, with why)."""
+    from ..config import ConfigError
+    from .. import data
+    try:
+        c.check_world(np_, data.train_size(c.data, train_subset=c.train_subset, test_subset=c.test_subset,
+                                           seed=c.seed, image_size=c.image_size))
+    except ConfigError:
+        return False
+    return True
+
+
 def point_script(cfg: Config, p: int, out: str, opts: Options, rpn: int, resume: str = "") -> str:
-    """The batch script of np point ``p``: ``ceil(p / rpn)`` nodes filled in order, as a hostfile of
-    ``rpn`` slots per host would place the ranks (the same placement gives the same per-step losses)."""
-    d = point_dir(out, p)
-    per_node = min(p, rpn)
-    why = f"pilab scale: the np={p} point of the study in {os.path.abspath(out)}" + \
-        (f", continued from {os.path.basename(resume)}" if resume else "")
-    return slurm.job_script(_train_argv(cfg, p, d, resume), name=f"pilab-np{p}", partition=opts.partition,
-                            time=opts.time, nodes=math.ceil(p / per_node), ntasks=p, ntasks_per_node=per_node,
-                            cpus_per_task=_threads(cfg), log=os.path.join(d, "slurm-%j.log"),
-                            chdir=os.getcwd(), options=list(opts.options), comment=why)
+    """The batch script of the scaling study's np point ``p`` (:func:`scale_points`)."""
+    return scale_points(cfg, [p], out, opts, rpn)[0].script(resume)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,49 +230,45 @@ def _save_state(out: str, st: dict) -> None:
     save_json(st, os.path.join(out, STATE_FILE))
 
 
-def _finished(cfg: Config, out: str, p: int) -> dict | None:
-    from .points import finished_run
-    return finished_run(os.path.join(out, f"np{p}", "result.json"), p, replace(cfg, out=point_dir(out, p)),
-                        False)
-
-
-def _plan(cfg: Config, nps, out: str, resume: bool, log) -> dict:
-    """np -> ("kept", result) | ("wait", job) | ("submit", resume checkpoint or "" [, why again])."""
+def _plan(points: list, out: str, resume: bool, log) -> dict:
+    """point id -> ("kept", result) | ("wait", job) | ("submit", resume checkpoint or "" [, why again])."""
     from ..engine import checkpoint
     st = _load_state(out) if resume else {"points": {}}
-    recorded = {p: st["points"].get(str(p)) for p in nps}
+    recorded = {pt.id: st["points"].get(pt.id) for pt in points}
     now = slurm.states([r["job"] for r in recorded.values() if r]) if resume else {}
     plan = {}
-    for p in nps:
-        done = _finished(cfg, out, p) if resume else None
-        rec = recorded[p]
+    for pt in points:
+        done = pt.finished() if resume else None
+        rec = recorded[pt.id]
         job = now.get(rec["job"]) if rec else None
         if done is not None:
-            plan[p] = ("kept", done)
+            plan[pt.id] = ("kept", done)
         elif job is not None and job.active:
-            plan[p] = ("wait", rec["job"])
-            log(f"  np={p:<3} job {rec['job']} is still {job.state}: waiting for it")
+            plan[pt.id] = ("wait", rec["job"])
+            log(f"  {pt.name:<6} job {rec['job']} is still {job.state}: waiting for it")
         else:
             ended = job.state if job is not None and job.state != "UNKNOWN" else (rec or {}).get("state", "")
-            ck = checkpoint.latest(point_dir(out, p))
+            ck = checkpoint.latest(pt.dir)
             cont = ck if ended in CONTINUABLE and ck else ""
-            plan[p] = ("submit", cont)
+            plan[pt.id] = ("submit", cont)
             if rec:  # said as it is submitted again (run_points), or as it would be (dry_run)
-                plan[p] += (f"job {rec['job']} ended {ended or 'UNKNOWN'}: submitting it again"
-                            + (f", continued from {os.path.relpath(ck)}" if cont else ""),)
+                plan[pt.id] += (f"job {rec['job']} ended {ended or 'UNKNOWN'}: submitting it again"
+                                + (f", continued from {os.path.relpath(ck)}" if cont else ""),)
     return plan
 
 
-def dry_run(cfg: Config, nps, out: str, opts: Options, rpn: int, *, resume: bool, log) -> None:
+def dry_run(points: list, out: str, *, resume: bool, log) -> None:
     """Print the script of every point that would be submitted; submit and write nothing."""
-    for p, (what, arg, *why) in _plan(cfg, nps, out, resume, log).items():
+    plan = _plan(points, out, resume, log)
+    for pt in points:
+        what, arg, *why = plan[pt.id]
         if what == "submit":
             for line in why:
-                log(f"  np={p:<3} {line}")
-            print(f"# ---- {os.path.join(point_dir(out, p), 'job.sbatch')} (not submitted: --dry-run)")
-            print(point_script(cfg, p, out, opts, rpn, arg), end="")
+                log(f"  {pt.name:<6} {line}")
+            print(f"# ---- {os.path.join(pt.dir, 'job.sbatch')} (not submitted: --dry-run)")
+            print(pt.script(arg), end="")
         else:
-            log(f"  np={p:<3} {'kept: finished earlier' if what == 'kept' else f'job {arg} still queued'}")
+            log(f"  {pt.name:<6} {'kept: finished earlier' if what == 'kept' else f'job {arg} still queued'}")
 
 
 def _describe(job: slurm.Job) -> str:
@@ -209,8 +279,8 @@ def _describe(job: slurm.Job) -> str:
     return "done" if job.state == slurm.ENDED_OK else job.state
 
 
-def _log_tail(out: str, p: int, job: str) -> str:
-    path = os.path.join(point_dir(out, p), f"slurm-{job}.log")
+def _log_tail(pt: Point, job: str) -> str:
+    path = os.path.join(pt.dir, f"slurm-{job}.log")
     try:
         with open(path, errors="replace") as f:
             lines = [ln.rstrip() for ln in f.read().splitlines() if ln.strip()]
@@ -219,82 +289,91 @@ def _log_tail(out: str, p: int, job: str) -> str:
     return "\n".join(f"    | {ln}" for ln in lines[-LOG_LINES:]) or f"    ({path} is empty)"
 
 
-def run_points(cfg: Config, nps, out: str, opts: Options, rpn: int, *, resume: bool, log,
+def _submit(pt: Point, resume_from: str, st: dict, out: str, log) -> str:
+    """Write the point's job.sbatch and submit it; record the job in slurm.json."""
+    if not resume_from:
+        from .points import _clear_point
+        _clear_point(pt.dir)
+    os.makedirs(pt.dir, exist_ok=True)
+    script = os.path.join(pt.dir, "job.sbatch")
+    with open(script, "w") as f:
+        f.write(pt.script(resume_from))
+    job = slurm.submit(script)
+    rec = st["points"].get(pt.id) or {"earlier": []}
+    if rec.get("job"):
+        rec["earlier"] = [*rec.get("earlier", []), rec["job"]]
+    st["points"][pt.id] = {**rec, "job": job, "state": "SUBMITTED", "script": os.path.relpath(script, out),
+                           "resumed_from": resume_from or None}
+    _save_state(out, st)
+    log(f"  {pt.name:<6} submitted {os.path.relpath(script)} as job {job}")
+    return job
+
+
+def run_points(points: list, out: str, opts: Options, *, resume: bool, log,
                poll_s: float = POLL_S) -> tuple[dict, list]:
-    """Submit (or, with ``resume``, keep / wait for / submit again) every measured point and wait until
-    each job ends, printing each point's queue state as it changes. Returns ``(runs, failed)``: np ->
-    result of the finished points, and ``[{"np", "job", "state", "log"}]`` of the others. Ctrl-C or
-    SIGTERM (as KeyboardInterrupt) cancels the study's active jobs and raises :class:`Stopped`."""
+    """Submit (or, with ``resume``, keep / wait for / submit again) every point and wait until each job
+    ends, printing each point's queue state as it changes. Returns ``(runs, failed)``: point id ->
+    result of the finished points, and ``[{"id", "name", "job", "state", "log"}]`` of the others. Ctrl-C
+    or SIGTERM (as KeyboardInterrupt) cancels the study's active jobs and raises :class:`Stopped`."""
     os.makedirs(out, exist_ok=True)
     st = _load_state(out) if resume else {"points": {}}
-    st.update(partition=opts.partition, time=opts.time, ranks_per_node=rpn)
+    st.update(partition=opts.partition, time=opts.time, ranks_per_node=opts.ranks_per_node)
+    by_id = {pt.id: pt for pt in points}
     runs, jobs = {}, {}
     try:
-        for p, (what, arg, *why) in _plan(cfg, nps, out, resume, log).items():
+        plan = _plan(points, out, resume, log)
+        for pt in points:
+            what, arg, *why = plan[pt.id]
             for line in why:
-                log(f"  np={p:<3} {line}")
+                log(f"  {pt.name:<6} {line}")
             if what == "kept":
-                runs[p] = arg
-                log(f"  np={p:<3} kept: finished earlier")
-                continue
-            if what == "wait":
-                jobs[p] = arg
-                continue
-            d = point_dir(out, p)
-            if not arg:
-                from .points import _clear_point
-                _clear_point(d)
-            os.makedirs(d, exist_ok=True)
-            script = os.path.join(d, "job.sbatch")
-            with open(script, "w") as f:
-                f.write(point_script(cfg, p, out, opts, rpn, arg))
-            jobs[p] = slurm.submit(script)
-            rec = st["points"].get(str(p)) or {"earlier": []}
-            if rec.get("job"):
-                rec["earlier"] = [*rec.get("earlier", []), rec["job"]]
-            st["points"][str(p)] = {**rec, "job": jobs[p], "state": "SUBMITTED",
-                                    "script": os.path.relpath(script, out), "resumed_from": arg or None}
-            _save_state(out, st)
-            log(f"  np={p:<3} submitted {os.path.relpath(script)} as job {jobs[p]}")
-        ended = _wait(cfg, jobs, st, out, log, poll_s)
+                runs[pt.id] = arg
+                log(f"  {pt.name:<6} kept: finished earlier")
+            elif what == "wait":
+                jobs[pt.id] = arg
+            else:
+                jobs[pt.id] = _submit(pt, arg, st, out, log)
+        ended = _wait(by_id, jobs, st, out, log, poll_s)
     except KeyboardInterrupt as e:
         now = slurm.states(jobs.values()) if jobs else {}
-        live = [(p, j) for p, j in jobs.items() if now[j].active or now[j].state == "UNKNOWN"]
+        live = [(i, j) for i, j in jobs.items() if now[j].active or now[j].state == "UNKNOWN"]
         slurm.cancel([j for _, j in live])
-        for p, j in live:
-            st["points"][str(p)]["state"] = "CANCELLED"
+        for i, _ in live:
+            st["points"][i]["state"] = "CANCELLED"
         _save_state(out, st)
-        raise Stopped(sorted(live), e) from None
+        raise Stopped([(by_id[i].name, j) for i, j in live], e) from None
     failed = []
-    for p, job in ended.items():
-        res = _finished(cfg, out, p)
+    for i, job in ended.items():
+        res = by_id[i].finished()
         if job.state == slurm.ENDED_OK and res is not None:
-            runs[p] = res
+            runs[i] = res
             continue
         state = job.state if job.state != slurm.ENDED_OK else "COMPLETED without a finished result.json"
-        failed.append({"np": p, "job": job.id, "state": state, "log": _log_tail(out, p, job.id)})
-    return dict(sorted(runs.items())), failed
+        failed.append({"id": i, "name": by_id[i].name, "job": job.id, "state": state,
+                       "log": _log_tail(by_id[i], job.id)})
+    return runs, failed
 
 
-def _wait(cfg: Config, jobs: dict, st: dict, out: str, log, poll_s: float) -> dict:
-    """Poll until every job in ``jobs`` (np -> id) has ended; np -> its final :class:`slurm.Job`. A job
-    Slurm no longer knows (purged, no accounting) is judged by its own files: a finished result.json."""
+def _wait(by_id: dict, jobs: dict, st: dict, out: str, log, poll_s: float) -> dict:
+    """Poll until every job in ``jobs`` (point id -> job id) has ended; point id -> its final
+    :class:`slurm.Job`. A job Slurm no longer knows (purged, no accounting) is judged by its own files:
+    a finished result.json."""
     shown: dict = {}
     while True:
         now = slurm.states(jobs.values()) if jobs else {}
         final = {}
-        for p, j in jobs.items():
+        for i, j in jobs.items():
             job = now[j]
             if job.state == "UNKNOWN":
-                job = slurm.Job(j, slurm.ENDED_OK if _finished(cfg, out, p) else "UNKNOWN", source="files")
+                job = slurm.Job(j, slurm.ENDED_OK if by_id[i].finished() else "UNKNOWN", source="files")
             line = _describe(job)
-            if shown.get(p) != line:
-                log(f"  np={p:<3} job {j:<6} {line}")
-                shown[p] = line
-                st["points"][str(p)]["state"] = job.state
+            if shown.get(i) != line:
+                log(f"  {by_id[i].name:<6} job {j:<6} {line}")
+                shown[i] = line
+                st["points"][i]["state"] = job.state
                 _save_state(out, st)
             if not job.active:
-                final[p] = job
+                final[i] = job
         if len(final) == len(jobs):
             return final
         time.sleep(poll_s)
