@@ -71,8 +71,9 @@ def command_line(argv: list[str]) -> str:
 
 def _as_jobs(cfg, args, opts, cands, only, target, log):
     """--launcher slurm: each candidate's simulated run (and the np=1 reference, where the search needs
-    it) as a batch job; the results the search then keeps (``known``: the reference). None after
-    --dry-run; an exit code where a job failed or the wait was interrupted."""
+    it) as a batch job. Returns (None, the results the search is given: the reference) when every job
+    finished, else (the exit code, []): 0 after --dry-run, 1 where a job failed, 130/143 interrupted."""
+    from ..engine.signals import exit_code_for, sigterm_as_interrupt
     from ..study import batch, remedies
     if args.reuse:
         raise UsageError("--reuse is for --launcher mpiexec; a batch search runs every candidate as a job")
@@ -80,23 +81,24 @@ def _as_jobs(cfg, args, opts, cands, only, target, log):
                                    reference=args.reference_acc is None or target == "this")
     if args.dry_run:
         batch.dry_run(points, cfg.out, resume=args.resume_search, log=log)
-        return None
+        return 0, []
     log(f"pilab remedies: {len(points)} job(s) at np={args.np} (partition {opts.partition}, --time {opts.time}); "
         f"writing {cfg.out}")
     try:
-        done, failed = batch.run_points(points, cfg.out, opts, resume=args.resume_search, log=log)
+        with sigterm_as_interrupt():
+            done, failed = batch.run_points(points, cfg.out, opts, resume=args.resume_search, log=log)
     except batch.Stopped as e:
         what = ", ".join(f"job {j} ({name})" for name, j in e.cancelled) or "no job (none was queued)"
         log(f"pilab: remedies interrupted; cancelled {what}; the same command with --resume submits the "
             "unfinished ones again and keeps the finished ones")
-        return 130
+        return exit_code_for(15 if e.cause.args and e.cause.args[0] == "SIGTERM" else 2), []
     for f in failed:
         log(f"pilab: {f['name']}: job {f['job']} ended {f['state']}; the end of its log:\n{f['log']}")
     if failed:
         log("pilab: remedies failed " + ", ".join(f"{f['name']} (job {f['job']} {f['state']})" for f in failed)
             + "; the same command with --resume submits only those again")
-        return 1
-    return [done["reference"]] if "reference" in done else []
+        return 1, []
+    return None, [done["reference"]] if "reference" in done else []
 
 
 def run(args, argv) -> int:
@@ -123,9 +125,9 @@ def run(args, argv) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     known = []
     if opts is not None:
-        known = _as_jobs(cfg, args, opts, cands, only, target, log)
-        if known is None or isinstance(known, int):
-            return known or 0
+        code, known = _as_jobs(cfg, args, opts, cands, only, target, log)
+        if code is not None:
+            return code
     res = remedies.search(cfg, args.np, candidates=cands, only=only, recipes_of=args.recipes_of,
                           reference_acc=args.reference_acc, calibration=target,
                           mpiexec=args.mpiexec, log=log, out=cfg.out or None,
