@@ -1,5 +1,8 @@
-"""pilab under a real Slurm (pilab.slurm): Debian's munged, slurmctld on the testbed's head namespace and
-a slurmd in each node namespace. A 2-node testbed x 2 slots serves the module and is always torn down.
+"""pilab under a real Slurm (pilab.testbed.slurm): Debian's munged, slurmctld on the testbed's head namespace
+and a slurmd in each node namespace. A 2-node testbed x 2 slots serves the module and is always torn down.
+Inside an allocation (train, doctor, notebook engines), and a study as batch jobs (scale/remedies
+--launcher slurm: pilab.slurm, pilab.study.batch), faults by real means: scancel, SIGKILL, SIGINT, SIGSTOP
+and Slurm's own time limit.
 
 Needs root, ip/tc (the testbed) and the slurmctld, slurmd and munge packages (``./lab.sh test`` installs
 them where it can): skipped with the reason elsewhere, a failure under CI=true.
