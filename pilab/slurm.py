@@ -10,7 +10,7 @@
     slurm.states(["17"])                                  # {"17": Job("17", "RUNNING", "node[01-02]", "None")}
     slurm.cancel(["17"])
 
-Where a job's state comes from: ``squeue --states=all`` (the controller's memory: pending, running, and
+Where a job's state comes from: ``squeue -u $USER --states=all`` (the controller's memory: pending, running, and
 ended jobs for ``MinJobAge`` seconds), then ``scontrol show job``, then ``sacct`` where accounting is
 configured (the testbed has none: ``AccountingStorageType=accounting_storage/none``). A job none of them
 knows any more is "UNKNOWN"; the caller then reads the job's own files. Loads nothing of pilab's.
@@ -18,6 +18,7 @@ knows any more is "UNKNOWN"; the caller then reads the job's own files. Loads no
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -144,7 +145,8 @@ def states(ids) -> dict[str, Job]:
     """Each job id's :class:`Job`, from squeue, else scontrol, else sacct; "UNKNOWN" where none knows it."""
     ids = [str(i) for i in ids]
     found: dict[str, Job] = {}
-    p = _run(["squeue", "-h", "--states=all", "-o", "%i|%T|%N|%r"])
+    # this user's jobs only (a shared cluster's queue can be long); every state, ended ones included
+    p = _run(["squeue", "-h", "-u", pwd.getpwuid(os.getuid()).pw_name, "--states=all", "-o", "%i|%T|%N|%r"])
     for line in p.stdout.splitlines():
         parts = line.strip().split("|")
         if len(parts) == 4 and parts[0] in ids:

@@ -39,7 +39,8 @@ __all__ = ["Options", "Stopped", "Point", "check", "check_out", "job_config", "s
 STATE_FILE = "slurm.json"
 # A job that ended for one of these reasons was healthy: continued from its last checkpoint on --resume.
 CONTINUABLE = ("TIMEOUT", "PREEMPTED", "NODE_FAIL", "DEADLINE")
-POLL_S = 1.0  # between two looks at the queue
+POLL_S = 1.0  # between two looks at the queue at first; slower as the wait grows (_poll_s), up to
+POLL_MAX_S = 10.0  # so that a long study does not ask a shared cluster's controller every second
 LOG_LINES = 8  # of a failed job's log, in its report
 
 
@@ -359,6 +360,7 @@ def _wait(by_id: dict, jobs: dict, st: dict, out: str, log, poll_s: float) -> di
     :class:`slurm.Job`. A job Slurm no longer knows (purged, no accounting) is judged by its own files:
     a finished result.json."""
     shown: dict = {}
+    t0 = time.monotonic()
     while True:
         now = slurm.states(jobs.values()) if jobs else {}
         final = {}
@@ -376,4 +378,4 @@ def _wait(by_id: dict, jobs: dict, st: dict, out: str, log, poll_s: float) -> di
                 final[i] = job
         if len(final) == len(jobs):
             return final
-        time.sleep(poll_s)
+        time.sleep(min(POLL_MAX_S, poll_s + (time.monotonic() - t0) / 30))
