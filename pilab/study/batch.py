@@ -1,5 +1,6 @@
-"""A study's measured points as Slurm batch jobs: one ``sbatch`` job per point, the queue watched until
-each ends, the study's state on disk so that ``--resume`` picks up after the shell is closed::
+"""A study's runs as Slurm batch jobs: one ``sbatch`` job per point (a scaling study's measured np points,
+a remedies search's reference and candidates), the queue watched until each ends, the study's state on
+disk so that ``--resume`` picks up after the shell is closed::
 
     python -m pilab scale --launcher slurm --partition pi --time 00:20:00 --nps 2,4,8 --out runs/s
     python -m pilab scale ... --dry-run        # prints each point's job.sbatch, submits nothing
@@ -15,7 +16,8 @@ each ends, the study's state on disk so that ``--resume`` picks up after the she
 One job per point rather than a job array: the points ask for different numbers of nodes and tasks, and
 an array's tasks all share one request. Each point's script is ``<out>/np<p>/job.sbatch`` (kept, plain,
 editable: ``sbatch`` it by hand and the study's ``--resume`` takes its result), its log
-``<out>/np<p>/slurm-<job>.log``; ``<out>/slurm.json`` records which job each point has.
+``<out>/np<p>/slurm-<job>.log``; ``<out>/slurm.json`` records which job each point has. A remedies
+search's points are ``<out>/reference`` and ``<out>/<candidate slug>`` (:func:`remedies_points`).
 """
 from __future__ import annotations
 
