@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 # package, named from pilab down ("study", "engine.dist"); a module belongs to the longest part that names it.
 LAYERS = {
     "hosts": -1,  # host/slot lists from a hostfile, --hosts or a Slurm allocation (no pilab imports)
-    "launch": 0, "files": 0, "embedded": 0,
+    "launch": 0, "files": 0,
+    "slurm": 0,  # Slurm's commands for batch jobs: a script, sbatch, the queue, scancel (no pilab imports) "embedded": 0,
     "engine.optim": 0, "engine.buckets": 0, "models.names": 0,
     "engine.component": 0,  # what a loop feature is: the moments the loop calls (no imports)
     "engine.noise": 0.2,  # the gradient noise scale, the batch it chooses, and the ramp as a loop feature

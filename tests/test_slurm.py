@@ -1,15 +1,23 @@
-"""pilab under a real Slurm (pilab.slurm): Debian's munged, slurmctld on the testbed's head namespace and
-a slurmd in each node namespace. A 2-node testbed x 2 slots serves the module and is always torn down.
+"""pilab under a real Slurm (pilab.testbed.slurm): Debian's munged, slurmctld on the testbed's head namespace
+and a slurmd in each node namespace. A 2-node testbed x 2 slots serves the module and is always torn down.
+Inside an allocation (train, doctor, notebook engines), and a study as batch jobs (scale/remedies
+--launcher slurm: pilab.slurm, pilab.study.batch), faults by real means: scancel, SIGKILL, SIGINT, SIGSTOP
+and Slurm's own time limit.
 
 Needs root, ip/tc (the testbed) and the slurmctld, slurmd and munge packages (``./lab.sh test`` installs
 them where it can): skipped with the reason elsewhere, a failure under CI=true.
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -25,6 +33,12 @@ NAME = "pilabs"  # neither the default testbed's name nor test_testbed's
 SUBNET = "10.83.0.0/24"
 TINY = ["--width", "0.25", "--train-subset", "256", "--test-subset", "100", "--batch-size", "16",
         "--threads", "1", "--quiet", "--epochs", "1"]
+
+
+# a study's tiny points (scale takes the training flags, not train's --quiet)
+STUDY = [sys.executable, "-m", "pilab", "scale", "--simulate-nps", "", "--target", "this",
+         *[a for a in TINY if a != "--quiet"]]
+BATCH = ["--launcher", "slurm", "--partition", "pi", "--time", "5"]
 
 
 def _need_slurm():
@@ -170,6 +184,226 @@ def test_more_ranks_than_the_allocation_or_no_srun_is_one_line_exit_2(tb, tmp_pa
                             *TINY, "--out", str(out)], tmp_path)
     assert p.returncode == 2, p.stderr
     assert "no srun on PATH" in p.stderr and not out.exists()
+
+
+def _study(tb, cmd, cwd, *, timeout=300):
+    return run_on_testbed(tb, cmd, env=tb.env(mpi_env()), timeout=timeout, cwd=cwd)
+
+
+def _per_node(hostnames: list[str]) -> list[int]:
+    """Ranks on each node in rank order: [2, 2] for node01, node01, node02, node02 (the placement's shape)."""
+    return [hostnames.count(h) for h in dict.fromkeys(hostnames)]
+
+
+def _jobs(out) -> dict:
+    with open(os.path.join(out, "slurm.json")) as f:
+        return json.load(f)["points"]
+
+
+def _job_of(out, p: int, wait_s: float = 60) -> str:
+    """The job id of point ``p`` once the study has submitted it (its slurm.json says)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if (out / "slurm.json").exists() and str(p) in _jobs(out):
+            return _jobs(out)[str(p)]["job"]
+        time.sleep(0.2)
+    raise AssertionError(f"np={p} was not submitted within {wait_s} s")
+
+
+def _squeue(tb) -> str:
+    return subprocess.run(["squeue", "-h"], capture_output=True, text=True, env=tb.env(), timeout=30).stdout
+
+
+def test_scale_as_slurm_jobs_equals_the_mpiexec_study(tb, tmp_path):
+    """Each point one sbatch job (np 1, 2, 4 on 2 nodes x 2 CPUs: np=4 waits for the others); the study's
+    numbers are the mpiexec study's, bitwise, the ranks placed alike (nodes filled in order)."""
+    from pilab.study import scaling
+    args = [*STUDY, "--nps", "1,2,4", "--baseline", "1"]
+    sl = _study(tb, [*args, *BATCH, "--out", str(tmp_path / "slurm")], tmp_path)
+    assert sl.returncode == 0, sl.stderr[-3000:]
+    for p in (1, 2, 4):
+        assert f"np={p:<3} submitted" in sl.stderr and re.search(rf"np={p} +job \d+ +RUNNING on node", sl.stderr)
+        assert re.search(rf"np={p} +job \d+ +done", sl.stderr), sl.stderr
+    script = (tmp_path / "slurm" / "np4" / "job.sbatch").read_text()
+    assert "#SBATCH --partition=pi\n#SBATCH --time=5\n#SBATCH --nodes=2\n#SBATCH --ntasks=4\n" in script
+    assert f"-m pilab train --np 4 --quiet" in script and f"--out {tmp_path}/slurm/np4" in script
+    jobs = _jobs(tmp_path / "slurm")
+    assert sorted(jobs) == ["1", "2", "4"] and all(j["state"] == "COMPLETED" for j in jobs.values())
+    assert (tmp_path / "slurm" / "np4" / f"slurm-{jobs['4']['job']}.log").exists()
+    mp = _study(tb, [*args, "--out", str(tmp_path / "mpiexec")], tmp_path)  # the testbed's hostfile
+    assert mp.returncode == 0, mp.stderr[-3000:]
+    a, b = scaling.load_study(str(tmp_path / "slurm")), scaling.load_study(str(tmp_path / "mpiexec"))
+    assert a["complete"] and [r["np"] for r in a["rows"]] == [1, 2, 4]
+    for p in ("1", "2", "4"):
+        ra, rb = a["runs"][p], b["runs"][p]
+        shape = {"1": [1], "2": [2], "4": [2, 2]}[p]  # which node does not matter, how many on each does
+        assert _per_node(ra["env"]["hostnames"]) == _per_node(rb["env"]["hostnames"]) == shape
+        assert ra["steps"]["loss"] == rb["steps"]["loss"]  # bitwise
+        assert [e["test_loss"] for e in ra["epochs"]] == [e["test_loss"] for e in rb["epochs"]]
+    assert [r["final_test_acc"] for r in a["rows"]] == [r["final_test_acc"] for r in b["rows"]]
+
+
+def test_a_point_cancelled_from_outside_is_reported_and_resume_reruns_only_it(tb, tmp_path):
+    out = tmp_path / "s"
+    cmd = [*STUDY, "--nps", "1,2", "--baseline", "1", *BATCH, "--out", str(out)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                          env=tb.env(mpi_env())) as proc:
+        victim = _job_of(out, 2)
+        subprocess.run(["scancel", victim], env=tb.env(), check=True, timeout=30)  # someone else's scancel
+        _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 1, err[-3000:]
+    assert f"np=2: job {victim} ended CANCELLED" in err
+    assert f"failed np=2 (job {victim} CANCELLED); the same command with --resume submits only those" in err
+    st = json.loads((out / "study.json").read_text())
+    assert st["complete"] is False and st["missing"] == [2] and sorted(st["runs"]) == ["1"]
+    kept = _jobs(out)["1"]["job"]
+    again = _study(tb, [*cmd, "--resume"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "np=1   kept: finished earlier" in again.stderr and f"job {victim} ended CANCELLED: submitting it again" \
+        in again.stderr
+    jobs = _jobs(out)
+    assert jobs["1"]["job"] == kept and jobs["2"]["job"] != victim and jobs["2"]["earlier"] == [victim]
+    assert json.loads((out / "study.json").read_text())["complete"] is True
+    assert _squeue(tb).strip() == ""
+
+
+def test_ctrl_c_cancels_the_studys_jobs_and_says_how_to_resume(tb, tmp_path):
+    out = tmp_path / "c"
+    cmd = [*STUDY, "--nps", "1,2", "--baseline", "1", *BATCH, "--out", str(out)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                          env=tb.env(mpi_env())) as proc:
+        ids = [_job_of(out, 1), _job_of(out, 2)]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    line = [ln for ln in err.splitlines() if ln.startswith("pilab: scale interrupted")]
+    assert line == [f"pilab: scale interrupted; cancelled job {ids[0]} (np=1), job {ids[1]} (np=2); the same "
+                    "command with --resume submits the unfinished points again and keeps the finished ones"], err
+    p = subprocess.run(["squeue", "-h", "--states=all", "-j", ",".join(ids), "-o", "%T"], capture_output=True,
+                       text=True, env=tb.env(), timeout=30)
+    assert p.stdout.split() == ["CANCELLED", "CANCELLED"], p.stdout + p.stderr
+
+
+def test_the_study_process_gone_its_jobs_run_on_and_resume_waits_for_them(tb, tmp_path):
+    out = tmp_path / "h"
+    cmd = [*STUDY, "--nps", "1,2", "--baseline", "1", *BATCH, "--out", str(out)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                          env=tb.env(mpi_env())) as proc:
+        ids = [_job_of(out, 1), _job_of(out, 2)]
+        proc.kill()  # the login session gone, and the study's process with it: no chance to clean up
+        proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    # a new study over it, while its jobs run, is refused: they would write into the same points
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=tb.env(mpi_env()), timeout=120)
+    assert again.returncode == 2 and "still run; the same command with --resume waits for them" in again.stderr
+    resumed = _study(tb, [*cmd, "--resume"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "submitted" not in resumed.stderr and f"job {ids[1]} is still" in resumed.stderr
+    jobs = _jobs(out)
+    assert [jobs["1"]["job"], jobs["2"]["job"]] == ids and all(not j["earlier"] for j in jobs.values())
+    assert json.loads((out / "study.json").read_text())["complete"] is True
+
+
+def test_remedies_as_slurm_jobs_equals_the_search_run_here(tb, tmp_path):
+    """remedies --launcher slurm: the np=1 reference and each candidate one single-process job (the
+    simulator); the search then keeps them all, and its numbers are those of the search run here."""
+    args = [sys.executable, "-m", "pilab", "remedies", "--np", "4", "--only", "baseline,linear lr",
+            "--target", "none", *[a for a in TINY if a != "--quiet"]]
+    sl = _study(tb, [*args, *BATCH, "--out", str(tmp_path / "slurm")], tmp_path)
+    assert sl.returncode == 0, sl.stderr[-3000:]
+    jobs = _jobs(tmp_path / "slurm")
+    assert sorted(jobs) == ["baseline", "linear-lr", "reference"], jobs
+    assert all(j["state"] == "COMPLETED" for j in jobs.values())
+    script = (tmp_path / "slurm" / "linear-lr" / "job.sbatch").read_text()
+    assert "#SBATCH --ntasks=1\n" in script and "-m pilab simulate --np 4 --quiet" in script
+    assert "--lr-scaling linear" in script
+    here = _study(tb, [*args, "--out", str(tmp_path / "here")], tmp_path)
+    assert here.returncode == 0, here.stderr[-3000:]
+    a = json.loads((tmp_path / "slurm" / "remedies.json").read_text())
+    b = json.loads((tmp_path / "here" / "remedies.json").read_text())
+    assert a["reference_acc"] == b["reference_acc"]
+    assert [(r["label"], r["final_test_acc"], r["kept"]) for r in a["candidates"]] == \
+        [("baseline", b["candidates"][0]["final_test_acc"], "kept from the earlier search"),
+         ("linear lr", b["candidates"][1]["final_test_acc"], "kept from the earlier search")]
+
+
+def _ranks_of(point_dir: str) -> list[int]:
+    """Pids of the processes of a point's job (the train front, mpiexec, the ranks): their command line
+    names the point's --out."""
+    found = []
+    for d in glob.glob("/proc/[0-9]*"):
+        try:
+            with open(f"{d}/cmdline", "rb") as f:
+                if point_dir.encode() in f.read():
+                    found.append(int(d[6:]))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_point_that_hits_its_time_limit_keeps_its_checkpoint_and_resume_continues_it(tb, tmp_path):
+    """The job's processes stopped right after their first mid-epoch checkpoint (SIGSTOP: a job that
+    stalls), then its end time moved to now (``scontrol update EndTime=now``: its time limit is up, as an
+    admin shortening it would make it) so that Slurm's limit, not the training's end, finishes it:
+    TIMEOUT (slurmctld checks limits every 30 s), the checkpoint kept, and --resume continues the point
+    from it. (``--time 1``, Slurm's smallest limit, would cost a minute of waiting.)"""
+    out = tmp_path / "t"
+    cmd = [*STUDY, "--nps", "2", "--baseline", "2", "--train-subset", "1024", "--epochs", "2",
+           "--checkpoint-every-steps", "2", *BATCH, "--out", str(out)]
+    point = str(out / "np2")
+    stopped = []
+    try:
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                              env=tb.env(mpi_env())) as proc:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not glob.glob(f"{point}/checkpoint-e0000-s*.pt"):
+                time.sleep(0.05)
+            assert glob.glob(f"{point}/checkpoint-e0000-s*.pt"), "no mid-epoch checkpoint"
+            for pid in _ranks_of(point):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            job = _job_of(out, 2)
+            subprocess.run(["scontrol", "update", f"JobId={job}", "EndTime=now"], env=tb.env(), check=True,
+                           timeout=30)
+            _, err = proc.communicate(timeout=240)
+    finally:
+        for pid in stopped:  # those Slurm did not end (it does: SIGKILL after KillWait)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    assert f"np=2: job {job} ended TIMEOUT" in err
+    assert os.path.exists(f"{point}/checkpoint.pt")
+    again = _study(tb, [*cmd, "--resume"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"job {job} ended TIMEOUT: submitting it again, continued from" in again.stderr
+    assert f"--resume {point}/checkpoint.pt" in open(f"{point}/job.sbatch").read()
+    r = json.loads(open(f"{point}/result.json").read())
+    assert r["resumed_from_step"] > 0 and r["steps_done"] == r["total_steps"] and not r["stopped_early"]
+
+
+def test_batch_study_bad_input_is_one_line_exit_2_and_nothing_submitted(tb, tmp_path):
+    out = tmp_path / "bad"
+    bare = os.path.dirname(sys.executable)  # Python's venv, without Slurm's commands
+    cases = [
+        (["--partition", "gpu", "--time", "5"], None, "Slurm knows no such partition"),
+        (["--partition", "pi", "--time", "5", "--nps", "1,8"], None, "np=8 needs 8 CPUs"),
+        (["--partition", "pi", "--time", "2", "--checkpoint-minutes", "5"], None,
+         "--time 2 is shorter than one checkpoint interval"),
+        (["--partition", "pi", "--time", "5"], {"PATH": bare}, "not on PATH"),
+    ]
+    for extra, env, said in cases:
+        p = subprocess.run([*STUDY, "--nps", "1,2", "--launcher", "slurm", *extra, "--out", str(out)],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                           env={**tb.env(mpi_env()), **(env or {})})
+        errors = [ln for ln in p.stderr.splitlines() if ln.startswith("pilab: error:")]
+        assert p.returncode == 2 and len(errors) == 1 and said in errors[0], p.stderr
+        assert not out.exists()
+    # --dry-run: the scripts, nothing submitted or written
+    p = subprocess.run([*STUDY, "--nps", "1,2", *BATCH, "--dry-run", "--out", str(out)], capture_output=True,
+                       text=True, cwd=tmp_path, timeout=120, env=tb.env(mpi_env()))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("#!/bin/bash") == 2 and "#SBATCH --ntasks=2" in p.stdout and "not submitted" in p.stdout
+    assert not out.exists() and _squeue(tb).strip() == ""
 
 
 def test_down_stops_every_daemon_and_removes_the_head():

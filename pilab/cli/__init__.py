@@ -52,7 +52,7 @@ def _library_errors() -> tuple:
     # they were imported, so look their types up instead of importing them for a one-line message.
     errors = [UsageError, ConfigError, LaunchError]
     for module, name in (("pilab.data.dataset", "DataError"), ("pilab.engine.dist", "LauncherError"),
-                         ("pilab.models.names", "ModelError")):
+                         ("pilab.models.names", "ModelError"), ("pilab.slurm", "SlurmError")):
         if module in sys.modules:
             errors.append(getattr(sys.modules[module], name))
     return tuple(errors)

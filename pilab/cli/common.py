@@ -70,6 +70,48 @@ def config_from_args(args: argparse.Namespace, defaults: Config | None = None) -
     return Config(**values)
 
 
+def add_batch_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    """--launcher slurm and its flags (scale, remedies): ``what`` is what each job runs."""
+    p.add_argument("--launcher", choices=("mpiexec", "slurm"), default="mpiexec",
+                   help=f"how {what} runs: here (mpiexec; the default), or slurm: one sbatch job each "
+                        "(<out>/<point>/job.sbatch), the queue shown while it waits")
+    p.add_argument("--partition", default=None, help="--launcher slurm: the partition (sinfo lists them)")
+    p.add_argument("--time", dest="time_limit", default=None,
+                   help="--launcher slurm: each job's time limit as sbatch takes it (30, 01:30:00)")
+    p.add_argument("--ranks-per-node", dest="batch_ranks_per_node", type=int, default=0, metavar="K",
+                   help="--launcher slurm: ranks on each node (default: the partition's CPUs per node / "
+                        "--threads); a job of np ranks asks for ceil(np / this) nodes")
+    p.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
+                   help="--launcher slurm: one more #SBATCH line for every job, e.g. --sbatch=--account=proj")
+    p.add_argument("--dry-run", action="store_true",
+                   help="--launcher slurm: print each job's batch script; submit and write nothing")
+
+
+def batch_options(args, cfg: Config, nps, *, resume: bool):
+    """(pilab.study.batch.Options, cfg as the jobs run it) for --launcher slurm after Slurm's checks (a
+    SlurmError, exit 2, before anything is written); (None, cfg) for mpiexec, where the Slurm-only flags
+    are refused."""
+    from dataclasses import replace
+
+    from ..study import batch
+    slurm_only = [f for f, v in (("--partition", args.partition), ("--time", args.time_limit),
+                                 ("--dry-run", args.dry_run), ("--sbatch", args.sbatch),
+                                 ("--ranks-per-node", args.batch_ranks_per_node)) if v]
+    if args.launcher != "slurm":
+        if slurm_only:
+            raise UsageError(f"{slurm_only[0]} is for --launcher slurm; add it, or leave {slurm_only[0]} out")
+        return None, cfg
+    if not args.partition or not args.time_limit:
+        raise UsageError("--launcher slurm needs --partition P and --time T (sinfo lists the partitions)")
+    if not cfg.out:
+        raise UsageError("--launcher slurm keeps the study's state in --out; give --out DIR")
+    cfg = replace(cfg, threads=cfg.threads or 1)  # a job's rank has the CPUs it asked for
+    opts = batch.Options(args.partition, args.time_limit, args.batch_ranks_per_node, tuple(args.sbatch))
+    part = batch.check(opts, cfg, nps)
+    batch.check_out(cfg.out, resume)
+    return replace(opts, ranks_per_node=part["ranks_per_node"]), batch.job_config(cfg, opts)
+
+
 def strip_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
     """argv without ``--flag VALUE`` / ``--flag=VALUE`` for each flag (for re-launching ranks)."""
     out, skip = [], False

@@ -11,7 +11,7 @@ import shlex
 import sys
 from dataclasses import replace
 
-from .common import add_config_arguments, config_from_args
+from .common import UsageError, add_batch_arguments, add_config_arguments, batch_options, config_from_args
 
 
 def _defaults():
@@ -44,6 +44,7 @@ def add_parser(sub) -> None:
     p.add_argument("--reuse", default="",
                    help="comma-separated study directories (pilab scale --out) whose np point is a "
                         "candidate's training: taken instead of run again")
+    add_batch_arguments(p, "each candidate (and the np=1 reference)")
     add_config_arguments(p, _defaults(), skip=("resume",))
     p.set_defaults(func=run)
     # The candidate labels depend on the settings and np: worked out only when this command's help is
@@ -68,6 +69,38 @@ def command_line(argv: list[str]) -> str:
     return shlex.join(["python", "-m", "pilab", "remedies", *argv])
 
 
+def _as_jobs(cfg, args, opts, cands, only, target, log):
+    """--launcher slurm: each candidate's simulated run (and the np=1 reference, where the search needs
+    it) as a batch job. Returns (None, the results the search is given: the reference) when every job
+    finished, else (the exit code, []): 0 after --dry-run, 1 where a job failed, 130/143 interrupted."""
+    from ..engine.signals import exit_code_for, sigterm_as_interrupt
+    from ..study import batch, remedies
+    if args.reuse:
+        raise UsageError("--reuse is for --launcher mpiexec; a batch search runs every candidate as a job")
+    points = batch.remedies_points(cfg, args.np, cands, only, args.recipes_of, opts,
+                                   reference=args.reference_acc is None or target == "this")
+    if args.dry_run:
+        batch.dry_run(points, cfg.out, resume=args.resume_search, log=log)
+        return 0, []
+    log(f"pilab remedies: {len(points)} job(s) at np={args.np} (partition {opts.partition}, --time {opts.time}); "
+        f"writing {cfg.out}")
+    try:
+        with sigterm_as_interrupt():
+            done, failed = batch.run_points(points, cfg.out, opts, resume=args.resume_search, log=log)
+    except batch.Stopped as e:
+        what = ", ".join(f"job {j} ({name})" for name, j in e.cancelled) or "no job (none was queued)"
+        log(f"pilab: remedies interrupted; cancelled {what}; the same command with --resume submits the "
+            "unfinished ones again and keeps the finished ones")
+        return exit_code_for(15 if e.cause.args and e.cause.args[0] == "SIGTERM" else 2), []
+    for f in failed:
+        log(f"pilab: {f['name']}: job {f['job']} ended {f['state']}; the end of its log:\n{f['log']}")
+    if failed:
+        log("pilab: remedies failed " + ", ".join(f"{f['name']} (job {f['job']} {f['state']})" for f in failed)
+            + "; the same command with --resume submits only those again")
+        return 1, []
+    return None, [done["reference"]] if "reference" in done else []
+
+
 def run(args, argv) -> int:
     from ..study import remedies, report, tables
     from ..config import ConfigError
@@ -85,13 +118,20 @@ def run(args, argv) -> int:
     for d in reuse:
         if not os.path.isdir(d):
             raise ConfigError(f"--reuse {d}: no such study directory; give a pilab scale --out directory")
+    opts, cfg = batch_options(args, cfg, [1], resume=args.resume_search)  # one process a job (simulated)
     from ..engine import preflight
     preflight.check_model(cfg, mpi=True)  # your own model on your data, before any candidate runs
     cands = remedies.load_candidates(args.candidates) if args.candidates else None
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    known = []
+    if opts is not None:
+        code, known = _as_jobs(cfg, args, opts, cands, only, target, log)
+        if code is not None:
+            return code
     res = remedies.search(cfg, args.np, candidates=cands, only=only, recipes_of=args.recipes_of,
                           reference_acc=args.reference_acc, calibration=target,
-                          mpiexec=args.mpiexec, log=lambda s: print(s, file=sys.stderr, flush=True),
-                          out=cfg.out or None, resume=args.resume_search, reuse=reuse)
+                          mpiexec=args.mpiexec, log=log, out=cfg.out or None,
+                          resume=args.resume_search or opts is not None, reuse=reuse, known=known)
     res["command"] = command_line(argv)
     print(tables.remedies_table(res))
     if cfg.out:

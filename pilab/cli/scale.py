@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from ..config import ConfigError
 from ..engine.signals import exit_code_for, sigterm_as_interrupt
-from .common import UsageError, add_config_arguments, config_from_args, ints
+from .common import UsageError, add_batch_arguments, add_config_arguments, batch_options, config_from_args, ints
 
 
 
@@ -48,6 +48,7 @@ def add_parser(sub) -> None:
                         "/ cluster JSON (default: pi4b_cluster; this machine's times are shown beside it)")
     p.add_argument("--hostfile", default=None, help="MPI hostfile for the measured runs (Pi cluster)")
     p.add_argument("--mpiexec", default=None, help="launcher (default: next to this Python, then PATH)")
+    add_batch_arguments(p, "each measured point")
     p.add_argument("--resume", dest="resume_study", action="store_true",
                    help="continue the interrupted study in --out: keep its finished np points, run only "
                         "the missing ones")
@@ -103,10 +104,77 @@ def _progress(ev) -> None:
           f"global batch {r['global_batch']:<5} final test acc {acc:.3f}  ({took})", file=sys.stderr, flush=True)
 
 
+def _batch_progress(ev) -> None:
+    """As :func:`_progress`, a measured point showing its job's training time (it ran now, as a job)."""
+    _progress({**ev, "kept": False} if ev.get("kind") == "run" and not ev["simulated"] else ev)
+
+
+def _batch_options(args, cfg, nps):
+    """(batch.Options, the jobs' cfg) for --launcher slurm after Slurm's checks; (None, cfg) for mpiexec."""
+    if args.launcher == "slurm" and args.hostfile:
+        raise UsageError("--hostfile is for --launcher mpiexec; Slurm places a batch point's ranks itself")
+    if args.launcher == "slurm" and not nps:
+        raise UsageError("--launcher slurm submits the measured points, and --nps is empty; give --nps")
+    return batch_options(args, cfg, nps, resume=args.resume_study)
+
+
+def _run_batch(cfg, args, opts, nps, sims, criteria, argv) -> int:
+    """--launcher slurm: the measured points as batch jobs, then the simulated points and the study here."""
+    import time
+
+    from ..study import batch, report, tables
+    from ..study.scaling import Interrupted, _partial_study, study
+    out = cfg.out
+    if not out:
+        raise UsageError("--launcher slurm keeps the study's state in --out; give --out DIR")
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    if args.dry_run:
+        batch.dry_run(batch.scale_points(cfg, nps, out, opts, opts.ranks_per_node), out,
+                      resume=args.resume_study, log=log)
+        if sims:
+            log(f"then simulated np {sims} here, and the study in {out}")
+        return 0
+    log(f"pilab scale: measured np {nps} as Slurm jobs (partition {opts.partition}, --time {opts.time}, "
+        f"{opts.ranks_per_node} rank(s) per node), simulated np {sims} here; writing {out}")
+    command = ("python -m pilab scale " + " ".join(argv)).strip()
+    t0 = time.time()
+    try:
+        with sigterm_as_interrupt():
+            done, failed = batch.run_points(batch.scale_points(cfg, nps, out, opts, opts.ranks_per_node), out,
+                                            opts, resume=args.resume_study, log=log)
+        runs = {int(i): r for i, r in sorted(done.items(), key=lambda kv: int(kv[0]))}
+    except batch.Stopped as e:
+        what = ", ".join(f"job {j} ({name})" for name, j in e.cancelled) or "no job (none was queued)"
+        log(f"pilab: scale interrupted; cancelled {what}; the same command with --resume submits "
+            "the unfinished points again and keeps the finished ones")
+        cause = e.cause
+        return exit_code_for(15 if cause.args and cause.args[0] == "SIGTERM" else 2)
+    if failed:
+        for f in failed:
+            log(f"pilab: {f['name']}: job {f['job']} ended {f['state']}; the end of its log:\n{f['log']}")
+        partial = _partial_study(cfg, criteria, nps, sims, runs, sorted(runs), t0, command,
+                                 RuntimeError(f"{len(failed)} point(s) failed"))
+        partial["slurm_failed"] = [{"np": int(f["id"]), "job": f["job"], "state": f["state"]} for f in failed]
+        report.write_partial(partial, out)
+        log(f"pilab: scale finished np {sorted(runs)}; failed "
+            + ", ".join(f"{f['name']} (job {f['job']} {f['state']})" for f in failed)
+            + "; the same command with --resume submits only those again")
+        return 1
+    try:
+        with sigterm_as_interrupt():
+            res = study(cfg, nps, simulate_nps=sims, criteria=criteria, out=out, callbacks=[_batch_progress],
+                        command=command, target=args.target, resume=True,
+                        reuse=[d for d in args.reuse.split(",") if d])
+    except Interrupted as e:
+        log(f"pilab: scale {e.study['stopped']}; missing np {e.study['missing']}; the same command with "
+            "--resume runs only those")
+        return 1 if not isinstance(e.cause, KeyboardInterrupt) else exit_code_for(2)
+    print(tables.table(res))
+    print(f"report: {os.path.join(out, 'report.html')}")
+    return 0
+
+
 def run(args, argv) -> int:
-    from ..study import analysis, tables
-    from ..study.scaling import Interrupted, study
-    from .. import data
     from ..perfmodel import PI_BASELINE_NP, PI_STUDY_NPS, PI_THREADS_PER_RANK
     cfg = config_from_args(args, _defaults())
     nps, sims, baseline = ints(args.nps), ints(args.simulate_nps), args.baseline
@@ -118,6 +186,10 @@ def run(args, argv) -> int:
             cfg = replace(cfg, threads=PI_THREADS_PER_RANK)
     if any(p < 1 for p in nps + sims):
         raise ConfigError("process counts must be >= 1")
+    batch_opts, cfg = _batch_options(args, cfg, nps)  # Slurm's refusals, before anything is written
+    from ..study import analysis, tables  # these load torch (seconds): after the quick refusals
+    from ..study.scaling import Interrupted, study
+    from .. import data
     # the count alone (the cache's labels): every point loads the images itself
     n_train = data.train_size(cfg.data, train_subset=cfg.train_subset, test_subset=cfg.test_subset,
                               seed=cfg.seed, image_size=cfg.image_size)
@@ -137,6 +209,8 @@ def run(args, argv) -> int:
     if nps:
         from .common import mpi_or_error
         mpi_or_error()
+    if batch_opts is not None:
+        return _run_batch(cfg, args, batch_opts, nps, sims, criteria, argv)
     print(f"pilab scale: measured np {nps}, simulated np {sims}, writing {cfg.out}", file=sys.stderr)
 
     command = "python -m pilab scale " + " ".join(argv)
