@@ -169,8 +169,8 @@ class Trace(Component):
             if "data" in mine and "wait" in mine:
                 t0, done = mine["data"][0], mine["wait"][1]
                 for r in range(1, self.np_):
-                    ready = min(t0 + float(st.ranks_compute[r]), done)
-                    spans += [[r, "data+forward+backward", t0, round(ready, 6), 1], [r, "wait", round(ready, 6), done, 1]]
+                    ready = round(min(t0 + float(st.ranks_compute[r]), done), 6)
+                    spans += [[r, "data+forward+backward", t0, ready, 1], [r, "wait", ready, done, 1]]
         return {"kind": "lane", "global_step": g, "epoch": epoch, "np": self.np_, "spans": spans, "flights": flights}
 
     @contextmanager
