@@ -85,6 +85,14 @@ def test_two_hosts_all_late_is_their_link(tmp_path):
     assert a["slow"][0]["who"] == "link node01-node02"
 
 
+def test_one_rank_on_each_of_two_hosts_is_their_link(tmp_path):
+    """Two ranks, one per host, one of them late: the link (every message crosses it; which end sees the
+    late completion varies by step on a real slow link: tests/test_trace.py's testbed run)."""
+    for slow in ((0,), (1,)):
+        a = analyse(load(str(make_trace(tmp_path / f"t{slow}.json", per_host=1, slow_hosts=slow))), top=1)
+        assert (a["slow"][0]["cause"], a["slow"][0]["who"]) == ("network", "link node01-node02")
+
+
 def test_run_dir_and_step(tmp_path):
     make_trace(tmp_path / "trace.json", slow_rank=1)
     a = analyse(load(str(tmp_path)), step=5)

@@ -152,7 +152,26 @@ class Trace(Component):
                     any(f.get("last_step") == g for f in self.monitor.found.values()):
                 self.named.append(rec)
                 self.n_named += 1
-        return []
+        return [self._lane(g, epoch + 1, tl, st)] if self.rank == 0 else []
+
+    def _lane(self, g: int, epoch: int, tl: Timeline, st) -> dict:
+        """Rank 0's ``lane`` event of step ``g`` (the notebook's live swim-lane, ``pilab.plots.trace``):
+        seconds on rank 0's clock from the trace's zero. Rank 0's own spans and flights are measured
+        (the simulator's: every virtual rank's); another MPI rank's are estimated from what rank 0 has
+        each step without a message: the step started together on every rank, its data, forward and
+        backward lasted until its last gradient went out (``StepResult.ranks_compute``), then it waited
+        until rank 0 saw the last gradient averaged. The exact picture is trace.json (per epoch)."""
+        z = self.zero
+        spans = [[tid, n, round(b - z, 6), round(e - z, 6), 0] for tid, n, b, e in tl.spans]
+        flights = [[tid, k, nb, round(a - z, 6), round(max(a, b) - z, 6)] for tid, k, nb, a, b in tl.flights]
+        if self.comm is not None and st.ranks_compute is not None:
+            mine = {n: (b, e) for _, n, b, e, _ in spans}
+            if "data" in mine and "wait" in mine:
+                t0, done = mine["data"][0], mine["wait"][1]
+                for r in range(1, self.np_):
+                    ready = round(min(t0 + float(st.ranks_compute[r]), done), 6)
+                    spans += [[r, "data+forward+backward", t0, ready, 1], [r, "wait", ready, done, 1]]
+        return {"kind": "lane", "global_step": g, "epoch": epoch, "np": self.np_, "spans": spans, "flights": flights}
 
     @contextmanager
     def evaluating(self, session):

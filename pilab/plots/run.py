@@ -15,6 +15,7 @@ from bokeh.palettes import Category10
 from bokeh.plotting import figure
 
 from .. import verdict as judging
+from .trace import LiveLanes
 from .base import H, PARTS, PART_LABELS, PART_COLORS, STEP_SOURCE, EPOCH_SOURCE, RANK_SOURCE, _fig, _legend_outside, Paragraph
 
 
@@ -223,7 +224,8 @@ class LivePlot:
         result = train.run(cfg, callbacks=[live])   # or lab.train(cfg, callbacks=[live])
 
     Step events stream into the loss and throughput plots, epoch events into the accuracy plot and the
-    per-rank time split; a start event clears everything for the new run. Safe to call from the
+    per-rank time split, a traced run's lane events into the swim-lane of its last steps under it
+    (``pilab.plots.trace.LiveLanes``); a start event clears everything for the new run. Safe to call from the
     watcher thread of a :class:`pilab.lab.cluster.Run` (updates are serialised).
     """
 
@@ -239,8 +241,10 @@ class LivePlot:
         self.note = Div(text="", name="pilab_straggler_note")  # the last straggler warning line
         # rows, not a gridplot: a gridplot aligned the throughput plot's frame with the taller time split
         # beside it and squashed it (overlapping ticks)
+        # a traced run's last steps, rank x time, under the per-rank bars (hidden without trace)
+        self.lanes = LiveLanes()
         self.layout = column(self.title, self.note, row(_loss(self.steps), _accuracy(self.epochs)),
-                             row(_throughput(self.steps), self.timeline))
+                             row(_throughput(self.steps), self.timeline), self.lanes.figure)
         self._lock = threading.Lock()
         self._widget = None
         self._per_rank: dict[str, list] = {}
@@ -274,6 +278,8 @@ class LivePlot:
                 self._epoch(event)
             elif kind == "straggler":
                 self._straggler(event)
+            elif kind == "lane":
+                self.lanes(event)
             elif kind == "end":
                 self.title.text = f"<b>{_summary(event['result'])}</b>"
                 if self._per_rank:  # now the bars can show the whole wall time
@@ -290,6 +296,7 @@ class LivePlot:
         self.timeline.y_range.factors = [str(r) for r in range(n)]
         self._per_rank = {}
         self.marks, self.note.text = {}, ""
+        self.lanes(event)
         cfg = event.get("config") or {}
         self.title.text = (f"<b>running on {n} rank(s): {cfg.get('model', '')} width "
                            f"{cfg.get('width', '')}, {event.get('epochs', '?')} epoch(s) of "

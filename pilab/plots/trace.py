@@ -8,17 +8,23 @@ phases, in a predicted trace, thinner still). Takes a checked trace document (``
     tp.write_html(doc, "runs/x/trace.html")          # Bokeh, zoomable; BokehJS inline (works offline)
     tp.write_step_png(doc, 12, "runs/x/step12.png")  # one step, matplotlib: .png and .svg
 
-``python -m pilab trace RUN_DIR`` calls both.
+``python -m pilab trace RUN_DIR`` calls both. Live, from a traced run's ``lane`` events (rank 0's, each
+step: ``pilab.engine.trace``), :class:`LiveLanes` draws the last steps; ``plots.LivePlot`` shows it under
+the per-rank bars when the run has ``trace`` on.
 """
 from __future__ import annotations
 
-from bokeh.models import ColumnDataSource, HoverTool
+from collections import deque
+
+from bokeh.models import ColumnDataSource, HoverTool, Range1d
 from bokeh.plotting import figure
 
 from ..files import atomic_write_text
+from .base import LANE_SOURCE, _fig
 
 SPAN_COLORS = {"data": "#9d9d9d", "forward": "#72b7b2", "backward": "#4c78a8", "wait": "#e45756",
-               "optimizer": "#54a24b", "eval": "#b279a2", "checkpoint": "#9d755d"}
+               "optimizer": "#54a24b", "eval": "#b279a2", "checkpoint": "#9d755d",
+               "data+forward+backward": "#4c78a8"}  # the live lane's estimate for ranks other than 0
 BUCKET_COLOR = "#f58518"
 PHASE_COLORS = {"intra": "#ffbf79", "inter": "#b35806"}
 OTHER_COLOR = "#bab0ac"
@@ -145,3 +151,81 @@ def write_step_png(doc: dict, step: int, png_path: str) -> str:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     return save(fig, png_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# live: the last steps from rank 0's lane events
+# ----------------------------------------------------------------------------------------------
+LANE_STEPS = 4  # steps the live swim-lane shows
+_LANE_KEYS = ("left", "right", "top", "bottom", "color", "alpha", "name", "step", "ms", "rank")
+
+
+def lane_columns(events, keep: int = LANE_STEPS) -> dict:
+    """The live swim-lane's columns from ``lane`` events (``pilab.engine.trace``): the last ``keep``
+    steps' spans and bucket flights as rectangles, x in ms from the first kept step's start, rank r's
+    lane at y = -r; estimated spans (another MPI rank's) drawn paler and named so."""
+    evs = sorted(events, key=lambda e: e["global_step"])[-keep:] if keep else []
+    cols = {k: [] for k in _LANE_KEYS}
+    t0 = min((s[2] for e in evs for s in e["spans"]), default=0.0)
+    shapes = [({"kind": "span", "name": n}, r, b, e, est, ev["global_step"]) for ev in evs
+              for r, n, b, e, est in ev["spans"]]
+    shapes += [({"kind": "flight", "name": f"bucket {k}", "bucket": k}, r, a, b, 0, ev["global_step"])
+               for ev in evs for r, k, _, a, b in ev["flights"]]
+    for s, r, b, e, est, g in shapes:
+        off, h = _place(s)
+        cols["left"].append((b - t0) * 1e3)
+        cols["right"].append((e - t0) * 1e3)
+        cols["top"].append(-r + off + h / 2)
+        cols["bottom"].append(-r + off - h / 2)
+        cols["color"].append(_color(s))
+        cols["alpha"].append(0.45 if est else 1.0)
+        cols["name"].append(s["name"] + (" (estimated)" if est else ""))
+        cols["step"].append(g)
+        cols["ms"].append((e - b) * 1e3)
+        cols["rank"].append(r)
+    return cols
+
+
+class LiveLanes:
+    """The swim-lane of a traced run's last ``keep`` steps, live: call it with each train event (a
+    ``train.run`` callback, or through ``plots.LivePlot``)::
+
+        lanes = LiveLanes()
+        plots.show(lanes.figure)
+        train.run(Config(trace=True, ...), comm, callbacks=[lanes])
+
+    Rank 0's lane is measured; the other ranks' come from the per-rank times rank 0 receives with each
+    step's last gradient (see ``pilab.engine.trace.Trace._lane``): their compute, and the wait after it.
+    The figure is hidden until a run with ``trace`` on starts."""
+
+    def __init__(self, keep: int = LANE_STEPS):
+        self.keep = keep
+        self.events: deque = deque(maxlen=keep)
+        self.source = ColumnDataSource({k: [] for k in _LANE_KEYS}, name=LANE_SOURCE)
+        p = _fig(f"every rank's last {keep} steps (trace on: rank 0 measured, the others estimated)",
+                 "ms (rank 0's clock, from the first step shown)", "", y_range=Range1d(-0.6, 0.6))
+        p.width = 2 * p.width
+        p.quad(source=self.source, left="left", right="right", top="top", bottom="bottom", fill_color="color",
+               fill_alpha="alpha", line_color=None)
+        p.add_tools(HoverTool(tooltips=[("rank", "@rank"), ("", "@name"), ("step", "@step"), ("ms", "@ms{0.000}")]))
+        p.ygrid.grid_line_color = None
+        p.visible = False
+        self.figure = p
+        self._ranks(1)
+
+    def _ranks(self, n: int) -> None:
+        self.figure.y_range.start, self.figure.y_range.end = -n + 0.4, 0.6
+        self.figure.yaxis.ticker = [-r for r in range(n)]
+        self.figure.yaxis.major_label_overrides = {-r: f"rank {r}" for r in range(n)}
+
+    def __call__(self, event) -> None:
+        kind = event.get("kind")
+        if kind == "start":
+            self.events.clear()
+            self.source.data = {k: [] for k in _LANE_KEYS}
+            self._ranks(int(event.get("np", 1)))
+            self.figure.visible = bool((event.get("config") or {}).get("trace"))
+        elif kind == "lane":
+            self.events.append(event)
+            self.figure.visible = True
+            self.source.data = lane_columns(self.events, self.keep)
