@@ -60,6 +60,32 @@ def _dropdown(name: str, options, value, **kw):
     return W.Dropdown(options=list(options), value=value, description=name.replace("_", " "),
                       tooltip=Config.help(name), style={"description_width": "initial"}, **kw)
 
+def _controls(c: Config, style: dict) -> dict:
+    """The panel's settings, each a widget holding ``c``'s value (``ControlPanel.config`` reads them back)."""
+    return {
+        # a registered name from the list, or your own builder typed in: package.module:function
+        "model": W.Combobox(options=list(MODEL_NAMES), value=c.model, ensure_option=False,
+                            placeholder="a name, or mynets:builder", description="model",
+                            tooltip=Config.help("model"), style=style, continuous_update=False),
+        "width": W.FloatSlider(value=c.width, min=WIDTH_RANGE[0], max=WIDTH_RANGE[1], step=0.05,
+                               description="width", tooltip=Config.help("width"), style=style,
+                               continuous_update=False),
+        "epochs": W.BoundedIntText(value=c.epochs, min=1, max=1000, description="epochs",
+                                   tooltip=Config.help("epochs"), style=style),
+        "batch_mode": _dropdown("batch_mode", CHOICES["batch_mode"], c.batch_mode),
+        "batch_size": W.BoundedIntText(value=c.batch_size, min=1, max=65536, description="batch size",
+                                       tooltip=Config.help("batch_size"), style=style),
+        "sharding": _dropdown("sharding", CHOICES["sharding"], c.sharding),
+        "lr_scaling": _dropdown("lr_scaling", CHOICES["lr_scaling"], c.lr_scaling),
+        "warmup_epochs": W.BoundedFloatText(value=c.warmup_epochs, min=0.0, max=1000.0, step=0.5,
+                                            description="warmup epochs",
+                                            tooltip=Config.help("warmup_epochs"), style=style),
+        "optimizer": _dropdown("optimizer", CHOICES["optimizer"], c.optimizer),
+        "bn": _dropdown("bn", CHOICES["bn"], c.bn),
+        # every rank's step on one time axis (pilab.engine.trace): <out>/trace.json where the run has an out
+        "trace": W.Checkbox(value=c.trace, description="trace", tooltip=Config.help("trace"), style=style),
+    }
+
 
 class ControlPanel:
     """Settings, Start/Stop buttons, a progress bar and live plots for runs on ``lab``'s engines
@@ -86,29 +112,7 @@ class ControlPanel:
         self.np_ = W.IntSlider(value=slots, min=1, max=slots, step=1, description="processes",
                                tooltip=f"MPI ranks to train on (1..{slots} engines running); "
                                        "the others wait", style=style, continuous_update=False)
-        self.controls = {
-            # a registered name from the list, or your own builder typed in: package.module:function
-            "model": W.Combobox(options=list(MODEL_NAMES), value=c.model, ensure_option=False,
-                                placeholder="a name, or mynets:builder", description="model",
-                                tooltip=Config.help("model"), style=style, continuous_update=False),
-            "width": W.FloatSlider(value=c.width, min=WIDTH_RANGE[0], max=WIDTH_RANGE[1], step=0.05,
-                                   description="width", tooltip=Config.help("width"), style=style,
-                                   continuous_update=False),
-            "epochs": W.BoundedIntText(value=c.epochs, min=1, max=1000, description="epochs",
-                                       tooltip=Config.help("epochs"), style=style),
-            "batch_mode": _dropdown("batch_mode", CHOICES["batch_mode"], c.batch_mode),
-            "batch_size": W.BoundedIntText(value=c.batch_size, min=1, max=65536, description="batch size",
-                                           tooltip=Config.help("batch_size"), style=style),
-            "sharding": _dropdown("sharding", CHOICES["sharding"], c.sharding),
-            "lr_scaling": _dropdown("lr_scaling", CHOICES["lr_scaling"], c.lr_scaling),
-            "warmup_epochs": W.BoundedFloatText(value=c.warmup_epochs, min=0.0, max=1000.0, step=0.5,
-                                                description="warmup epochs",
-                                                tooltip=Config.help("warmup_epochs"), style=style),
-            "optimizer": _dropdown("optimizer", CHOICES["optimizer"], c.optimizer),
-            "bn": _dropdown("bn", CHOICES["bn"], c.bn),
-            # every rank's step on one time axis (pilab.engine.trace): <out>/trace.json where the run has an out
-            "trace": W.Checkbox(value=c.trace, description="trace", tooltip=Config.help("trace"), style=style),
-        }
+        self.controls = _controls(c, style)
         # SqueezeNet has no width multiplier: grey the slider out rather than let validation refuse.
         self.controls["model"].observe(self._model_changed, names="value")
         self._model_changed()
