@@ -37,8 +37,23 @@ from .dist import (GradSync, Slots, bn_buffers, broadcast_module_, broadcast_opt
                    share_of_mean, squared_norm, sync_buffers_, world)
 from .layers import RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_
 
-FAST_CHUNK_IMAGES = 512  # simulate_mode=fast: images per forward (memory stays bounded at any np)
+# simulate_mode=fast runs the global batch in one forward (the memory of one process training it, the
+# physical bound); on a GPU the exact mode's chunks are about this many images
+EXACT_CUDA_CHUNK_IMAGES = 256
 _SUMS = ("loss_sum", "correct", "stop_votes", "save_votes")  # MPIRanks' slots summed with the last bucket
+
+
+def mode_used(cfg: Config) -> str:
+    """The simulator's mode for ``cfg``: ``simulate_mode`` itself, or for ``auto`` the fast mode (the same
+    mathematics to float rounding, at about one process's cost) unless the run needs each rank's own
+    weights or gradient (local SGD, a noise-driven batch ramp), which only the exact mode runs::
+
+        mode_used(Config())                 # "fast"
+        mode_used(Config(local_steps=4))    # "exact"
+    """
+    if cfg.simulate_mode != "auto":
+        return cfg.simulate_mode
+    return "exact" if cfg.local_steps > 1 or cfg.gns_max else "fast"
 
 
 def _on_grads(fns, params: list) -> None:
@@ -278,8 +293,9 @@ class VirtualRanks:
         # another order, and BatchNorm's shift invariance amplifies that float noise (~1e-3 after a step).
         # simulate_mode=fast: several ranks per forward everywhere (up to FAST_CHUNK_IMAGES images), and
         # ghost BN vectorised over the ranks' groups; docs/simulator.md gives its measured deviation.
-        fast = cfg.simulate_mode == "fast"
-        auto = max(1, min(np_, (FAST_CHUNK_IMAGES if fast else 256) // batch))
+        self.mode = mode_used(cfg)
+        fast = self.mode == "fast"
+        auto = np_ if fast else max(1, min(np_, EXACT_CUDA_CHUNK_IMAGES // batch))
         self.chunk = self.ranks_per_chunk or (auto if fast or device.type == "cuda" else 1)
         if cfg.local_steps > 1 or cfg.gns_max:  # every rank's own weights, or its own gradient's norm
             self.chunk = 1
@@ -314,9 +330,12 @@ class VirtualRanks:
         t_data = 0.0
         loss_sum = correct = 0  # python numbers, or 0-d device tensors with defer_metrics
         one_chunk = self.chunk >= np_  # the chunk's mean gradient is the average: nothing to accumulate
+        per_rank = self.chunk == 1  # MPI's arithmetic: each rank's gradient, summed in rank order
         grad_sq = [] if self.norms else None
-        if not one_chunk:
+        if per_rank and not one_chunk:
             torch._foreach_zero_(self.avg)
+        if not per_rank:  # several ranks per forward: their shares of the mean loss accumulate in .grad
+            optimizer.zero_grad(set_to_none=False)
         self.context.epoch, self.context.step = epoch, step
         for r0 in range(0, np_, self.chunk):
             r1 = min(np_, r0 + self.chunk)
@@ -330,10 +349,12 @@ class VirtualRanks:
             # Without dropout nothing else draws from the global RNG; seed it as rank r0 would.
             torch.manual_seed(step_seed(cfg.seed, epoch, step, r0))
             out, loss = forward_loss(model, x, y, cfg, device)
-            optimizer.zero_grad(set_to_none=False)
             if one_chunk:
+                if per_rank:
+                    optimizer.zero_grad(set_to_none=False)
                 loss.backward()  # the mean loss over every rank's images: the average itself
-            elif r1 - r0 == 1:
+            elif per_rank:
+                optimizer.zero_grad(set_to_none=False)
                 # as MPI forms it (GradSync.backward): each rank's loss scaled by 1/np, so its gradient
                 # comes out divided, and the ranks' gradients added in rank order
                 share_of_mean(loss, np_).backward()
@@ -341,8 +362,7 @@ class VirtualRanks:
                     grad_sq.append(squared_norm([p.grad for p in self.params]))
                 torch._foreach_add_(self.avg, [p.grad for p in self.params])
             else:  # several ranks per forward (the mean over their images): weighted by their share
-                loss.backward()
-                torch._foreach_add_(self.avg, torch._foreach_mul([p.grad for p in self.params], (r1 - r0) / np_))
+                (loss * ((r1 - r0) / np_)).backward()
             with torch.no_grad():
                 if self.defer_metrics:
                     loss_sum = loss_sum + loss.detach() * (b * (r1 - r0))
@@ -350,7 +370,7 @@ class VirtualRanks:
                 else:
                     loss_sum += loss.item() * b * (r1 - r0)
                     correct += (out.argmax(1) == y).sum().item()
-        if not one_chunk:
+        if per_rank and not one_chunk:
             torch._foreach_copy_([p.grad for p in self.params], self.avg)
         avg_sq = squared_norm([p.grad for p in self.params]) if grad_sq is not None else None
         _on_grads(self.on_grads, self.params)
@@ -442,4 +462,4 @@ class VirtualRanks:
         pass
 
     def extras(self) -> dict:
-        return {"simulated": True, "ranks_per_chunk": self.chunk}
+        return {"simulated": True, "ranks_per_chunk": self.chunk, "simulate_mode_used": self.mode}

@@ -1,0 +1,83 @@
+"""Where the simulator's step time goes, against its physical bound: one process training the same global
+batch (issue 42). Times the median step after warm-up of one process on the global batch
+(``MPIRanks(None)``, batch np*b) and of ``VirtualRanks(np)`` in each simulate_mode, alternated; with
+``--profile`` also prints torch.profiler's top operators of each::
+
+    python scripts/profile_sim.py --b 4,32 --np 48 --width 0.25 --threads 2 --rounds 5
+    python scripts/profile_sim.py --b 4 --np 48 --profile --modes exact,vectorised
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+import torch
+
+from pilab.bench.stats import alternate, ratios, summary
+from pilab.config import Config
+from pilab.engine import loop as engine
+
+
+def sessions(cfg: Config, np_: int, modes: list[str]) -> dict:
+    """One session per contender: "global" (one process, batch np*b) and one per simulate_mode."""
+    out = {"global": engine.Session(replace(cfg, batch_size=np_ * cfg.batch_size), engine.MPIRanks(None))}
+    for m in modes:
+        out[m] = engine.Session(replace(cfg, simulate_mode=m), engine.VirtualRanks(np_))
+    return out
+
+
+def stepper(s):
+    k = {"n": 0}
+
+    def f():
+        s.step(*divmod(k["n"] % s.steps_per_epoch, s.steps_per_epoch))
+        k["n"] += 1
+    return f
+
+
+def profile(name: str, f, steps: int = 2, top: int = 18) -> None:
+    from torch.profiler import ProfilerActivity, profile as prof
+    with prof(activities=[ProfilerActivity.CPU]) as p:
+        for _ in range(steps):
+            f()
+    print(f"--- {name}: top operators over {steps} steps (self CPU time)")
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=40))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--b", default="4,32", help="per-rank batches, comma-separated")
+    ap.add_argument("--np", type=int, default=48)
+    ap.add_argument("--model", default="mobilenetv2_cifar")
+    ap.add_argument("--width", type=float, default=0.25)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--modes", default="exact,fast", help="simulate_modes to time against the global batch")
+    ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    modes = a.modes.split(",")
+    res = {}
+    for b in (int(v) for v in a.b.split(",")):
+        cfg = Config(model=a.model, width=a.width, batch_size=b, threads=a.threads, epochs=100,
+                     train_subset=max(a.np * b, 2 * a.np * b if a.np * b <= 2500 else 0), test_subset=10)
+        ss = sessions(cfg, a.np, modes)
+        fns = {n: stepper(s) for n, s in ss.items()}
+        t = alternate(fns, a.rounds, warmup=2)
+        res[f"{b}x{a.np}"] = row = {n: summary(v)["median"] for n, v in t.items()}
+        for m in modes:
+            row[f"{m}/global"] = summary(ratios(t, m, "global"))
+        print(json.dumps({f"{b}x{a.np}": {k: (v if not isinstance(v, dict) else
+                                              {q: round(v[q], 3) for q in ("median", "min", "max")})
+                                          for k, v in row.items()}}), flush=True)
+        if a.profile:
+            for n, f in fns.items():
+                profile(f"{n} b={b} np={a.np}", f)
+        del ss, fns
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
