@@ -222,6 +222,10 @@ def test_bench_pieces_on_tiny_settings(tmp_path):
     cli = local.cli_startup(rounds=2, repeat=1)  # `python -m pilab --help` against `python -c pass`
     assert cli["help_over_python"]["n"] == 2 and cli["seconds"]["help"]["median"] > 0
     assert "| ratio `--help` / `python -c pass` |" in markdown_report({**res, "cli": cli})
+    sim = local.simulator([("mobilenetv2_cifar", 0.25, 2, 3)], rounds=2, threads=1)  # each mode vs the global batch
+    row = sim["rows"][0]
+    assert row["ratio"]["fast"]["n"] == row["ratio"]["exact"]["n"] == 2 and set(row["met"]) == {"fast", "exact"}
+    assert "| mobilenetv2_cifar 0.25 | 2 × 3 |" in markdown_report({**res, "simulator": sim})
 
 
 @pytest.mark.mpi
