@@ -4,7 +4,8 @@ batch (issue 42). Times the median step after warm-up of one process on the glob
 ``--profile`` also prints torch.profiler's top operators of each::
 
     python scripts/profile_sim.py --b 4,32 --np 48 --width 0.25 --threads 2 --rounds 5
-    python scripts/profile_sim.py --b 4 --np 48 --profile --modes exact,vectorised
+    python scripts/profile_sim.py --b 4 --np 48 --profile --modes exact
+    python scripts/profile_sim.py --b 4 --np 48 --compare-run 2    # a small np=48 run in both modes: loss, accuracy
 """
 from __future__ import annotations
 
@@ -46,6 +47,24 @@ def profile(name: str, f, steps: int = 2, top: int = 18) -> None:
     print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=40))
 
 
+def compare_run(a, epochs: int) -> dict:
+    """The same small simulated run (``epochs`` over 40 steps' images) in the exact and the fast mode:
+    per-step losses, their largest difference, and the final test accuracy of each."""
+    from pilab.engine import simulate
+    b = int(a.b.split(",")[0])
+    cfg = Config(model=a.model, width=a.width, batch_size=b, threads=a.threads, epochs=epochs,
+                 train_subset=10 * a.np * b, test_subset=1000, lr=0.05, lr_ref_batch=64, warmup_epochs=0.5)
+    runs = {m: simulate.run(replace(cfg, simulate_mode=m), a.np) for m in ("exact", "fast")}
+    loss = {m: r["steps"]["loss"] for m, r in runs.items()}
+    diff = [abs(x - y) for x, y in zip(loss["exact"], loss["fast"])]
+    out = {"np": a.np, "per_rank_batch": b, "steps": len(diff), "max_step_loss_diff": max(diff),
+           "first_step_loss_diff": diff[0], "loss": loss,
+           "test_acc": {m: [e["test_acc"] for e in r["epochs"]] for m, r in runs.items()},
+           "used": {m: r["simulate_mode_used"] for m, r in runs.items()}}
+    print(json.dumps({k: v for k, v in out.items() if k != "loss"}))
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--b", default="4,32", help="per-rank batches, comma-separated")
@@ -56,8 +75,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--modes", default="exact,fast", help="simulate_modes to time against the global batch")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators")
+    ap.add_argument("--compare-run", type=int, default=0, metavar="EPOCHS",
+                    help="instead: a small run at --np in both modes, EPOCHS epochs of 10 global batches each")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    if a.compare_run:
+        return compare_run(a, a.compare_run)
     modes = a.modes.split(",")
     res = {}
     for b in (int(v) for v in a.b.split(",")):
