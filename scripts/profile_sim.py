@@ -6,6 +6,7 @@ batch (issue 42). Times the median step after warm-up of one process on the glob
     python scripts/profile_sim.py --b 4,32 --np 48 --width 0.25 --threads 2 --rounds 5
     python scripts/profile_sim.py --b 4 --np 48 --profile --modes exact
     python scripts/profile_sim.py --b 4 --np 48 --compare-run 2    # a small np=48 run in both modes: loss, accuracy
+    python scripts/profile_sim.py --b 64 --np 48 --memory --modes fast   # peak RSS against the global batch's
 """
 from __future__ import annotations
 
@@ -65,6 +66,38 @@ def compare_run(a, epochs: int) -> dict:
     return out
 
 
+_PEAK = """
+import sys, json
+from dataclasses import replace
+from pilab.config import Config
+from pilab.engine import loop as engine
+from pilab.engine.backend import peak_mem_mb
+mode, np_, b, model, width, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5]), int(sys.argv[6])
+cfg = Config(model=model, width=width, batch_size=b, threads=threads, epochs=10, test_subset=10)
+if mode == "global":
+    s = engine.Session(replace(cfg, batch_size=np_ * b), engine.MPIRanks(None))
+else:
+    s = engine.Session(replace(cfg, simulate_mode=mode), engine.VirtualRanks(np_))
+for k in range(2):
+    s.step(0, k % s.steps_per_epoch)
+print(json.dumps({"mode": mode, "peak_mem_mb": peak_mem_mb()}))
+"""
+
+
+def peaks(a, modes) -> dict:
+    """Peak RSS (MiB) of two steps in a fresh process: one process on the global batch, and each mode."""
+    import subprocess
+    b = int(a.b.split(",")[0])
+    out = {}
+    for m in ["global", *modes]:
+        p = subprocess.run([sys.executable, "-c", _PEAK, m, str(a.np), str(b), a.model, str(a.width), str(a.threads)],
+                           capture_output=True, text=True, check=True)
+        out[m] = json.loads(p.stdout.strip().splitlines()[-1])["peak_mem_mb"]
+    out.update({f"{m}/global": out[m] / out["global"] for m in modes})
+    print(json.dumps({f"{b}x{a.np}": out}))
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--b", default="4,32", help="per-rank batches, comma-separated")
@@ -77,11 +110,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators")
     ap.add_argument("--compare-run", type=int, default=0, metavar="EPOCHS",
                     help="instead: a small run at --np in both modes, EPOCHS epochs of 10 global batches each")
+    ap.add_argument("--memory", action="store_true", help="instead: peak RSS of each mode against the global batch's")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    modes = a.modes.split(",")
+    if a.memory:
+        return peaks(a, modes)
     if a.compare_run:
         return compare_run(a, a.compare_run)
-    modes = a.modes.split(",")
     res = {}
     for b in (int(v) for v in a.b.split(",")):
         cfg = Config(model=a.model, width=a.width, batch_size=b, threads=a.threads, epochs=100,
