@@ -54,12 +54,13 @@ def compare_run(a, epochs: int) -> dict:
     from pilab.engine import simulate
     b = int(a.b.split(",")[0])
     cfg = Config(model=a.model, width=a.width, batch_size=b, threads=a.threads, epochs=epochs,
-                 train_subset=10 * a.np * b, test_subset=1000, lr=0.05, lr_ref_batch=64, warmup_epochs=0.5)
+                 train_subset=10 * a.np * b, test_subset=1000, lr=a.lr, lr_ref_batch=64, warmup_epochs=0.5)
     runs = {m: simulate.run(replace(cfg, simulate_mode=m), a.np) for m in ("exact", "fast")}
     loss = {m: r["steps"]["loss"] for m, r in runs.items()}
     diff = [abs(x - y) for x, y in zip(loss["exact"], loss["fast"])]
     out = {"np": a.np, "per_rank_batch": b, "steps": len(diff), "max_step_loss_diff": max(diff),
            "first_step_loss_diff": diff[0], "loss": loss,
+           "mean_loss_last10": {m: sum(v[-10:]) / len(v[-10:]) for m, v in loss.items()},
            "test_acc": {m: [e["test_acc"] for e in r["epochs"]] for m, r in runs.items()},
            "used": {m: r["simulate_mode_used"] for m, r in runs.items()}}
     print(json.dumps({k: v for k, v in out.items() if k != "loss"}))
@@ -110,6 +111,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators")
     ap.add_argument("--compare-run", type=int, default=0, metavar="EPOCHS",
                     help="instead: a small run at --np in both modes, EPOCHS epochs of 10 global batches each")
+    ap.add_argument("--lr", type=float, default=0.05, help="--compare-run's lr per 64 images")
     ap.add_argument("--memory", action="store_true", help="instead: peak RSS of each mode against the global batch's")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
