@@ -3,9 +3,10 @@
 * ``MPIRanks(comm)`` — this process is one rank of an MPI job (or the only process, ``comm=None``):
   gradients averaged by ``GradSync``, metrics and the stop vote riding with its last bucket,
   BatchNorm buffers settled by ``dist.sync_buffers_``;
-* ``VirtualRanks(np_)`` — the simulator: np ranks emulated in this process, each rank's sub-batch
-  through its own forward (ghost BatchNorm per virtual rank, dropout per rank seed), gradients
-  accumulated in rank order as MPI sums them, the same buffer policy over the virtual rows.
+* ``VirtualRanks(np_)`` — the simulator: np ranks emulated in this process (``cfg.simulate_mode``): each
+  rank's sub-batch through its own forward, gradients accumulated in rank order as MPI sums them (exact),
+  or the global batch in one forward (fast); either way ghost BatchNorm per virtual rank, dropout per rank
+  seed, the same buffer policy over the virtual rows.
 
 A backend builds the model and its loaders, takes one synchronous step (``step``: a ``StepResult`` that
 every rank agrees on), re-cuts its batches for a batch ramp, settles, gathers and restores per-rank state
@@ -291,8 +292,8 @@ class VirtualRanks:
         # One rank per forward on CPU reproduces an MPI rank's arithmetic exactly (same conv kernels on
         # the same batch). Several ranks per forward are faster on a GPU but sum weight gradients in
         # another order, and BatchNorm's shift invariance amplifies that float noise (~1e-3 after a step).
-        # simulate_mode=fast: several ranks per forward everywhere (up to FAST_CHUNK_IMAGES images), and
-        # ghost BN vectorised over the ranks' groups; docs/simulator.md gives its measured deviation.
+        # simulate_mode=fast: the global batch in one forward (the memory of one process training it), ghost
+        # BN vectorised over the ranks' groups (layers._GroupedBN); docs/simulator.md gives its deviation.
         self.mode = mode_used(cfg)
         fast = self.mode == "fast"
         auto = np_ if fast else max(1, min(np_, EXACT_CUDA_CHUNK_IMAGES // batch))
