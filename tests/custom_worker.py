@@ -21,7 +21,8 @@ torch.set_num_threads(1)
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 BASE = Config(train_subset=240, test_subset=120, batch_size=8, epochs=2, max_steps=14, augment=True, lr=0.05,
-              lr_ref_batch=16, threads=1, seed=5, bucket_mb=0.25)
+              lr_ref_batch=16, threads=1, seed=5, bucket_mb=0.25,
+              simulate_mode="exact")  # compared with mpiexec bit for bit: the exact mode
 MODELS = {"resnet": replace(BASE, model="own_models:small_resnet", width=0.5), "head": replace(BASE, model="own_models:bn1d_head")}
 
 

@@ -26,7 +26,7 @@ RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 # Small but real: the embedded CIFAR-10 subset, narrow MobileNetV2, augmentation on.
 BASE = Config(width=0.25, train_subset=400, test_subset=200, batch_size=8, epochs=3,
               max_steps=20, augment=True, lr=0.05, lr_ref_batch=16, threads=1, seed=3,
-              bucket_mb=0.25)
+              bucket_mb=0.25, simulate_mode="exact")  # compared with mpiexec bit for bit: the exact mode
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -227,6 +227,20 @@ def case_train(out):
             rel[name] = float((update(simulate.virtual_state(sim_model)) - mine).norm() / mine.norm())
             rel[name + "_loss"], rel[name + "_chunk"] = sim["steps"]["loss"][0], sim["ranks_per_chunk"]
         res["syncbn_simulator"] = dict(rel, loss=r1["steps"]["loss"][0])
+    # ... and every simulate_mode against MPI's first bn=local step: exact bit for bit, fast (the global
+    # batch in one forward, per-rank BatchNorm vectorised) to float rounding
+    first = replace(cfg, max_steps=1)
+    r1l, m1l = train.train(first, COMM, data=ds)
+    if RANK == 0:
+        update = partial(first_update, base_model(first, torch.device("cpu")).state_dict())
+        mine = update(m1l.state_dict())
+        modes = {}
+        for mode in ("exact", "fast", "auto"):
+            sim, sim_model = simulate.train(replace(first, simulate_mode=mode), SIZE, data=ds)
+            modes[mode] = {"update": float((update(simulate.virtual_state(sim_model)) - mine).norm() / mine.norm()),
+                           "loss": sim["steps"]["loss"][0], "used": sim["simulate_mode_used"],
+                           "chunk": sim["ranks_per_chunk"]}
+        res["modes_first_step"] = dict(modes, loss=r1l["steps"]["loss"][0])
 
     # 6) the simulator reproduces this MPI run
     from pilab.engine import simulate
@@ -492,7 +506,8 @@ def case_spiking(out):
     synced state after a full run, against the virtual-rank simulator of the same run."""
     from pilab.engine import simulate
     cfg = Config(model="spiking_cnn", width=0.25, timesteps=3, train_subset=128, test_subset=64,
-                 batch_size=8, epochs=1, max_steps=4, lr=0.05, lr_ref_batch=16, threads=1, seed=3)
+                 batch_size=8, epochs=1, max_steps=4, lr=0.05, lr_ref_batch=16, threads=1, seed=3,
+                 simulate_mode="exact")
     ds = train.load_data(cfg, COMM)
     before = COMM.gather(_train_no_sync(cfg, ds), root=0)
     result, model = train.train(cfg, COMM, data=ds)

@@ -14,7 +14,7 @@ import pytest
 from conftest import MPIEXEC, mpi_env
 
 CFG = dict(width=0.25, train_subset=240, test_subset=100, batch_size=8, epochs=2, lr=0.2, threads=1, seed=3,
-           bucket_mb=0.25, clip_grad_norm=0.5)
+           bucket_mb=0.25, clip_grad_norm=0.5, simulate_mode="exact")  # bit for bit: exact
 
 
 @pytest.mark.mpi

@@ -112,8 +112,11 @@ def test_device_resident_loader_gives_the_same_batches(policy, augment):
             assert xb.is_contiguous(memory_format=torch.channels_last)
 
 
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format])
 @pytest.mark.parametrize("ghost", [0, 4])
-def test_vectorised_ghost_batchnorm_matches_per_group_batchnorm(ghost):
+def test_vectorised_ghost_batchnorm_matches_per_group_batchnorm(ghost, layout):
+    """Both vectorised paths: the simulator's channels-last batch (_GroupedBN, its own backward) and any
+    other layout (var_mean and autograd)."""
     torch.manual_seed(0)
     ctx = RankContext()
     ctx.ranks = (0, 6)
@@ -122,7 +125,7 @@ def test_vectorised_ghost_batchnorm_matches_per_group_batchnorm(ghost):
         bn.weight.uniform_(0.5, 1.5)
         bn.bias.uniform_(-1, 1)
     exact, fast = GhostBatchNorm2d(bn, 6, ghost, ctx), GhostBatchNorm2d(bn, 6, ghost, ctx)
-    x = (torch.randn(48, 5, 7, 7) * 3 + 1).contiguous(memory_format=torch.channels_last)
+    x = (torch.randn(48, 5, 7, 7) * 3 + 1).contiguous(memory_format=layout)
     xe, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
     ye = exact(xe)
     ctx.vectorised = True
@@ -136,12 +139,17 @@ def test_vectorised_ghost_batchnorm_matches_per_group_batchnorm(ghost):
     torch.testing.assert_close(fast.weight.grad, exact.weight.grad, **tol)
     torch.testing.assert_close(fast.running_mean, exact.running_mean, **tol)
     torch.testing.assert_close(fast.running_var, exact.running_var, **tol)
-    assert yf.is_contiguous(memory_format=torch.channels_last)
+    assert yf.is_contiguous(memory_format=layout)
     assert int(fast.num_batches_tracked) == int(exact.num_batches_tracked) == 1
 
 
-def test_simulate_mode_is_validated():
-    assert Config().simulate_mode == "exact"
+def test_simulate_mode_is_validated_and_auto_picks_what_the_run_allows():
+    from pilab.engine.ranks import mode_used
+    assert Config().simulate_mode == "auto"
+    assert mode_used(Config()) == "fast"  # the same mathematics at one process's cost
+    assert mode_used(Config(local_steps=4)) == "exact"  # each rank's own weights: one rank per forward
+    assert mode_used(Config(batch_ramp="gns:64", batch_size=8)) == "exact"  # each rank's own gradient
+    assert mode_used(Config(simulate_mode="exact")) == "exact"
     assert Config(simulate_mode="fast").simulate_mode == "fast"
     with pytest.raises(ConfigError, match="simulate_mode"):
         Config(simulate_mode="quick")
@@ -214,6 +222,10 @@ def test_bench_pieces_on_tiny_settings(tmp_path):
     cli = local.cli_startup(rounds=2, repeat=1)  # `python -m pilab --help` against `python -c pass`
     assert cli["help_over_python"]["n"] == 2 and cli["seconds"]["help"]["median"] > 0
     assert "| ratio `--help` / `python -c pass` |" in markdown_report({**res, "cli": cli})
+    sim = local.simulator([("mobilenetv2_cifar", 0.25, 2, 3)], rounds=2, threads=1)  # each mode vs the global batch
+    row = sim["rows"][0]
+    assert row["ratio"]["fast"]["n"] == row["ratio"]["exact"]["n"] == 2 and set(row["met"]) == {"fast", "exact"}
+    assert "| mobilenetv2_cifar 0.25 | 2 × 3 |" in markdown_report({**res, "simulator": sim})
 
 
 @pytest.mark.mpi

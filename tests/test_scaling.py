@@ -569,3 +569,16 @@ def test_a_point_saved_before_a_setting_existed_is_the_same_training():
         assert same_training(run["config"], cfg, int(p)), p
         assert not same_training(run["config"], Config.from_dict({**st["config"], "tta": True}), int(p))
         assert not same_training({**run["config"], "tta": True}, cfg, int(p))
+
+
+def test_a_point_simulated_bitwise_is_kept_for_the_default_mode():
+    # the committed np=48 points ran in the exact mode (before auto existed): the modes differ only in
+    # rounding, so an auto (or fast) study keeps them; a fast point is not what an exact study asks for
+    from pilab.config import Config
+    from pilab.study.points import same_training
+    exact, fast, auto = (Config(simulate_mode=m) for m in ("exact", "fast", "auto"))
+    assert same_training(exact.to_dict(), auto, 48) and same_training(exact.to_dict(), fast, 48)
+    assert same_training(fast.to_dict(), auto, 48) and same_training(auto.to_dict(), auto, 48)
+    assert not same_training(fast.to_dict(), exact, 48) and not same_training(auto.to_dict(), exact, 48)
+    saved = {k: v for k, v in exact.to_dict().items() if k != "simulate_mode"}  # saved before the setting
+    assert same_training(saved, auto, 48)

@@ -150,12 +150,24 @@ def data_path(batch: int, rounds: int, batches: int) -> dict:
             "speedup_pilab_over_dataloader": summary(ratios(s, "dataloader", "pilab")), "raw": s}
 
 
-def simulator(cfg: Config, nps, rounds: int) -> dict:
-    """Simulated images/s at each np, exact vs fast mode (one step per call, alternated)."""
-    out = {}
-    for np_ in nps:
-        sessions = {m: engine.Session(replace(cfg, simulate_mode=m), engine.VirtualRanks(np_))
-                    for m in ("exact", "fast")}
+SIM_GOALS = {"fast": 1.10, "exact": 1.30}  # issue 42: each mode's step against one process on the global batch
+
+
+def simulator(cases, rounds: int, threads: int = 2) -> dict:
+    """The simulator against its physical bound: for each (model, width, per-rank batch b, np) in ``cases``,
+    one step of one process training the global batch (``MPIRanks(None)``, batch np*b: the same images
+    and arithmetic, grouped once) and of ``VirtualRanks(np)`` in each simulate_mode, alternated; the
+    ratio of each mode's step to the global one per round (median and spread)::
+
+        simulator([("mobilenetv2_cifar", 0.25, 4, 48)], rounds=3)["rows"][0]["ratio"]["fast"]["median"]
+    """
+    rows = []
+    ds = data_mod.load("embedded")
+    for model, width, b, np_ in cases:
+        cfg = Config(model=model, width=width, batch_size=b, threads=threads, epochs=100, test_subset=10)
+        sessions = {"global": engine.Session(replace(cfg, batch_size=np_ * b), engine.MPIRanks(None), data=ds)}
+        for m in SIM_GOALS:
+            sessions[m] = engine.Session(replace(cfg, simulate_mode=m), engine.VirtualRanks(np_), data=ds)
         k = {m: 0 for m in sessions}
 
         def make(m):
@@ -164,14 +176,14 @@ def simulator(cfg: Config, nps, rounds: int) -> dict:
                 s.step(*divmod(k[m] % s.steps_per_epoch, s.steps_per_epoch))
                 k[m] += 1
             return f
-        s = alternate({m: make(m) for m in sessions}, rounds)
-        images = np_ * cfg.batch_size
-        out[str(np_)] = {"images_per_step": images,
-                         "images_per_s": {m: summary([images / t for t in v]) for m, v in s.items()},
-                         "fast_over_exact": summary(ratios(s, "exact", "fast")), "raw": s,
-                         "ranks_per_forward": {m: sessions[m].ranks.chunk for m in sessions}}
-    return {"model": cfg.model, "width": cfg.width, "per_rank_batch": cfg.batch_size,
-            "threads": torch.get_num_threads(), "np": out}
+        t = alternate({m: make(m) for m in sessions}, rounds)
+        ratio = {m: summary(ratios(t, m, "global")) for m in SIM_GOALS}
+        rows.append({"model": model, "width": width, "per_rank_batch": b, "np": np_,
+                     "step_s": {m: summary(v) for m, v in t.items()}, "ratio": ratio,
+                     "met": {m: ratio[m]["median"] is not None and ratio[m]["median"] <= g for m, g in SIM_GOALS.items()},
+                     "raw": t})
+        del sessions
+    return {"threads": threads, "rounds": rounds, "goals": SIM_GOALS, "rows": rows}
 
 
 def fast_deviation(cfg: Config, np_: int, steps: int) -> dict:

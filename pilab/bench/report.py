@@ -417,12 +417,16 @@ def _simulator(res: dict) -> list[str]:
     out: list[str] = []
     if "simulator" in res:
         s = res["simulator"]
-        out += ["## Simulator: exact vs fast", "",
-                f"{s['model']} width {s['width']}, {s['per_rank_batch']} images per virtual rank, {s['threads']} thread.",
-                "", "| np | exact images/s | fast images/s | fast / exact speed |", "|---|---|---|---|"]
-        for np_, row in s["np"].items():
-            out.append(f"| {np_} | {_r(row['images_per_s']['exact'], 0)} | {_r(row['images_per_s']['fast'], 0)} | "
-                       f"{_r(row['fast_over_exact'])} |")
+        g = s["goals"]
+        out += ["## Simulator against one process on the global batch", "",
+                f"One step of `VirtualRanks(np)` in each `simulate_mode` against one process training the same global "
+                f"batch (np × b images, `MPIRanks(None)`), {s['threads']} threads, {s['rounds']} alternated rounds: "
+                f"the ratio per round, median (p10–p90). Goals (issue 42): fast ≤ {g['fast']:.2f}, exact ≤ {g['exact']:.2f}.",
+                "", "| model | b × np | global step | fast / global | exact / global | goals |", "|---|---|---|---|---|---|"]
+        for row in s["rows"]:
+            met = ", ".join(f"{m} {'met' if ok else 'missed'}" for m, ok in row["met"].items())
+            out.append(f"| {row['model']} {row['width']:g} | {row['per_rank_batch']} × {row['np']} | "
+                       f"{_ms(row['step_s']['global'])} | {_r(row['ratio']['fast'])} | {_r(row['ratio']['exact'])} | {met} |")
         out.append("")
     d = res.get("deviation")
     if "simulator" in res and not d:

@@ -97,7 +97,6 @@ def _plan(q: bool, mpiexec, log, before, out, command) -> dict:
 
     def cfg(**kw):
         return Config(threads=1, **kw)
-    scfg = cfg(width=0.25, batch_size=4 if q else 8, train_subset=0)
     dcfg = cfg(width=0.25, batch_size=4, lr=0.05, lr_ref_batch=64)
     step = dict(width=0.25 if q else 1.0, batch_size=16 if q else 64, train_subset=512 if q else 0)
     models = [("mobilenetv2_cifar", 0.25), ("mobilenetv2", 0.25), ("squeezenet1_1", 1.0)] if q else local.MODELS
@@ -108,7 +107,7 @@ def _plan(q: bool, mpiexec, log, before, out, command) -> dict:
         "malloc": lambda: lambda: local.malloc(cfg(**step), 2 if q else 5, 2 if q else 4),
         "models": lambda: lambda: local.models(16 if q else 64, 5, 1 if q else 2, models),
         "data": lambda: lambda: local.data_path(64, 5 if q else 7, 4 if q else 10),
-        "simulator": lambda: lambda: local.simulator(scfg, (1, 8) if q else (1, 8, 48), 5),
+        "simulator": lambda: lambda: local.simulator(_simulator_cases(q), 3 if q else 5),
         "checkpoint": lambda: lambda: local.checkpoint_cost(
             cfg(width=0.25 if q else 1.0, batch_size=16, train_subset=512), 3 if q else 5),
         "deviation": lambda: lambda: local.fast_deviation(dcfg, 8 if q else 48, 10 if q else 100),
@@ -121,6 +120,14 @@ def _plan(q: bool, mpiexec, log, before, out, command) -> dict:
         "perfmodel": lambda: _perfmodel_section(q, mpiexec, log),
         "network": lambda: _network_section(q, mpiexec, log, out, command),
     }
+
+
+def _simulator_cases(quick: bool) -> list[tuple]:
+    """(model, width, per-rank batch, np) of the simulator section (issue 42's grid; quick: its corners)."""
+    if quick:
+        return [("mobilenetv2_cifar", 0.25, b, 48) for b in (4, 32)]
+    models = [("mobilenetv2_cifar", 0.25), ("mobilenetv2_cifar", 1.0), ("squeezenet1_1", 1.0)]
+    return [(m, w, b, np_) for m, w in models for np_ in (8, 48) for b in (4, 8, 16, 32, 64)]
 
 
 def _perfmodel_section(q: bool, mpiexec, log):

@@ -3,9 +3,10 @@
 * ``MPIRanks(comm)`` — this process is one rank of an MPI job (or the only process, ``comm=None``):
   gradients averaged by ``GradSync``, metrics and the stop vote riding with its last bucket,
   BatchNorm buffers settled by ``dist.sync_buffers_``;
-* ``VirtualRanks(np_)`` — the simulator: np ranks emulated in this process, each rank's sub-batch
-  through its own forward (ghost BatchNorm per virtual rank, dropout per rank seed), gradients
-  accumulated in rank order as MPI sums them, the same buffer policy over the virtual rows.
+* ``VirtualRanks(np_)`` — the simulator: np ranks emulated in this process (``cfg.simulate_mode``): each
+  rank's sub-batch through its own forward, gradients accumulated in rank order as MPI sums them (exact),
+  or the global batch in one forward (fast); either way ghost BatchNorm per virtual rank, dropout per rank
+  seed, the same buffer policy over the virtual rows.
 
 A backend builds the model and its loaders, takes one synchronous step (``step``: a ``StepResult`` that
 every rank agrees on), re-cuts its batches for a batch ramp, settles, gathers and restores per-rank state
@@ -38,8 +39,23 @@ from .dist import (GradSync, Slots, bn_buffers, broadcast_module_, broadcast_opt
 from .layers import RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_
 from .trace import Timeline
 
-FAST_CHUNK_IMAGES = 512  # simulate_mode=fast: images per forward (memory stays bounded at any np)
+# simulate_mode=fast runs the global batch in one forward (the memory of one process training it, the
+# physical bound); on a GPU the exact mode's chunks are about this many images
+EXACT_CUDA_CHUNK_IMAGES = 256
 _SUMS = ("loss_sum", "correct", "stop_votes", "save_votes")  # MPIRanks' slots summed with the last bucket
+
+
+def mode_used(cfg: Config) -> str:
+    """The simulator's mode for ``cfg``: ``simulate_mode`` itself, or for ``auto`` the fast mode (the same
+    mathematics to float rounding, at about one process's cost) unless the run needs each rank's own
+    weights or gradient (local SGD, a noise-driven batch ramp), which only the exact mode runs::
+
+        mode_used(Config())                 # "fast"
+        mode_used(Config(local_steps=4))    # "exact"
+    """
+    if cfg.simulate_mode != "auto":
+        return cfg.simulate_mode
+    return "exact" if cfg.local_steps > 1 or cfg.gns_max else "fast"
 
 
 def _on_grads(fns, params: list) -> None:
@@ -287,10 +303,11 @@ class VirtualRanks:
         # One rank per forward on CPU reproduces an MPI rank's arithmetic exactly (same conv kernels on
         # the same batch). Several ranks per forward are faster on a GPU but sum weight gradients in
         # another order, and BatchNorm's shift invariance amplifies that float noise (~1e-3 after a step).
-        # simulate_mode=fast: several ranks per forward everywhere (up to FAST_CHUNK_IMAGES images), and
-        # ghost BN vectorised over the ranks' groups; docs/simulator.md gives its measured deviation.
-        fast = cfg.simulate_mode == "fast"
-        auto = max(1, min(np_, (FAST_CHUNK_IMAGES if fast else 256) // batch))
+        # simulate_mode=fast: the global batch in one forward (the memory of one process training it), ghost
+        # BN vectorised over the ranks' groups (layers._GroupedBN); docs/simulator.md gives its deviation.
+        self.mode = mode_used(cfg)
+        fast = self.mode == "fast"
+        auto = np_ if fast else max(1, min(np_, EXACT_CUDA_CHUNK_IMAGES // batch))
         self.chunk = self.ranks_per_chunk or (auto if fast or device.type == "cuda" else 1)
         if cfg.local_steps > 1 or cfg.gns_max:  # every rank's own weights, or its own gradient's norm
             self.chunk = 1
@@ -325,9 +342,12 @@ class VirtualRanks:
         t_data = 0.0
         loss_sum = correct = 0  # python numbers, or 0-d device tensors with defer_metrics
         one_chunk = self.chunk >= np_  # the chunk's mean gradient is the average: nothing to accumulate
+        per_rank = self.chunk == 1  # MPI's arithmetic: each rank's gradient, summed in rank order
         grad_sq = [] if self.norms else None
-        if not one_chunk:
+        if per_rank and not one_chunk:
             torch._foreach_zero_(self.avg)
+        if not per_rank:  # several ranks per forward: their shares of the mean loss accumulate in .grad
+            optimizer.zero_grad(set_to_none=False)
         self.context.epoch, self.context.step = epoch, step
         spans = [] if cfg.trace else None  # Config.trace: each chunk's phases, on its first rank's track
         for r0 in range(0, np_, self.chunk):
@@ -340,10 +360,12 @@ class VirtualRanks:
             torch.manual_seed(step_seed(cfg.seed, epoch, step, r0))
             out, loss = forward_loss(model, x, y, cfg, device)
             tb = time.perf_counter() if spans is not None else 0.0
-            optimizer.zero_grad(set_to_none=False)
             if one_chunk:
+                if per_rank:
+                    optimizer.zero_grad(set_to_none=False)
                 loss.backward()  # the mean loss over every rank's images: the average itself
-            elif r1 - r0 == 1:
+            elif per_rank:
+                optimizer.zero_grad(set_to_none=False)
                 # as MPI forms it (GradSync.backward): each rank's loss scaled by 1/np, so its gradient
                 # comes out divided, and the ranks' gradients added in rank order
                 share_of_mean(loss, np_).backward()
@@ -351,12 +373,11 @@ class VirtualRanks:
                     grad_sq.append(squared_norm([p.grad for p in self.params]))
                 torch._foreach_add_(self.avg, [p.grad for p in self.params])
             else:  # several ranks per forward (the mean over their images): weighted by their share
-                loss.backward()
-                torch._foreach_add_(self.avg, torch._foreach_mul([p.grad for p in self.params], (r1 - r0) / np_))
+                (loss * ((r1 - r0) / np_)).backward()
             if spans is not None:
                 spans += [(r0, "data", td, tx), (r0, "forward", tx, tb), (r0, "backward", tb, time.perf_counter())]
             loss_sum, correct = self._add_metrics(loss_sum, correct, loss, out, y, r1 - r0)
-        if not one_chunk:
+        if per_rank and not one_chunk:
             torch._foreach_copy_([p.grad for p in self.params], self.avg)
         avg_sq = squared_norm([p.grad for p in self.params]) if grad_sq is not None else None
         to = time.perf_counter() if spans is not None else 0.0
@@ -466,4 +487,4 @@ class VirtualRanks:
         pass
 
     def extras(self) -> dict:
-        return {"simulated": True, "ranks_per_chunk": self.chunk}
+        return {"simulated": True, "ranks_per_chunk": self.chunk, "simulate_mode_used": self.mode}

@@ -13,9 +13,11 @@ same seeds, and gradients are averaged over ranks. Weights after N steps match a
 
     python -m pilab simulate --np 48 --width 0.5 --epochs 3
 
-Virtual ranks are processed one at a time on CPU (``ranks_per_chunk=1``: bit-identical per-rank arithmetic)
-with gradient accumulation, so memory stays bounded at any np; on CUDA several ranks share a forward pass
-(exact up to float summation order). The loop is ``pilab.engine.loop``'s, run on ``engine.VirtualRanks``; the
+``cfg.simulate_mode`` says how (docs/simulator.md): ``exact`` processes the virtual ranks one at a time on
+CPU (``ranks_per_chunk=1``: bit-identical per-rank arithmetic) with gradient accumulation; ``fast`` runs the
+global batch in one forward with per-rank BatchNorm vectorised (the same mathematics to float rounding, at
+about the cost of one process training the global batch); ``auto``, the default, takes ``fast`` unless the
+run needs each rank's own weights or gradient (``result["simulate_mode_used"]`` says which ran). The loop is ``pilab.engine.loop``'s, run on ``engine.VirtualRanks``; the
 per-rank layers are in ``pilab.engine.layers``.
 """
 from __future__ import annotations

@@ -64,6 +64,10 @@ def same_training(saved: dict, cfg: Config, p: int) -> bool:
     except (ConfigError, TypeError, ValueError):
         return False
     saved = theirs.to_dict()
+    # the simulator's modes differ only in float rounding: a bitwise (exact) run is what auto or fast asks
+    # for, and an auto run is what auto asks for again (points run before auto existed were exact)
+    if saved.get("simulate_mode") == "exact" or mine["simulate_mode"] == "auto":
+        saved["simulate_mode"] = mine["simulate_mode"]
     if all(saved[k] == mine[k] for k in keys):
         return True
     if any(saved[k] != mine[k] for k in keys if k not in _LR_RULE):
