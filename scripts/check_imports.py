@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 # package, named from pilab down ("study", "engine.dist"); a module belongs to the longest part that names it.
 LAYERS = {
     "hosts": -1,  # host/slot lists from a hostfile, --hosts or a Slurm allocation (no pilab imports)
-    "launch": 0, "files": 0,
-    "slurm": 0,  # Slurm's commands for batch jobs: a script, sbatch, the queue, scancel (no pilab imports) "embedded": 0,
+    "launch": 0, "files": 0, "embedded": 0,
+    "slurm": 0,  # Slurm's commands for batch jobs: a script, sbatch, the queue, scancel (no pilab imports)
     "engine.optim": 0, "engine.buckets": 0, "models.names": 0,
     "engine.component": 0,  # what a loop feature is: the moments the loop calls (no imports)
     "engine.noise": 0.2,  # the gradient noise scale, the batch it chooses, and the ramp as a loop feature
@@ -38,6 +38,7 @@ LAYERS = {
     "engine.trace": 2.5,  # a per-rank trace of a real run (a loop feature): its timeline, clocks, trace.json
     "engine.comm": 1.8, "engine.gradsync": 1.9,  # MPI primitives and shared exact arithmetic; GradSync
     "engine.dist": 2, "data": 2, "engine.checkpoint": 2,
+    "engine.syncbn": 2.9,  # SyncBatchNorm over MPI ranks (CPU)
     "engine.layers": 3, "engine.ema": 3.2,  # ema: the weights' moving average (and its loop feature)
     "engine.exactness": 3.2,  # your own model's layers checked for what the simulator cannot make per-rank
     "engine.clip": 3,  # the loop feature clipping the averaged gradient's norm
