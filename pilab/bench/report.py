@@ -3,49 +3,8 @@ judged "met" / "NOT met" against the goals the run was given (``res["goals"]``: 
 benchmarks/goals.json; pilab has no goals of its own, and without them a figure is shown unjudged)."""
 from __future__ import annotations
 
-import operator
-
-_OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt}
-
-
-def _r(s: dict | None, digits: int = 2) -> str:
-    """'median (p10-p90, n)' of a summary."""
-    if not s or s.get("median") is None:
-        return "n/a"
-    f = f"{{:.{digits}f}}"
-    return f"{f.format(s['median'])} ({f.format(s['p10'])}–{f.format(s['p90'])}, n={s['n']})"
-
-
-def _ms(s: dict | None) -> str:
-    if not s or s.get("median") is None:
-        return "n/a"
-    return f"{1e3 * s['median']:.1f} ms ({1e3 * s['p10']:.1f}–{1e3 * s['p90']:.1f})"
-
-
-def _goal(s: dict | None, res: dict, key: str) -> str:
-    """"met (goal >= 0.98)" for a summary's median against the run's goal ``key``; "—" without one."""
-    if not s or s.get("median") is None:
-        return "not measured"
-    return _judged(s["median"], res, key, with_goal=True)
-
-
-def _goal_words(res: dict, key: str, what: str) -> str:
-    """"the peak per rank in MB <= 900" for the run's goal ``key``; "none given" without one."""
-    goal = (res.get("goals") or {}).get(key)
-    return f"{what} {goal[0]} {goal[1]:g}" if goal else "none given"
-
-
-def _judged(value: float, res: dict, key: str, *, with_goal: bool = False) -> str:
-    """"met" / "NOT met" for ``value`` against the run's goal ``key`` (with the goal in words where asked);
-    "—" where the run was given no such goal."""
-    goal = (res.get("goals") or {}).get(key)
-    if goal is None:
-        return "—"
-    op, target = goal
-    ok = _OPS[op](value, target)
-    return ("met" if ok else "NOT met") + (f" (goal {op} {target:g})" if with_goal else "")
-
-
+from .judging import _OPS, _goal, _ms, _r
+from .memreport import _memory, _memory_per_rank
 def markdown_report(res: dict) -> str:
     m = res["machine"]
     ranks = res.get("ranks", {})
@@ -318,99 +277,6 @@ def _e2e(ranks: dict, res: dict) -> list[str]:
                 + f". GC during the pilab steps: {e['gc']['collections']} collections, "
                 f"{1e3 * e['gc']['total_s']:.1f} ms in {e['gc']['pilab_steps']} steps.", ""]
     return out
-
-
-def _memory(ranks: dict) -> list[str]:
-    out: list[str] = []
-    if ranks.get("memory"):
-        mem = ranks["memory"]
-        sh = mem["shards"]
-        out += ["## Memory", "",
-                f"Peak RSS per rank of the default run ({mem['config']}, np=2): "
-                + ", ".join(f"{x:.0f} MiB" for x in mem["peak_rss_mb_per_rank"]) + ". "
-                + "Shards: " + "; ".join(f"rank {s['rank']} loader holds {s['loader_images']} of {s['train_images']} "
-                                         f"images ({s['loader_mb']:.1f} of {s['full_train_set_mb']:.1f} MiB)" for s in sh)
-                + (". The Session still references the whole training array (the data set object), so a rank "
-                   "holds its shard *and* the full set." if any(s["session_keeps_full_train_array"] for s in sh) else
-                   ". Nothing else in the rank keeps the other ranks' images (the Session drops the full set once "
-                   "its loader has copied the shard; tests/test_mpi.py checks it)."),
-                ""]
-    return out
-
-
-def _mb(x: float) -> str:
-    return f"{x / 1e6:.0f}"
-
-
-def _memory_setting(row: dict) -> tuple:
-    """What makes two memory runs comparable: the settings on their command line."""
-    c = row["config"]
-    return tuple(c.get(k) for k in ("data", "model", "width", "batch_size", "threads", "eval_batch",
-                                    "train_subset", "test_subset")) + (row.get("steps"), row.get("np"))
-
-
-def _memory_per_rank(res: dict) -> list[str]:
-    mem = res.get("memory")
-    if not mem:
-        return []
-    before = {_memory_setting(b): b for b in mem.get("before", [])}
-    m = res["machine"]
-    out = ["## Memory per rank", "",
-           f"Peak RSS of each rank (VmHWM, MB = 10^6 bytes), itemised, two real ranks (`mpiexec -n 2`) on "
-           f"{mem['data']}; measured {m['date']} on {m['cpu']}. Runtime: python + torch + mpi4py imported; data: "
-           "the rank's shard (uint8) and its share of the test set; model: parameters, gradient buckets, momentum; "
-           "activations: what autograd saved in a step's forward; allocator: the rest of the peak (the code "
-           "pages of the kernels a step ran, oneDNN's caches, glibc's free lists, gradients in flight). Goal: "
-           + _goal_words(res, "memory_peak_mb", "the peak per rank in MB")
-           + " at the study's setting with malloc lean (what a rank needs; a rank keeps "
-           "freed memory for its next step, malloc fast, where the node has room: "
-           "`pilab.models.memory.choose_allocator`).", "",
-           "| setting | runtime | data | model | activations | allocator | peak (load / set-up / train / eval) | "
-           "predicted | goal |" + (" before |" if before else ""), "|---|---|---|---|---|---|---|---|---|"
-           + ("---|" if before else "")]
-    shown = []
-    for row in mem["rows"]:
-        c = row["config"]
-        r = max(row["ranks"], key=lambda x: x["peak"])
-        ph = r["phases"]
-        was = before.get(_memory_setting(row))
-        if was is not None:
-            shown.append(was)
-        malloc = row.get("malloc", "lean")
-        out.append(f"| width {c['width']}, {c['batch_size']} per rank, {c['threads']} threads, eval batch "
-                   f"{c['eval_batch']}, malloc {malloc} | {_mb(r['runtime'])} | {_mb(r['data'])} | {_mb(r['model'])} | "
-                   f"{_mb(r['activations'])} | {_mb(r['allocator'])} | **{_mb(r['peak'])}** ({_mb(ph['load'])} / "
-                   f"{_mb(ph['setup'])} / {_mb(ph['train'])} / {_mb(ph['eval'])}) | {_mb(row['predicted']['peak'])} | "
-                   f"{_judged(r['peak'] / 1e6, res, 'memory_peak_mb') if malloc == 'lean' else 'n/a'} |"
-                   + (f" {_before_cell(was)} |" if before else ""))
-    out += [""] + [f"- `{row['command']}`" for row in mem["rows"]] + [""]
-    if shown:
-        out += ["Before: the same command's figures in " + ", ".join(f"`{b['file']}`" for b in shown)
-                + " (runtime / data / model / activations / allocator: peak).", ""]
-    if mem["table"]:
-        out += ["The prediction (`pilab.models.memory.predict_peak_bytes`) against the measured peak, 3 widths x 2 "
-                "batch sizes (full training set, 1,000 test images, eval batch 50, 2 threads, 2 steps; the "
-                "larger rank's peak):", "", "| width | per rank | measured MB | predicted MB | error |",
-                "|---|---|---|---|---|"]
-        worst = 0.0
-        for row in mem["table"]:
-            c = row["config"]
-            meas = max(r["peak"] for r in row["ranks"])
-            err = row["predicted"]["peak"] / meas - 1
-            worst = max(worst, abs(err))
-            out.append(f"| {c['width']} | {c['batch_size']} | {_mb(meas)} | {_mb(row['predicted']['peak'])} | "
-                       f"{100 * err:+.1f}% |")
-        out += ["", f"Largest error {100 * worst:.1f}% — {_judged(worst, res, 'memory_prediction_error', with_goal=True)}. "
-                f"Each row: `{mem['table'][0]['command']}` with its width and batch size.", ""]
-    return out
-
-
-def _before_cell(was: dict | None) -> str:
-    if was is None:
-        return "—"
-    r = max(was["ranks"], key=lambda x: x["peak"])
-    items = " / ".join(_mb(r[k]) for k in ("runtime", "data", "model", "activations", "allocator"))
-    return f"{items}: **{_mb(r['peak'])}**"
 
 
 def _simulator(res: dict) -> list[str]:
