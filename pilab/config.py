@@ -91,6 +91,7 @@ class Config:
     local_steps: int = 1  # local SGD: steps each rank takes on its own copy of the model between parameter averages (1 = gradients averaged every step); every epoch ends with an average
     local_after: float = 0.0  # post-local SGD: epochs of synchronous steps before local steps begin
     bucket_mb: float = 1.0  # gradient fusion bucket size, MiB of fp32
+    bucket_tail_mb: float = 0.0  # the last bucket (the first layers' gradients, ready last in backward) cut again into buckets of this size, so less of it is left to send after backward; 0 = not cut
     compression: str = "none"  # none | fp16 (halves bytes sent)
     # --- runtime ---
     seed: int = 0  # all randomness derives from (seed, epoch, step, rank)
@@ -165,6 +166,8 @@ class Config:
             raise ConfigError("nesterov=True needs momentum > 0")
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
+        if not 0 <= self.bucket_tail_mb <= self.bucket_mb:
+            raise ConfigError(f"bucket_tail_mb={self.bucket_tail_mb} must be between 0 (not cut) and bucket_mb={self.bucket_mb}")
 
     def _validate_combinations(self) -> None:
         """Settings that cannot go together."""

@@ -142,7 +142,7 @@ class GradSync:
             opt.step()
     """
 
-    def __init__(self, model: nn.Module, comm, *, bucket_mb: float = 1.0,
+    def __init__(self, model: nn.Module, comm, *, bucket_mb: float = 1.0, tail_mb: float = 0.0,
                  compression: str = "none", meta: "int | Slots" = 0, norms: bool = False, observe: bool = False):
         self.comm = comm
         self.observe = observe  # note when each message completes (StepComm.flights): a traced run's only
@@ -156,7 +156,7 @@ class GradSync:
         # Gradients arrive roughly in reverse definition order; fill buckets in that order so the
         # first one is complete early in backward.
         order = list(reversed(params))
-        groups = [[order[i] for i in idx] for idx in bucket_assignment([p.numel() for p in order], bucket_mb)]
+        groups = [[order[i] for i in idx] for idx in bucket_assignment([p.numel() for p in order], bucket_mb, tail_mb)]
         # One buffer, the buckets adjacent slices of it in posting order: buckets that are ready together
         # (what is left when backward ends; all of them when the hooks are off) go as one Allreduce, which
         # MPI moves faster than several (one 8.9 MB message vs twelve of 0.75 MB: 0.78x the bandwidth here).

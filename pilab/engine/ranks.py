@@ -103,8 +103,8 @@ class MPIRanks:
             self.slots.declare(name)
         self.slots.declare("network", self.np_)
         self.trace = cfg.trace  # each step's phase boundaries and messages' flights (pilab.engine.trace)
-        self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, compression=cfg.compression,
-                              meta=self.slots, norms=bool(cfg.gns_max), observe=cfg.trace)
+        self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, tail_mb=cfg.bucket_tail_mb,
+                              compression=cfg.compression, meta=self.slots, norms=bool(cfg.gns_max), observe=cfg.trace)
         self.on_grads = tuple(on_grads)
         self._prev_net, self._prev_sent = 0.0, None
         self.optimizer, self.local = optimizer, cfg.local_steps > 1
