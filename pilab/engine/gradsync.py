@@ -46,6 +46,7 @@ class StepComm:
     # observe=True only (a traced run, pilab.engine.trace): per message [first bucket index, bytes, posted,
     # first seen complete] (perf_counter() seconds), in posting order
     flights: list = field(default_factory=list)
+    stepped: float = 0.0  # finish(step=...): seconds spent stepping landed buckets inside the wait (not in exposed)
 
 
 class _Bucket:
@@ -225,6 +226,8 @@ class GradSync:
         self._ready = [False] * len(self.buckets)
         self._inflight: list = []
         self._requests: list = []  # one per message (a run of buckets shares it)
+        self._runs: list = []  # each message's buckets
+        self._landed: list = []  # finish(step=...): each message's parameters stepped
         self._meta_request = None
         self.seeded = False  # this step's gradients came out of backward already divided (see backward())
         self.stats = StepComm()
@@ -329,6 +332,8 @@ class GradSync:
         request = self.comm.Iallreduce(MPI.IN_PLACE, msg, op=MPI.SUM)
         self.stats.messages += 1
         self._requests.append(request)
+        self._runs.append(run)
+        self._landed.append(False)
         self._inflight.append(request)
         if self.observe:
             self.stats.flights.append([run[0].index, wire.nbytes, now, None])
@@ -370,9 +375,49 @@ class GradSync:
         reqs = self._requests + [self._meta_request]
         wait_polling(reqs, max(SPIN_S, late_bytes / SPIN_BYTES_PER_S), test=self._observe if self.observe else None)
 
-    def finish(self) -> StepComm:
+    def _poll_landing(self, step) -> bool:
+        """``finish(step=...)``'s test: each message not yet landed tested on its own, and a landed one's
+        parameters stepped at once (``observe``: its flight noted first); True once all and the metrics are
+        done. Stepping a bucket takes no MPI call, so the messages still in flight wait for the next poll:
+        a bucket is <= bucket_mb, a fraction of a millisecond of the optimizer."""
+        flights, now = self.stats.flights, None
+        for k, request in enumerate(self._requests):
+            if not self._landed[k] and request.Test():
+                now = now or time.perf_counter()
+                self._landed[k] = True
+                if self.observe:
+                    flights[k][3] = now
+                t = time.perf_counter()
+                self._unpack(self._runs[k])
+                step([p for b in self._runs[k] for p in b.params])
+                self.stats.stepped += time.perf_counter() - t
+        return all(self._landed) and self._meta_request.Test()
+
+    def _unpack(self, buckets, wire: bool = True) -> None:
+        """The averages of ``buckets`` into ``p.grad``: from the fp16 wire, and into the gradients that
+        are not views of the buffer (a layout a flat slot cannot hold)."""
+        for b in buckets:
+            if self.fp16 and wire:
+                b.flat.copy_(b.wire)
+            if b.all_views:  # every gradient is already its slot of the averaged buffer
+                continue
+            offset = 0
+            for p, view in zip(b.params, b.views):
+                n = p.numel()
+                if view is None:
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)
+                    p.grad.copy_(b.flat[offset:offset + n].view_as(p.grad))
+                offset += n
+
+    def finish(self, step=None) -> StepComm:
         """Call after ``backward()``: posts what is left, waits, leaves averaged grads in ``p.grad``
-        (and the summed ``meta``)."""
+        (and the summed ``meta``).
+
+        ``step``: a callable given a list of parameters whose averaged gradients have landed
+        (``optim.SubsetStep``), called once per message while the later messages are still in flight, so the
+        optimizer's work fills the wait instead of following it (every bucket's parameters exactly once;
+        the caller steps whatever else it has afterwards)."""
         stats = self.stats
         if self.size == 1:
             stats.ready = time.perf_counter()
@@ -390,22 +435,16 @@ class GradSync:
         self._post_ready()
         if self._meta_request is None:  # no buckets at all (nothing trainable): the metrics still travel
             self._post_meta()
-        self._wait(stats.bytes_sent - sent)
-        if self.fp16:
-            self._flat.copy_(self._wire)
-        for b in self.buckets:
-            if b.all_views:  # every gradient is already its slot of the averaged buffer
-                continue
-            offset = 0
-            for p, view in zip(b.params, b.views):
-                n = p.numel()
-                if view is None:  # not a view (a layout a flat slot cannot hold)
-                    if p.grad is None:
-                        p.grad = torch.empty_like(p)
-                    p.grad.copy_(b.flat[offset:offset + n].view_as(p.grad))
-                offset += n
+        late = stats.bytes_sent - sent
+        if step is not None:
+            wait_polling(None, max(SPIN_S, late / SPIN_BYTES_PER_S), test=lambda: self._poll_landing(step))
+        else:
+            self._wait(late)
+            if self.fp16:
+                self._flat.copy_(self._wire)  # in one piece
+            self._unpack(self.buckets, wire=False)
         done = time.perf_counter()
-        stats.exposed = done - t_end
+        stats.exposed = done - t_end - stats.stepped
         stats.total = done - stats.first_post
         stats.buckets = len(self.buckets)
         self._reset()
