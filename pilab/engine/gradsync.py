@@ -385,7 +385,7 @@ class GradSync:
             if not self._landed[k] and request.Test():
                 now = now or time.perf_counter()
                 self._landed[k] = True
-                if self.observe:
+                if self.observe and flights[k][3] is None:  # not already seen complete from a gradient hook
                     flights[k][3] = now
                 t = time.perf_counter()
                 self._unpack(self._runs[k])
