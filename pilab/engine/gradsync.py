@@ -227,7 +227,8 @@ class GradSync:
         self._inflight: list = []
         self._requests: list = []  # one per message (a run of buckets shares it)
         self._runs: list = []  # each message's buckets
-        self._landed: list = []  # finish(step=...): each message's parameters stepped
+        self._landed: list = []  # finish(step=...): each message seen complete
+        self._stepped: list = []  # ... and its parameters stepped
         self._meta_request = None
         self.seeded = False  # this step's gradients came out of backward already divided (see backward())
         self.stats = StepComm()
@@ -334,6 +335,7 @@ class GradSync:
         self._requests.append(request)
         self._runs.append(run)
         self._landed.append(False)
+        self._stepped.append(False)
         self._inflight.append(request)
         if self.observe:
             self.stats.flights.append([run[0].index, wire.nbytes, now, None])
@@ -376,21 +378,25 @@ class GradSync:
         wait_polling(reqs, max(SPIN_S, late_bytes / SPIN_BYTES_PER_S), test=self._observe if self.observe else None)
 
     def _poll_landing(self, step) -> bool:
-        """``finish(step=...)``'s test: each message not yet landed tested on its own, and a landed one's
-        parameters stepped at once (``observe``: its flight noted first); True once all and the metrics are
-        done. Stepping a bucket takes no MPI call, so the messages still in flight wait for the next poll:
-        a bucket is <= bucket_mb, a fraction of a millisecond of the optimizer."""
+        """``finish(step=...)``'s test: every message not yet seen complete tested (``observe``: the time
+        noted), then the parameters of one landed message stepped; True once all are stepped and the
+        metrics are done. One message per poll: stepping makes no MPI call, so the messages still in flight
+        move again between two buckets' steps (a bucket is <= bucket_mb: a fraction of a millisecond)."""
         flights, now = self.stats.flights, None
         for k, request in enumerate(self._requests):
             if not self._landed[k] and request.Test():
-                now = now or time.perf_counter()
                 self._landed[k] = True
                 if self.observe and flights[k][3] is None:  # not already seen complete from a gradient hook
+                    now = now or time.perf_counter()
                     flights[k][3] = now
+        for k, run in enumerate(self._runs):
+            if self._landed[k] and not self._stepped[k]:
                 t = time.perf_counter()
-                self._unpack(self._runs[k])
-                step([p for b in self._runs[k] for p in b.params])
+                self._unpack(run)
+                step([p for b in run for p in b.params])
+                self._stepped[k] = True
                 self.stats.stepped += time.perf_counter() - t
+                return False
         return all(self._landed) and self._meta_request.Test()
 
     def _unpack(self, buckets, wire: bool = True) -> None:
