@@ -93,7 +93,7 @@ class Config:
     bucket_mb: float = 1.0  # gradient fusion bucket size, MiB of fp32
     bucket_tail_mb: float = 0.1  # the last bucket (the first layers' gradients, ready last in backward) cut again into buckets of this size, so less of it is left to send after backward; 0 (or >= bucket_mb) = not cut
     compression: str = "none"  # none | fp16 (halves bytes sent)
-    step_as_landed: bool = True  # step each gradient bucket's parameters as its average lands, while the last buckets are still on the wire (SGD and LARS on CPU, bitwise the same step; off with gradient clipping or the noise scale, which need every gradient first)
+    step_as_landed: bool = False  # step each gradient bucket's parameters as its average lands, while the last buckets are still on the wire (SGD and LARS on CPU, bitwise the same step; off with gradient clipping or the noise scale, which need every gradient first)
     # --- runtime ---
     seed: int = 0  # all randomness derives from (seed, epoch, step, rank)
     threads: int = 0  # torch threads per rank; 0 = cores per node / ranks per node

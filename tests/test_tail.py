@@ -67,7 +67,7 @@ def _losses(np_, out, *flags):
 @pytest.mark.mpi
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tail_buckets_and_early_steps_change_no_number(np_, tmp_path):
-    """Under mpiexec: both on (the defaults; traced too, whose wait notes each message's flight) against
+    """Under mpiexec: both on (traced too, whose wait notes each message's flight) against
     both off, the same per-step losses and test losses bit for bit."""
     off = _losses(np_, tmp_path / "off", "--bucket-tail-mb", "0", "--no-step-as-landed")
     on = _losses(np_, tmp_path / "on", "--bucket-tail-mb", "0.02", "--step-as-landed")

@@ -143,7 +143,7 @@ class MPIRanks:
         tf = time.perf_counter() if self.trace else 0.0
         sync.backward(loss)
         stepper = self.stepper if sync.exchange else None
-        cstats = sync.finish(step=stepper)
+        cstats = sync.finish(step=stepper) if stepper is not None else sync.finish()
         grad_sq = avg_sq = None
         if sync.norms and sync.exchange:  # every rank's, exact (see GradSync's norms); the average's
             grad_sq, avg_sq = meta[at["grad_sq"]].copy(), squared_norm([p.grad for p in self.params])
