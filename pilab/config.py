@@ -91,7 +91,9 @@ class Config:
     local_steps: int = 1  # local SGD: steps each rank takes on its own copy of the model between parameter averages (1 = gradients averaged every step); every epoch ends with an average
     local_after: float = 0.0  # post-local SGD: epochs of synchronous steps before local steps begin
     bucket_mb: float = 1.0  # gradient fusion bucket size, MiB of fp32
+    bucket_tail_mb: float = 0.1  # the last bucket (the first layers' gradients, ready last in backward) cut again into buckets of this size, so less of it is left to send after backward; 0 (or >= bucket_mb) = not cut
     compression: str = "none"  # none | fp16 (halves bytes sent)
+    step_as_landed: bool = False  # step each gradient bucket's parameters as its average lands, while the last buckets are still on the wire (SGD and LARS on CPU, bitwise the same step; off with gradient clipping or the noise scale, which need every gradient first)
     # --- runtime ---
     seed: int = 0  # all randomness derives from (seed, epoch, step, rank)
     threads: int = 0  # torch threads per rank; 0 = cores per node / ranks per node
@@ -165,6 +167,8 @@ class Config:
             raise ConfigError("nesterov=True needs momentum > 0")
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
+        if not self.bucket_tail_mb >= 0:
+            raise ConfigError(f"bucket_tail_mb={self.bucket_tail_mb} must be >= 0 (0: the last bucket is not cut)")
 
     def _validate_combinations(self) -> None:
         """Settings that cannot go together."""

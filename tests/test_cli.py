@@ -42,9 +42,10 @@ def test_help_documents_every_option(tmp_path):
     (["--bogus-option", "1"], "unrecognized arguments: --bogus-option"),
     (["--model", "resnet"], "model='resnet' is unknown"),
     (["--width", "3"], "out of range"),
+    (["--bucket-tail-mb", "-1"], "bucket_tail_mb=-1.0 must be >= 0"),
     (["--lr-scaling", "cubic"], "invalid choice"),
     (["--data", "/nonexistent/cifar"], "/nonexistent/cifar"),
-], ids=["np0", "batch0", "global-indivisible", "np-too-large", "unknown-option", "model", "width",
+], ids=["np0", "batch0", "global-indivisible", "np-too-large", "unknown-option", "model", "width", "tail",
         "choice", "missing-data"])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, words):
     p = pilab("train", *TINY, *args, cwd=tmp_path, timeout=120)

@@ -168,9 +168,9 @@ def test_gradient_layout_matches_gradsync_buckets():
         assert sum(n for n, _ in layout) == sum(p.numel() for p in model.parameters())
         assert all(0 <= r <= 1 for _, r in layout)
         assert layout[-1][1] == pytest.approx(1.0)  # the stem's gradient is the last one ready
-        for mb in (0.25, 1.0, 4.0):
-            gs = GradSync(model, None, bucket_mb=mb)
-            assert [n for n, _ in pm.buckets_for(layout, mb)] == [b.numel for b in gs.buckets]
+        for mb, tail in ((0.25, 0.0), (1.0, 0.0), (4.0, 0.0), (1.0, 0.1)):
+            gs = GradSync(model, None, bucket_mb=mb, tail_mb=tail)
+            assert [n for n, _ in pm.buckets_for(layout, mb, tail)] == [b.numel for b in gs.buckets]
 
 
 @pytest.mark.parametrize("cluster", ["pi4b_cluster", "calibration"])

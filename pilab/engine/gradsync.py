@@ -46,6 +46,7 @@ class StepComm:
     # observe=True only (a traced run, pilab.engine.trace): per message [first bucket index, bytes, posted,
     # first seen complete] (perf_counter() seconds), in posting order
     flights: list = field(default_factory=list)
+    stepped: float = 0.0  # finish(step=...): seconds spent stepping landed buckets inside the wait (not in exposed)
 
 
 class _Bucket:
@@ -142,7 +143,7 @@ class GradSync:
             opt.step()
     """
 
-    def __init__(self, model: nn.Module, comm, *, bucket_mb: float = 1.0,
+    def __init__(self, model: nn.Module, comm, *, bucket_mb: float = 1.0, tail_mb: float = 0.0,
                  compression: str = "none", meta: "int | Slots" = 0, norms: bool = False, observe: bool = False):
         self.comm = comm
         self.observe = observe  # note when each message completes (StepComm.flights): a traced run's only
@@ -156,7 +157,7 @@ class GradSync:
         # Gradients arrive roughly in reverse definition order; fill buckets in that order so the
         # first one is complete early in backward.
         order = list(reversed(params))
-        groups = [[order[i] for i in idx] for idx in bucket_assignment([p.numel() for p in order], bucket_mb)]
+        groups = [[order[i] for i in idx] for idx in bucket_assignment([p.numel() for p in order], bucket_mb, tail_mb)]
         # One buffer, the buckets adjacent slices of it in posting order: buckets that are ready together
         # (what is left when backward ends; all of them when the hooks are off) go as one Allreduce, which
         # MPI moves faster than several (one 8.9 MB message vs twelve of 0.75 MB: 0.78x the bandwidth here).
@@ -225,6 +226,9 @@ class GradSync:
         self._ready = [False] * len(self.buckets)
         self._inflight: list = []
         self._requests: list = []  # one per message (a run of buckets shares it)
+        self._runs: list = []  # each message's buckets
+        self._landed: list = []  # finish(step=...): each message seen complete
+        self._stepped: list = []  # ... and its parameters stepped
         self._meta_request = None
         self.seeded = False  # this step's gradients came out of backward already divided (see backward())
         self.stats = StepComm()
@@ -329,6 +333,9 @@ class GradSync:
         request = self.comm.Iallreduce(MPI.IN_PLACE, msg, op=MPI.SUM)
         self.stats.messages += 1
         self._requests.append(request)
+        self._runs.append(run)
+        self._landed.append(False)
+        self._stepped.append(False)
         self._inflight.append(request)
         if self.observe:
             self.stats.flights.append([run[0].index, wire.nbytes, now, None])
@@ -370,9 +377,53 @@ class GradSync:
         reqs = self._requests + [self._meta_request]
         wait_polling(reqs, max(SPIN_S, late_bytes / SPIN_BYTES_PER_S), test=self._observe if self.observe else None)
 
-    def finish(self) -> StepComm:
+    def _poll_landing(self, step) -> bool:
+        """``finish(step=...)``'s test: every message not yet seen complete tested (``observe``: the time
+        noted), then the parameters of one landed message stepped; True once all are stepped and the
+        metrics are done. One message per poll: stepping makes no MPI call, so the messages still in flight
+        move again between two buckets' steps (a bucket is <= bucket_mb: a fraction of a millisecond)."""
+        flights, now = self.stats.flights, None
+        for k, request in enumerate(self._requests):
+            if not self._landed[k] and request.Test():
+                self._landed[k] = True
+                if self.observe and flights[k][3] is None:  # not already seen complete from a gradient hook
+                    now = now or time.perf_counter()
+                    flights[k][3] = now
+        for k, run in enumerate(self._runs):
+            if self._landed[k] and not self._stepped[k]:
+                t = time.perf_counter()
+                self._unpack(run)
+                step([p for b in run for p in b.params])
+                self._stepped[k] = True
+                self.stats.stepped += time.perf_counter() - t
+                return False
+        return all(self._landed) and self._meta_request.Test()
+
+    def _unpack(self, buckets, wire: bool = True) -> None:
+        """The averages of ``buckets`` into ``p.grad``: from the fp16 wire, and into the gradients that
+        are not views of the buffer (a layout a flat slot cannot hold)."""
+        for b in buckets:
+            if self.fp16 and wire:
+                b.flat.copy_(b.wire)
+            if b.all_views:  # every gradient is already its slot of the averaged buffer
+                continue
+            offset = 0
+            for p, view in zip(b.params, b.views):
+                n = p.numel()
+                if view is None:
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)
+                    p.grad.copy_(b.flat[offset:offset + n].view_as(p.grad))
+                offset += n
+
+    def finish(self, step=None) -> StepComm:
         """Call after ``backward()``: posts what is left, waits, leaves averaged grads in ``p.grad``
-        (and the summed ``meta``)."""
+        (and the summed ``meta``).
+
+        ``step``: a callable given a list of parameters whose averaged gradients have landed
+        (``optim.SubsetStep``), called once per message while the later messages are still in flight, so the
+        optimizer's work fills the wait instead of following it (every bucket's parameters exactly once;
+        the caller steps whatever else it has afterwards)."""
         stats = self.stats
         if self.size == 1:
             stats.ready = time.perf_counter()
@@ -390,22 +441,16 @@ class GradSync:
         self._post_ready()
         if self._meta_request is None:  # no buckets at all (nothing trainable): the metrics still travel
             self._post_meta()
-        self._wait(stats.bytes_sent - sent)
-        if self.fp16:
-            self._flat.copy_(self._wire)
-        for b in self.buckets:
-            if b.all_views:  # every gradient is already its slot of the averaged buffer
-                continue
-            offset = 0
-            for p, view in zip(b.params, b.views):
-                n = p.numel()
-                if view is None:  # not a view (a layout a flat slot cannot hold)
-                    if p.grad is None:
-                        p.grad = torch.empty_like(p)
-                    p.grad.copy_(b.flat[offset:offset + n].view_as(p.grad))
-                offset += n
+        late = stats.bytes_sent - sent
+        if step is not None:
+            wait_polling(None, max(SPIN_S, late / SPIN_BYTES_PER_S), test=lambda: self._poll_landing(step))
+        else:
+            self._wait(late)
+            if self.fp16:
+                self._flat.copy_(self._wire)  # in one piece
+            self._unpack(self.buckets, wire=False)
         done = time.perf_counter()
-        stats.exposed = done - t_end
+        stats.exposed = done - t_end - stats.stepped
         stats.total = done - stats.first_post
         stats.buckets = len(self.buckets)
         self._reset()

@@ -113,6 +113,50 @@ class LARS(Eager, torch.optim.Optimizer):
         return loss
 
 
+class SubsetStep:
+    """``optimizer.step()`` a few parameters at a time: ``GradSync.finish(step=...)`` steps each bucket's
+    parameters as its average lands, while later buckets are still on the wire, and ``rest()`` steps the
+    others. For SGD and LARS only, whose update of a parameter reads that parameter's gradient, state
+    and group settings alone, one tensor at a time on CPU (torch's SGD takes its per-tensor path there),
+    so the result is bitwise the same as one ``step()`` (tests/test_mpi.py)::
+
+        stepper = SubsetStep.of(optimizer)   # None: this optimizer is stepped whole
+        sync.finish(step=stepper)
+        stepper.rest()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.done: set = set()
+
+    @classmethod
+    def of(cls, optimizer) -> "SubsetStep | None":
+        ok = type(optimizer) in (SGD, LARS) and all(
+            p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"])
+        return cls(optimizer) if ok else None
+
+    def __call__(self, params) -> None:
+        ids = {id(p) for p in params}
+        self._step(ids)
+        self.done |= ids
+
+    def rest(self) -> None:
+        """Step every parameter not stepped since the last ``rest()``."""
+        done, self.done = self.done, set()
+        self._step({id(p) for g in self.optimizer.param_groups for p in g["params"]} - done)
+
+    def _step(self, ids: set) -> None:
+        opt = self.optimizer
+        full = opt.param_groups
+        # the same groups (settings, the learning rate of this step) holding only these parameters; the
+        # state (momentum buffers) is the optimizer's, kept per parameter
+        opt.param_groups = [dict(g, params=[p for p in g["params"] if id(p) in ids]) for g in full]
+        try:
+            opt.step()
+        finally:
+            opt.param_groups = full
+
+
 def build_optimizer(model: nn.Module, cfg, peak_lr: float) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay, cfg.weight_decay_on)
     if cfg.optimizer == "lars":

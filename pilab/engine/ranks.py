@@ -37,6 +37,7 @@ from .backend import (EVAL_BATCH, NUM_CLASSES, RankBackend, StepResult, base_mod
 from .dist import (GradSync, Slots, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
                    share_of_mean, squared_norm, sync_buffers_, world)
 from .layers import RankContext, convert_sync_batchnorm, step_seed, sync_virtual_buffers_
+from .optim import SubsetStep
 from .trace import Timeline
 
 # simulate_mode=fast runs the global batch in one forward (the memory of one process training it, the
@@ -119,11 +120,15 @@ class MPIRanks:
             self.slots.declare(name)
         self.slots.declare("network", self.np_)
         self.trace = cfg.trace  # each step's phase boundaries and messages' flights (pilab.engine.trace)
-        self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, compression=cfg.compression,
-                              meta=self.slots, norms=bool(cfg.gns_max), observe=cfg.trace)
+        self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, tail_mb=cfg.bucket_tail_mb,
+                              compression=cfg.compression, meta=self.slots, norms=bool(cfg.gns_max), observe=cfg.trace)
         self.on_grads = tuple(on_grads)
         self._prev_net, self._prev_sent = 0.0, None
         self.optimizer, self.local = optimizer, cfg.local_steps > 1
+        # each bucket's parameters stepped as its average lands, inside the wait (bitwise the same step);
+        # not with on_grads, which must see every averaged gradient before any step
+        self.stepper = (SubsetStep.of(optimizer) if cfg.step_as_landed and not self.on_grads
+                        and self.np_ > 1 else None)
         self.params = [p for p in model.parameters() if p.requires_grad]
 
     def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None) -> StepResult:
@@ -153,12 +158,16 @@ class MPIRanks:
         nets[self.rank] = self._prev_net
         tf = time.perf_counter() if self.trace else 0.0
         sync.backward(loss)
-        cstats = sync.finish()
+        stepper = self.stepper if sync.exchange else None
+        cstats = sync.finish(step=stepper) if stepper is not None else sync.finish()
         grad_sq = avg_sq = None
         if sync.norms and sync.exchange:  # every rank's, exact (see GradSync's norms); the average's
             grad_sq, avg_sq = meta[at["grad_sq"]].copy(), squared_norm([p.grad for p in self.params])
         _on_grads(self.on_grads, self.params)
-        optimizer.step()
+        if stepper is not None:
+            stepper.rest()
+        else:
+            optimizer.step()
         averaged, sent = 0.0, cstats.bytes_sent
         if ph.average:  # local SGD: the ranks' parameters and BatchNorm statistics averaged, blocking
             ta = time.perf_counter()

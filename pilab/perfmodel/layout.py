@@ -64,13 +64,13 @@ def gradient_layout(model: str, width: float) -> tuple[tuple[int, float], ...]:
     return tuple((p.numel(), done_after.get(owner.get(id(p)), 1.0)) for p in reversed(params))
 
 
-def buckets_for(layout, bucket_mb: float) -> list[tuple[int, float]]:
+def buckets_for(layout, bucket_mb: float, tail_mb: float = 0.0) -> list[tuple[int, float]]:
     """(numel, ready) per bucket, filled by the rule ``dist.GradSync`` uses (``buckets.bucket_assignment``).
 
         buckets_for(((10, 0.1), (10, 0.2), (300_000, 0.9)), 1.0)   # [(20, 0.2), (300000, 0.9)]
     """
     return [(sum(layout[i][0] for i in idx), max(layout[i][1] for i in idx))
-            for idx in bucket_assignment([numel for numel, _ in layout], bucket_mb)]
+            for idx in bucket_assignment([numel for numel, _ in layout], bucket_mb, tail_mb)]
 
 
 def work_per_image(model: str, width: float, flops_per_activation: float = 0.0,

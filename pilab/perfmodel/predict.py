@@ -121,7 +121,7 @@ def bucket_schedule(cfg: Config, layout, compute: float, cl: Cluster, ar: Callab
     done = t_fwd + t_bwd
     end = 0.0
     out = []
-    for numel, ready in buckets_for(layout, cfg.bucket_mb):  # posted in order as they fill; one at a time
+    for numel, ready in buckets_for(layout, cfg.bucket_mb, cfg.bucket_tail_mb):  # posted in order as they fill; one at a time
         t = ar(numel * wire) + (numel * wire * cl.gamma_fp16 if fp16 else 0.0)
         # overlap < 1: only that share of the remaining backward can hide communication
         posted = t_fwd + t_bwd * (1 - cl.overlap * (1 - ready))
@@ -364,7 +364,7 @@ def _mix_local_steps(cfg: Config, local: float, steps: int, layout, ar, metric: 
     per_step_average = average * math.ceil(steps / cfg.local_steps) / steps
     return ((1 - local) * comm + local * (metric + per_step_average),
             (1 - local) * exposed + local * (metric + per_step_average),
-            (1 - local) * messages + local * (1 + len(buckets_for(layout, cfg.bucket_mb))
+            (1 - local) * messages + local * (1 + len(buckets_for(layout, cfg.bucket_mb, cfg.bucket_tail_mb))
                                               * math.ceil(steps / cfg.local_steps) / steps))
 
 
