@@ -46,7 +46,8 @@ LAYERS = {
     "engine.backend": 3.3,  # what the loop asks of a rank backend, and the pieces every backend uses
     "engine.records": 3.35,  # what the loop records: an epoch's sums and record, the run's result
     "engine.resume": 3.3, "engine.keeper": 3,  # checkpoints as the loop writes and resumes them; a failed run's result
-    "engine.localsgd": 3,  # local SGD's plan and the simulator's per-rank weights (torch only)
+    "engine.localsgd": 3,  # local SGD: its plan, the MPI ranks' parameter average, the simulator's per-rank weights
+    "engine.virtual": 3.45,  # the simulator's rank backend (virtual ranks in one process)
     "engine.ranks": 3.5,  # the rank backends (MPI ranks, the simulator's virtual ranks) the loop drives
     "engine.loop": 4,
     "engine.preflight": 4.5,  # your own model against your data, before any rank starts

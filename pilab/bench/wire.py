@@ -39,7 +39,7 @@ from ..config import Config
 from ..launch import mpi
 from ..engine.dist import fp16_type, wait_polling
 from ..engine.optim import build_optimizer
-from .ranks import nap_barrier, slowest
+from .job import nap_barrier, slowest
 from .stats import ratios, summary
 
 MPI = mpi()  # this module runs on the ranks of a launched job only

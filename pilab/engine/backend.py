@@ -250,3 +250,9 @@ def local_ranks(ranks) -> int:
     if getattr(ranks, "simulated", False):
         return 1
     return max(1, launcher_local_size())
+
+
+def on_grads_(fns, params: list) -> None:
+    """The components' ``on_grads`` moment: the gradients a backend is about to step with."""
+    for fn in fns:
+        fn([p.grad for p in params])

@@ -19,15 +19,8 @@ import torch
 from torch import nn
 
 from .buckets import bucket_assignment
-from .comm import MPI, Slots, _buf, share_of_mean, squared_norm, world  # noqa: F401 (re-exported)
-
-
-def fp16_type():
-    """MPI datatype for IEEE half precision, or None if this MPI library has none."""
-    t = getattr(MPI, "FLOAT16_T", None) if MPI is not None else None
-    if t is None or t == MPI.DATATYPE_NULL:
-        return None
-    return t
+from .comm import (SLEEP_S, SPIN_BYTES_PER_S, SPIN_S, MPI, Slots, _buf, fp16_type,  # noqa: F401 (re-exported)
+                   share_of_mean, squared_norm, wait_polling, world)
 
 
 @dataclass
@@ -69,31 +62,6 @@ _GRAD = operator.attrgetter("grad")
 def _dense(p: torch.Tensor) -> bool:
     """True if ``p`` covers its numel elements without gaps (so a slot of a flat buffer can hold it)."""
     return p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last))
-
-
-SPIN_S = 2e-3  # finish() polls without napping this long first: a transfer in flight finishes at full speed
-# ... or longer when much was posted at the end: the time those bytes take at this (conservative) rate, so
-# naps never slow a transfer that is still moving (a bucket of 8.5 MB took 2.3 ms here; napping after 2 ms
-# cost GradSync a third of the raw bandwidth in BENCHMARKS.md).
-SPIN_BYTES_PER_S = 1e9
-SLEEP_S = 50e-6  # then one nap between Testall calls (Linux timer slack adds ~50 us)
-
-
-def wait_polling(reqs, spin_s: float = SPIN_S, test=None) -> None:
-    """Wait for ``reqs`` as GradSync does: Testall busily for ``spin_s``, then with a nap between calls.
-    MPICH moves a shared-memory Allreduce only inside MPI calls, so napping between calls slows a
-    transfer in flight (measured: 0.28x the raw bandwidth with naps alone); a long wait is a slower rank
-    still computing, and a nap leaves it the CPU. ``test``: a callable polled instead of Testall (True
-    when all are done; GradSync's observed wait, which notes when each message completes)."""
-    spin_until = time.perf_counter() + spin_s
-    if test is not None:
-        while not test():
-            if time.perf_counter() > spin_until:
-                time.sleep(SLEEP_S)
-        return
-    while not MPI.Request.Testall(reqs):
-        if time.perf_counter() > spin_until:
-            time.sleep(SLEEP_S)
 
 
 class GradSync:
@@ -193,7 +161,6 @@ class GradSync:
         self._hooks = []
         # False for a local-SGD step (pilab.engine.localsgd): the gradients stay this rank's, only meta travels
         self.exchange = True
-        self._pflat: list | None = None  # average_parameters_'s buffers, made on first use
         if self.size > 1:
             for b in self.buckets:
                 b.views = self._make_views(b)
@@ -465,36 +432,6 @@ class GradSync:
         stats.exposed = stats.total = done - t_end
         self._reset()
         return stats
-
-    @torch.no_grad()
-    def average_parameters_(self) -> int:
-        """Average the parameters over the ranks (local SGD; blocking); returns the bytes sent.
-
-        In the gradient buckets' layout and order, each bucket divided by the world size and summed by
-        Allreduce: the sums are formed as the gradients' are, which the simulator reproduces
-        (``pilab.engine.localsgd.VirtualReplicas.average_``)."""
-        if self.size == 1:
-            return 0
-        if self._pflat is None:
-            self._pflat = [torch.empty_like(b.flat) for b in self.buckets]
-        reqs, sent = [], 0
-        for b, flat in zip(self.buckets, self._pflat):
-            offset = 0
-            for p in b.params:
-                n = p.numel()
-                flat[offset:offset + n].copy_(p.reshape(-1))
-                offset += n
-            flat.div_(self.size)
-            reqs.append(self.comm.Iallreduce(MPI.IN_PLACE, _buf(flat), op=MPI.SUM))
-            sent += flat.numel() * flat.element_size()
-        MPI.Request.Waitall(reqs)
-        for b, flat in zip(self.buckets, self._pflat):
-            offset = 0
-            for p in b.params:
-                n = p.numel()
-                p.copy_(flat[offset:offset + n].view_as(p))
-                offset += n
-        return sent
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -5,6 +5,7 @@ one of the gradients every step. ``local_after`` epochs of ordinary synchronous 
 (post-local SGD: the early, large-gradient phase synchronous, the later one local)::
 
     cfg = Config(local_steps=8, local_after=2)      # 2 synchronous epochs, then average every 8 steps
+    ParameterAverage(gsync)()                        # an MPI rank's average (pilab.engine.ranks.MPIRanks)
     phase(cfg, steps_per_epoch=39, epoch=3, step=7)  # Phase(local=True, average=True)
 
 Every epoch ends with an average, whatever H: evaluation, an epoch's checkpoint and the result then see
@@ -22,6 +23,8 @@ import copy
 from dataclasses import dataclass
 
 import torch
+
+from .comm import MPI, _buf
 
 
 @dataclass(frozen=True)
@@ -104,3 +107,44 @@ class VirtualReplicas:
         """Every rank's parameters and optimizer state, in rank order (for a checkpoint)."""
         return [{"params": [t.clone() for t in self.data[r]], "opt": copy.deepcopy(self.opt[r])}
                 for r in range(self.np_)]
+
+
+class ParameterAverage:
+    """Local SGD's parameter average over MPI ranks (blocking), on ``sync``'s (a ``GradSync``) buckets::
+
+        average = ParameterAverage(gsync)
+        sent = average()       # every rank's parameters now the mean; the bytes this rank sent
+
+    In the gradient buckets' layout and order, each bucket divided by the world size and summed by
+    Allreduce: the sums are formed as the gradients' are, which the simulator reproduces
+    (``VirtualReplicas.average_``)."""
+
+    def __init__(self, sync):
+        self.sync = sync
+        self.flats: list | None = None  # one buffer per bucket, made on first use
+
+    @torch.no_grad()
+    def __call__(self) -> int:
+        sync = self.sync
+        if sync.size == 1:
+            return 0
+        if self.flats is None:
+            self.flats = [torch.empty_like(b.flat) for b in sync.buckets]
+        reqs, sent = [], 0
+        for b, flat in zip(sync.buckets, self.flats):
+            offset = 0
+            for p in b.params:
+                n = p.numel()
+                flat[offset:offset + n].copy_(p.reshape(-1))
+                offset += n
+            flat.div_(sync.size)
+            reqs.append(sync.comm.Iallreduce(MPI.IN_PLACE, _buf(flat), op=MPI.SUM))
+            sent += flat.numel() * flat.element_size()
+        MPI.Request.Waitall(reqs)
+        for b, flat in zip(sync.buckets, self.flats):
+            offset = 0
+            for p in b.params:
+                n = p.numel()
+                p.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
+        return sent
