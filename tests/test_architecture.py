@@ -65,7 +65,8 @@ def test_the_checker_fences_mpi4py_and_bokeh(tmp_path, monkeypatch):
 # benchmarks measure pilab against (a bare PyTorch loop, DDP, bare mpi4py), which are not a way to train.
 BACKWARD_ALLOWED = {
     "pilab/bench/local.py": "bare-loop and model-only contenders of the one-rank benchmarks",
-    "pilab/bench/ranks.py": "DDP-gloo, bare-mpi4py and blocking-Allreduce contenders of the rank benchmarks",
+    "pilab/bench/ranks.py": "DDP-gloo and bare-mpi4py contenders of the rank benchmarks",
+    "pilab/bench/syncways.py": "per-tensor and fused blocking-Allreduce contenders of the sync section",
     "pilab/bench/perfmodel.py": "compute-only step timing that the performance model is checked against",
     "pilab/bench/wire.py": "the no-exchange ceiling and DDP-gloo contenders of one step on the wire (issue 23)",
 }
@@ -81,9 +82,10 @@ def test_one_training_loop():
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "backward":
                     callers.add(path.relative_to(REPO).as_posix())
-    # the engine's rank backends (their steps), and GradSync.backward (the loss scaled to this rank's share
-    # of the mean)
-    assert callers - set(BACKWARD_ALLOWED) == {"pilab/engine/ranks.py", "pilab/engine/gradsync.py"}, callers
+    # the engine's rank backends (their steps: MPI ranks, the simulator's virtual ranks), and GradSync.backward
+    # (the loss scaled to this rank's share of the mean)
+    assert callers - set(BACKWARD_ALLOWED) == {"pilab/engine/ranks.py", "pilab/engine/virtual.py",
+                                               "pilab/engine/gradsync.py"}, callers
     assert set(BACKWARD_ALLOWED) <= callers, "an allowed file no longer calls backward: drop it from the list"
 
 
