@@ -69,7 +69,8 @@ def test_a_noise_driven_ramp_follows_its_own_measurements(ramped):
     assert [e["steps"] for e in eps] == [p["steps"] for p in res["batch_plan"]]
     assert res["batch_ramp_chosen"] == ",".join(f"{e}:{plan[e]}" for e in range(1, 3) if plan[e] != plan[e - 1])
     # its first epoch is the run without a ramp, learning rates included (the schedule runs in epochs)
-    plain, _ = simulate.train(replace(CFG, batch_ramp="", max_steps=eps[0]["steps"]), 4)
+    # the ramp runs the exact mode (simulate_mode auto picks it for a gns: ramp); the plain run is asked for it
+    plain, _ = simulate.train(replace(CFG, batch_ramp="", max_steps=eps[0]["steps"], simulate_mode="exact"), 4)
     assert res["steps"]["lr"][:eps[0]["steps"]] == plain["steps"]["lr"]
     assert res["steps"]["loss"][:eps[0]["steps"]] == plain["steps"]["loss"]
     # what the CLI prints: the batch it ended at, and from when
