@@ -270,7 +270,7 @@ CELLS_JS = """() => {
         (c.node.querySelector('.jp-InputPrompt') || {textContent: ''}).textContent.includes('*')]); }"""
 # Every drawn Bokeh figure's size, and text a person would see instead of a widget.
 FIGURES_JS = """() => !window.Bokeh || !window.Bokeh.index ? [] : [...window.Bokeh.index.all_views()]
-    .filter(v => v.model.type === 'Figure').map(v => [v.bbox.width, v.bbox.height])"""
+    .filter(v => v.model.type === 'Figure' && v.model.visible).map(v => [v.bbox.width, v.bbox.height])"""
 # The tables pilab shows (plots.Table's HTML): kind, header, rows of cells, notes, the verdict under it.
 TABLES_JS = """() => [...document.querySelectorAll('table.pilab-table')].map(t => ({
     kind: t.dataset.kind,
@@ -346,9 +346,11 @@ class Page:
         m = WIDGET_AS_TEXT.search(texts)
         assert not m, f"{self.name}: a widget shown as text: {m.group(0)!r}"
         assert not re.search(r"^(True|False)$", texts, re.M), f"{self.name}: a stray True/False output"
-        # every figure's view is laid out with a real size (a blank layout gives 0 or a sliver)
+        # every figure's view is laid out with a real size (a blank layout gives 0 or a sliver); a figure
+        # hidden on purpose (the live swim-lane until a traced run) is skipped, as FIGURES_JS skips it
         for cell in self.page.locator(".jp-OutputArea-output .bk-Canvas, .jp-OutputArea-output .bk-Figure").all():
-            cell.scroll_into_view_if_needed()
+            if cell.is_visible():
+                cell.scroll_into_view_if_needed()
         time.sleep(0.5)
         sizes = self.page.evaluate(FIGURES_JS)
         assert all(w > 150 and h > 150 for w, h in sizes), f"{self.name}: figures not drawn: {sizes}"
