@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import __version__
+from .component import SYNC, Phase  # noqa: F401 (a step's exchange, re-exported with the protocol)
 from .. import data as data_mod
 from ..config import EVAL_CHUNK, Config, ConfigError
 from ..launch import launcher_local_size, mpi_versions
@@ -198,7 +199,8 @@ class RankBackend(Protocol):
     """The ranks a ``pilab.engine.loop.Session`` trains on. Attributes: ``simulated``, ``rank`` (this
     process's), ``np_``, ``comm`` (None for one process), ``steps_per_epoch`` (after ``build``). The
     core is set-up (``check``, ``threads``, ``build``, ``start``), one synchronous ``step`` (gradients
-    averaged over every rank, its metrics and votes summed: the same ``StepResult`` everywhere), what a
+    averaged over every rank, or kept on each as ``phase`` says, its metrics and votes summed: the same
+    ``StepResult`` everywhere), what a
     batch ramp or a resume needs (``set_batch``, ``carry``), settling and checkpointing per-rank state
     (``settle``, ``rank_states``, ``restore_rank_states``), ``evaluate``, and the run's facts (``hosts``,
     ``environment``, ``per_rank``, ``extras``, ``close``)."""
@@ -212,7 +214,8 @@ class RankBackend(Protocol):
     def threads(self, cfg: Config) -> int: ...
     def build(self, cfg: Config, device, ds, batch: int) -> nn.Module: ...
     def start(self, cfg: Config, model: nn.Module, optimizer, on_grads=()) -> None: ...
-    def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None) -> StepResult: ...
+    def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None,
+             phase: Phase = SYNC) -> StepResult: ...
     def set_batch(self, batch: int) -> None: ...
     def carry(self, epoch: int, plan, ds) -> None: ...
     def settle(self, model, policy: str) -> None: ...

@@ -11,6 +11,8 @@ every rank, in this order::
     c.start(session)                     # the session set up (model, optimizer, plan); after a resume's
     c.load_state_dict(state)             #   position, its own state from the checkpoint (if it saved one)
     c.begin_epoch(session, epoch)        # before each step (the epoch's plan is known)
+    c.before_step(session, epoch, step)  # may set session.phase: what the step exchanges
+                                         #   (a Phase, below; SYNC unless a component says)
     events = c.after_step(session, epoch, step, st)   # st: the StepResult every rank agrees on;
                                                       # events: dicts rank 0 emits to the callbacks
     with c.evaluating(session): ...      # around an evaluation
@@ -25,6 +27,23 @@ gradients get named slots (``pilab.engine.dist.Slots``), not offsets.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What one step exchanges, as a backend's ``step(..., phase=)`` follows it; a component chooses it
+    before the step (``session.phase``: local SGD's, ``pilab.engine.localsgd.LocalSGD``)::
+
+        Phase()                              # SYNC: the gradients averaged over the ranks
+        Phase(local=True, average=True)      # each rank steps on its own gradient, then the ranks
+                                             # average their parameters and BatchNorm statistics
+    """
+    local: bool = False  # the step's gradients stay on the rank: no gradient Allreduce
+    average: bool = False  # after the step the ranks average their parameters and BatchNorm statistics
+
+
+SYNC = Phase()
 
 
 class Component:
@@ -45,6 +64,9 @@ class Component:
         pass
 
     def begin_epoch(self, session, epoch: int) -> None:
+        pass
+
+    def before_step(self, session, epoch: int, step: int) -> None:
         pass
 
     def after_step(self, session, epoch: int, step: int, st) -> list:

@@ -18,7 +18,6 @@ from contextlib import contextmanager
 
 import torch
 
-from . import localsgd
 from .component import Component
 
 
@@ -76,7 +75,7 @@ class EMA(Component):
 
     def after_step(self, session, epoch: int, step: int, st) -> list:
         self.pending += 1
-        ph = localsgd.phase(self.cfg, session.epoch_steps[epoch], epoch, step)
+        ph = session.phase  # the step's (pilab.engine.localsgd.LocalSGD's; SYNC without local SGD)
         if not ph.local or ph.average:
             self.avg.update(self.params, steps=self.pending)
             self.pending = 0

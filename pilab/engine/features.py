@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from .clip import ClipGradNorm
 from .ema import EMA
+from .localsgd import LocalSGD
 from .noise import NoiseRamp
 from .stragglers import StragglerWatch
 from .trace import Trace
 
-FEATURES = (ClipGradNorm, EMA, NoiseRamp, StragglerWatch, Trace)
+FEATURES = (ClipGradNorm, EMA, LocalSGD, NoiseRamp, StragglerWatch, Trace)
 
 
 def chosen(cfg, ranks) -> list:

@@ -8,6 +8,10 @@ one of the gradients every step. ``local_after`` epochs of ordinary synchronous 
     ParameterAverage(gsync)()                        # an MPI rank's average (pilab.engine.ranks.MPIRanks)
     phase(cfg, steps_per_epoch=39, epoch=3, step=7)  # Phase(local=True, average=True)
 
+The loop's feature is ``LocalSGD``, a component: before every step it sets ``session.phase`` (this
+schedule's ``Phase``), which the rank backend's ``step(..., phase=)`` follows (a local step, an average
+after it) and the weights' EMA reads; the backends know how to take a local step and average, not when.
+
 Every epoch ends with an average, whatever H: evaluation, an epoch's checkpoint and the result then see
 one model on every rank, and the plan does not depend on when a run is evaluated or resumed.
 
@@ -20,20 +24,12 @@ in rank order, the gradient buckets' layout): tests/test_mpi.py checks it agains
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 
+from .checkpoint import CheckpointError
 from .comm import MPI, _buf
-
-
-@dataclass(frozen=True)
-class Phase:
-    local: bool  # the step's gradients stay on the rank: no gradient Allreduce
-    average: bool  # after the step the ranks average their parameters and BatchNorm statistics
-
-
-SYNC = Phase(local=False, average=False)
+from .component import SYNC, Component, Phase
 
 
 def phase(cfg, steps_per_epoch: int, epoch: int, step: int) -> Phase:
@@ -43,6 +39,29 @@ def phase(cfg, steps_per_epoch: int, epoch: int, step: int) -> Phase:
     if epoch * steps_per_epoch + step < round(cfg.local_after * steps_per_epoch):
         return SYNC
     return Phase(local=True, average=(step + 1) % cfg.local_steps == 0 or step + 1 == steps_per_epoch)
+
+
+class LocalSGD(Component):
+    """The loop's feature (``Config.local_steps`` > 1): each step's ``Phase`` (``session.phase``, before
+    the step), and the refusal to resume at another np between two parameter averages."""
+
+    name = "local_sgd"
+
+    @classmethod
+    def wanted(cls, cfg, ranks) -> bool:
+        return cfg.local_steps > 1
+
+    def start(self, session) -> None:
+        s = session
+        if s.start_step and s.resumed_np != s.np_ and \
+                phase(self.cfg, s.steps_per_epoch, s.start_epoch, s.start_step - 1).local:
+            raise CheckpointError(f"{self.cfg.resume} was taken between two parameter averages of local SGD, where "
+                                  f"each of its {s.resumed_np} ranks holds its own weights; resume it at "
+                                  f"np={s.resumed_np}, or from an epoch's checkpoint (checkpoint-eNNNN.pt)")
+
+    def before_step(self, session, epoch: int, step: int) -> None:
+        # the steps of the epoch as the backend cuts them (a batch ramp's epoch: its own)
+        session.phase = phase(self.cfg, session.ranks.steps_per_epoch, epoch, step)
 
 
 def averages_per_epoch(local_steps: int, steps_per_epoch: int) -> int:

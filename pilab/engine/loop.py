@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .. import __version__
-from . import checkpoint, features, localsgd, records, resume
+from . import checkpoint, features, records, resume
 from .. import data as data_mod
 from .checkpoint import CheckpointError
 from ..config import Config
@@ -37,7 +37,7 @@ from .optim import build_optimizer, lr_at, set_lr
 from .keeper import Keeper, failure_reason, result_from_checkpoint  # noqa: F401 (re-exported)
 from .ranks import (EVAL_BATCH, NUM_CLASSES, MPIRanks, StepResult, VirtualRanks,  # noqa: F401 (re-exported)
                     base_model, environment, evaluate, load_data, peak_mem_mb, resolve_device)
-from .backend import local_ranks, split_sync_groups  # noqa: F401 (re-exported)
+from .backend import SYNC, local_ranks, split_sync_groups  # noqa: F401 (re-exported)
 from .records import EVAL_ON_STOP_MAX, STEP_KEYS, TIME_KEYS  # noqa: F401 (re-exported)
 
 __all__ = ["train", "Session", "Keeper", "failure_reason", "result_from_checkpoint", "MPIRanks", "VirtualRanks",
@@ -139,11 +139,6 @@ class Session:
             # A new empty array, not x_train[:0]: a view would keep the whole array alive.
             self.ds = dataclasses.replace(self.ds, x_train=np.empty((0, *self.ds.x_train.shape[1:]),
                                                                     dtype=self.ds.x_train.dtype))
-        if cfg.local_steps > 1 and self.start_step and self.resumed_np != self.np_ and \
-                localsgd.phase(cfg, spe, self.start_epoch, self.start_step - 1).local:
-            raise CheckpointError(f"{cfg.resume} was taken between two parameter averages of local SGD, where "
-                                  f"each of its {self.resumed_np} ranks holds its own weights; resume it at "
-                                  f"np={self.resumed_np}, or from an epoch's checkpoint (checkpoint-eNNNN.pt)")
         return ck
 
     def _start_components(self, saved: dict) -> None:
@@ -221,8 +216,11 @@ class Session:
         gstep = self.epoch_start[epoch] + step
         lr = self.lr(gstep)
         set_lr(self.optimizer, lr)
+        self.phase = SYNC  # unless a component says otherwise (local SGD)
+        for c in self.components:
+            c.before_step(self, epoch, step)
         st = self.ranks.step(self.cfg, self.model, self.optimizer, epoch, step, stop,
-                             lambda: self._save_due(gstep + 1))
+                             lambda: self._save_due(gstep + 1), phase=self.phase)
         self.events = [e for c in self.components for e in c.after_step(self, epoch, step, st)]
         return st, lr
 

@@ -31,7 +31,7 @@ from .. import data as data_mod
 from ..config import Config
 from ..launch import mpi
 # the pieces every backend uses, re-exported (``pilab.engine.loop`` re-exports them again)
-from .backend import (EVAL_BATCH, NUM_CLASSES, RankBackend, StepResult, base_model,  # noqa: F401
+from .backend import (EVAL_BATCH, NUM_CLASSES, SYNC, Phase, RankBackend, StepResult, base_model,  # noqa: F401
                       environment, evaluate, forward_loss, load_data, on_grads_, peak_mem_mb, resolve_device,
                       usable_cores)
 from .dist import (GradSync, Slots, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
@@ -112,9 +112,9 @@ class MPIRanks:
                         and self.np_ > 1 else None)
         self.params = [p for p in model.parameters() if p.requires_grad]
 
-    def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None) -> StepResult:
-        sync = self.gsync
-        ph = localsgd.phase(cfg, self.steps_per_epoch, epoch, step)
+    def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None,
+             phase: Phase = SYNC) -> StepResult:
+        sync, ph = self.gsync, phase
         sync.exchange = not ph.local  # a local-SGD step sends only the metrics and votes
         t0 = time.perf_counter()
         sync.begin(t0)

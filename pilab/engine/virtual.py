@@ -22,7 +22,7 @@ from torch import nn
 from . import localsgd
 from .. import data as data_mod
 from ..config import Config, ConfigError
-from .backend import StepResult, base_model, environment, evaluate, forward_loss, on_grads_, usable_cores
+from .backend import SYNC, Phase, StepResult, base_model, environment, evaluate, forward_loss, on_grads_, usable_cores
 from .dist import share_of_mean, squared_norm
 from .layers import RankContext, step_seed, sync_virtual_buffers_
 from .trace import Timeline
@@ -122,10 +122,10 @@ class VirtualRanks:
         self.replicas = None  # local SGD: every rank's weights and momentum, made at the first local step
         self._replica_state = None  # ... or from a checkpoint (restore_rank_states)
 
-    def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None) -> StepResult:
-        ph = localsgd.phase(cfg, self.steps_per_epoch, epoch, step)
-        if ph.local:
-            return self._local_step(cfg, model, optimizer, epoch, step, ph, stop, save)
+    def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None,
+             phase: Phase = SYNC) -> StepResult:
+        if phase.local:  # chosen by local SGD's component (pilab.engine.localsgd.LocalSGD), as the average
+            return self._local_step(cfg, model, optimizer, epoch, step, phase, stop, save)
         np_, device = self.np_, self.device
         t0 = time.perf_counter()
         t_data = 0.0
