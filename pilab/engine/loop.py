@@ -1,8 +1,9 @@
 """The one training loop, over a rank backend (``pilab.engine.backend.RankBackend``): ``MPIRanks(comm)``
 (this process is one rank of an MPI job) or ``VirtualRanks(np_)`` (the simulator), both in
 ``pilab.engine.ranks`` and re-exported here. The loop owns data, schedule, steps, evaluation cadence,
-events and the result; each feature (the weights' EMA, gradient clipping, the straggler monitor) is a
-component it calls at fixed moments (``pilab.engine.component``, ``pilab.engine.features``)::
+checkpoints, events and the result; each feature (the weights' EMA, gradient clipping, local SGD, the
+noise-driven batch ramp, the straggler monitor, the trace) is a component it calls at fixed moments
+(``pilab.engine.component``, ``pilab.engine.features``)::
 
     from pilab.engine import loop as engine
     result, model = engine.train(Config(epochs=1), engine.VirtualRanks(4))
@@ -11,6 +12,22 @@ component it calls at fixed moments (``pilab.engine.component``, ``pilab.engine.
 
 ``callbacks`` are called on rank 0 with event dicts (``kind`` = start | step | straggler | epoch | end);
 ``stop`` is polled on every rank each step and any rank's True stops all ranks together after that step.
+
+What stays the loop's own, not a component, and why:
+
+* checkpoints, mid-epoch ones included (``_set_checkpoints``, ``_save_due``, ``resume.write``): a
+  checkpoint *is* the loop's position (epoch, step in the epoch, the epoch's partial sums, the history,
+  the data order's np), written between two steps with the loop's sums, and a failed write stops the loop
+  after that step; the every-K-steps / M-minutes vote rides with the step's metrics like the stop vote.
+  Components take part through ``state_dict`` / ``load_state_dict``, saved under their names.
+* a resume regrouped at another np (``_resume``, ``resume.epoch_plan``, ``ranks.carry``): it is the data
+  order of the interrupted epoch and the model as loaded, settled before any component exists (the
+  components start on the model already resumed).
+* a fixed batch ramp (``Config.batch_ramp``): the batch plan is the schedule's input, as the learning
+  rate is (``follow_plan``, ``lr``, ``enter_epoch``); a feature that *chooses* the plan as it goes is a
+  component that calls ``session.follow_plan`` (``pilab.engine.noise.NoiseRamp``).
+* deferred metrics (``VirtualRanks(defer_metrics=True)``): how a backend returns the step's sums (0-d
+  device tensors, for ``scripts/gpu_check.py``'s Session), not a moment of the loop.
 """
 from __future__ import annotations
 
