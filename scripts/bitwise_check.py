@@ -11,7 +11,8 @@ Each run trains a slice of the real CIFAR-10 archive ($PILAB_CIFAR_ARCHIVE, else
 (``float.hex``), every epoch's train/test loss and accuracy, and a SHA-256 of the final weights:
 
 * ``mpi2``  -- a real ``mpiexec -n 2`` run (MPIRanks, GradSync, its metrics riding with the last bucket);
-* ``sim48`` -- the simulator at np=48 (VirtualRanks);
+* ``sim48`` -- the simulator at np=48 (VirtualRanks, simulate_mode auto: fast);
+* ``sim48x`` -- the same with simulate_mode=exact (each virtual rank's own forward, MPI's sums);
 * ``remedies`` -- the simulator at np=4 with the weights' EMA, local SGD and a fixed batch ramp;
 * ``gns2``  -- ``mpiexec -n 2`` with a noise-driven batch ramp, the EMA and mid-epoch checkpoints;
 * ``resume`` -- the simulator at np=4 stopped after 5 steps (a mid-epoch checkpoint), resumed at np=2.
@@ -36,6 +37,7 @@ BASE = dict(model="mobilenetv2_cifar", width=0.25, train_subset=2048, test_subse
 RUNS = {
     "mpi2": ("mpi", 2, {}),
     "sim48": ("sim", 48, dict(batch_size=4, train_subset=3072, epochs=1)),
+    "sim48x": ("sim", 48, dict(batch_size=4, train_subset=3072, epochs=1, simulate_mode="exact")),
     "remedies": ("sim", 4, dict(ema_epochs=0.5, local_steps=2, batch_ramp="1:32")),
     "gns2": ("mpi", 2, dict(batch_size=8, batch_ramp="gns:32", ema_epochs=0.5, checkpoint_every_steps=7,
                             checkpoint_every=1)),
