@@ -164,3 +164,20 @@ def test_the_loop_names_no_feature_and_stays_short():
              if isinstance(n, ast.FunctionDef)}
     assert sizes[".train"] <= 70 and sizes["Session.__init__"] <= 35, sizes
     assert all(v <= 60 for k, v in sizes.items() if k != ".train"), sizes
+
+
+def test_local_sgd_schedule_is_its_components_alone():
+    # When a step is local and when the ranks average is LocalSGD's to say (before_step sets session.phase);
+    # the backends, the loop and the EMA follow the Phase they are given and never read the schedule
+    from pilab.config import Config
+    from pilab.engine import features
+    from pilab.engine.localsgd import LocalSGD
+    from pilab.engine.ranks import VirtualRanks
+    for name in ("ranks.py", "virtual.py", "loop.py", "ema.py"):
+        tree = ast.parse((REPO / "pilab" / "engine" / name).read_text())
+        reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "phase"
+                 and isinstance(n.value, ast.Name) and n.value.id == "localsgd"]
+        assert not reads, (name, reads)
+    assert [type(c) for c in features.chosen(Config(local_steps=4), VirtualRanks(2))
+            if isinstance(c, LocalSGD)] == [LocalSGD]
+    assert not any(isinstance(c, LocalSGD) for c in features.chosen(Config(), VirtualRanks(2)))
