@@ -1,5 +1,6 @@
 """What only a browser shows: JupyterLab in headless Chromium. In 01 the control panel's widgets are drawn
-(not shown as text), its live plot grows while the ranks train, its Stop button ends the run and
+(not shown as text), its live plot grows while the ranks train (with "trace" ticked, the swim-lane under
+it is shown and gets both ranks' spans), its Stop button ends the run and
 ``lab.stop()`` says one line; on a short training cell the kernel indicator says busy throughout and the
 progress bar names the run and estimates the time left. Every Bokeh figure on those pages is drawn.
 
@@ -503,6 +504,56 @@ def test_01_live_panel(jupyterlab):
         assert re.fullmatch(r"stopped 2 engines and their controller \(their log: \S+\.log\)", out), out
 
     run_notebook(jupyterlab, "01_quickstart", body)
+
+
+# The live swim-lane (plots.trace.LiveLanes): is its figure shown, and how many quads its source holds.
+LANE_JS = """() => {
+    const B = window.Bokeh;
+    if (!B || !B.documents || !B.index) return null;
+    for (const doc of B.documents) {
+        const src = doc.get_model_by_name('%s');
+        if (!src) continue;
+        const fig = [...B.index.all_views()].find(v => v.model.type === 'Figure' &&
+            v.model.renderers.some(r => r.data_source === src));
+        return {visible: !!fig && fig.model.visible, width: fig ? fig.bbox.width : 0,
+                quads: src.get_length(), ranks: [...new Set(src.data.rank)].sort()};
+    }
+    return null;
+}"""
+
+
+@pytest.mark.browser
+@pytest.mark.mpi  # the notebook starts 2 MPI engines (mpiexec)
+@pytest.mark.timeout(WALL_LIMIT)
+def test_01_live_lane_with_trace_on(jupyterlab):
+    """01's panel with its "trace" box ticked: the swim-lane under the per-rank bars, hidden before,
+    is shown and drawn with both ranks' spans while the run trains; then Stop. Runs a copy of 01 so that
+    its timings and screenshot stay test_01_live_panel's."""
+    from pilab import plots
+    lane_js = LANE_JS % plots.base.LANE_SOURCE
+    shutil.copy(jupyterlab.root / "01_quickstart.ipynb", jupyterlab.root / "01_quickstart_lane.ipynb")
+
+    def body(page: Page, timings: dict):
+        lane = lambda: page.page.evaluate(lane_js)  # noqa: E731
+        for cell in ("from pilab.lab import cluster", "lab = cluster.start", "panel = widgets.ControlPanel"):
+            page.run_from(cell, "notebook:run-cell")
+            page.wait_cells_done(upto=None, only=cell)
+        before = lane()
+        assert before is not None and not before["visible"] and before["quads"] == 0, before
+        page.page.locator(".widget-checkbox", has_text="trace").locator("input[type=checkbox]").check()
+        page.page.locator("button.jupyter-button", has_text="Start").click()
+        # a lane event per step from rank 0; both ranks' rows (rank 1's estimated) in the figure
+        page.wait_until(lambda: (lane() or {}).get("quads", 0) > 0 and len(lane()["ranks"]) == 2, 900,
+                        "the live swim-lane's first step")
+        seen = lane()
+        assert seen["visible"] and seen["width"] > 150, seen
+        timings["lane"] = seen
+        page.page.locator("button.jupyter-button", has_text="Stop").click()
+        page.page.locator(".widget-html-content", has_text="stopped early").wait_for(timeout=120_000)
+        page.run_from("lab.stop()", "notebook:run-cell")
+        page.wait_cells_done(only="lab.stop()")
+
+    run_notebook(jupyterlab, "01_quickstart_lane", body)
 
 
 PROGRESS_NB = {"cells": [

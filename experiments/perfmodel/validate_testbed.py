@@ -3,11 +3,15 @@ the testbed's own calibration, at 1 Gbit/s and 200 Mbit/s; 2 nodes x 1 rank (one
 2-core machine). Goals from validate_trace.py beside this file.
 
     sudo flock /tmp/pilab-testbed.lock python experiments/perfmodel/validate_testbed.py --out runs/validate
+    # a setting whose exposed tail is milliseconds (width 1.0, the last 0.40 MB bucket not re-cut; LOG.md):
+    sudo flock /tmp/pilab-testbed.lock python experiments/perfmodel/validate_testbed.py --out runs/validate-w1 \
+        --width 1.0 --bucket-mb 1 --bucket-tail-mb 0
 
 Brings its own testbed up (name "trv", 10.92.0.0/24) and always takes it down. Per rate: the Allreduce
 micro-benchmark with one rank on each node (the inter-node link), then the traced run; once, on node01:
 the micro-benchmark with 2 ranks (the intra-node link) and an np=1 run (compute). Writes OUT/validation.json
-and each run's trace (OUT/RATE/trace.json) beside its prediction (OUT/RATE/predicted.json).
+and each run's trace (OUT/RATE/trace.json) beside its prediction (OUT/RATE/predicted.json), with the
+load average and the cores each job got (a miss on a shared machine is often that).
 """
 from __future__ import annotations
 
@@ -34,16 +38,33 @@ SETTINGS = dict(width=0.25, batch_size=16, train_subset=1280, test_subset=100, e
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/validate")
-    out = ap.parse_args().out
+    ap.add_argument("--rates", nargs="+", default=list(RATES), help="link rates, in order (default: %(default)s)")
+    for key, typ in (("width", float), ("bucket_mb", float), ("bucket_tail_mb", float), ("batch_size", int),
+                     ("train_subset", int)):
+        ap.add_argument("--" + key.replace("_", "-"), type=typ, default=SETTINGS.get(key),
+                        help="overrides the setting above (default: %(default)s; None: Config's)")
+    args = ap.parse_args()
+    out = args.out
+    for rate in args.rates:  # before the testbed comes up: a bad rate is one line, exit 2
+        try:
+            testbed.parse_rate(rate)
+        except testbed.TestbedError as e:
+            ap.error(str(e))
+    settings = dict(SETTINGS, **{k: getattr(args, k) for k in ("width", "bucket_mb", "batch_size", "train_subset")})
+    if args.bucket_tail_mb is not None:
+        settings["bucket_tail_mb"] = args.bucket_tail_mb
     testbed.down(NAME)  # whatever an interrupted run left
     tb = testbed.up(testbed.Testbed(nodes=2, slots=1, rate="1gbit", subnet=SUBNET, name=NAME))
     rows = {}
     try:
         intra = network.bench(tb, 2, 1, print)
+        load = os.getloadavg()[0]
         np1, _, cores = network.train_run(tb, 1, f"{tb.address('node01')}:1", os.path.join(out, "np1"),
-                                          settings=SETTINGS)
+                                          settings=settings)
+        # the machine's other load and the cores each job got: what a miss on a shared box comes from
+        machine = {"np1": {"load_before": load, "load_after": os.getloadavg()[0], "cores_got": cores}}
         cal = pm.calibrate(np1, [intra], source="testbed node01 np=1")
-        for rate in RATES:
+        for rate in args.rates:
             for h in tb.hosts:
                 tb = testbed.shape(tb, h, rate)
             inter = network.bench(tb, 2, 2, print)
@@ -51,16 +72,22 @@ def main() -> int:
             cl = pm.cluster_from_calibration(cal, nodes=2, ranks_per_node=1, inter_bench=[inter],
                                              available_cores=(os.cpu_count() or 2) / 2)
             run = os.path.join(out, rate)
-            network.train_run(tb, 2, network.hosts_arg(tb, 2, 2), run, settings=dict(SETTINGS, trace=True))
+            load = os.getloadavg()[0]
+            _, _, got = network.train_run(tb, 2, network.hosts_arg(tb, 2, 2), run,
+                                          settings=dict(settings, trace=True))
             v = validate(tf.read(os.path.join(run, "trace.json")), cl)
             tf.write(os.path.join(run, "predicted.json"), v["predicted"]["traceEvents"],
                      meta=v["predicted"]["otherData"])
             print(f"\n{rate}, 2 nodes x 1 rank")
             print(table(v, step_goal=STEP_GOAL, tail_goal=TAIL_GOAL))
             rows[rate] = {k: v[k] for k in ("np", "buckets", "step", "tail")}
+            rows[rate]["machine"] = {"load_before": load, "load_after": os.getloadavg()[0], "cores_got": got}
+            print(f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}; the job got {got:.2f} cores "
+                  f"(np=1 calibration: {cores:.2f} cores at load {machine['np1']['load_before']:.1f})")
     finally:
         testbed.down(NAME)
-    save_json({"settings": SETTINGS, "goals": {"step": STEP_GOAL, "tail": TAIL_GOAL}, "rates": rows},
+    save_json({"settings": settings, "goals": {"step": STEP_GOAL, "tail": TAIL_GOAL}, "rates": rows,
+               "machine": machine},
               os.path.join(out, "validation.json"))
     return 0
 
