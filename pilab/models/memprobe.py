@@ -50,6 +50,9 @@ def step_memory(model: str, width: float, timesteps: int | None, shape: tuple[in
     (C, H, W), measured in a child process (see the module's docstring); raises ProbeError."""
     if not sys.platform.startswith("linux"):
         raise ProbeError("the probe reads /proc/self/status (Linux only)")
+    from .custom import _LOCAL
+    if model in _LOCAL or model.startswith("__main__:"):  # a function defined in __main__ or a notebook cell: no child process can import it
+        raise ProbeError(f"{model} is defined in this process only; put it in a .py file to have it measured")
     args = [model, repr(width), repr(timesteps), ",".join(map(str, shape)), str(threads), str(num_classes)]
     env = dict(os.environ, **dict(malloc))
     # the builder is imported by its string there: give the child every directory this process imports from
