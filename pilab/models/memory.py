@@ -18,9 +18,9 @@ The prediction is a sum of parts, each from the model and the data sizes, plus c
   layer writes for one image (``models.activation_elements``) times the batch; the factor holds what
   autograd saves, the backward's gradients in flight and what the allocator keeps between steps,
   measured on the registered networks. Your own model (``package.module:builder``) keeps its own share
-  (a plain 3x3-conv ResNet at 32x32 about twice MobileNetV2's): ``models.memprobe`` measures its step
-  (``warm + per_image * batch``) in a child process, about 2 s of CPU once per setting; where the probe
-  cannot run (a builder defined in ``__main__``, not Linux) the registered networks' factor stands in;
+  (a plain 3x3-conv ResNet at 32x32 keeps as much again as it saves, MobileNetV2 half as much):
+  ``models.memprobe`` measures its step (``warm + per_image * batch``) in a child process, about 2 s
+  of CPU once per setting; where the probe cannot run (a builder defined in ``__main__``, not Linux) the registered networks' factor stands in;
 * evaluation: ``EVAL_BYTES_PER_ELEMENT`` per element of the largest layer output, times the images of
   one forward (``eval_batch``, at most ``config.EVAL_CHUNK``);
   the larger of training and evaluation counts, as they never run at the same time;

@@ -8,7 +8,8 @@
 ``pilab.models.memory`` predicts the activations of a training step from the elements its layers write
 and a factor measured on the registered networks (MobileNetV2's: autograd's saved tensors, the backward's
 gradients in flight, glibc keeping freed blocks, oneDNN's scratch). That factor is the model's, not a
-constant: a plain 3x3-convolution ResNet at full 32x32 resolution keeps twice MobileNetV2's share. For a
+constant: beyond its saved activations a plain 3x3-convolution ResNet at full 32x32 resolution keeps about
+as much again (small_resnet at 256 images: 173 MB saved, 150-190 MB more), MobileNetV2 about half as much. For a
 model pilab has not calibrated, this module measures it: a child process (so the caller's RSS is not
 touched) builds the model, with malloc set as a rank's (``malloc``: glibc's variables, which
 ``memory.tune_allocator`` sets with mallopt in a rank) and, in a fresh fork
@@ -16,8 +17,10 @@ per batch size, runs ``STEPS`` SGD steps on random images; the growth of its pea
 RSS before the first step, less the model state and the input, is ``warm + per_image * batch``, fitted on
 the two batch sizes ``BATCHES``.
 
-Cost: one python with torch imported (about 1 s) plus 2 x ``STEPS`` training steps at 16 and 64 images
-(small_resnet at 32x32: about 1.5 s in all on one core), once per setting and process (cached).
+Cost: one python with torch imported, then ``REPEATS`` forks of ``STEPS`` steps at each of 16 and 64 images:
+about 2 s of CPU for small_resnet (width 1.0, 32x32), 4-7 s wall on a shared 2-core machine; once per
+setting and process (cached), and ``memory.choose_allocator`` / ``fit_warning`` only ask for it near the
+node's limit.
 """
 from __future__ import annotations
 
