@@ -33,6 +33,7 @@ LAYERS = {
     "models.counts": 0.92,  # parameters, MACs, FLOPs of one image (torch only)
     "models.mobilenet": 0.95, "models.squeezenet": 0.95, "models.spiking": 0.97,  # the registered networks (spiking uses mobilenet's channel rounding)
     "models.zoo": 1, "config": 1, "testbed": 1,
+    "models.memprobe": 1.4,  # your own model's training step measured in a child process (torch, engine.optim)
     "models.memory": 1.5,  # predicted memory per rank: config and the models only (the doctor and train use it)
     "engine.watchdog": 2, "engine.stragglers": 2,
     "engine.trace": 2.5,  # a per-rank trace of a real run (a loop feature): its timeline, clocks, trace.json

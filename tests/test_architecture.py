@@ -69,6 +69,7 @@ BACKWARD_ALLOWED = {
     "pilab/bench/syncways.py": "per-tensor and fused blocking-Allreduce contenders of the sync section",
     "pilab/bench/perfmodel.py": "compute-only step timing that the performance model is checked against",
     "pilab/bench/wire.py": "the no-exchange ceiling and DDP-gloo contenders of one step on the wire (issue 23)",
+    "pilab/models/memprobe.py": "a few steps of your own model in a child process, its memory measured (issue 37)",
 }
 
 

@@ -16,7 +16,11 @@ The prediction is a sum of parts, each from the model and the data sizes, plus c
 * the model state: parameters, gradients (views into GradSync's buckets), the momentum buffer;
 * the activations at the peak of a training step: ``TRAIN_BYTES_PER_ELEMENT`` per element every leaf
   layer writes for one image (``models.activation_elements``) times the batch; the factor holds what
-  autograd saves, the backward's gradients in flight and what the allocator keeps between steps;
+  autograd saves, the backward's gradients in flight and what the allocator keeps between steps,
+  measured on the registered networks. Your own model (``package.module:builder``) keeps its own share
+  (a plain 3x3-conv ResNet at 32x32 keeps as much again as it saves, MobileNetV2 half as much):
+  ``models.memprobe`` measures its step (``warm + per_image * batch``) in a child process, about 2 s
+  of CPU once per setting; where the probe cannot run (a builder defined in ``__main__``, not Linux) the registered networks' factor stands in;
 * evaluation: ``EVAL_BYTES_PER_ELEMENT`` per element of the largest layer output, times the images of
   one forward (``eval_batch``, at most ``config.EVAL_CHUNK``);
   the larger of training and evaluation counts, as they never run at the same time;
@@ -75,6 +79,28 @@ def _model_facts(model: str, width: float, timesteps: int, image_size: int = 32)
             largest_output_elements(model, width, image_size=image_size, timesteps=ts))
 
 
+def _image_shape(pixel_bytes: int, side: int) -> tuple[int, int, int]:
+    """(C, H, W) of one image from its bytes and its height (channels: 1 or 3, the width what is left)."""
+    for c in (3, 1, 4):
+        if pixel_bytes % (side * c) == 0 and pixel_bytes // (side * c) >= 1:
+            return c, side, pixel_bytes // (side * c)
+    return 3, side, side
+
+
+def _step_memory(cfg: Config, shape: tuple[int, int, int], allocator: str) -> tuple[int, int] | None:
+    """(warm bytes, bytes per image) of a training step of your own model, measured (``models.memprobe``);
+    None for a registered model (its constants are measured) or where the probe cannot run."""
+    from .memprobe import ProbeError, step_memory
+    from .names import is_builder_spec
+    if not is_builder_spec(cfg.model):
+        return None
+    try:  # a rank's own threads (1 where cfg.threads is auto: a Pi's ranks get one or two cores each)
+        return step_memory(cfg.model, float(cfg.width), cfg.timesteps, shape, cfg.threads or 1,
+                           _malloc_env(allocator))
+    except ProbeError:
+        return None
+
+
 def data_facts(cfg: Config) -> tuple[int, int, int, int]:
     """(training images, test images, bytes of one image's pixels, image side) of ``cfg.data``: a data set
     saved by ``pilab.data.save`` (a .npz) is read from its array headers; any other source is taken for
@@ -99,14 +125,16 @@ def data_facts(cfg: Config) -> tuple[int, int, int, int]:
     return src_train, src_test, PIXEL_BYTES, 32
 
 
-def breakdown(cfg: Config, *, np_: int | None = None, allocator: str = "fast") -> dict:
+def breakdown(cfg: Config, *, np_: int | None = None, allocator: str = "fast", probe: bool = True) -> dict:
     """The predicted peak of one rank, itemised (bytes): runtime, data, model, activations, and peak.
 
         breakdown(Config(width=0.5), np_=2)["activations"]
 
     ``np_`` None: the rank holds the whole training and test sets (the bound for any np); else static
     sharding gives it 1/np of the training images, and it keeps 1/np of the test images. ``allocator``:
-    how the rank's malloc is set (``ALLOCATORS``; "fast" keeps more of a step's freed activations)."""
+    how the rank's malloc is set (``ALLOCATORS``; "fast" keeps more of a step's freed activations).
+    ``probe``: for your own model, measure its step's memory (``models.memprobe``, ~2 s once); False takes
+    the registered networks' factor instead (a quick bound, as ``choose_allocator`` uses first)."""
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator={allocator!r}; use one of {', '.join(ALLOCATORS)}")
     src_train, src_test, pixel_bytes, side = data_facts(cfg)
@@ -120,6 +148,11 @@ def breakdown(cfg: Config, *, np_: int | None = None, allocator: str = "fast") -
     # parameters, their gradients (GradSync's flat buckets), the momentum buffer; fp16's wire copy
     model = params * 4 * (3 if cfg.momentum else 2) + (params * 2 if cfg.compression == "fp16" else 0)
     train = TRAIN_BYTES_PER_ELEMENT * act * batch * (1 + ALLOCATOR_RETAIN[allocator])
+    warm = WARM_BYTES
+    measured = _step_memory(cfg, _image_shape(pixel_bytes, side), allocator) if probe else None
+    if measured is not None:  # your own model: its step measured (what it adds once, and per image)
+        warm, per_image = measured
+        train = per_image * batch
     # each rank evaluates its test_shard, and keeps only its pixels (engine.Session; all the labels)
     test_share = -(-n_test // ranks)
     eval_ = EVAL_BYTES_PER_ELEMENT * largest * min(cfg.eval_batch, EVAL_CHUNK, test_share)
@@ -131,23 +164,37 @@ def breakdown(cfg: Config, *, np_: int | None = None, allocator: str = "fast") -
     # nothing), the parameters and the gradient buckets; the momentum comes with the first step.
     setup = (RUNTIME_BYTES + SETUP_BYTES + data + params * 4 * 2
              + (n_train * image_bytes if cfg.sharding == "static" else 0))
-    steady = RUNTIME_BYTES + WARM_BYTES + data + model + max(train, eval_)
-    parts = {"runtime": RUNTIME_BYTES + WARM_BYTES, "data": data, "model": model, "activations": max(train, eval_),
+    steady = RUNTIME_BYTES + warm + data + model + max(train, eval_)
+    parts = {"runtime": RUNTIME_BYTES + warm, "data": data, "model": model, "activations": max(train, eval_),
              "train_activations": train, "eval_activations": eval_, "load": load, "setup": setup,
              "steady": steady}
     parts["peak"] = max(load, setup, steady)
     return {k: int(v) for k, v in parts.items()}
 
 
-def predict_peak_bytes(cfg: Config, *, np_: int | None = None, allocator: str = "fast") -> int:
+def predict_peak_bytes(cfg: Config, *, np_: int | None = None, allocator: str = "fast", probe: bool = True) -> int:
     """Predicted peak RSS of ONE rank training ``cfg`` (bytes)::
 
         predict_peak_bytes(Config(width=1.0, batch_size=32))          # ~0.9e9 (see BENCHMARKS.md)
         2 * predict_peak_bytes(cfg) <= NODE_MEMORY["pi4b_4gb"] - NODE_RESERVE_BYTES
 
-    ``np_`` and ``allocator`` as in ``breakdown`` (None: the whole training set on this rank, an upper
-    bound)."""
-    return breakdown(cfg, np_=np_, allocator=allocator)["peak"]
+    ``np_``, ``allocator`` and ``probe`` as in ``breakdown`` (``np_`` None: the whole training set on this
+    rank, an upper bound)."""
+    return breakdown(cfg, np_=np_, allocator=allocator, probe=probe)["peak"]
+
+
+# Your own model's quick prediction (the registered networks' factor) is off by up to ~25% (issue 37): where
+# even this margin over it fits, the measured one is not needed (no probe at every rank's start).
+QUICK_MARGIN = 1.5
+
+
+def _fits(cfg: Config, np_, ranks_per_node: int, have: int, allocator: str) -> tuple[bool, int]:
+    """(ranks_per_node ranks fit in ``have`` bytes, the peak of one), probing your own model only if close."""
+    quick = predict_peak_bytes(cfg, np_=np_, allocator=allocator, probe=False)
+    if ranks_per_node * quick * QUICK_MARGIN <= have:
+        return True, quick
+    peak = predict_peak_bytes(cfg, np_=np_, allocator=allocator)
+    return ranks_per_node * peak <= have, peak
 
 
 # glibc's malloc, set one of two ways for a training rank (``tune_allocator``):
@@ -166,6 +213,15 @@ _MALLOPT = {"fast": ((-3, 1 * GiB), (-1, 2 ** 31 - 1)),  # M_MMAP_THRESHOLD, M_T
             "lean": ((-3, 1 * MiB),)}
 
 
+def _malloc_env(mode: str) -> tuple:
+    """glibc's variables setting malloc as ``tune_allocator(mode)`` does (for a child process); none where
+    the user set their own (they win there too)."""
+    if {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ):
+        return ()
+    names = {-3: "MALLOC_MMAP_THRESHOLD_", -1: "MALLOC_TRIM_THRESHOLD_"}
+    return tuple((names[param], str(value)) for param, value in _MALLOPT[mode])
+
+
 def choose_allocator(cfg: Config, *, np_: int, ranks_per_node: int, node_bytes: int,
                      reserve: int = NODE_RESERVE_BYTES) -> str:
     """"fast" where ``ranks_per_node`` ranks of ``cfg`` fit the node with it (or its memory is unknown:
@@ -178,8 +234,9 @@ def choose_allocator(cfg: Config, *, np_: int, ranks_per_node: int, node_bytes: 
         if forced not in ALLOCATORS:
             raise MemoryConfigError(f"PILAB_ALLOCATOR={forced!r} is not understood; use fast or lean, or unset it")
         return forced
-    need = ranks_per_node * predict_peak_bytes(cfg, np_=np_, allocator="fast")
-    return "fast" if not node_bytes or need <= node_bytes - reserve else "lean"
+    if not node_bytes:
+        return "fast"
+    return "fast" if _fits(cfg, np_, ranks_per_node, node_bytes - reserve, "fast")[0] else "lean"
 
 
 def tune_allocator(mode: str) -> bool:
@@ -278,14 +335,13 @@ def fit_warning(cfg: Config, *, np_: int, ranks_per_node: int, node_bytes: int,
         msg = fit_warning(cfg, np_=2, ranks_per_node=2, node_bytes=NODE_MEMORY["pi4b_4gb"])
     """
     # the ranks keep less when "fast" would not fit (choose_allocator): warn only if "lean" does not fit either
-    peak = predict_peak_bytes(cfg, np_=np_, allocator="fast")
-    need, have = ranks_per_node * peak, node_bytes - reserve
-    if not node_bytes or need <= have:
+    have = node_bytes - reserve
+    if not node_bytes or _fits(cfg, np_, ranks_per_node, have, "fast")[0]:
         return None
-    peak = predict_peak_bytes(cfg, np_=np_, allocator="lean")
+    fits, peak = _fits(cfg, np_, ranks_per_node, have, "lean")
+    if fits:
+        return None
     need = ranks_per_node * peak
-    if need <= have:
-        return None
     return (f"pilab: warning: {ranks_per_node} rank(s) per node x {peak / 1e9:.2f} GB predicted peak = "
             f"{need / 1e9:.2f} GB exceeds the node's {node_bytes / 1e9:.2f} GB less "
             f"{reserve / 1e9:.2f} GB for the OS; use fewer ranks per node, a smaller --batch-size or "
