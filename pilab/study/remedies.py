@@ -119,10 +119,19 @@ def notebook_causes() -> tuple[str, ...] | None:
     return ("global batch & steps", "per-rank BN batch", "shard composition") if small_mode() else None
 
 
-def notebook_candidates() -> list[str] | None:
+def notebook_candidates(cfg: Config | None = None, np_: int | None = None) -> list[str] | None:
     """All candidates on a laptop; in small mode (PILAB_NB_SMALL) the baseline, which the ablations ran
-    already (``search(..., known=...)`` takes it), and the linear LR rule, the published remedy."""
-    return ["baseline", "linear lr"] if small_mode() else None
+    already (``search(..., known=...)`` takes it), and the linear LR rule, the published remedy; given the
+    settings and np, also the fixed global batch (one rank's batch split over the np: as many steps as
+    np=1), the remedy that keeps a small run right when the lr rules cannot (notebook 06: 28 steps of 256
+    images are too few for any lr)::
+
+        remedies.search(cfg, 8, only=remedies.notebook_candidates(cfg, 8))
+    """
+    if not small_mode():
+        return None
+    fixed = [f"fixed global batch {fixed_per_rank(cfg, np_) * np_}"] if cfg is not None and np_ else []
+    return ["baseline", "linear lr", *fixed]
 
 
 def pareto(points: list[dict], time_key: str = "epochs_time", acc_key: str = "final_test_acc",
