@@ -200,6 +200,19 @@ def test_flops_plausible_at_32():
     assert train_flops_per_image("mobilenetv2_cifar") is f["mobilenetv2_cifar"]  # cached
 
 
+@pytest.mark.parametrize("name,width,size", [(n, 1.0, 32) for n in MODEL_NAMES]
+                         + [("mobilenetv2_cifar", 0.25, 32), ("squeezenet1_1", 1.0, 64)])
+def test_flops_counted_for_any_model_agree_with_the_built_in_analytic_count(name, width, size):
+    """Your own model's FLOPs are torch's FlopCounterMode count (issue 37); on the built-in models it must
+    agree with their analytic count (hooks on every conv/linear) within 2%: the perfmodel prices both alike."""
+    from pilab.models.counts import counted_train_flops
+    from pilab.models.zoo import probe_model
+
+    analytic = train_flops_per_image(name, width, 10, size)
+    counted = counted_train_flops(probe_model(name, num_classes=10, width=width, timesteps=None), size)
+    assert counted == pytest.approx(analytic, rel=0.02)
+
+
 def test_flops_leave_rng_alone():
     state = torch.get_rng_state()
     train_flops_per_image("mobilenetv2", 0.75, 10, 64)
