@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .. import data as data_mod
 from ..engine import loop as engine
 from ..config import Config
+from ..models.memory import predict_peak_bytes
 from ..models.zoo import build_model
 from ..engine.optim import build_optimizer
 from .stats import alternate, alternate_clocks, ratios, summary
@@ -169,6 +170,12 @@ def simulator(cases, rounds: int, threads: int = 2, progress=None) -> dict:
     out = {"threads": threads, "rounds": rounds, "goals": SIM_GOALS, "rows": rows}
     for model, width, b, np_ in cases:
         cfg = Config(model=model, width=width, batch_size=b, threads=threads, epochs=100, test_subset=10)
+        need, room = predict_peak_bytes(replace(cfg, batch_size=np_ * b)), _available_bytes()
+        if room and need > room / 2:  # a shared machine: leave the other jobs half of what is free
+            rows.append({"model": model, "width": width, "per_rank_batch": b, "np": np_,
+                         "skipped": f"predicted peak {need / 2 ** 30:.1f} GiB > half of the "
+                                    f"{room / 2 ** 30:.1f} GiB available"})
+            continue
         sessions = {"global": engine.Session(replace(cfg, batch_size=np_ * b), engine.MPIRanks(None), data=ds)}
         for m in SIM_GOALS:
             sessions[m] = engine.Session(replace(cfg, simulate_mode=m), engine.VirtualRanks(np_), data=ds)
@@ -198,6 +205,15 @@ def simulator(cases, rounds: int, threads: int = 2, progress=None) -> dict:
         if progress:
             progress(out)
     return out
+
+
+def _available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (0 where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 0
 
 
 def _le(s: dict, goal: float) -> bool:

@@ -310,6 +310,8 @@ def _simulator(res: dict) -> list[str]:
 
 
 def _simulator_row(row: dict) -> str:
+    if "skipped" in row:
+        return f"| {row['model']} {row['width']:g} | {row['per_rank_batch']} × {row['np']} | skipped: {row['skipped']} ||||| "
     cpu = row.get("ratio_cpu")  # absent in runs before the CPU clock
     met = ", ".join(f"{m} {'met' if ok else 'missed'}" for m, ok in row.get("met_cpu", row["met"]).items())
     load = row.get("loadavg")
