@@ -175,6 +175,8 @@ def simulator(cases, rounds: int, threads: int = 2, progress=None) -> dict:
             rows.append({"model": model, "width": width, "per_rank_batch": b, "np": np_,
                          "skipped": f"predicted peak {need / 2 ** 30:.1f} GiB > half of the "
                                     f"{room / 2 ** 30:.1f} GiB available"})
+            if progress:
+                progress(out)
             continue
         sessions = {"global": engine.Session(replace(cfg, batch_size=np_ * b), engine.MPIRanks(None), data=ds)}
         for m in SIM_GOALS:
