@@ -225,6 +225,9 @@ def test_bench_pieces_on_tiny_settings(tmp_path):
     sim = local.simulator([("mobilenetv2_cifar", 0.25, 2, 3)], rounds=2, threads=1)  # each mode vs the global batch
     row = sim["rows"][0]
     assert row["ratio"]["fast"]["n"] == row["ratio"]["exact"]["n"] == 2 and set(row["met"]) == {"fast", "exact"}
+    # the CPU clock beside the wall one, the same rounds: a step's CPU time is real work, never zero
+    assert row["ratio_cpu"]["fast"]["n"] == 2 and min(row["raw_cpu"]["global"]) > 0
+    assert set(row["met_cpu"]) == {"fast", "exact"}
     assert "| mobilenetv2_cifar 0.25 | 2 × 3 |" in markdown_report({**res, "simulator": sim})
 
 

@@ -30,18 +30,32 @@ def alternate(contenders: dict, rounds: int, repeat: int = 1, *, warmup: int = 1
     """Run every contender ``repeat`` times per round, ``rounds`` times, the order rotated each round so
     that a load change on a shared machine hits them all alike; returns per round the median seconds
     of one call. Each contender is called ``warmup`` times before the first round (untimed)."""
+    return alternate_clocks(contenders, rounds, repeat, warmup=warmup)["wall"]
+
+
+def alternate_clocks(contenders: dict, rounds: int, repeat: int = 1, *, warmup: int = 1) -> dict:
+    """:func:`alternate` timing each call by two clocks: ``"wall"`` (perf_counter) and ``"cpu"``, the
+    process's own CPU time (``time.process_time``: user + system of all its threads, torch's intra-op
+    pool included). Other jobs on a shared machine stretch the wall time of a call by the time it waits
+    for a core; its CPU time they leave nearly alone, so the CPU ratio is the one load does not swing::
+
+        t = alternate_clocks({"a": f, "b": g}, rounds=5)
+        summary(ratios(t["cpu"], "a", "b")), summary(ratios(t["wall"], "a", "b"))
+    """
     names = list(contenders)
     for name in names:
         for _ in range(warmup):
             contenders[name]()
-    out = {n: [] for n in names}
+    out = {"wall": {n: [] for n in names}, "cpu": {n: [] for n in names}}
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            times = []
+            wall, cpu = [], []
             for _ in range(repeat):
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 contenders[name]()
-                times.append(time.perf_counter() - t)
-            out[name].append(float(np.median(times)))
+                cpu.append(time.process_time() - c)
+                wall.append(time.perf_counter() - t)
+            out["wall"][name].append(float(np.median(wall)))
+            out["cpu"][name].append(float(np.median(cpu)))
     return out

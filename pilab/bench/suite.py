@@ -23,17 +23,20 @@ EXTRA_SECTIONS = ("deviation", "perfmodel", "network")
 
 def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", markdown: str | None = "BENCHMARKS.md",
         mpiexec: str | None = None, command: str = "python -m pilab bench", log=print, before=(),
-        goals: dict | None = None) -> dict:
+        goals: dict | None = None, simulator_models=None, simulator_rounds: int | None = None) -> dict:
     """Run ``sections``; writes ``<out>/bench.json`` and (unless None) ``markdown``; returns the dict.
     ``before``: paths of earlier ``pilab.bench.memory`` JSONs, shown beside this run's peaks. ``goals``:
-    {key: [op, value]} the report judges figures against (e.g. benchmarks/goals.json; pilab has none)."""
+    {key: [op, value]} the report judges figures against (e.g. benchmarks/goals.json; pilab has none).
+    ``simulator_models``: [(model, width)] of the simulator section's grid (default: its three);
+    ``simulator_rounds``: its alternated rounds (default 5, quick 3)."""
     import torch
 
     torch.set_num_threads(1)
     res = {"quick": quick, "command": command, "machine": machine(), "sections": list(sections),
            "goals": dict(goals or {})}
     t_all = time.perf_counter()
-    plan = _plan(quick, mpiexec, log, before, out, command)
+    sim = (simulator_models, simulator_rounds)
+    plan = _plan(quick, mpiexec, log, before, out, command, sim)
     for name in [s for s in plan if s in sections]:
         fn = plan[name]()
         if isinstance(fn, str):  # a section that cannot run here says why
@@ -91,7 +94,7 @@ def splice_sections(old: str, new: str) -> str:
     return "\n".join(head + [line for t in order for line in parts[t]]) + "\n"
 
 
-def _plan(q: bool, mpiexec, log, before, out, command) -> dict:
+def _plan(q: bool, mpiexec, log, before, out, command, sim=(None, None)) -> dict:
     """{section: a function giving the section's runner (or a line saying why it cannot run)}, in order."""
     from . import local
 
@@ -107,7 +110,8 @@ def _plan(q: bool, mpiexec, log, before, out, command) -> dict:
         "malloc": lambda: lambda: local.malloc(cfg(**step), 2 if q else 5, 2 if q else 4),
         "models": lambda: lambda: local.models(16 if q else 64, 5, 1 if q else 2, models),
         "data": lambda: lambda: local.data_path(64, 5 if q else 7, 4 if q else 10),
-        "simulator": lambda: lambda: local.simulator(_simulator_cases(q), 3 if q else 5),
+        "simulator": lambda: lambda: local.simulator(_simulator_cases(q, sim[0]), sim[1] or (3 if q else 5),
+                                                     progress=_partial(out, "simulator")),
         "checkpoint": lambda: lambda: local.checkpoint_cost(
             cfg(width=0.25 if q else 1.0, batch_size=16, train_subset=512), 3 if q else 5),
         "deviation": lambda: lambda: local.fast_deviation(dcfg, 8 if q else 48, 10 if q else 100),
@@ -122,12 +126,24 @@ def _plan(q: bool, mpiexec, log, before, out, command) -> dict:
     }
 
 
-def _simulator_cases(quick: bool) -> list[tuple]:
-    """(model, width, per-rank batch, np) of the simulator section (issue 42's grid; quick: its corners)."""
+SIMULATOR_MODELS = (("mobilenetv2_cifar", 0.25), ("mobilenetv2_cifar", 1.0), ("squeezenet1_1", 1.0))
+
+
+def _simulator_cases(quick: bool, models=None) -> list[tuple]:
+    """(model, width, per-rank batch, np) of the simulator section (issue 42's grid; quick: its corners
+    of the first model)."""
+    models = list(models or SIMULATOR_MODELS)
     if quick:
-        return [("mobilenetv2_cifar", 0.25, b, 48) for b in (4, 32)]
-    models = [("mobilenetv2_cifar", 0.25), ("mobilenetv2_cifar", 1.0), ("squeezenet1_1", 1.0)]
+        return [(*models[0], b, 48) for b in (4, 32)]
     return [(m, w, b, np_) for m, w in models for np_ in (8, 48) for b in (4, 8, 16, 32, 64)]
+
+
+def _partial(out: str | None, name: str):
+    """A section's ``progress`` callback: its rows so far in ``<out>/<name>.partial.json`` (a long
+    section stopped part-way keeps what it measured)."""
+    if not out:
+        return None
+    return lambda res: save_json(res, os.path.join(out, f"{name}.partial.json"))
 
 
 def _perfmodel_section(q: bool, mpiexec, log):

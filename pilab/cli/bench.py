@@ -39,6 +39,11 @@ def add_parser(sub) -> None:
     p.add_argument("--before", default="",
                    help="memory section: comma-separated JSONs of earlier `python -m pilab.bench.memory` runs "
                         "(e.g. at an older commit), shown as a 'before' column beside the same settings")
+    p.add_argument("--simulator-models", default="", metavar="MODEL:WIDTH,...",
+                   help="simulator section: the models of its grid (b 4-64 x np 8, 48), e.g. "
+                        "mobilenetv2_cifar:0.25,squeezenet1_1:1.0 (default: those two and mobilenetv2_cifar:1.0)")
+    p.add_argument("--simulator-rounds", type=int, default=0,
+                   help="simulator section: alternated rounds per cell (default 5, --quick 3)")
     p.set_defaults(func=run)
 
 
@@ -64,6 +69,23 @@ def _goals(path: str | None) -> dict:
     return goals
 
 
+def _models(spec: str) -> list[tuple[str, float]] | None:
+    """``--simulator-models``' "model:width,..." as [(model, width)]; None for the default grid."""
+    from ..models.names import MODEL_NAMES
+    out = []
+    for item in [x for x in spec.split(",") if x]:
+        name, _, width = item.partition(":")
+        try:
+            w = float(width)
+        except ValueError:
+            w = 0.0
+        if name not in MODEL_NAMES or not w > 0:
+            raise UsageError(f"--simulator-models {item}: give MODEL:WIDTH with MODEL one of {', '.join(MODEL_NAMES)} "
+                             "and WIDTH > 0, e.g. mobilenetv2_cifar:0.25")
+        out.append((name, w))
+    return out or None
+
+
 def run(args, argv) -> int:
     from ..bench import suite as bench
     sections = tuple(args.sections.split(",")) if args.sections else bench.SECTIONS
@@ -77,7 +99,10 @@ def run(args, argv) -> int:
     if missing:
         raise UsageError(f"--before {','.join(missing)}: no such file; give JSONs written by "
                          "`python -m pilab.bench.memory OUT.json ...`")
+    if args.simulator_rounds < 0:
+        raise UsageError(f"--simulator-rounds {args.simulator_rounds}: give a positive count (or 0 for the default)")
     res = bench.run(quick=args.quick, sections=sections, out=args.out, markdown=args.markdown or None,
-                    mpiexec=args.mpiexec, command=command, before=before, goals=_goals(args.goals))
+                    mpiexec=args.mpiexec, command=command, before=before, goals=_goals(args.goals),
+                    simulator_models=_models(args.simulator_models), simulator_rounds=args.simulator_rounds or None)
     print(f"bench: {res['wall_s']:.0f} s; {args.out}/bench.json" + (f", {args.markdown}" if args.markdown else ""))
     return 0
