@@ -6,8 +6,13 @@ toolbox's settings), run at np=1 and/or as an emulated np=48 (the virtual-rank s
 Stage 1 runs each recipe once (seed 0) at np=48, with np=1's committed recipe on seeds 0, 1, 2 beside
 it; stage 2 takes the best ``--top`` recipes and runs them on seeds 1 and 2 at np=48 and on seeds 0, 1, 2 at
 np=1 (the goal compares against np=1 under the same recipe). Jobs run ``--workers`` at a time, in forked
-processes that share the decoded data; each finished job is one line of ``results.jsonl`` (written as it
-ends, so a run cut short keeps what finished)::
+processes that share the decoded data.
+
+Each (candidate, np, seed) point is a folder ``OUT/<candidate>/np<N>-seed<S>/`` holding the engine's own
+result.json (with its whole Config) and its checkpoints (every epoch, and every ``--checkpoint-minutes``
+inside one). Run the same command again after an interruption (a signal, a reboot): a finished point is
+skipped, an interrupted one goes on from its ``checkpoint.pt``, the rest start. Each point that finishes in a
+run is also one line of ``OUT/results.jsonl`` (``OUT/table.md`` is made from it)::
 
     python experiments/paper-batch/screen.py --device cuda --workers 8 --budget-s 480 \\
         --out experiments/paper-batch/screen-h200
