@@ -38,7 +38,6 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 # The study's protocol (experiments/paper-size/run.sh): lr quoted per 32 images, SGD momentum 0.9, weight
 # decay 5e-4 on conv/linear weights, cosine schedule, static shards, per-rank BatchNorm.
@@ -149,10 +148,12 @@ def run_job(job: dict) -> dict:
         where = f"np={job['np']:>2} seed {job['seed']} {job['candidate']}"
         print(f"screen: {where}: {'resumes from ' + ck if ck else 'starts'}", flush=True)
 
+        cpu0 = time.process_time()  # this worker's CPU seconds (all its threads): the cost on a shared box
+
         def log(e: dict) -> None:
             if e["kind"] == "epoch":
-                print(f"screen: {where}: epoch {e['epoch']} test acc {e['test_acc']:.4f} "
-                      f"({e['time']:.0f} s, {e['images_per_s']:.0f} img/s)", flush=True)
+                print(f"screen: {where}: epoch {e['epoch']} test acc {e['test_acc']:.4f} ({e['time']:.0f} s, "
+                      f"{e['images_per_s']:.0f} img/s; {time.process_time() - cpu0:.0f} CPU s so far)", flush=True)
         r, _ = engine.train(cfg, engine.VirtualRanks(job["np"]), data=_DS, callbacks=[log])
         if r.get("stopped_early"):
             raise RuntimeError(f"stopped early: {r.get('stop_reason')}")
