@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +56,13 @@ def test_the_paper_batch_driver_resumes_a_killed_point_and_skips_a_finished_one(
         proc.wait()
     assert (finished / "result.json").exists() and not (cut / "result.json").exists()
     before = (finished / "result.json").stat().st_mtime_ns, (finished / "result.json").read_bytes()
+    listing = sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*"))
+    # another protocol in the same --out: refused by the finished point, then by the cut one's checkpoint
+    for other in (["--epochs", "3"], ["--candidates", "sqrt + warmup 2", "--nps", "4", "--test-subset", "20"]):
+        with pytest.raises(SystemExit) as refused:
+            _driver("paper-batch", "screen.py").main(args + other)
+        assert refused.value.code == 2
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*")) == listing  # nothing written
 
     rows = {r["np"]: r for r in _driver("paper-batch", "screen.py").main(args)}
     assert rows[3]["skipped"] and rows[3]["error"] is None and rows[1]["error"] is None

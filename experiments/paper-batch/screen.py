@@ -172,13 +172,28 @@ def job(name: str, np_: int, seed: int, a) -> dict:
 
 
 def check_points(jobs: list[dict]) -> None:
-    """Refuse an ``--out`` whose point folders hold another protocol's run (before anything is written)."""
-    from pilab.config import Config
+    """Refuse an ``--out`` whose point folders hold another protocol's run, finished (its result.json) or
+    cut short (its checkpoint.pt), and a candidate these settings cannot run (a warmup longer than
+    ``--epochs``): one line, exit 2, before anything is written."""
+    from pilab.config import Config, ConfigError
+    from pilab.engine import checkpoint
     for j in jobs:
-        path = os.path.join(j["dir"], "result.json")
-        if os.path.isfile(path) and not _same_run(json.load(open(path))["config"], Config(**j["config"]).to_dict()):
-            print(f"screen: {path} is another protocol's run (its config differs from this command's); "
-                  "give another --out, or the flags that made it", file=sys.stderr)
+        path, problem = os.path.join(j["dir"], "result.json"), None
+        try:
+            cfg = Config(**j["config"])
+        except ConfigError as e:
+            print(f"screen: {j['candidate']} at np={j['np']}: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        if os.path.isfile(path):
+            if not _same_run(json.load(open(path))["config"], cfg.to_dict()):
+                problem = f"{path} is another protocol's run (its config differs from this command's)"
+        elif checkpoint.latest(j["dir"]):
+            try:
+                checkpoint.load(checkpoint.latest(j["dir"]), cfg, j["np"])
+            except checkpoint.CheckpointError as e:
+                problem = str(e)
+        if problem:
+            print(f"screen: {problem}; give another --out, or the flags that made it", file=sys.stderr)
             raise SystemExit(2)
 
 
