@@ -1,6 +1,7 @@
 """Experiment drivers kept beside their results (experiments/<name>/): their code paths run, tiny, on a CPU."""
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -63,6 +64,11 @@ def test_the_paper_batch_driver_resumes_a_killed_point_and_skips_a_finished_one(
             _driver("paper-batch", "screen.py").main(args + other)
         assert refused.value.code == 2
     assert sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*")) == listing  # nothing written
+    with open(out / ".lock") as held:  # a live driver's lock on OUT: a second one is refused
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(SystemExit) as refused:
+            _driver("paper-batch", "screen.py").main(args)
+        assert refused.value.code == 2 and not (cut / "result.json").exists()
 
     rows = {r["np"]: r for r in _driver("paper-batch", "screen.py").main(args)}
     assert rows[3]["skipped"] and rows[3]["error"] is None and rows[1]["error"] is None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import fcntl
 import json
 import multiprocessing
 import os
@@ -197,6 +198,23 @@ def check_points(jobs: list[dict]) -> None:
             raise SystemExit(2)
 
 
+def claim(out: str):
+    """``OUT/.lock``, locked for as long as this run (and its forked workers) lives -- the kernel drops the
+    lock when they end, however they end -- so that two drivers never train the same point at once."""
+    f = open(os.path.join(out, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        print(f"screen: another screen.py (pid {f.read().strip() or '?'}) is writing {out}; wait for it to end, "
+              "or give another --out", file=sys.stderr)
+        raise SystemExit(2) from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
 def table(out: str) -> str:
     """``OUT/table.md`` from ``OUT/results.jsonl``: each finished point (its last row), best first, with its
     accuracy per epoch::
@@ -264,6 +282,8 @@ def main(argv=None) -> list[dict]:
     stage1 += [job(n, big, 0, a) for n in a.names]
     stage1 += [job(n, 1, s, a) for n in a.names for s in seeds(a.np1_seeds)]
     check_points(stage1)
+    os.makedirs(a.out, exist_ok=True)
+    lock = claim(a.out)  # noqa: F841 -- held (by this process and its workers) until they end
 
     global _DS
     from pilab import data as data_mod
@@ -271,7 +291,6 @@ def main(argv=None) -> list[dict]:
     _DS = data_mod.load(a.data, train_subset=a.train_subset, test_subset=a.test_subset)
     print(f"screen: data {_DS.source}: {len(_DS.y_train)} train / {len(_DS.y_test)} test, "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
-    os.makedirs(a.out, exist_ok=True)
     out = open(os.path.join(a.out, "results.jsonl"), "a")
     rows: list[dict] = []
     late = lambda: a.budget_s and time.perf_counter() - t0 > a.budget_s  # noqa: E731
