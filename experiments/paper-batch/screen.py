@@ -291,7 +291,10 @@ def main(argv=None) -> list[dict]:
     _DS = data_mod.load(a.data, train_subset=a.train_subset, test_subset=a.test_subset)
     print(f"screen: data {_DS.source}: {len(_DS.y_train)} train / {len(_DS.y_test)} test, "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
-    out = open(os.path.join(a.out, "results.jsonl"), "a")
+    path = os.path.join(a.out, "results.jsonl")
+    key = lambda r: (r["candidate"], r["np"], r["seed"])  # noqa: E731
+    have = {key(json.loads(line)) for line in open(path) if line.strip()} if os.path.isfile(path) else set()
+    out = open(path, "a")
     rows: list[dict] = []
     late = lambda: a.budget_s and time.perf_counter() - t0 > a.budget_s  # noqa: E731
 
@@ -308,7 +311,7 @@ def main(argv=None) -> list[dict]:
             for f in done:
                 row = f.result()
                 rows.append(row)
-                if not row.get("skipped"):  # a finished point's line is already there
+                if not row.get("skipped") or key(row) not in have:  # (a driver killed as a point ended)
                     out.write(json.dumps(row) + "\n")
                     out.flush()
                 _report(row, t0)
