@@ -1,9 +1,16 @@
 """Experiment drivers kept beside their results (experiments/<name>/): their code paths run, tiny, on a CPU."""
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,3 +34,47 @@ def test_the_paper_batch_screen_runs_a_candidate_and_tables_it(tmp_path):
     saved = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
     assert saved[0]["config"]["simulate_mode"] == "fast" and saved[0]["config"]["lr"] == 0.025
     assert "| naive | 3 | 0 |" in (tmp_path / "table.md").read_text()
+
+
+def test_the_paper_batch_driver_resumes_a_killed_point_and_skips_a_finished_one(tmp_path):
+    """A real SIGKILL to the driver's process group mid-point: the rerun leaves the finished point as it
+    was and takes the cut one on from its checkpoint, to its last step."""
+    out = tmp_path / "out"
+    args = ["--device", "cpu", "--data", "embedded", "--epochs", "2", "--train-subset", "192", "--test-subset", "40",
+            "--nps", "3", "--candidates", "naive", "--reference-seeds", "0", "--top", "0", "--workers", "1",
+            "--threads", "1", "--simulate-mode", "exact", "--checkpoint-every-steps", "1", "--out", str(out)]
+    finished, cut = out / "naive" / "np3-seed0", out / "naive" / "np1-seed0"  # run in that order (1 worker)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "experiments" / "paper-batch" / "screen.py"), *args],
+                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 600  # a guard against a hang, not a timing claim
+        while not (cut / "checkpoint.pt").exists():  # np=1's first step (of 12) checkpointed
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert (finished / "result.json").exists() and not (cut / "result.json").exists()
+    before = (finished / "result.json").stat().st_mtime_ns, (finished / "result.json").read_bytes()
+    listing = sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*"))
+    # another protocol in the same --out: refused by the finished point, then by the cut one's checkpoint
+    for other in (["--epochs", "3"], ["--candidates", "sqrt + warmup 2", "--nps", "4", "--test-subset", "20"]):
+        with pytest.raises(SystemExit) as refused:
+            _driver("paper-batch", "screen.py").main(args + other)
+        assert refused.value.code == 2
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*")) == listing  # nothing written
+    with open(out / ".lock") as held:  # a live driver's lock on OUT: a second one is refused
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(SystemExit) as refused:
+            _driver("paper-batch", "screen.py").main(args)
+        assert refused.value.code == 2 and not (cut / "result.json").exists()
+
+    rows = {r["np"]: r for r in _driver("paper-batch", "screen.py").main(args)}
+    assert rows[3]["skipped"] and rows[3]["error"] is None and rows[1]["error"] is None
+    assert before == ((finished / "result.json").stat().st_mtime_ns, (finished / "result.json").read_bytes())
+    r = json.loads((cut / "result.json").read_text())
+    assert not rows[1]["skipped"] and r["resumed_from_step"] >= 1 and r["steps_done"] == r["total_steps"] == 12
+    assert r["config"]["resume"] == str(cut / "checkpoint.pt") and len(r["epochs"]) == 2
+    table = (out / "table.md").read_text()
+    assert "| naive | 3 | 0 |" in table and "| naive | 1 | 0 |" in table

@@ -6,8 +6,13 @@ toolbox's settings), run at np=1 and/or as an emulated np=48 (the virtual-rank s
 Stage 1 runs each recipe once (seed 0) at np=48, with np=1's committed recipe on seeds 0, 1, 2 beside
 it; stage 2 takes the best ``--top`` recipes and runs them on seeds 1 and 2 at np=48 and on seeds 0, 1, 2 at
 np=1 (the goal compares against np=1 under the same recipe). Jobs run ``--workers`` at a time, in forked
-processes that share the decoded data; each finished job is one line of ``results.jsonl`` (written as it
-ends, so a run cut short keeps what finished)::
+processes that share the decoded data.
+
+Each (candidate, np, seed) point is a folder ``OUT/<candidate>/np<N>-seed<S>/`` holding the engine's own
+result.json (with its whole Config) and its checkpoints (every epoch, and every ``--checkpoint-minutes``
+inside one). Run the same command again after an interruption (a signal, a reboot): a finished point is
+skipped, an interrupted one goes on from its ``checkpoint.pt``, the rest start. Each point that finishes in a
+run is also one line of ``OUT/results.jsonl`` (``OUT/table.md`` is made from it)::
 
     python experiments/paper-batch/screen.py --device cuda --workers 8 --budget-s 480 \\
         --out experiments/paper-batch/screen-h200
@@ -23,16 +28,17 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import fcntl
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 # The study's protocol (experiments/paper-size/run.sh): lr quoted per 32 images, SGD momentum 0.9, weight
 # decay 5e-4 on conv/linear weights, cosine schedule, static shards, per-rank BatchNorm.
@@ -85,24 +91,74 @@ def default_data() -> str:
 
 
 _DS = None  # the decoded data, loaded by the parent before the workers fork (they share its pages)
+def slug(name: str) -> str:
+    """A candidate's folder name: ``"linear + warmup 5 + few-step"`` -> ``linear-warmup-5-few-step``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def point_dir(out: str, name: str, np_: int, seed: int) -> str:
+    """``OUT/<candidate slug>/np<NP>-seed<SEED>``: one point's result.json and checkpoints."""
+    return os.path.join(out, slug(name), f"np{np_}-seed{seed}")
+
+
+def seeds(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _same_run(saved: dict, wanted: dict) -> bool:
+    """Whether two Configs compute the same run (they may differ in what a resumption may change)."""
+    from pilab.engine.checkpoint import RESUMABLE
+    strip = lambda c: json.loads(json.dumps({k: v for k, v in c.items() if k not in RESUMABLE}))  # noqa: E731
+    return strip(saved) == strip(wanted)
+
+
+def finished(path: str) -> dict | None:
+    """The result.json at ``path`` if its run went to its last step, else None."""
+    if not os.path.isfile(path):
+        return None
+    r = json.load(open(path))
+    return r if not r.get("stopped_early") and r.get("steps_done") == r.get("total_steps") else None
+
+
+def _row(job: dict, r: dict, wall_s: float, skipped: bool) -> dict:
+    return {**job, "config": r["config"], "final_test_acc": r["epochs"][-1]["test_acc"], "epochs": [
+        {k: e[k] for k in ("epoch", "train_loss", "train_acc", "test_acc", "time")} for e in r["epochs"]],
+        "steps_per_epoch": r["steps_per_epoch"], "global_batch": r["global_batch"], "wall_s": wall_s,
+        "train_s": r["train_time"], "resumed_from_step": r["resumed_from_step"], "skipped": skipped,
+        "error": None}
 
 
 def run_job(job: dict) -> dict:
-    """One (candidate, np, seed) run in a worker; returns its result row (errors included, never raised)."""
+    """One (candidate, np, seed) point in a worker, in its own folder (``job["dir"]``): skipped where its
+    result.json is finished, resumed from its ``checkpoint.pt`` where one is there (a point cut short by a
+    signal, a reboot), else run from the start; its result row (errors included, never raised)."""
     import torch
 
-    import gpu_check
     from pilab.config import Config
+    from pilab.engine import checkpoint
+    from pilab.engine import loop as engine
     t = time.perf_counter()
     try:
-        cfg = Config(**job["config"])
+        done = finished(os.path.join(job["dir"], "result.json"))
+        if done is not None:
+            return _row(job, done, 0.0, skipped=True)
+        ck = checkpoint.latest(job["dir"])
+        cfg = Config(**job["config"], out=job["dir"], resume=ck or "")
         if cfg.device == "cuda":
             torch.backends.cudnn.benchmark = True
-        r = gpu_check.run_one(cfg, job["np"], _DS, log=lambda *_: None)
-        return {**job, "final_test_acc": r["final_test_acc"], "epochs": [
-            {k: e[k] for k in ("epoch", "train_loss", "train_acc", "test_acc", "time")} for e in r["epochs"]],
-            "steps_per_epoch": r["steps_per_epoch"], "global_batch": r["global_batch"],
-            "wall_s": time.perf_counter() - t, "error": None}
+        where = f"np={job['np']:>2} seed {job['seed']} {job['candidate']}"
+        print(f"screen: {where}: {'resumes from ' + ck if ck else 'starts'}", flush=True)
+
+        cpu0 = time.process_time()  # this worker's CPU seconds (all its threads): the cost on a shared box
+
+        def log(e: dict) -> None:
+            if e["kind"] == "epoch":
+                print(f"screen: {where}: epoch {e['epoch']} test acc {e['test_acc']:.4f} ({e['time']:.0f} s, "
+                      f"{e['images_per_s']:.0f} img/s; {time.process_time() - cpu0:.0f} CPU s so far)", flush=True)
+        r, _ = engine.train(cfg, engine.VirtualRanks(job["np"]), data=_DS, callbacks=[log])
+        if r.get("stopped_early"):
+            raise RuntimeError(f"stopped early: {r.get('stop_reason')}")
+        return _row(job, r, time.perf_counter() - t, skipped=False)
     except Exception as e:  # noqa: BLE001 -- a screen reports a broken candidate and goes on
         return {**job, "final_test_acc": None, "wall_s": time.perf_counter() - t, "error": repr(e)[:500]}
 
@@ -110,17 +166,64 @@ def run_job(job: dict) -> dict:
 def job(name: str, np_: int, seed: int, a) -> dict:
     cfg = {**PROTOCOL, "epochs": a.epochs, **CANDIDATES[name], "seed": seed, "data": a.data,
            "train_subset": a.train_subset, "test_subset": a.test_subset, "device": a.device,
-           "simulate_mode": "fast", "threads": a.threads}
-    return {"candidate": name, "np": np_, "seed": seed, "config": cfg}
+           "simulate_mode": a.simulate_mode, "threads": a.threads, "checkpoint_every": 1, "keep": 1,
+           "checkpoint_minutes": a.checkpoint_minutes, "checkpoint_every_steps": a.checkpoint_every_steps}
+    return {"candidate": name, "np": np_, "seed": seed, "config": cfg,
+            "dir": point_dir(a.out, name, np_, seed)}
+
+
+def check_points(jobs: list[dict]) -> None:
+    """Refuse an ``--out`` whose point folders hold another protocol's run, finished (its result.json) or
+    cut short (its checkpoint.pt), and a candidate these settings cannot run (a warmup longer than
+    ``--epochs``): one line, exit 2, before anything is written."""
+    from pilab.config import Config, ConfigError
+    from pilab.engine import checkpoint
+    for j in jobs:
+        path, problem = os.path.join(j["dir"], "result.json"), None
+        try:
+            cfg = Config(**j["config"])
+        except ConfigError as e:
+            print(f"screen: {j['candidate']} at np={j['np']}: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        if os.path.isfile(path):
+            if not _same_run(json.load(open(path))["config"], cfg.to_dict()):
+                problem = f"{path} is another protocol's run (its config differs from this command's)"
+        elif checkpoint.latest(j["dir"]):
+            try:
+                checkpoint.load(checkpoint.latest(j["dir"]), cfg, j["np"])
+            except checkpoint.CheckpointError as e:
+                problem = str(e)
+        if problem:
+            print(f"screen: {problem}; give another --out, or the flags that made it", file=sys.stderr)
+            raise SystemExit(2)
+
+
+def claim(out: str):
+    """``OUT/.lock``, locked for as long as this run (and its forked workers) lives -- the kernel drops the
+    lock when they end, however they end -- so that two drivers never train the same point at once."""
+    f = open(os.path.join(out, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        print(f"screen: another screen.py (pid {f.read().strip() or '?'}) is writing {out}; wait for it to end, "
+              "or give another --out", file=sys.stderr)
+        raise SystemExit(2) from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 def table(out: str) -> str:
-    """``OUT/table.md`` from ``OUT/results.jsonl``: each finished run, best first, with its accuracy per epoch::
+    """``OUT/table.md`` from ``OUT/results.jsonl``: each finished point (its last row), best first, with its
+    accuracy per epoch::
 
         python experiments/paper-batch/screen.py --table experiments/paper-batch/screen-h200
     """
     rows = [json.loads(line) for line in open(os.path.join(out, "results.jsonl")) if line.strip()]
-    done = sorted((r for r in rows if r["final_test_acc"] is not None), key=lambda r: -r["final_test_acc"])
+    last = {(r["candidate"], r["np"], r["seed"]): r for r in rows if r["final_test_acc"] is not None}
+    done = sorted(last.values(), key=lambda r: -r["final_test_acc"])
     lines = ["| candidate | np | seed | final test acc | test acc per epoch |", "|---|---:|---:|---:|---|"]
     lines += [f"| {r['candidate']} | {r['np']} | {r['seed']} | {r['final_test_acc']:.4f} | "
               + " ".join(f"{e['test_acc']:.3f}" for e in r["epochs"]) + " |" for r in done]
@@ -130,10 +233,7 @@ def table(out: str) -> str:
     return text
 
 
-def main(argv=None) -> list[dict]:
-    if argv is None and sys.argv[1:2] == ["--table"] or argv and argv[:1] == ["--table"]:
-        print(table((argv or sys.argv[1:])[1]), end="")
-        return []
+def parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=None)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -143,18 +243,47 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--nps", default="48", help="the large np (default 48); np=1 always runs beside it")
     p.add_argument("--candidates", default="all", help="comma-separated names, or all")
     p.add_argument("--reference-seeds", default="0,1,2", help="seeds of np=1's committed recipe ('' = none)")
+    p.add_argument("--np1-seeds", default="", help="also run each candidate at np=1 on these seeds in stage 1, "
+                   "after its np=48 run ('' = none)")
     p.add_argument("--top", type=int, default=3, help="recipes taken to stage 2 (0: none)")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--threads", type=int, default=2, help="torch threads per worker")
+    p.add_argument("--simulate-mode", default="fast", choices=("fast", "exact", "auto"),
+                   help="the simulator's mode (fast: the screen on a GPU; exact: MPI's arithmetic, the table)")
+    p.add_argument("--checkpoint-minutes", type=float, default=10.0,
+                   help="each point checkpoints every epoch and every M minutes inside one (0: epochs only)")
+    p.add_argument("--checkpoint-every-steps", type=int, default=0, help="... and every K steps (0: never)")
     p.add_argument("--budget-s", type=float, default=0, help="start no job after this many seconds (0: none)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="one folder per point under it: OUT/<candidate>/np<N>-seed<S>")
     a = p.parse_args(argv)
     a.data = a.data or default_data()
-    names = list(CANDIDATES) if a.candidates == "all" else [n.strip() for n in a.candidates.split(",")]
-    unknown = [n for n in names if n not in CANDIDATES]
+    a.names = list(CANDIDATES) if a.candidates == "all" else [n.strip() for n in a.candidates.split(",")]
+    unknown = [n for n in a.names if n not in CANDIDATES]
     if unknown:
-        raise SystemExit(f"screen: unknown candidate(s) {unknown}; choose from {list(CANDIDATES)}")
+        p.error(f"unknown candidate(s) {unknown}; choose from {list(CANDIDATES)}")
+    return a
+
+
+def _report(row: dict, t0: float) -> None:
+    acc = row["final_test_acc"]
+    how = "skipped, finished before" if row.get("skipped") else f"{row['wall_s']:.0f} s"
+    print(f"screen: {time.perf_counter() - t0:6.0f} s  np={row['np']:>2} seed {row['seed']} "
+          f"{row['candidate']:<45} {acc if acc is None else round(acc, 4)} "
+          f"({how}){' ' + row['error'] if row['error'] else ''}", flush=True)
+
+
+def main(argv=None) -> list[dict]:
+    if argv is None and sys.argv[1:2] == ["--table"] or argv and argv[:1] == ["--table"]:
+        print(table((argv or sys.argv[1:])[1]), end="")
+        return []
+    a = parse(argv)
     big = int(a.nps)
+    stage1 = [job(REFERENCE, 1, s, a) for s in seeds(a.reference_seeds)]
+    stage1 += [job(n, big, 0, a) for n in a.names]
+    stage1 += [job(n, 1, s, a) for n in a.names for s in seeds(a.np1_seeds)]
+    check_points(stage1)
+    os.makedirs(a.out, exist_ok=True)
+    lock = claim(a.out)  # noqa: F841 -- held (by this process and its workers) until they end
 
     global _DS
     from pilab import data as data_mod
@@ -162,30 +291,31 @@ def main(argv=None) -> list[dict]:
     _DS = data_mod.load(a.data, train_subset=a.train_subset, test_subset=a.test_subset)
     print(f"screen: data {_DS.source}: {len(_DS.y_train)} train / {len(_DS.y_test)} test, "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    out = open(os.path.join(a.out, "results.jsonl"), "a")
+    path = os.path.join(a.out, "results.jsonl")
+    key = lambda r: (r["candidate"], r["np"], r["seed"])  # noqa: E731
+    have = {key(json.loads(line)) for line in open(path) if line.strip()} if os.path.isfile(path) else set()
+    out = open(path, "a")
     rows: list[dict] = []
     late = lambda: a.budget_s and time.perf_counter() - t0 > a.budget_s  # noqa: E731
 
     # fork: the workers share the parent's decoded arrays; the parent never touches CUDA
     with cf.ProcessPoolExecutor(a.workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        seeds = [int(s) for s in a.reference_seeds.split(",") if s.strip()]
-        pending = {pool.submit(run_job, job(REFERENCE, 1, s, a)) for s in seeds}
-        stage1 = {pool.submit(run_job, job(n, big, 0, a)) for n in names}
-        pending |= stage1
+        given: set[str] = set()  # each point's folder once, whichever stage asks for it first
+        submit = lambda jobs: {pool.submit(run_job, j) for j in jobs if not (  # noqa: E731
+            j["dir"] in given or given.add(j["dir"]))}
+        first = submit([j for j in stage1 if j["np"] == big])
+        pending = first | submit([j for j in stage1 if j["np"] != big])
         staged = a.top <= 0
         while pending:
             done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
             for f in done:
                 row = f.result()
                 rows.append(row)
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-                acc = row["final_test_acc"]
-                print(f"screen: {time.perf_counter() - t0:6.0f} s  np={row['np']:>2} seed {row['seed']} "
-                      f"{row['candidate']:<45} {acc if acc is None else round(acc, 4)} "
-                      f"({row['wall_s']:.0f} s){' ' + row['error'] if row['error'] else ''}", flush=True)
-            if not staged and not (stage1 & pending):
+                if not row.get("skipped") or key(row) not in have:  # (a driver killed as a point ended)
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+                _report(row, t0)
+            if not staged and not (first & pending):
                 staged = True
                 ok = [r for r in rows if r["np"] == big and r["final_test_acc"] is not None]
                 best = [r["candidate"] for r in sorted(ok, key=lambda r: -r["final_test_acc"])[:a.top]]
@@ -193,7 +323,7 @@ def main(argv=None) -> list[dict]:
                 for n in best:
                     jobs = [job(n, big, s, a) for s in (1, 2)]
                     jobs += [job(n, 1, s, a) for s in (0, 1, 2)] if n != REFERENCE else []
-                    pending |= {pool.submit(run_job, j) for j in jobs}
+                    pending |= submit(jobs)
             if late():  # jobs not yet started are dropped; running ones finish
                 pending = {f for f in pending if not f.cancel()}
     out.close()
