@@ -309,6 +309,19 @@ def test_remedies_as_slurm_jobs_equals_the_search_run_here(tb, tmp_path):
     simulator); the search then keeps them all, and its numbers are those of the search run here."""
     args = [sys.executable, "-m", "pilab", "remedies", "--np", "4", "--only", "baseline,linear lr",
             "--target", "none", *[a for a in TINY if a != "--quiet"]]
+    # --dry-run: the reference's and each candidate's script, nothing submitted or written; an unknown
+    # partition: one line, exit 2, nothing written (remedies shares scale's batch path: checked, not assumed)
+    dry = subprocess.run([*args, *BATCH, "--dry-run", "--out", str(tmp_path / "dry")], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=120, env=tb.env(mpi_env()))
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert dry.stdout.count("#!/bin/bash") == 3 and "not submitted" in dry.stdout
+    assert not (tmp_path / "dry").exists() and _squeue(tb).strip() == ""
+    bad = subprocess.run([*args, "--launcher", "slurm", "--partition", "gpu", "--time", "5", "--out",
+                          str(tmp_path / "bad")], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env=tb.env(mpi_env()))
+    errors = [ln for ln in bad.stderr.splitlines() if ln.startswith("pilab: error:")]
+    assert bad.returncode == 2 and len(errors) == 1 and "Slurm knows no such partition" in errors[0], bad.stderr
+    assert not (tmp_path / "bad").exists() and _squeue(tb).strip() == ""
     sl = _study(tb, [*args, *BATCH, "--out", str(tmp_path / "slurm")], tmp_path)
     assert sl.returncode == 0, sl.stderr[-3000:]
     jobs = _jobs(tmp_path / "slurm")
