@@ -14,7 +14,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from conftest import MPIEXEC, mpi_env, skip_or_fail
+from conftest import MPIEXEC, REPO, mpi_env, skip_or_fail
 from pilab import tracefile
 
 TINY = ["--width", "0.25", "--train-subset", "200", "--test-subset", "100", "--batch-size", "16",
@@ -336,3 +336,15 @@ def test_panel_draws_the_lanes_of_a_traced_run():
     panel.start()
     panel.wait(300)
     assert not lanes.figure.visible and not lanes.source.data["step"]
+
+
+@pytest.mark.parametrize("args, says", [(["--rates", "3furlongs"], "3furlongs"), (["--burst", "1000"], "65536")])
+def test_testbed_validation_refuses_bad_settings_before_any_testbed(args, says, tmp_path):
+    """experiments/perfmodel/validate_testbed.py: a bad rate or too small a token bucket is one line and
+    exit 2, before a namespace exists (so nothing to take down, nothing written)."""
+    p = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "perfmodel", "validate_testbed.py"), *args,
+                        "--out", str(tmp_path / "v")], capture_output=True, text=True, timeout=120, env=mpi_env(),
+                       cwd=REPO)
+    assert p.returncode == 2, p.stderr
+    assert says in p.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "v").exists()
