@@ -474,6 +474,22 @@ def test_loader_matches_index_level(embedded):
             assert loaders[1]._x.shape[0] == loaders[1].shard_size == len(shard)
 
 
+def test_ranks_batch_is_the_ranks_batches_concatenated_bit_for_bit(embedded):
+    """The simulator's fast mode takes its global batch in one augmentation pass (ranks_batch): every
+    image must carry the same bits as each rank's own batch() gives it, augmented or not, either policy."""
+    for policy in data.POLICIES:
+        for aug in (True, False):
+            loaders = [data.ShardLoader(embedded, 5, r, 8, seed=3, policy=policy, augment=aug) for r in range(5)]
+            for epoch, step in ((0, 0), (2, 3)):
+                x, y = data.ranks_batch(loaders[1:4], epoch, step)
+                parts = [ld.batch(epoch, step) for ld in loaders[1:4]]
+                assert torch.equal(y, torch.cat([p[1] for p in parts]))
+                assert torch.equal(x, torch.cat([p[0] for p in parts])), (policy, aug, epoch, step)
+                assert x.is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(DataError, match="outside"):
+        data.ranks_batch(loaders[:2], 0, loaders[0].steps_per_epoch)
+
+
 def test_loader_replay(embedded):
     ld = data.ShardLoader(embedded, 2, 1, 32, seed=9)
     _, x5, y5 = list(ld.epoch(3))[5]

@@ -166,3 +166,36 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if copy.data_ptr() != t.data_ptr():
         _SHARED[:] = [(t, device, copy)] + _SHARED[:1]
     return copy
+
+
+def ranks_batch(loaders: list, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several ranks' batches of (``epoch``, ``step``) as one batch, in rank order: the same values as
+    ``torch.cat`` of each loader's ``batch`` (the augmentation is per image, so one pass over the whole
+    uint8 batch with every rank's own draws gives each image the same bits), at one augmentation's cost.
+    The simulator's fast mode takes its global batch this way::
+
+        x, y = ranks_batch(loaders[0:48], epoch, step)     # == cat of loaders[r].batch(epoch, step)
+
+    Why not cat: per rank it cost an index_select, a float conversion and a normalisation of a few
+    images, then a copy of the float batch, ~5-10% of a step at np=48 (issue 42's profile)."""
+    first = loaders[0]
+    if len(loaders) == 1:
+        return first.batch(epoch, step)
+    if any(ld.device is not None or (ld._carried is not None and ld._carried[0] == epoch)
+                                for ld in loaders):
+        parts = [ld.batch(epoch, step) for ld in loaders]  # a device-resident or carried epoch: as each has it
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    b = first.batch_size
+    if not 0 <= step < first.steps_per_epoch:
+        raise DataError(f"step={step} is outside 0..{first.steps_per_epoch - 1} of an epoch")
+    xs = torch.empty((b * len(loaders), *first._x.shape[1:]), dtype=first._x.dtype)
+    ys = torch.empty(b * len(loaders), dtype=first._y.dtype)
+    for i, ld in enumerate(loaders):
+        rows = ld._rows(epoch)[step]
+        torch.index_select(ld._x, 0, rows, out=xs[i * b:(i + 1) * b])
+        torch.index_select(ld._y, 0, rows, out=ys[i * b:(i + 1) * b])
+    if not first.augment:
+        return to_input(xs, first.mean, first.std), ys
+    draws = [augment_draws(b, seed=ld.seed, epoch=epoch, step=step, rank=ld.rank, pad=ld.pad) for ld in loaders]
+    return augment_with(xs, torch.cat([d[0] for d in draws]), torch.cat([d[1] for d in draws]),
+                        first.mean, first.std), ys

@@ -193,9 +193,8 @@ class VirtualRanks:
 
     def _images(self, r0: int, r1: int, epoch: int, step: int):
         """Virtual ranks r0..r1-1's images and labels of this step, as one batch on the device."""
-        parts = [self.loaders[r].batch(epoch, step) for r in range(r0, r1)]
-        x = (parts[0][0] if r1 - r0 == 1 else torch.cat([p[0] for p in parts])).to(self.device, non_blocking=True)
-        y = (parts[0][1] if r1 - r0 == 1 else torch.cat([p[1] for p in parts])).to(self.device, non_blocking=True)
+        x, y = data_mod.ranks_batch(self.loaders[r0:r1], epoch, step)  # one augmentation pass, no cat
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         return x.contiguous(memory_format=torch.channels_last), y
 
     def _local_step(self, cfg: Config, model, optimizer, epoch: int, step: int, ph, stop, save) -> StepResult:
