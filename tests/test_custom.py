@@ -130,6 +130,9 @@ def test_digits_one_channel_8x8_with_their_own_statistics(digits, tmp_path):
     again = data.load(path)
     assert again.checksum == digits.checksum and again.mean == digits.mean and again.classes == digits.classes
     assert data.describe(path)["image_shape"] == (1, 8, 8)
+    # the memory model reads the shape from the file's headers (a grey 8x8 image is 64 bytes, not 3x...)
+    from pilab.models import memory
+    assert memory.data_facts(Config(data=path)) == (1500, 297, (1, 8, 8))
     loader = data.ShardLoader(again, 3, 1, 16, seed=0)
     x, y = loader.batch(0, 0)
     assert x.shape == (16, 1, 8, 8) and abs(float(x.mean())) < 1.0 and loader.pad == 1

@@ -79,14 +79,6 @@ def _model_facts(model: str, width: float, timesteps: int, image_size: int = 32)
             largest_output_elements(model, width, image_size=image_size, timesteps=ts))
 
 
-def _image_shape(pixel_bytes: int, side: int) -> tuple[int, int, int]:
-    """(C, H, W) of one image from its bytes and its height (channels: 1 or 3, the width what is left)."""
-    for c in (3, 1, 4):
-        if pixel_bytes % (side * c) == 0 and pixel_bytes // (side * c) >= 1:
-            return c, side, pixel_bytes // (side * c)
-    return 3, side, side
-
-
 def _step_memory(cfg: Config, shape: tuple[int, int, int], allocator: str) -> tuple[int, int] | None:
     """(warm bytes, bytes per image) of a training step of your own model, measured (``models.memprobe``);
     None for a registered model (its constants are measured) or where the probe cannot run."""
@@ -101,10 +93,13 @@ def _step_memory(cfg: Config, shape: tuple[int, int, int], allocator: str) -> tu
         return None
 
 
-def data_facts(cfg: Config) -> tuple[int, int, int, int]:
-    """(training images, test images, bytes of one image's pixels, image side) of ``cfg.data``: a data set
-    saved by ``pilab.data.save`` (a .npz) is read from its array headers; any other source is taken for
-    CIFAR-10 (the embedded subset's or the full set's counts, 32x32x3)."""
+def data_facts(cfg: Config) -> tuple[int, int, tuple[int, int, int]]:
+    """(training images, test images, (C, H, W) of one image) of ``cfg.data``: a data set saved by
+    ``pilab.data.save`` (a .npz) is read from its array headers; any other source is taken for CIFAR-10
+    (the embedded subset's or the full set's counts, 3x32x32)::
+
+        data_facts(Config(data="my.npz"))      # (n_train, n_test, (1, 8, 8)) for 8x8 grey images
+    """
     src_train, src_test = SOURCE_SIZES.get(cfg.data, CIFAR10_SIZES)
     if str(cfg.data).endswith(".npz") and os.path.isfile(cfg.data):
         import numpy as np
@@ -118,11 +113,11 @@ def data_facts(cfg: Config) -> tuple[int, int, int, int]:
                         read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
                             np.lib.format.read_array_header_2_0
                         shapes[key] = read(member)[0]
-            n, h, w, c = shapes["x_train"]
-            return n, shapes["x_test"][0], h * w * c, h
+            n, h, w, *c = shapes["x_train"]  # (n, H, W, C) as pilab.data keeps images; grey may drop C
+            return n, shapes["x_test"][0], (c[0] if c else 1, h, w)
         except Exception:  # unreadable: the ranks will say so; predict as for CIFAR-10
             pass
-    return src_train, src_test, PIXEL_BYTES, 32
+    return src_train, src_test, (3, 32, 32)
 
 
 def breakdown(cfg: Config, *, np_: int | None = None, allocator: str = "fast", probe: bool = True) -> dict:
@@ -137,7 +132,8 @@ def breakdown(cfg: Config, *, np_: int | None = None, allocator: str = "fast", p
     the registered networks' factor instead (a quick bound, as ``choose_allocator`` uses first)."""
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator={allocator!r}; use one of {', '.join(ALLOCATORS)}")
-    src_train, src_test, pixel_bytes, side = data_facts(cfg)
+    src_train, src_test, shape = data_facts(cfg)
+    pixel_bytes, side = shape[0] * shape[1] * shape[2], shape[1]
     image_bytes = pixel_bytes + LABEL_BYTES
     n_train = cfg.train_subset or src_train
     n_test = cfg.test_subset or src_test
@@ -149,7 +145,7 @@ def breakdown(cfg: Config, *, np_: int | None = None, allocator: str = "fast", p
     model = params * 4 * (3 if cfg.momentum else 2) + (params * 2 if cfg.compression == "fp16" else 0)
     train = TRAIN_BYTES_PER_ELEMENT * act * batch * (1 + ALLOCATOR_RETAIN[allocator])
     warm = WARM_BYTES
-    measured = _step_memory(cfg, _image_shape(pixel_bytes, side), allocator) if probe else None
+    measured = _step_memory(cfg, shape, allocator) if probe else None
     if measured is not None:  # your own model: its step measured (what it adds once, and per image)
         warm, per_image = measured
         train = per_image * batch

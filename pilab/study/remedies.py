@@ -41,6 +41,11 @@ def fixed_per_rank(cfg: Config, np_: int) -> int:
     return max(2, round(cfg.batch_size / np_))
 
 
+def _fixed_global(cfg: Config, np_: int) -> dict:
+    """The changes of "fixed global batch": one rank's batch split over the np."""
+    return {"batch_mode": "global", "batch_size": fixed_per_rank(cfg, np_) * np_}
+
+
 def default_candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
     """(label, changes) pairs: the baseline, single-factor changes, then the published recipes combined
     (what ``pilab remedies`` offers without ``--candidates``). A study's own list is a function of the
@@ -48,7 +53,7 @@ def default_candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
     (``candidates=``) or to the CLI (``--candidates FILE``)."""
     warm = max(1.0, round(cfg.epochs / 5, 1))
     per = fixed_per_rank(cfg, np_)
-    fixed_global = {"batch_mode": "global", "batch_size": per * np_}
+    fixed_global = _fixed_global(cfg, np_)
     # And one of 8 images per rank (Goyal et al.'s per-worker batch is 32; 8 keeps BatchNorm's groups
     # usable and the step count 4x the per-rank batch's), where that lies between the two.
     eight = {"batch_mode": "global", "batch_size": 8 * np_} if per < 8 < cfg.per_rank_batch(np_) else None
@@ -130,7 +135,9 @@ def notebook_candidates(cfg: Config | None = None, np_: int | None = None) -> li
     """
     if not small_mode():
         return None
-    fixed = [f"fixed global batch {fixed_per_rank(cfg, np_) * np_}"] if cfg is not None and np_ else []
+    # the label as default_candidates writes it (one place), found by the change it makes
+    fixed = [label for label, ch in default_candidates(cfg, np_) if ch == _fixed_global(cfg, np_)] \
+        if cfg is not None and np_ else []
     return ["baseline", "linear lr", *fixed]
 
 
