@@ -1,7 +1,10 @@
 """Memory per rank (pilab.models.memory): what the cuts keep identical, and the prediction against a real rank."""
+import contextlib
 import json
+import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +16,7 @@ from torch import nn
 
 from pilab import data
 from pilab.engine import loop as engine, optim
+from pilab.engine import virtual as engine_virtual
 from pilab.models import memory, zoo as models
 from conftest import MPIEXEC, mpi_env
 from pilab.config import Config, ConfigError
@@ -99,6 +103,7 @@ def test_training_never_imports_torch_dynamo(tmp_path):
     (a meta-device model would: its initialisation and BatchNorm run through torch._refs)."""
     code = f"""
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from pilab.engine import loop as engine
@@ -339,3 +344,55 @@ def test_bench_refuses_a_before_file_that_does_not_exist(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pilab", "bench", "--sections", "memory", "--before", "nope.json"],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 2 and "--before nope.json: no such file" in p.stderr and "Traceback" not in p.stderr
+
+
+@contextlib.contextmanager
+def _memory_cgroup(nbytes: int):
+    """A memory cgroup of ``nbytes`` (v1 or v2) and the command prefix that starts a process in it; removed
+    after. A real limit: a process that goes over it is killed by the kernel."""
+    v1 = "/sys/fs/cgroup/memory"
+    base = v1 if os.path.isdir(v1) else "/sys/fs/cgroup"
+    path = os.path.join(base, f"pilab-test-{os.getpid()}")
+    os.mkdir(path)
+    try:
+        knobs = ("memory.limit_in_bytes",) if base == v1 else ("memory.max", "memory.swap.max")
+        for knob in knobs:
+            if os.path.exists(os.path.join(path, knob)):
+                with open(os.path.join(path, knob), "w") as f:
+                    f.write(str(nbytes) if knob != "memory.swap.max" else "0")
+        if base == v1 and os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
+            with open(os.path.join(path, "memory.memsw.limit_in_bytes"), "w") as f:
+                f.write(str(nbytes))  # no swap beyond it either, where the kernel accounts swap
+        yield ["sh", "-c", f'echo $$ > {path}/cgroup.procs && exec "$@"', "sh"]
+    finally:
+        for _ in range(50):  # the process has ended; its pages may take a moment to leave the group
+            try:
+                os.rmdir(path)
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a memory cgroup)")
+def test_the_fast_simulator_fits_its_forward_to_the_memory_it_has(tmp_path):
+    """np=48 x 32 images in one forward is predicted at ~8 GiB; in a 3 GiB memory cgroup the default mode
+    (fast) takes fewer ranks per forward, says why in result.json, and is not killed; told to run all 48
+    in one forward (--ranks-per-chunk 48, what the default did before), the kernel kills it there."""
+    args = [sys.executable, "-m", "pilab", "simulate", "--np", "48", "--width", "0.25", "--batch-size", "32",
+            "--train-subset", "1536", "--test-subset", "100", "--epochs", "1", "--max-steps", "1", "--threads", "2",
+            "--quiet"]
+    with _memory_cgroup(3 * 2 ** 30) as prefix:
+        p = subprocess.run([*prefix, *args, "--out", str(tmp_path / "small")], capture_output=True, text=True,
+                           timeout=600, env=mpi_env())
+    assert p.returncode == 0, p.stdout + p.stderr  # -9: the kernel killed it (the forward did not fit)
+    small = json.loads((tmp_path / "small" / "result.json").read_text())
+    assert small["simulate_mode_used"] == "fast"
+    assert small["ranks_per_chunk_why"] == "memory" and 1 <= small["ranks_per_chunk"] < 48
+    # the limit is real: all 48 ranks in one forward (as before this choice) are killed in it
+    with _memory_cgroup(3 * 2 ** 30) as prefix:
+        p = subprocess.run([*prefix, *args, "--ranks-per-chunk", "48", "--out", str(tmp_path / "whole")],
+                           capture_output=True, text=True, timeout=600, env=mpi_env())
+    assert p.returncode in (-9, 137), (p.returncode, p.stderr[-2000:])
+    assert engine_virtual.fitting_ranks(Config(width=0.25), 48, 32, free=24 * 2 ** 30) == 48  # a 24 GB machine
+    assert engine_virtual.fitting_ranks(Config(width=0.25), 48, 32, free=0) == 48  # unknown: no limit
+    assert 1 <= engine_virtual.fitting_ranks(Config(width=1.0), 48, 64, free=24 * 2 ** 30) < 48

@@ -44,6 +44,38 @@ def mode_used(cfg: Config) -> str:
     return "exact" if cfg.local_steps > 1 or cfg.gns_max else "fast"
 
 
+# Of the memory free at the start, the share the simulator's predicted peak may take: the prediction is
+# within ~15% of a measured rank (tests/test_memory.py), and fewer ranks per forward cost only speed.
+MEMORY_SHARE = 0.75
+
+
+def fitting_ranks(cfg: Config, np_: int, batch: int, free: int | None = None) -> int:
+    """The most virtual ranks (1..np_) whose images one forward of the fast mode can hold: the predicted
+    peak of one process training ``k * batch`` images (``models.memory``) within ``MEMORY_SHARE`` of
+    ``free`` bytes (None: what this machine or its memory cgroup has free now; 0: unknown, no limit)::
+
+        fitting_ranks(Config(width=1.0), 48, 64, free=24 * 2**30)     # a few ranks, not 48
+    """
+    from dataclasses import replace
+
+    from ..models import memory
+
+    free = memory.free_bytes() if free is None else free
+    if not free:
+        return np_
+
+    def peak(k: int) -> int:
+        return memory.predict_peak_bytes(replace(cfg, batch_mode="per_rank", batch_size=k * batch))
+
+    budget = MEMORY_SHARE * free
+    whole = peak(np_)
+    if whole <= budget:
+        return np_
+    one = peak(1)  # the peak grows linearly in the images (activations per image): solve for k
+    per_rank = (whole - one) / (np_ - 1)
+    return max(1, min(np_ - 1, int((budget - one) // per_rank) + 1 if budget > one else 1))
+
+
 class VirtualRanks:
     """``np_`` ranks emulated in this process, exactly (see ``pilab.engine.simulate``)."""
 
@@ -98,6 +130,13 @@ class VirtualRanks:
         fast = self.mode == "fast"
         auto = np_ if fast else max(1, min(np_, EXACT_CUDA_CHUNK_IMAGES // batch))
         self.chunk = self.ranks_per_chunk or (auto if fast or device.type == "cuda" else 1)
+        self.chunk_why = "ranks_per_chunk" if self.ranks_per_chunk else "mode"
+        if fast and not self.ranks_per_chunk and device.type == "cpu" and np_ > 1 and cfg.bn != "sync":
+            # the global batch in one forward holds its activations at once (50 GiB predicted for
+            # MobileNetV2 1.0 at 64 x 48): where that does not fit, the most ranks per forward that do
+            fit = fitting_ranks(cfg, np_, batch)
+            if fit < np_:
+                self.chunk, self.chunk_why = fit, "memory"
         if cfg.local_steps > 1 or cfg.gns_max:  # every rank's own weights, or its own gradient's norm
             self.chunk = 1
         if cfg.bn == "sync":
@@ -275,4 +314,6 @@ class VirtualRanks:
         pass
 
     def extras(self) -> dict:
-        return {"simulated": True, "ranks_per_chunk": self.chunk, "simulate_mode_used": self.mode}
+        # ranks_per_chunk_why: "mode" (the mode's own), "ranks_per_chunk" (given), "memory" (fitting_ranks)
+        return {"simulated": True, "ranks_per_chunk": self.chunk, "ranks_per_chunk_why": self.chunk_why,
+                "simulate_mode_used": self.mode}

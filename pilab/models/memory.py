@@ -286,8 +286,17 @@ def host_memory_bytes() -> int:
     return min([total] + limits) if total else 0
 
 
-def _cgroup_limits() -> list[int]:
-    """The memory limits (bytes) of this process's cgroup and its parents, v1 or v2; none where unlimited."""
+def free_bytes() -> int:
+    """Memory free for a new allocation now (bytes): /proc/meminfo's MemAvailable, or this process's
+    memory cgroup's room (its limit less its usage, v1 or v2) where tighter; 0 where unknown."""
+    avail = _meminfo("MemAvailable")
+    rooms = [lim - use for lim, use in _cgroup_limits(usage=True)]
+    return min([avail] + rooms) if avail else (min(rooms) if rooms else 0)
+
+
+def _cgroup_limits(usage: bool = False) -> list:
+    """The memory limits (bytes) of this process's cgroup and its parents, v1 or v2; none where unlimited
+    (``usage``: (limit, usage) pairs)."""
     out = []
     try:
         with open("/proc/self/cgroup") as f:
@@ -308,19 +317,31 @@ def _cgroup_limits() -> list[int]:
             except OSError:
                 continue
             if value.isdigit() and int(value) < (1 << 60):
-                out.append(int(value))
+                if not usage:
+                    out.append(int(value))
+                    continue
+                try:
+                    with open(os.path.join(base, *parts[:k], "memory.current" if v2 else "memory.usage_in_bytes")) as f:
+                        out.append((int(value), int(f.read().strip())))
+                except (OSError, ValueError):
+                    continue
     return out
 
 
-def _mem_total() -> int:
+def _meminfo(key: str) -> int:
+    """/proc/meminfo's ``key`` in bytes (0 where there is none)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def _mem_total() -> int:
+    return _meminfo("MemTotal")
 
 
 def fit_warning(cfg: Config, *, np_: int, ranks_per_node: int, node_bytes: int,
