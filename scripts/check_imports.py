@@ -43,6 +43,7 @@ LAYERS = {
     "engine.layers": 3, "engine.ema": 3.2,  # ema: the weights' moving average (and its loop feature)
     "engine.exactness": 3.2,  # your own model's layers checked for what the simulator cannot make per-rank
     "engine.clip": 3,  # the loop feature clipping the averaged gradient's norm
+    "engine.modepick": 3,  # the simulator's auto mode timed: a loop feature (torch and engine.component only)
     "engine.features": 3.4,  # the loop's features, each a component in a file of its own
     "engine.backend": 3.3,  # what the loop asks of a rank backend, and the pieces every backend uses
     "engine.records": 3.35,  # what the loop records: an epoch's sums and record, the run's result

@@ -9,11 +9,13 @@ from __future__ import annotations
 from .clip import ClipGradNorm
 from .ema import EMA
 from .localsgd import LocalSGD
+from .modepick import ModePick
 from .noise import NoiseRamp
 from .stragglers import StragglerWatch
 from .trace import Trace
 
-FEATURES = (ClipGradNorm, EMA, LocalSGD, NoiseRamp, StragglerWatch, Trace)
+# ModePick first: its trial steps run before the other features see the first step
+FEATURES = (ModePick, ClipGradNorm, EMA, LocalSGD, NoiseRamp, StragglerWatch, Trace)
 
 
 def chosen(cfg, ranks) -> list:

@@ -7,8 +7,9 @@
 Modes (``Config.simulate_mode``, ``mode_used``): ``exact`` runs each virtual rank's sub-batch through its
 own forward and sums the ranks' gradients in rank order as MPI does (bitwise an MPI run's arithmetic);
 ``fast`` runs the global batch in one forward with every BatchNorm's statistics per virtual rank (the same
-mathematics to float rounding, at about one process's cost); ``auto`` picks fast unless the run needs
-each rank's own weights or gradient.
+mathematics to float rounding, at about one process's cost); ``auto`` runs exact where the run needs
+each rank's own weights or gradient, else times both on a long run's first batch and runs the faster
+(``pilab.engine.modepick``), else fast.
 """
 from __future__ import annotations
 
@@ -32,9 +33,11 @@ from .trace import Timeline
 EXACT_CUDA_CHUNK_IMAGES = 256
 
 def mode_used(cfg: Config) -> str:
-    """The simulator's mode for ``cfg``: ``simulate_mode`` itself, or for ``auto`` the fast mode (the same
-    mathematics to float rounding, at about one process's cost) unless the run needs each rank's own
-    weights or gradient (local SGD, a noise-driven batch ramp), which only the exact mode runs::
+    """The simulator's mode for ``cfg`` as it is built: ``simulate_mode`` itself, or for ``auto`` the fast
+    mode (the same mathematics to float rounding, at about one process's cost) unless the run needs each
+    rank's own weights or gradient (local SGD, a noise-driven batch ramp), which only the exact mode runs.
+    A long ``auto`` run then times both and may switch to exact before its first step
+    (``pilab.engine.modepick``)::
 
         mode_used(Config())                 # "fast"
         mode_used(Config(local_steps=4))    # "exact"
@@ -148,8 +151,22 @@ class VirtualRanks:
         self.norms = bool(cfg.gns_max) and np_ > 1
         self.context = RankContext(cfg.seed)
         self.context.vectorised = fast
+        self._chunks = {self.mode: (self.chunk, self.chunk_why)}  # each mode's ranks per forward, for use()
+        if fast:  # the exact mode's too, for auto's trial of both (pilab.engine.modepick)
+            exact = self.ranks_per_chunk or (max(1, min(np_, EXACT_CUDA_CHUNK_IMAGES // batch))
+                                             if device.type == "cuda" else 1)
+            self._chunks["exact"] = (np_ if cfg.bn == "sync" else exact,
+                                     "ranks_per_chunk" if self.ranks_per_chunk else "mode")
         return base_model(cfg, device, ranks=np_, context=self.context, steps_per_epoch=self.steps_per_epoch,
                           data=ds)
+
+    def use(self, mode: str) -> None:
+        """Run the next steps in ``mode`` (``exact`` or ``fast``), the mode chosen at build or the other
+        one: the ``auto`` mode's trial switches between them (``pilab.engine.modepick``)."""
+        if mode not in self._chunks:
+            raise ConfigError(f"simulate_mode={mode!r} cannot run here (this run has {sorted(self._chunks)})")
+        self.mode, (self.chunk, self.chunk_why) = mode, self._chunks[mode]
+        self.context.vectorised = mode == "fast"
 
     def start(self, cfg: Config, model: nn.Module, optimizer, on_grads=()) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
