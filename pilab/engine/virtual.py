@@ -131,8 +131,9 @@ class VirtualRanks:
         # BN vectorised over the ranks' groups (layers._GroupedBN); docs/simulator.md gives its deviation.
         self.mode = mode_used(cfg)
         fast = self.mode == "fast"
-        auto = np_ if fast else max(1, min(np_, EXACT_CUDA_CHUNK_IMAGES // batch))
-        self.chunk = self.ranks_per_chunk or (auto if fast or device.type == "cuda" else 1)
+        # the exact mode's ranks per forward: one on CPU (MPI's arithmetic), ~256 images on a GPU
+        exact_chunk = max(1, min(np_, EXACT_CUDA_CHUNK_IMAGES // batch)) if device.type == "cuda" else 1
+        self.chunk = self.ranks_per_chunk or (np_ if fast else exact_chunk)
         self.chunk_why = "ranks_per_chunk" if self.ranks_per_chunk else "mode"
         if fast and not self.ranks_per_chunk and device.type == "cpu" and np_ > 1 and cfg.bn != "sync":
             # the global batch in one forward holds its activations at once (50 GiB predicted for
@@ -153,9 +154,7 @@ class VirtualRanks:
         self.context.vectorised = fast
         self._chunks = {self.mode: (self.chunk, self.chunk_why)}  # each mode's ranks per forward, for use()
         if fast:  # the exact mode's too, for auto's trial of both (pilab.engine.modepick)
-            exact = self.ranks_per_chunk or (max(1, min(np_, EXACT_CUDA_CHUNK_IMAGES // batch))
-                                             if device.type == "cuda" else 1)
-            self._chunks["exact"] = (np_ if cfg.bn == "sync" else exact,
+            self._chunks["exact"] = (np_ if cfg.bn == "sync" else self.ranks_per_chunk or exact_chunk,
                                      "ranks_per_chunk" if self.ranks_per_chunk else "mode")
         return base_model(cfg, device, ranks=np_, context=self.context, steps_per_epoch=self.steps_per_epoch,
                           data=ds)
