@@ -21,6 +21,7 @@ import torch
 from pilab import data as data_mod
 from pilab.engine import loop as engine, ranks, virtual
 from pilab.config import Config
+from served import served_batches
 
 CFG = Config(width=0.25, train_subset=256, test_subset=100, batch_size=16, epochs=2, threads=1,
              augment=False, seed=3)
@@ -33,13 +34,10 @@ def _digest(x: torch.Tensor) -> str:
 def instrument():
     """Record (epoch, rank, indices) of every batch and a digest of every evaluated image."""
     used, seen = [], []
-    orig_batch, orig_eval = data_mod.ShardLoader.batch, engine.evaluate
+    orig_eval = engine.evaluate
 
-    def batch(self, epoch, step):
-        idx = self.global_indices(epoch)[step]
-        x, y = orig_batch(self, epoch, step)
-        used.append((epoch, self.rank, [int(i) for i in idx], [int(v) for v in y]))
-        return x, y
+    def record(loader, epoch, step, y):  # every rank's batch, one rank's or the fast simulator's global one
+        used.append((epoch, loader.rank, [int(i) for i in loader.global_indices(epoch)[step]], [int(v) for v in y]))
 
     def evaluate(model, ds, comm, device, *batch, **options):  # batch: the evaluation batch size; options: tta
         hook = model.register_forward_pre_hook(
@@ -49,7 +47,7 @@ def instrument():
         finally:
             hook.remove()
 
-    data_mod.ShardLoader.batch = batch
+    served_batches(record).__enter__()  # for the rest of this worker process
     ranks.evaluate = virtual.evaluate = evaluate  # where the rank backends look it up (MPIRanks, VirtualRanks)
     return used, seen
 

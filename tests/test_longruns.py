@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from conftest import MPIEXEC, REPO, mpi_env
+from served import served_batches
 
 from pilab.engine import loop as engine
 from pilab.config import Config
@@ -142,36 +143,18 @@ def sim_whole(tmp_path_factory):
 
 class recorded_batches:
     """Record which training images each (epoch, step) used, over all (virtual) ranks: the loader's own
-    indices, read as it serves each batch -- one rank's (``ShardLoader.batch``) or several ranks' at once
-    (``data.ranks_batch``, the fast simulator's global batch, which may itself ask each loader)."""
+    indices, read as it serves each batch (``served.served_batches``)."""
 
     def __enter__(self):
-        from pilab import data
-        self.used, self.orig, self.orig_ranks = {}, data.ShardLoader.batch, data.ranks_batch
-        orig, orig_ranks, used, inside = self.orig, self.orig_ranks, self.used, []
+        self.used = {}
 
-        def record(loader, epoch, step):
-            used.setdefault((epoch, step), []).extend(int(i) for i in loader.global_indices(epoch)[step])
-
-        def batch(loader, epoch, step):
-            if not inside:  # asked by ranks_batch: recorded there
-                record(loader, epoch, step)
-            return orig(loader, epoch, step)
-
-        def ranks_batch(loaders, epoch, step):
-            for loader in loaders:
-                record(loader, epoch, step)
-            inside.append(1)
-            try:
-                return orig_ranks(loaders, epoch, step)
-            finally:
-                inside.pop()
-        data.ShardLoader.batch, data.ranks_batch = batch, ranks_batch
+        def record(loader, epoch, step, y):
+            self.used.setdefault((epoch, step), []).extend(int(i) for i in loader.global_indices(epoch)[step])
+        self.served = served_batches(record).__enter__()
         return self.used
 
     def __exit__(self, *exc):
-        from pilab import data
-        data.ShardLoader.batch, data.ranks_batch = self.orig, self.orig_ranks
+        self.served.__exit__(*exc)
 
 
 def test_the_simulator_resumes_mid_epoch_bitwise(sim_whole, tmp_path):
