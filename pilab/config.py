@@ -35,7 +35,7 @@ EVAL_CHUNK = 50
 CHOICES = {
     "sharding": ("static", "reshuffle"),
     "batch_mode": ("per_rank", "global"),
-    "optimizer": ("sgd", "lars"),
+    "optimizer": ("sgd", "lars", "lamb"),
     "lr_scaling": ("none", "linear", "sqrt"),
     "schedule": ("cosine", "step", "constant", "linear"),
     "weight_decay_on": ("weights", "all"),
@@ -67,22 +67,25 @@ class Config:
     batch_ramp: str = ""  # batch-size ramp: "EPOCH:BATCH,..." -- from each of those epochs (0-based) on, that batch (in batch_size's sense), e.g. batch_size=8 with "3:16,6:32"; or "gns:MAX" -- at each epoch's end the batch becomes the largest of batch_size x 2^k (up to MAX, never smaller than before) whose global batch is within the gradient noise scale measured over that epoch (McCandlish et al. 2018; needs np >= 2); "" = batch_size throughout
     max_steps: int = 0  # stop after this many optimizer steps in total; 0 = no limit
     # --- optimizer ---
-    optimizer: str = "sgd"  # sgd | lars
+    optimizer: str = "sgd"  # sgd | lars | lamb (Adam's moments with a layer-wise trust ratio, You et al. 2020: beta1 = momentum, beta2 0.999; its lr is Adam's scale, ~1e-3 per 256 images, not SGD's)
     lr: float = 0.05  # learning rate per `lr_ref_batch` examples of the global batch
     lr_ref_batch: int = 64  # reference batch size the lr is quoted for
     lr_scaling: str = "none"  # rule from reference to global batch: none | linear | sqrt
     warmup_epochs: float = 0.0  # per-step linear warmup from ~0 to the peak lr, in epochs
     schedule: str = "cosine"  # after warmup, per step: cosine | step (x0.1 at 50%, 75%) | constant | linear (to 0: with warmup, the triangular schedule of few-step recipes)
-    momentum: float = 0.9  # SGD/LARS momentum coefficient
+    momentum: float = 0.9  # SGD/LARS momentum coefficient (LAMB's beta1)
     nesterov: bool = False  # Nesterov momentum
     label_smoothing: float = 0.0  # training loss: cross-entropy with this label smoothing (0..1; 0 = none)
+    lookahead_steps: int = 0  # Lookahead (Zhang et al. 2019): every this many steps the weights are set halfway (alpha 0.5) from where they stood that many steps ago towards where the optimizer took them, and go on from there (5-10 is usual); 0 = off
     ema_epochs: float = 0.0  # evaluate an exponential moving average of the weights whose time constant is this many epochs (e.g. 0.5: the same horizon at every np; 0 = the weights themselves)
     clip_grad_norm: float = 0.0  # before each optimizer step, scale the averaged gradient down to this global L2 norm if it is longer (0 = never)
     tta: bool = False  # evaluation averages the logits of each test image and of its mirror image
     weight_decay: float = 5e-4  # L2 penalty coefficient
     weight_decay_on: str = "weights"  # weights: conv/linear weights only | all parameters
+    bn_lr_scale: float = 1.0  # learning rate of BatchNorm scales/shifts and of biases, as a multiple of the weights' (fast-CIFAR recipes raise it); 1 = the same
     lars_eta: float = 0.001  # LARS trust coefficient
     # --- BatchNorm ---
+    zero_init_residual: bool = False  # the last BatchNorm scale of every residual block starts at 0, so each block starts as the identity (Goyal et al. 2017); MobileNetV2's blocks with a shortcut, torchvision-style ResNet blocks
     bn: str = "local"  # local: per-rank statistics (the original study) | sync: across ranks over MPI | renorm: per-rank, Batch Renormalization (Ioffe 2017: corrected towards the running statistics, for small per-rank batches)
     bn_buffers: str = "broadcast"  # before eval/checkpoint: rank 0's running stats | rank average
     ghost_batch: int = 0  # BN statistics over groups of this many images per rank; 0 = whole batch
@@ -151,7 +154,7 @@ class Config:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
-        nonneg = ("image_size", "train_subset", "test_subset", "max_steps", "ghost_batch", "bn_group", "threads",
+        nonneg = ("image_size", "train_subset", "test_subset", "max_steps", "lookahead_steps", "ghost_batch", "bn_group", "threads",
                   "checkpoint_every", "checkpoint_every_steps", "straggler_threshold", "warmup_epochs", "ema_epochs", "clip_grad_norm", "weight_decay", "momentum", "seed")
         for name in nonneg:
             if getattr(self, name) < 0:
@@ -165,6 +168,11 @@ class Config:
             raise ConfigError(f"momentum={self.momentum} must be < 1")
         if self.nesterov and self.momentum == 0:
             raise ConfigError("nesterov=True needs momentum > 0")
+        if self.nesterov and self.optimizer == "lamb":
+            raise ConfigError("nesterov=True is SGD's and LARS's momentum; LAMB has none: drop nesterov or use "
+                              "optimizer=sgd or lars")
+        if not (self.bn_lr_scale > 0 and math.isfinite(self.bn_lr_scale)):
+            raise ConfigError(f"bn_lr_scale={self.bn_lr_scale} must be a positive finite number (1: the weights' lr)")
         if self.bucket_mb <= 0:
             raise ConfigError(f"bucket_mb={self.bucket_mb} must be > 0")
         if not self.bucket_tail_mb >= 0:
@@ -184,6 +192,12 @@ class Config:
             raise ConfigError(f"local_steps={self.local_steps} must be >= 1 (1: average gradients every step)")
         if not 0 <= self.local_after <= self.epochs:
             raise ConfigError(f"local_after={self.local_after} must be between 0 and epochs={self.epochs}")
+        if self.zero_init_residual and self.model in ("squeezenet1_1", "spiking_cnn"):
+            raise ConfigError(f"zero_init_residual: {self.model} has no residual blocks; drop the setting or use "
+                              "model=mobilenetv2_cifar")
+        if self.lookahead_steps and self.local_steps > 1:
+            raise ConfigError("lookahead_steps needs local_steps=1: local SGD's ranks hold different weights "
+                              "between averages; use one or the other")
         if self.local_steps > 1 and self.bn == "sync":
             raise ConfigError("local_steps > 1 needs bn='local': SyncBatchNorm would exchange every step")
         if self.local_steps > 1 and self.compression != "none":

@@ -32,6 +32,7 @@ LAYERS = {
     "models.custom": 0.9,  # your own model's builder, found by its string (torch only)
     "models.counts": 0.92,  # parameters, MACs, FLOPs of one image (torch only)
     "models.mobilenet": 0.95, "models.squeezenet": 0.95, "models.spiking": 0.97,  # the registered networks (spiking uses mobilenet's channel rounding)
+    "models.residual": 0.96,  # residual blocks started as the identity (torch only)
     "models.zoo": 1, "config": 1, "testbed": 1,
     "models.memprobe": 1.4,  # your own model's training step measured in a child process (torch, engine.optim)
     "models.memory": 1.5,  # predicted memory per rank: config and the models only (the doctor and train use it)
@@ -42,6 +43,7 @@ LAYERS = {
     "engine.syncbn": 2.9,  # SyncBatchNorm over MPI ranks (CPU)
     "engine.layers": 3, "engine.ema": 3.2,  # ema: the weights' moving average (and its loop feature)
     "engine.exactness": 3.2,  # your own model's layers checked for what the simulator cannot make per-rank
+    "engine.lookahead": 3,  # the Lookahead optimizer's slow weights: a loop feature (torch and engine.component only)
     "engine.clip": 3,  # the loop feature clipping the averaged gradient's norm
     "engine.modepick": 3,  # the simulator's auto mode timed: a loop feature (torch and engine.component only)
     "engine.features": 3.4,  # the loop's features, each a component in a file of its own

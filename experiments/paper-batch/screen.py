@@ -77,6 +77,19 @@ CANDIDATES: dict[str, dict] = {
                                                  warmup_epochs=2.0, **FEW_STEP),
     "LARS linear x16 + warmup 2 + few-step": dict(optimizer="lars", lr=0.4, lr_scaling="linear",
                                                   warmup_epochs=2.0, **FEW_STEP),
+    # the rest of the issue's toolbox (added 2026-12-06, not screened yet): LAMB (Adam's lr scale: 1e-3 per
+    # 32 images, sqrt rule -> 6.9e-3 at 1,536; decoupled-style decay 0.01 as in You et al.), and the best
+    # recipe with each of zero-initialised residual BatchNorm scales, Lookahead, BatchNorm/bias at 4x the lr
+    "LAMB sqrt + warmup 5": dict(optimizer="lamb", lr=1e-3, lr_scaling="sqrt", warmup_epochs=5.0,
+                                 weight_decay=0.01),
+    "LAMB sqrt x2 + warmup 5 + few-step": dict(optimizer="lamb", lr=2e-3, lr_scaling="sqrt", warmup_epochs=5.0,
+                                               weight_decay=0.01, **{**FEW_STEP, "nesterov": False}),
+    "linear + warmup 5 + few-step + zero-init residual": dict(lr=0.025, lr_scaling="linear", warmup_epochs=5.0,
+                                                             zero_init_residual=True, **FEW_STEP),
+    "linear + warmup 5 + few-step + lookahead 5": dict(lr=0.025, lr_scaling="linear", warmup_epochs=5.0,
+                                                      lookahead_steps=5, **FEW_STEP),
+    "linear + warmup 5 + few-step + BN lr x4": dict(lr=0.025, lr_scaling="linear", warmup_epochs=5.0,
+                                                   bn_lr_scale=4.0, **FEW_STEP),
 }
 REFERENCE = "naive"  # np=1's committed recipe (0.785 on seed 0 at 50,000 images, CPU)
 

@@ -33,6 +33,7 @@ from .dist import reduce_sums, world
 from .exactness import check_custom_model
 from .layers import use_batch_renorm, use_ghost_batchnorm, use_rank_dropout
 from ..models.names import is_builder_spec
+from ..models.residual import zero_residual_bn
 from ..models.zoo import build_model
 
 NUM_CLASSES = 10
@@ -86,6 +87,11 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
     model = build_model(cfg.model, num_classes=classes, width=cfg.width, timesteps=cfg.timesteps)
     if is_builder_spec(cfg.model):  # your own model: its output and its layers checked before training
         check_custom_model(model, cfg.model, data.image_shape if data is not None else (3, 32, 32), classes)
+    if cfg.zero_init_residual:
+        try:
+            zero_residual_bn(model, cfg.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.bn != "sync" and (cfg.ghost_batch or ranks > 1 or context is not None or cfg.bn == "renorm"):
         use_ghost_batchnorm(model, ranks=ranks, ghost_batch=cfg.ghost_batch, context=context)
     elif cfg.sync_group(ranks) < ranks:  # SyncBatchNorm in groups over virtual ranks: each group's images

@@ -9,13 +9,15 @@ from __future__ import annotations
 from .clip import ClipGradNorm
 from .ema import EMA
 from .localsgd import LocalSGD
+from .lookahead import Lookahead
 from .modepick import ModePick
 from .noise import NoiseRamp
 from .stragglers import StragglerWatch
 from .trace import Trace
 
-# ModePick first: its trial steps run before the other features see the first step
-FEATURES = (ModePick, ClipGradNorm, EMA, LocalSGD, NoiseRamp, StragglerWatch, Trace)
+# ModePick first: its trial steps run before the other features see the first step; Lookahead before EMA,
+# which averages the weights the step ends with
+FEATURES = (ModePick, ClipGradNorm, Lookahead, EMA, LocalSGD, NoiseRamp, StragglerWatch, Trace)
 
 
 def chosen(cfg, ranks) -> list:

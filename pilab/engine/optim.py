@@ -5,8 +5,10 @@
         set_lr(opt, lr_at(step, peak_lr=peak_lr, total_steps=total, warmup_steps=warm,
                           schedule=cfg.schedule))
 
-The optimizers are torch's (``SGD`` is ``torch.optim.SGD``'s arithmetic and state_dict), run without
-the guards that import ``torch._dynamo`` (see ``Eager``).
+The optimizers: ``SGD`` (``torch.optim.SGD``'s arithmetic and state_dict), ``LARS`` and ``LAMB`` (the
+layer-wise trust ratios of large-batch training), all run without the guards that import
+``torch._dynamo`` (see ``Eager``). ``param_groups`` keeps weight decay off BatchNorm and biases, and gives
+them their own learning-rate scale where ``Config.bn_lr_scale`` asks.
 """
 from __future__ import annotations
 
@@ -17,10 +19,17 @@ import torch
 from torch import nn
 
 
-def param_groups(model: nn.Module, weight_decay: float, on: str = "weights") -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, on: str = "weights", *,
+                 bn_lr_scale: float = 1.0) -> list[dict]:
     """Weight decay on conv/linear weights only (``on="weights"``: BatchNorm scales and biases are
-    left alone, as large-batch recipes do) or on every parameter (``on="all"``, plain SGD's)."""
-    if on == "all":
+    left alone, as large-batch recipes do) or on every parameter (``on="all"``, plain SGD's).
+    ``bn_lr_scale``: BatchNorm scales/shifts and biases step with this multiple of the weights' learning
+    rate (their group's ``lr_scale``, which ``set_lr`` follows); fast-CIFAR recipes raise it::
+
+        param_groups(model, 5e-4)                    # [weights: decayed, the rest: not]
+        param_groups(model, 5e-4, bn_lr_scale=4.0)   # ... and the rest at 4x the weights' lr
+    """
+    if on == "all" and bn_lr_scale == 1.0:
         return [{"params": [p for p in model.parameters() if p.requires_grad],
                  "weight_decay": weight_decay, "lars": True}]
     decay, no_decay = [], []
@@ -32,8 +41,10 @@ def param_groups(model: nn.Module, weight_decay: float, on: str = "weights") -> 
                 decay.append(p)
             else:
                 no_decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay, "lars": True},
-            {"params": no_decay, "weight_decay": 0.0, "lars": False}]
+    rest = {"params": no_decay, "weight_decay": weight_decay if on == "all" else 0.0, "lars": on == "all"}
+    if bn_lr_scale != 1.0:
+        rest["lr_scale"] = bn_lr_scale
+    return [{"params": decay, "weight_decay": weight_decay, "lars": True}, rest]
 
 
 def _eager(method):
@@ -113,6 +124,50 @@ class LARS(Eager, torch.optim.Optimizer):
         return loss
 
 
+class LAMB(Eager, torch.optim.Optimizer):
+    """Adam's moments with a layer-wise trust ratio (You et al., ICLR 2020, "Large batch optimization for
+    deep learning: training BERT in 76 minutes"), with bias correction.
+
+    Per tensor: ``u = m_hat / (sqrt(v_hat) + eps) + wd * w``; in a group with ``lars=True`` (conv/linear
+    weights) the step is ``lr * ||w|| / ||u|| * u`` (``lr * u`` where either norm is 0), in the others
+    (BatchNorm, biases) Adam's ``lr * u``. Its lr is Adam's scale (~1e-3 per 256 images), not SGD's::
+
+        opt = LAMB(param_groups(model, 0.01), lr=2e-3, betas=(0.9, 0.999))
+    """
+
+    def __init__(self, params, lr: float, betas: tuple = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, lars=True))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for g in self.param_groups:
+            b1, b2 = g["betas"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float64)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                t = float(state["step"])
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                u = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt_().add_(g["eps"]))
+                if g["weight_decay"]:
+                    u.add_(p, alpha=g["weight_decay"])
+                if g["lars"]:
+                    w_norm, u_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(u)
+                    trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+                    u.mul_(trust)
+                p.add_(u, alpha=-g["lr"])
+        return loss
+
+
 class SubsetStep:
     """``optimizer.step()`` a few parameters at a time: ``GradSync.finish(step=...)`` steps each bucket's
     parameters as its average lands, while later buckets are still on the wire, and ``rest()`` steps the
@@ -158,10 +213,14 @@ class SubsetStep:
 
 
 def build_optimizer(model: nn.Module, cfg, peak_lr: float) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay, cfg.weight_decay_on)
+    groups = param_groups(model, cfg.weight_decay, cfg.weight_decay_on, bn_lr_scale=cfg.bn_lr_scale)
+    for g in groups:
+        g["lr"] = peak_lr * g.get("lr_scale", 1.0)
     if cfg.optimizer == "lars":
         return LARS(groups, lr=peak_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                     eta=cfg.lars_eta, nesterov=cfg.nesterov)
+    if cfg.optimizer == "lamb":  # beta1 is the momentum setting (0.9 by default), beta2 Adam's 0.999
+        return LAMB(groups, lr=peak_lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
     for g in groups:
         g.pop("lars")
     return SGD(groups, lr=peak_lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
@@ -187,5 +246,6 @@ def lr_at(step: int, *, peak_lr: float, total_steps: int, warmup_steps: int,
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The step's learning rate: ``lr`` for the weights, times a group's ``lr_scale`` where it has one."""
     for g in optimizer.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * g.get("lr_scale", 1.0)

@@ -141,8 +141,10 @@ def breakdown(cfg: Config, *, np_: int | None = None, allocator: str = "fast", p
     shard = -(-n_train // ranks) if cfg.sharding == "static" else n_train
     params, act, largest = _model_facts(cfg.model, cfg.width, cfg.timesteps, side)
     batch = cfg.per_rank_batch(ranks) if np_ else cfg.batch_size
-    # parameters, their gradients (GradSync's flat buckets), the momentum buffer; fp16's wire copy
-    model = params * 4 * (3 if cfg.momentum else 2) + (params * 2 if cfg.compression == "fp16" else 0)
+    # parameters, their gradients (GradSync's flat buckets), the optimizer's state (SGD/LARS: the momentum
+    # buffer; LAMB: Adam's two moments), Lookahead's slow copy; fp16's wire copy
+    state = 2 if cfg.optimizer == "lamb" else (1 if cfg.momentum else 0)
+    model = params * 4 * (2 + state + (cfg.lookahead_steps > 0)) + (params * 2 if cfg.compression == "fp16" else 0)
     train = TRAIN_BYTES_PER_ELEMENT * act * batch * (1 + ALLOCATOR_RETAIN[allocator])
     warm = WARM_BYTES
     measured = _step_memory(cfg, shape, allocator) if probe else None
