@@ -28,12 +28,19 @@ def _driver(experiment: str, script: str):
 def test_the_paper_batch_screen_runs_a_candidate_and_tables_it(tmp_path):
     rows = _driver("paper-batch", "screen.py").main(["--device", "cpu", "--data", "embedded", "--epochs", "1", "--train-subset", "96",
                            "--test-subset", "40", "--nps", "3", "--candidates", "naive", "--reference-seeds", "",
-                           "--top", "0", "--workers", "1", "--threads", "1", "--out", str(tmp_path)])
-    assert [(r["candidate"], r["np"], r["error"]) for r in rows] == [("naive", 3, None)]
-    assert rows[0]["global_batch"] == 96 and 0 <= rows[0]["final_test_acc"] <= 1
+                           "--np1-seeds", "0", "--top", "0", "--workers", "1", "--threads", "1", "--out", str(tmp_path)])
+    assert sorted((r["candidate"], r["np"], r["error"]) for r in rows) == [("naive", 1, None), ("naive", 3, None)]
+    big = next(r for r in rows if r["np"] == 3)
+    assert big["global_batch"] == 96 and 0 <= big["final_test_acc"] <= 1
     saved = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
     assert saved[0]["config"]["simulate_mode"] == "fast" and saved[0]["config"]["lr"] == 0.025
-    assert "| naive | 3 | 0 |" in (tmp_path / "table.md").read_text()
+    text = (tmp_path / "table.md").read_text()
+    assert "| naive | 3 | 0 |" in text and "| naive | 1 | 0 |" in text
+    # the summary: both np with their seed counts, the gap in points, the Pi's predicted speedup over one node
+    acc = {r["np"]: r["final_test_acc"] for r in rows}
+    row = next(line for line in text.splitlines() if line.startswith("| naive | ") and "×" in line)
+    assert f"| {acc[1]:.4f} (1) | {acc[3]:.4f} (1) | {(acc[3] - acc[1]) * 100:+.1f} points |" in row, row
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_paper_batch_driver_resumes_a_killed_point_and_skips_a_finished_one(tmp_path):

@@ -151,6 +151,10 @@ def run_job(job: dict) -> dict:
     from pilab.engine import checkpoint
     from pilab.engine import loop as engine
     t = time.perf_counter()
+    # this worker's thread count before any torch op (the engine sets it only after its memory probe, a
+    # forward): a forked child must not enter an OpenMP pool of more threads than it has (GNU OpenMP's
+    # pool does not survive fork; a parent that ran torch on 2 threads left one behind)
+    torch.set_num_threads(max(1, job["config"]["threads"]))
     try:
         done = finished(os.path.join(job["dir"], "result.json"))
         if done is not None:
@@ -229,10 +233,12 @@ def claim(out: str):
 
 
 def table(out: str) -> str:
-    """``OUT/table.md`` from ``OUT/results.jsonl``: each finished point (its last row), best first, with its
-    accuracy per epoch::
+    """``OUT/table.md`` from ``OUT/results.jsonl`` and the points' result.json files: the issue's summary
+    (each candidate at np=1 and np=48, mean +- sd over its seeds, the gap, the predicted Pi speedup, time
+    and energy to the target), then each finished point (its last row), best first, with its accuracy per
+    epoch; and ``OUT/curves.png`` (:func:`figure`)::
 
-        python experiments/paper-batch/screen.py --table experiments/paper-batch/screen-h200
+        python experiments/paper-batch/screen.py --table experiments/paper-batch/cpu
     """
     rows = [json.loads(line) for line in open(os.path.join(out, "results.jsonl")) if line.strip()]
     last = {(r["candidate"], r["np"], r["seed"]): r for r in rows if r["final_test_acc"] is not None}
@@ -240,10 +246,149 @@ def table(out: str) -> str:
     lines = ["| candidate | np | seed | final test acc | test acc per epoch |", "|---|---:|---:|---:|---|"]
     lines += [f"| {r['candidate']} | {r['np']} | {r['seed']} | {r['final_test_acc']:.4f} | "
               + " ".join(f"{e['test_acc']:.3f}" for e in r["epochs"]) + " |" for r in done]
-    text = "\n".join(lines) + "\n"
+    text = summary(out) + "\n## Every point\n\n" + "\n".join(lines) + "\n"
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(text)
+    figure(out)
     return text
+
+
+def points(out: str) -> dict[tuple[str, int], list[dict]]:
+    """{(candidate, np): [result.json of each finished seed, by seed]} of the point folders under ``out``."""
+    names = {slug(n): n for n in CANDIDATES}
+    found: dict[tuple[str, int], list[dict]] = {}
+    for cand in sorted(os.listdir(out)):
+        d = os.path.join(out, cand)
+        for point in sorted(os.listdir(d)) if os.path.isdir(d) else ():
+            r = finished(os.path.join(d, point, "result.json"))
+            if r is not None:
+                found.setdefault((names.get(cand, cand), r["np"]), []).append(r)
+    for rs in found.values():
+        rs.sort(key=lambda r: r["config"]["seed"])
+    return found
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float | None]:
+    m = sum(values) / len(values)
+    sd = (sum((v - m) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else None
+    return m, sd
+
+
+def _acc(values: list[float]) -> str:
+    m, sd = _mean_sd(values)
+    return f"{m:.4f}" + (f" +- {sd:.4f}" if sd is not None else "") + f" ({len(values)})"
+
+
+CLUSTER = "pi4b_cluster"  # the target the speed and energy are predicted for: 24 Pi 4B nodes, 2 ranks each
+
+
+def summary(out: str, big: int | None = None) -> str:
+    """The issue's table: per candidate, np=1 and np=``big`` final test accuracy (mean +- sd (seeds)) and
+    their gap; the predicted whole-run speedup on the Pi cluster over one node (np=2, the paper's baseline);
+    MLPerf-style time to the target (90% of np=1's mean) on the Pi at np=``big`` and its speedup over one
+    node (np=1's curve -- the same recipe, one process -- at one node's predicted epoch time); the predicted
+    energy of the whole run and to the target. A target not reached is "not reached", never a number."""
+    import torch
+    found = points(out)
+    big = big or max([p for _, p in found] or [48])  # the large np: the one the points have beside np=1
+    # the performance model measures the model with a forward: on one thread, so this process (the driver,
+    # which forks its workers) starts no OpenMP pool that a later fork would inherit broken
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _summary(found, big)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _summary(found: dict, big: int) -> str:
+    from dataclasses import replace
+
+    from pilab import perfmodel
+    from pilab.config import Config
+    from pilab.study.analysis import run_energy, sized_for_model, time_to_target
+    head = [f"| candidate | np=1 | np={big} | np={big} − np=1 | Pi speedup, whole run | time to target, np={big} on "
+            f"the Pi (× one node) | energy on the Pi, np={big}: run / to target |", "|---|---:|---:|---:|---:|---:|---:|"]
+    body = []
+    for name in sorted({n for n, p in found if p == big}, key=lambda n: -_mean_sd(
+            [r["epochs"][-1]["test_acc"] for r in found[(n, big)]])[0]):
+        at_big, at_one = found[(name, big)], found.get((name, 1), [])
+        acc_big = [r["epochs"][-1]["test_acc"] for r in at_big]
+        acc_one = [r["epochs"][-1]["test_acc"] for r in at_one]
+        cfg = replace(sized_for_model(Config.from_dict(at_big[0]["config"]), {big: at_big[0]}), threads=0,
+                      out="", resume="")
+        pred = {p: perfmodel.predict(cfg, p, CLUSTER) for p in (2, big)}
+        speedup = pred[2]["epoch_time"] / pred[big]["epoch_time"]
+        ttt = energy = "—"
+        if acc_one:
+            target = 0.9 * _mean_sd(acc_one)[0]
+            n = len(at_big[0]["epochs"])
+
+            def times(p):
+                return {"train": [pred[p]["time"]] * n, "eval": [pred[p]["eval_time"]] * n,
+                        "comm_exposed_share": pred[p]["comm_exposed"] / pred[p]["time"]}
+            big_t = [time_to_target(r, target, times(big)["train"], times(big)["eval"]) for r in at_big]
+            one_t = [time_to_target(r, target, times(2)["train"], times(2)["eval"]) for r in at_one]
+            reached = [t for t in big_t if t is not None]
+            if len(reached) < len(big_t):
+                ttt = f"not reached in {len(big_t) - len(reached)} of {len(big_t)} (target {target:.3f})"
+            elif None not in one_t:
+                ttt = (f"{_mean_sd(reached)[0] / 60:.1f} min "
+                       f"(× {_mean_sd(one_t)[0] / _mean_sd(reached)[0]:.1f}; target {target:.3f})")
+            e = [run_energy(r, times(big), CLUSTER, target) for r in at_big]
+            to = [x["energy_to_target_j"] for x in e]
+            energy = (f"{_mean_sd([x['energy_j'] for x in e])[0] / 1e3:.0f} kJ / "
+                      + (f"{_mean_sd(to)[0] / 1e3:.0f} kJ" if None not in to else "not reached"))
+        gap = f"{(_mean_sd(acc_big)[0] - _mean_sd(acc_one)[0]) * 100:+.1f} points" if acc_one else "—"
+        body.append(f"| {name} | {_acc(acc_one) if acc_one else '—'} | {_acc(acc_big)} | {gap} | "
+                    f"{speedup:.1f}× | {ttt} | {energy} |")
+    ref = finished(os.path.join(REPO, "experiments", "paper-size", "naive", "np1", "result.json"))
+    ref_text = (f" The committed np=1 recipe (experiments/paper-size/naive/np1, seed 0) ends at "
+                f"{ref['epochs'][-1]['test_acc']:.4f}: a recipe's np=1 may not fall more than a point under it."
+                if ref else "")
+    note = (f"\nnp=1 and np={big}: final test accuracy, mean +- sd (seeds).{ref_text} Speed, time and energy: the "
+            f"performance model's prediction for `{CLUSTER}` (24 Pi 4B, 2 ranks a node) against one node "
+            "(np=2); one node's time to target is np=1's curve at one node's epoch time. The issue's goal: np=48 "
+            "within 1 point of np=1 (3 seeds each), whole-run speedup >= 20×, time to target >= 20× "
+            "faster than one node.\n")
+    return "## Summary\n\n" + "\n".join(head + body) + "\n" + note
+
+
+def figure(out: str, big: int | None = None) -> str | None:
+    """``OUT/curves.png``: each candidate's test accuracy after each epoch (mean over its seeds) at np=1
+    (dashed) and np=``big`` (solid), against the images seen -- the same images at both np, so the gap at
+    any point is what the fewer, larger steps cost. None (and no file) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("screen: no figure: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return None
+    found = points(out)
+    big = big or max([p for _, p in found] or [48])
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, name in enumerate(sorted({n for n, _ in found})):
+        for p, style in ((1, "--"), (big, "-")):
+            rs = found.get((name, p))
+            if not rs:
+                continue
+            n = min(len(r["epochs"]) for r in rs)
+            images = [(e + 1) * rs[0]["global_batch"] * rs[0]["steps_per_epoch"] / 1e3 for e in range(n)]
+            mean = [sum(r["epochs"][e]["test_acc"] for r in rs) / len(rs) for e in range(n)]
+            ax.plot(images, mean, style, color=f"C{i}", marker="o", ms=3,
+                    label=f"{name}, np={p} ({len(rs)} seed{'s' if len(rs) > 1 else ''}, "
+                          f"{rs[0]['total_steps']} steps)")
+    ax.set_xlabel("training images seen (thousands)")
+    ax.set_ylabel("test accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"The paper's batch: np=1 (dashed) and np={big} (solid) on the same images", fontsize=9)
+    path = os.path.join(out, "curves.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def parse(argv) -> argparse.Namespace:
