@@ -306,18 +306,27 @@ def study_from_points(out: str, *, target="pi4b_cluster", criteria: Criteria | N
 
 
 def _finished_points(out: str) -> dict[int, tuple[dict, Config]]:
-    """np -> (result, its Config) of every point under ``out`` that ran to the end."""
-    found = {}
+    """np -> (result, its Config) of every point under ``out`` that ran to the end: ``npN/`` folders (a
+    study's), or ``npN-seedS/`` folders (a screen's, as experiments/paper-batch/screen.py keeps them: one
+    seed is one study, the smallest seed that has finished points)."""
+    found: dict[int, dict[int, tuple[dict, Config]]] = {}  # seed (-1: none) -> np -> point
     for path in glob.glob(os.path.join(glob.escape(out), "np*", "result.json")):
-        m = re.search(r"np(\d+)$", os.path.dirname(path))
+        m = re.search(r"np(\d+)(?:-seed(\d+))?$", os.path.dirname(path))
+        if not m:
+            continue
         try:
             r = _load_json(path)
             cfg = Config.from_dict({**r["config"], "out": out, "resume": ""})
         except (OSError, ValueError, KeyError, TypeError, ConfigError):
             continue
-        if m and finished_run(path, int(m.group(1)), cfg, bool(r.get("simulated"))) is not None:
-            found[int(m.group(1))] = (r, cfg)
-    return found
+        if finished_run(path, int(m.group(1)), cfg, bool(r.get("simulated"))) is not None:
+            found.setdefault(int(m.group(2)) if m.group(2) else -1, {})[int(m.group(1))] = (r, cfg)
+    return found[min(found)] if found else {}
+
+
+def seeded_points(out: str) -> bool:
+    """Whether ``out`` keeps a screen's ``npN-seedS`` point folders (and plans no other np)."""
+    return bool(glob.glob(os.path.join(glob.escape(out), "np*-seed*", "result.json")))
 
 
 def load_study(path: str, *, target="pi4b_cluster", planned=()) -> dict:
@@ -329,5 +338,6 @@ def load_study(path: str, *, target="pi4b_cluster", planned=()) -> dict:
     if os.path.exists(js):
         return resolved(_load_json(js), os.path.dirname(js))
     if planned or (os.path.isdir(path) and glob.glob(os.path.join(glob.escape(path), "np*", "result.json"))):
-        return study_from_points(path, target=target, planned=planned)
+        # a screen's folder (npN-seedS points) is the np it ran: nothing else is pending there
+        return study_from_points(path, target=target, planned=() if seeded_points(path) else planned)
     raise ConfigError(f"{js} does not exist; run `python -m pilab scale --out {path}` first")
