@@ -3,17 +3,14 @@ are the midpoint of where they stood k steps before and where the optimizer took
 the simulator bit for bit; a run resumed mid-cycle equals the whole run bit for bit.
 
 The MPI part launches ``mpiexec -n 2 python tests/test_lookahead.py OUT.json`` (this file is its own worker)."""
-import json
 import os
-import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import MPIEXEC, mpi_env
+from mpi_vs_sim import assert_same, launch, worker
 
 CFG = dict(width=0.25, train_subset=240, test_subset=100, batch_size=8, epochs=2, lr=0.2, threads=1, seed=3,
            lookahead_steps=4, simulate_mode="exact")  # 15 steps an epoch at np=2: cycles cross the epoch
@@ -45,35 +42,9 @@ def test_every_k_steps_the_weights_are_the_midpoint_and_a_resume_mid_cycle_is_bi
 
 @pytest.mark.mpi
 def test_lookahead_over_mpi_ranks_equals_the_simulator(tmp_path):
-    out = tmp_path / "lookahead.json"
-    p = subprocess.run([MPIEXEC, "-n", "2", sys.executable, __file__, str(out)], capture_output=True, text=True,
-                       timeout=420, env=mpi_env())
-    assert p.returncode == 0, p.stderr[-3000:]
-    r = json.loads(out.read_text())
-    assert r["mpi_loss"] == r["sim_loss"]  # every step's loss, bit for bit
-    assert r["weights_equal"], r["max_weight_diff"]
-    assert r["mpi_test_acc"] == r["sim_test_acc"]
-
-
-def _worker(out: str) -> None:
-    from mpi4py import MPI
-
-    from pilab.config import Config
-    from pilab.engine import simulate, train
-    torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD
-    cfg = Config(**CFG)
-    ds = train.load_data(cfg, comm)
-    result, model = train.train(cfg, comm, data=ds)
-    if comm.Get_rank() == 0:
-        sim, sim_model = simulate.train(cfg, comm.Get_size(), data=ds)
-        diffs = [float((a - b).abs().max()) for a, b in zip(model.parameters(), sim_model.parameters())]
-        Path(out).write_text(json.dumps({
-            "mpi_loss": result["steps"]["loss"], "sim_loss": sim["steps"]["loss"],
-            "weights_equal": max(diffs) == 0.0, "max_weight_diff": max(diffs),
-            "mpi_test_acc": [e["test_acc"] for e in result["epochs"]],
-            "sim_test_acc": [e["test_acc"] for e in sim["epochs"]]}))
+    assert_same(launch(__file__, tmp_path / "lookahead.json"))
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    from pilab.config import Config
+    worker(Config(**CFG), sys.argv[1])
