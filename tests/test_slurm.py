@@ -369,9 +369,12 @@ def test_a_point_that_hits_its_time_limit_keeps_its_checkpoint_and_resume_contin
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                               env=tb.env(mpi_env())) as proc:
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and not glob.glob(f"{point}/checkpoint-e0000-s*.pt"):
+
+            def checkpointed():  # the numbered file is written first, checkpoint.pt linked to it after
+                return glob.glob(f"{point}/checkpoint-e0000-s*.pt") and os.path.exists(f"{point}/checkpoint.pt")
+            while time.monotonic() < deadline and not checkpointed():
                 time.sleep(0.05)
-            assert glob.glob(f"{point}/checkpoint-e0000-s*.pt"), "no mid-epoch checkpoint"
+            assert checkpointed(), "no mid-epoch checkpoint"
             for pid in _ranks_of(point):
                 os.kill(pid, signal.SIGSTOP)
                 stopped.append(pid)
