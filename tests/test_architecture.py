@@ -70,6 +70,7 @@ BACKWARD_ALLOWED = {
     "pilab/bench/perfmodel.py": "compute-only step timing that the performance model is checked against",
     "pilab/bench/wire.py": "the no-exchange ceiling and DDP-gloo contenders of one step on the wire (issue 23)",
     "pilab/models/memprobe.py": "a few steps of your own model in a child process, its memory measured (issue 37)",
+    "scripts/grouped_bn_forms.py": "one BatchNorm layer's forms timed alone, no training (issue 42)",
 }
 
 

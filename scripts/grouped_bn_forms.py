@@ -1,0 +1,101 @@
+"""BatchNorm per group of images (the fast simulator's per-rank BatchNorm, issue 42) in three eager forms,
+forward + backward, against native BatchNorm on the whole batch (the bound: one process on the global
+batch). Alternated rounds; the ratio per round by the process's CPU time and by wall time, median
+(p10-p90) -- on a quiet machine (a loaded one inflates both: OpenMP threads spin waiting for a core)::
+
+    python scripts/grouped_bn_forms.py --threads 2 --rounds 9
+
+Forms: ``grouped`` is pilab's ``layers._GroupedBN`` (batched mean, centred copy, batched dot, fused
+scale-and-shift); ``var_mean`` takes one Welford pass (``torch.var_mean`` over each group) and keeps the input
+instead of the centred copy; ``native_t`` copies the batch into a (rows, groups x channels) layout so that
+one native BatchNorm call normalises every group, and copies back. The shapes are MobileNetV2-CIFAR
+layers at 32 images x 8 ranks (width 1.0) and at 32 x 48 (width 0.25).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from pilab.bench.stats import alternate_clocks, ratios, summary
+from pilab.engine.layers import _GroupedBN
+
+EPS = 1e-5
+
+
+class _VarMeanBN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups: int):
+        c = x.shape[1]
+        xv = x.permute(0, 2, 3, 1).reshape(groups, -1, c)  # channels-last: a view
+        var, mean = torch.var_mean(xv, dim=1, correction=0)
+        invstd = torch.rsqrt(var + EPS)
+        scale = invstd * weight
+        y = torch.empty_like(x, memory_format=torch.channels_last)
+        torch.addcmul((bias - mean * scale)[:, None], xv, scale[:, None],
+                      out=y.permute(0, 2, 3, 1).view(xv.shape))
+        ctx.save_for_backward(x, mean, invstd, scale)
+        ctx.groups = groups
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, mean, invstd, scale = ctx.saved_tensors
+        c = x.shape[1]
+        xv = x.permute(0, 2, 3, 1).reshape(ctx.groups, -1, c)
+        m = xv.shape[1]
+        dyv = dy.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).reshape(xv.shape)
+        sdy = dyv.sum(1)
+        sdxc = torch.linalg.vecdot(dyv, xv, dim=1) - mean * sdy
+        k_xc = (scale * invstd * invstd * sdxc).div_(-m)
+        k_0 = (scale * sdy).div_(-m) - mean * k_xc
+        dx = torch.empty_like(dy, memory_format=torch.channels_last)
+        torch.addcmul(k_0[:, None], xv, k_xc[:, None], out=dx.permute(0, 2, 3, 1).view(xv.shape))
+        dx.permute(0, 2, 3, 1).view(xv.shape).addcmul_(dyv, scale[:, None])
+        return dx, (sdxc * invstd).sum(0), sdy.sum(0), None
+
+
+def forms(x, dy, weight, bias, groups: int) -> dict:
+    def run(bn):
+        def call():
+            xx = x.detach().requires_grad_()
+            bn(xx).backward(dy)
+        return call
+
+    def native_t(xx):
+        n, c, h, w = xx.shape
+        rows = xx.permute(0, 2, 3, 1).reshape(groups, -1, c).transpose(0, 1).reshape(-1, groups * c)
+        z = F.batch_norm(rows, None, None, weight.repeat(groups), bias.repeat(groups), True, 0.1, EPS)
+        return z.view(-1, groups, c).transpose(0, 1).reshape(n, h, w, c).permute(0, 3, 1, 2)
+
+    return {"native": run(lambda xx: F.batch_norm(xx, None, None, weight, bias, True, 0.1, EPS)),
+            "grouped": run(lambda xx: _GroupedBN.apply(xx, weight, bias, groups, EPS)[0]),
+            "var_mean": run(lambda xx: _VarMeanBN.apply(xx, weight, bias, groups)),
+            "native_t": run(native_t)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=9)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    # (images, channels, side, groups)
+    for n, c, side, groups in ((256, 96, 16, 8), (256, 144, 8, 8), (256, 32, 32, 8), (1536, 16, 32, 48)):
+        x = (torch.randn(n, c, side, side) * 2 + 0.5).contiguous(memory_format=torch.channels_last)
+        dy = torch.randn_like(x)
+        weight, bias = (torch.rand(c) + 0.5).requires_grad_(), torch.randn(c).requires_grad_()
+        clocks = alternate_clocks(forms(x, dy, weight, bias, groups), a.rounds, repeat=3)
+        cells = []
+        for form in ("grouped", "var_mean", "native_t"):
+            cpu, wall = (summary(ratios(clocks[k], form, "native")) for k in ("cpu", "wall"))
+            cells.append(f"{form} {cpu['median']:.2f} ({cpu['p10']:.2f}-{cpu['p90']:.2f}), wall {wall['median']:.2f}")
+        native_ms = summary(clocks["wall"]["native"])["median"] * 1e3
+        print(f"{n} x {c} x {side}x{side}, {groups} groups: native {native_ms:.1f} ms wall; ratio to native by CPU "
+              "(p10-p90), by wall: " + "; ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
