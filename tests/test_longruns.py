@@ -290,3 +290,6 @@ def test_a_network_straggler_is_a_slow_link_not_a_small_batch():
     # a slow node is a compute straggler whatever its exchange: node02's rank 3 computes 50% longer
     lines, found = run(4_000_000, compute=(0.1, 0.1, 0.1, 0.15))
     assert len(lines) == 1 and lines[0].startswith("pilab: straggler (compute): rank 3 (node02) computes 50% slower")
+    # and while it is one, the others' exchange (stalled on the slow node's core) names no network straggler
+    lines, found = run(500_000, compute=(0.1, 0.1, 0.1, 0.15))
+    assert [(f["rank"], f["kind"]) for f in found] == [(3, "compute")], found

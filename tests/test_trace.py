@@ -141,7 +141,10 @@ def test_throttled_rank_shows(tmp_path):
     assert set(t["named"]) - {1, 2, 3, 4, 5, 11, 12}, t
     assert set(t["steps"]) == {1, 2, 3, 4, 5, 11, 12} | set(t["named"])
     assert set(spans) == {(r, s) for r in (0, 1) for s in t["steps"]}
-    assert res["stragglers"] and res["stragglers"][0]["rank"] == 1
+    # the first straggler flagged is rank 1's compute (the monitor names no network straggler while a rank
+    # is a compute one; a window where rank 1's median dips under the threshold may still add one later)
+    first = min(res["stragglers"] or [{}], key=lambda s: s.get("first_step", 0))
+    assert (first.get("rank"), first.get("kind")) == (1, "compute"), res["stragglers"]
     fb = [_median(spans, r, "forward", "backward") for r in (0, 1)]
     wait = [_median(spans, r, "wait") for r in (0, 1)]
     assert fb[1] > 1.5 * fb[0], fb

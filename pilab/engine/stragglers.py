@@ -21,7 +21,8 @@ Pi) make a healthy gigabit exchange 20% of a step and more, but it still moves a
 45 MB/s or faster, while a 100 Mbit/s link cannot pass 12.5 MB/s. Medians keep one slow step (a page
 fault, a GC pause) from counting. An Allreduce makes every rank wait for the slowest link, so with a
 slow link all ranks whose exchange crosses it show network time: the line names them all, with their
-hosts.
+hosts. While a rank is a compute straggler no network straggler is named: the slow node's exchange runs
+on its slow core too, and its peers' exchange stalls on it.
 """
 from __future__ import annotations
 
@@ -96,7 +97,11 @@ class Monitor:
         for kind, x in excess.items():
             beyond = x >= self.threshold
             if kind == "network":
-                beyond &= ~(excess["compute"] >= self.threshold)  # a slow node's own time is compute
+                # while any rank is a compute straggler, nobody's exchange is judged: a throttled node's
+                # MPI progress runs on its throttled core, so every peer's exchange stalls on it and would
+                # read as their own slow link (the compute line names the cause; a slow link behind it
+                # shows once the node recovers)
+                beyond &= ~(excess["compute"] >= self.threshold).any()
                 if self._rate is not None:  # a large share at a healthy link's rate is the batch's doing
                     beyond &= self._rate < self.min_rate
             run = self._run[kind]
