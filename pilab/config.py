@@ -44,6 +44,7 @@ CHOICES = {
     "compression": ("none", "fp16"),
     "device": ("cpu", "cuda", "auto"),
     "simulate_mode": ("auto", "exact", "fast"),
+    "compile_bn": ("auto", "on", "off"),
 }
 
 
@@ -102,6 +103,7 @@ class Config:
     threads: int = 0  # torch threads per rank; 0 = cores per node / ranks per node
     device: str = "cpu"  # cpu | cuda | auto
     simulate_mode: str = "auto"  # simulator only: exact (one forward per virtual rank, MPI's arithmetic bit for bit: to compare with mpiexec runs) | fast (one forward of the global batch, per-rank BatchNorm vectorised: the same mathematics to float rounding, ~the cost of one process training the global batch) | auto (exact where the run needs it; on a CPU run of 200+ steps the faster of the two, timed on its first batch; else fast; result.json says which: simulate_mode_used, simulate_mode_trial; see docs/simulator.md)
+    compile_bn: str = "auto"  # simulator's fast mode only: its per-rank BatchNorm on large layers (1M+ activations) as torch.compile's fused C++ kernels, 11-15% off a step at MobileNetV2-CIFAR 1.0 (BENCHMARKS.md); the same mathematics to float rounding; compiling takes 10-45 s and a C++ compiler (CXX, else g++) | auto (on for CPU runs of 200+ steps) | on | off; result.json: compile_bn_used (or why not)
     eval_batch: int = 500  # test images per evaluation batch (its loss is summed in one piece; the forward runs EVAL_CHUNK images at a time, so memory does not grow with it); a stopped run's partial epoch is evaluated only when its test share fits one batch
     eval_every: int = 1  # evaluate on the test set every N epochs (and always after the last)
     checkpoint_every: int = 0  # write a checkpoint every K epochs; 0 = never

@@ -46,6 +46,7 @@ LAYERS = {
     "engine.lookahead": 3,  # the Lookahead optimizer's slow weights: a loop feature (torch and engine.component only)
     "engine.clip": 3,  # the loop feature clipping the averaged gradient's norm
     "engine.modepick": 3,  # the simulator's auto mode timed: a loop feature (torch and engine.component only)
+    "engine.compilebn": 3.1,  # the fast simulator's BatchNorm compiled: a loop feature (engine.layers, engine.modepick)
     "engine.features": 3.4,  # the loop's features, each a component in a file of its own
     "engine.backend": 3.3,  # what the loop asks of a rank backend, and the pieces every backend uses
     "engine.records": 3.35,  # what the loop records: an epoch's sums and record, the run's result

@@ -7,6 +7,7 @@ batch (issue 42). Times the median step after warm-up of one process on the glob
     python scripts/profile_sim.py --b 4 --np 48 --profile --modes exact
     python scripts/profile_sim.py --b 4 --np 48 --compare-run 2    # a small np=48 run in both modes: loss, accuracy
     python scripts/profile_sim.py --b 64 --np 48 --memory --modes fast   # peak RSS against the global batch's
+    python scripts/profile_sim.py --b 32 --np 48 --memory --modes fast:off,fast:on   # ... BatchNorm eager, compiled
 """
 from __future__ import annotations
 
@@ -26,8 +27,14 @@ def sessions(cfg: Config, np_: int, modes: list[str]) -> dict:
     """One session per contender: "global" (one process, batch np*b) and one per simulate_mode."""
     out = {"global": engine.Session(replace(cfg, batch_size=np_ * cfg.batch_size), engine.MPIRanks(None))}
     for m in modes:
-        out[m] = engine.Session(replace(cfg, simulate_mode=m), engine.VirtualRanks(np_))
+        out[m] = engine.Session(mode_config(cfg, m), engine.VirtualRanks(np_))
     return out
+
+
+def mode_config(cfg: Config, mode: str) -> Config:
+    """``cfg`` in ``mode``: a simulate_mode, or ``MODE:COMPILE`` with a compile_bn (``fast:on``)."""
+    m, _, compile_bn = mode.partition(":")
+    return replace(cfg, simulate_mode=m, compile_bn=compile_bn or cfg.compile_bn)
 
 
 def stepper(s):
@@ -78,7 +85,8 @@ cfg = Config(model=model, width=width, batch_size=b, threads=threads, epochs=10,
 if mode == "global":
     s = engine.Session(replace(cfg, batch_size=np_ * b), engine.MPIRanks(None))
 else:
-    s = engine.Session(replace(cfg, simulate_mode=mode), engine.VirtualRanks(np_))
+    m, _, compile_bn = mode.partition(":")
+    s = engine.Session(replace(cfg, simulate_mode=m, compile_bn=compile_bn or "auto"), engine.VirtualRanks(np_))
 for k in range(2):
     s.step(0, k % s.steps_per_epoch)
 print(json.dumps({"mode": mode, "peak_mem_mb": peak_mem_mb()}))
@@ -107,7 +115,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--width", type=float, default=0.25)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--modes", default="exact,fast", help="simulate_modes to time against the global batch")
+    ap.add_argument("--modes", default="exact,fast",
+                    help="simulate_modes to time against the global batch (MODE:COMPILE sets compile_bn: fast:on)")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's top operators")
     ap.add_argument("--compare-run", type=int, default=0, metavar="EPOCHS",
                     help="instead: a small run at --np in both modes, EPOCHS epochs of 10 global batches each")

@@ -159,16 +159,22 @@ def _params(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def test_fast_mode_stays_close_to_exact_at_np48():
+@pytest.mark.parametrize("compile_bn", ["off", "on"])
+def test_fast_mode_stays_close_to_exact_at_np48(compile_bn):
     """The documented deviation (docs/simulator.md): from the same start at np=48 the fast mode computes
     the same first loss, its first update is within a few percent of the exact one (float summation
     order only; BatchNorm over 2 images per rank amplifies it, as it does for several ranks per forward
-    in exact mode), and the loss trajectory stays close."""
+    in exact mode), and the loss trajectory stays close -- with its BatchNorm eager, and compiled
+    (compile_bn=on: the layers of 1M+ activations, here those at 32 x 32 pixels, run torch.compile's kernels)."""
+    from pilab.engine import compilebn
     cfg = Config(width=0.25, batch_size=2, train_subset=480, test_subset=20, threads=1, epochs=1, lr=0.05,
-                 lr_ref_batch=64)
+                 lr_ref_batch=64, compile_bn=compile_bn)
     runs = {}
     for mode in ("exact", "fast"):
         s = engine.Session(replace(cfg, simulate_mode=mode), engine.VirtualRanks(48))
+        if mode == "fast":
+            assert s.ranks.context.compiled_from == (compilebn.MIN_ELEMENTS if compile_bn == "on" else None)
+            assert 96 * 16 * 32 * 32 >= compilebn.MIN_ELEMENTS  # the first layers' activations: compiled
         w0 = _params(s.model).clone()
         first = s.step(0, 0)[0].loss_sum
         w1 = _params(s.model).clone()

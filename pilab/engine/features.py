@@ -7,6 +7,7 @@ line here::
 from __future__ import annotations
 
 from .clip import ClipGradNorm
+from .compilebn import CompiledBN
 from .ema import EMA
 from .localsgd import LocalSGD
 from .lookahead import Lookahead
@@ -15,9 +16,10 @@ from .noise import NoiseRamp
 from .stragglers import StragglerWatch
 from .trace import Trace
 
-# ModePick first: its trial steps run before the other features see the first step; Lookahead before EMA,
-# which averages the weights the step ends with
-FEATURES = (ModePick, ClipGradNorm, Lookahead, EMA, LocalSGD, NoiseRamp, StragglerWatch, Trace)
+# CompiledBN first: it sets the fast mode's BatchNorm before ModePick's trial times that mode; ModePick's trial
+# steps run before the other features see the first step; Lookahead before EMA, which averages the weights
+# the step ends with
+FEATURES = (CompiledBN, ModePick, ClipGradNorm, Lookahead, EMA, LocalSGD, NoiseRamp, StragglerWatch, Trace)
 
 
 def chosen(cfg, ranks) -> list:

@@ -56,6 +56,9 @@ class RankContext:
         # True in the simulator's fast mode: GhostBatchNorm2d takes every group's statistics in one
         # vectorised reduction instead of one native batch_norm call per group (not bit-exact)
         self.vectorised = False
+        # ... and that reduction compiled for layers of at least this many activations (None: never;
+        # pilab.engine.compilebn sets it)
+        self.compiled_from = None
         # RankDropout's per-rank RNG streams within one step (several ranks per forward), and that step
         self.streams: dict = {}
         self.streams_step = None
@@ -198,7 +201,14 @@ class GhostBatchNorm2d(nn.Module):
         groups, k = x.shape[0] // g, per_rank // g  # k groups per rank
         if x.ndim == 4 and x.dtype == torch.float32 and x.is_contiguous(memory_format=torch.channels_last):
             # the simulator's layout (channels-last float32): each group is one (images*H*W, C) block
-            y, mean, var = _GroupedBN.apply(x, self.weight, self.bias, groups, self.eps)
+            least = self.context.compiled_from
+            if least is not None and x.numel() >= least:
+                # views, not the Parameters: torch.compile would guard on each Parameter's identity
+                y, mean, var = compiled_grouped_bn()(x, None if self.weight is None else self.weight.view(-1),
+                                                     None if self.bias is None else self.bias.view(-1),
+                                                     groups, self.eps)
+            else:
+                y, mean, var = _GroupedBN.apply(x, self.weight, self.bias, groups, self.eps)
             mean, var = mean.detach(), var.detach()
         else:
             xg = x.unflatten(0, (groups, g))
@@ -274,6 +284,39 @@ class _GroupedBN(torch.autograd.Function):
         dweight = (sdxc * invstd).sum(0) if ctx.affine[0] else None
         dbias = sdy.sum(0) if ctx.affine[1] else None
         return dx, dweight, dbias, None, None
+
+
+def grouped_bn(x, weight, bias, groups: int, eps: float):
+    """``_GroupedBN``'s mathematics as plain tensor operations, for ``torch.compile`` to fuse into a pass
+    or two over the activations each way (the eager form takes four): a channels-last (N, C, H, W) float32
+    batch normalised per group of consecutive images::
+
+        y, mean, var = grouped_bn(x, weight, bias, groups, eps)   # mean, var: (groups, C), biased, detached
+    """
+    n, c, h, w = x.shape
+    xv = x.permute(0, 2, 3, 1).reshape(groups, -1, c)
+    var, mean = torch.var_mean(xv, dim=1, correction=0, keepdim=True)
+    scale = torch.rsqrt(var + eps) if weight is None else torch.rsqrt(var + eps) * weight
+    y = (xv - mean) * scale if bias is None else torch.addcmul(bias, xv - mean, scale)
+    return y.reshape(n, h, w, c).permute(0, 3, 1, 2), mean.view(groups, c).detach(), var.view(groups, c).detach()
+
+
+_COMPILED: list = []
+
+
+def compiled_grouped_bn():
+    """``grouped_bn`` compiled, once per process: static shapes, one kernel per layer shape (a
+    dynamic-shape build ran slower end to end), with room for every layer's (dynamo's default stops at 8)."""
+    if not _COMPILED:
+        import torch._dynamo.config as dynamo_config
+        import torch._inductor.config as inductor_config
+        # compile in this process: no pool of compiler workers outliving a notebook's kernel or an engine
+        # (each layer's kernels are few and small; they are compiled one shape at a time as layers meet them)
+        inductor_config.compile_threads = 1
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 1024)
+        _COMPILED.append(torch.compile(grouped_bn, dynamic=False))
+    return _COMPILED[0]
 
 
 class RankDropout(nn.Module):

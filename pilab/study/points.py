@@ -41,9 +41,9 @@ def finished_run(path: str, p: int, cfg: Config, simulated: bool) -> dict | None
 _LR_RULE = ("lr", "lr_scaling", "lr_ref_batch")
 
 
-# how a run is kept and watched, not what it computes
+# how a run is kept and watched, not what it computes (compile_bn: the same mathematics, compiled)
 _NOT_TRAINING = ("out", "resume", "checkpoint_every", "keep", "checkpoint_minutes", "checkpoint_every_steps",
-                 "straggler_threshold", "straggler_steps", "trace", "trace_window")
+                 "straggler_threshold", "straggler_steps", "trace", "trace_window", "compile_bn")
 
 
 def same_training(saved: dict, cfg: Config, p: int) -> bool:
