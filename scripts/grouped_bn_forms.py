@@ -94,6 +94,7 @@ def end_to_end(rounds: int, threads: int) -> None:
     against one process on the global batch ("global"), alternated rounds."""
     from dataclasses import replace
 
+    from pilab.bench.local import stepper
     from pilab.bench.stats import alternate_clocks as clocks_of
     from pilab.config import Config
     from pilab.data import load
@@ -108,15 +109,7 @@ def end_to_end(rounds: int, threads: int) -> None:
         sessions = {"global": engine.Session(replace(cfg, batch_size=np_ * b), engine.MPIRanks(None), data=ds),
                     "fast": engine.Session(replace(cfg, compile_bn="off"), engine.VirtualRanks(np_), data=ds),
                     "compiled": engine.Session(replace(cfg, compile_bn="on"), engine.VirtualRanks(np_), data=ds)}
-        k = dict.fromkeys(sessions, 0)
-
-        def stepper(m):
-            def f():
-                s = sessions[m]
-                s.step(*divmod(k[m] % s.steps_per_epoch, s.steps_per_epoch))
-                k[m] += 1
-            return f
-        steps = {m: stepper(m) for m in sessions}
+        steps = {m: stepper(s) for m, s in sessions.items()}
         steps["compiled"](), steps["compiled"]()  # compiles every layer's shape outside the timed rounds
         warm = time.perf_counter() - t0
         clocks = clocks_of(steps, rounds)

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 
+from pilab.bench.local import stepper
 from pilab.bench.stats import alternate, ratios, summary
 from pilab.config import Config
 from pilab.engine import loop as engine
@@ -35,15 +36,6 @@ def mode_config(cfg: Config, mode: str) -> Config:
     """``cfg`` in ``mode``: a simulate_mode, or ``MODE:COMPILE`` with a compile_bn (``fast:on``)."""
     m, _, compile_bn = mode.partition(":")
     return replace(cfg, simulate_mode=m, compile_bn=compile_bn or cfg.compile_bn)
-
-
-def stepper(s):
-    k = {"n": 0}
-
-    def f():
-        s.step(*divmod(k["n"] % s.steps_per_epoch, s.steps_per_epoch))
-        k["n"] += 1
-    return f
 
 
 def profile(name: str, f, steps: int = 2, top: int = 18) -> None:

@@ -155,6 +155,20 @@ def data_path(batch: int, rounds: int, batches: int) -> dict:
 SIM_GOALS = {"fast": 1.10, "exact": 1.30}  # issue 42: each mode's step against one process on the global batch
 
 
+def stepper(session):
+    """A function that runs ``session``'s next training step each call, round its epoch again and again
+    (a contender of the alternated rounds)::
+
+        alternate_clocks({"global": stepper(engine.Session(cfg, engine.MPIRanks(None)))}, rounds=3)
+    """
+    done = [0]
+
+    def step():
+        session.step(*divmod(done[0] % session.steps_per_epoch, session.steps_per_epoch))
+        done[0] += 1
+    return step
+
+
 def simulator(cases, rounds: int, threads: int = 2, progress=None) -> dict:
     """The simulator against its physical bound: for each (model, width, per-rank batch b, np) in ``cases``,
     one step of one process training the global batch (``MPIRanks(None)``, batch np*b: the same images
@@ -181,16 +195,8 @@ def simulator(cases, rounds: int, threads: int = 2, progress=None) -> dict:
         sessions = {"global": engine.Session(replace(cfg, batch_size=np_ * b), engine.MPIRanks(None), data=ds)}
         for m in SIM_GOALS:
             sessions[m] = engine.Session(replace(cfg, simulate_mode=m), engine.VirtualRanks(np_), data=ds)
-        k = {m: 0 for m in sessions}
-
-        def make(m):
-            def f():
-                s = sessions[m]
-                s.step(*divmod(k[m] % s.steps_per_epoch, s.steps_per_epoch))
-                k[m] += 1
-            return f
         load0, t0 = os.getloadavg()[0], time.time()
-        t = alternate_clocks({m: make(m) for m in sessions}, rounds)
+        t = alternate_clocks({m: stepper(s) for m, s in sessions.items()}, rounds)
         wall, cpu = t["wall"], t["cpu"]
         ratio = {m: summary(ratios(wall, m, "global")) for m in SIM_GOALS}
         ratio_cpu = {m: summary(ratios(cpu, m, "global")) for m in SIM_GOALS}
