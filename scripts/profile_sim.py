@@ -81,7 +81,9 @@ else:
     s = engine.Session(replace(cfg, simulate_mode=m, compile_bn=compile_bn or "auto"), engine.VirtualRanks(np_))
 for k in range(2):
     s.step(0, k % s.steps_per_epoch)
-print(json.dumps({"mode": mode, "peak_mem_mb": peak_mem_mb()}))
+# the fast mode takes fewer ranks per forward by itself where the global batch would not fit: say so
+print(json.dumps({"mode": mode, "peak_mem_mb": peak_mem_mb(), "ranks_per_chunk": getattr(s.ranks, "chunk", None),
+                  "why": getattr(s.ranks, "chunk_why", None)}))
 """
 
 
@@ -93,7 +95,10 @@ def peaks(a, modes) -> dict:
     for m in ["global", *modes]:
         p = subprocess.run([sys.executable, "-c", _PEAK, m, str(a.np), str(b), a.model, str(a.width), str(a.threads)],
                            capture_output=True, text=True, check=True)
-        out[m] = json.loads(p.stdout.strip().splitlines()[-1])["peak_mem_mb"]
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        out[m] = got["peak_mem_mb"]
+        if got["ranks_per_chunk"] is not None:
+            out[f"{m} ranks per forward"] = f'{got["ranks_per_chunk"]} ({got["why"]})'
     out.update({f"{m}/global": out[m] / out["global"] for m in modes})
     print(json.dumps({f"{b}x{a.np}": out}))
     return out

@@ -48,3 +48,39 @@ def test_no_compiler_runs_eager_and_says_so_in_one_line(tmp_path):
     from pilab.engine import simulate
     ref, _ = simulate.train(replace(TINY, compile_bn="off", seed=0), 4)
     assert r["steps"]["loss"] == ref["steps"]["loss"]
+
+
+def test_compiled_layer_is_the_eager_mathematics_to_float_rounding():
+    """The compiled form against per-group native BatchNorm in float64 (forward, the statistics that update
+    the running ones, and every gradient), beside the eager form: both at float32 rounding. A trained
+    run's accuracy still moves with it (4-image BatchNorm amplifies rounding: docs/simulator.md)."""
+    import torch
+    import torch.nn.functional as F
+
+    from pilab.engine.layers import _GroupedBN, compiled_grouped_bn
+    g = torch.Generator().manual_seed(0)
+    groups, c = 12, 16  # 12 virtual ranks of 4 images, 16 x 16 pixels: one kernel shape
+    x = (torch.randn(48, c, 16, 16, generator=g) * 3 + 1).contiguous(memory_format=torch.channels_last)
+    w, b = torch.rand(c, generator=g) + 0.5, torch.randn(c, generator=g)
+    dy = torch.randn(x.shape, generator=g).contiguous(memory_format=torch.channels_last)
+
+    def run(f, dtype):
+        xx, ww, bb = (t.to(dtype).clone().requires_grad_() for t in (x, w, b))  # own leaves
+        y, mean, var = f(xx, ww, bb)
+        y.backward(dy.to(dtype))
+        return [t.detach().double() for t in (y, mean, var, xx.grad, ww.grad, bb.grad)]
+
+    def native(xx, ww, bb):  # one BatchNorm call per virtual rank, as its MPI rank makes it
+        parts = xx.unflatten(0, (groups, -1)).unbind(0)
+        y = torch.cat([F.batch_norm(p, None, None, ww, bb, True, 0.0, 1e-5) for p in parts])
+        var, mean = torch.var_mean(xx.unflatten(0, (groups, -1)), dim=(1, 3, 4), correction=0)
+        return y, mean, var
+
+    ref = run(native, torch.float64)
+    forms = {"eager": lambda *a: _GroupedBN.apply(*a, groups, 1e-5),
+             "compiled": lambda *a: compiled_grouped_bn()(*a, groups, 1e-5)}
+    for name, f in forms.items():
+        got = run(f, torch.float32)
+        for what, a, r in zip(("y", "mean", "var", "dx", "dweight", "dbias"), got, ref):
+            rel = float((a - r).abs().max() / r.abs().max())
+            assert rel < 2e-5, (name, what, rel)
