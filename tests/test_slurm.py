@@ -1,8 +1,8 @@
 """pilab under a real Slurm (pilab.testbed.slurm): Debian's munged, slurmctld on the testbed's head namespace
 and a slurmd in each node namespace. A 2-node testbed x 2 slots serves the module and is always torn down.
 Inside an allocation (train, doctor, notebook engines), and a study as batch jobs (scale/remedies
---launcher slurm: pilab.slurm, pilab.study.batch), faults by real means: scancel, SIGKILL, SIGINT, SIGSTOP
-and Slurm's own time limit.
+--launcher slurm: pilab.slurm, pilab.study.batch), faults by real means: scancel, SIGKILL, SIGINT, SIGSTOP,
+SIGABRT, a partition taken down and Slurm's own time limit.
 
 Needs root, ip/tc (the testbed) and the slurmctld, slurmd and munge packages (``./lab.sh test`` installs
 them where it can): skipped with the reason elsewhere, a failure under CI=true.
@@ -284,21 +284,61 @@ def test_ctrl_c_cancels_the_studys_jobs_and_says_how_to_resume(tb, tmp_path):
     assert p.stdout.split() == ["CANCELLED", "CANCELLED"], p.stdout + p.stderr
 
 
+@contextlib.contextmanager
+def _partition_down(tb, name="pi"):
+    """Partition ``name`` DOWN: Slurm takes jobs but starts none (PENDING, PartitionDown), as a busy
+    cluster holds them -- so that a test decides when they run, on a slow machine too; UP again after."""
+    def state(s):
+        subprocess.run(["scontrol", "update", f"PartitionName={name}", f"State={s}"], env=tb.env(), check=True,
+                       timeout=30)
+    state("DOWN")
+    try:
+        yield lambda: state("UP")
+    finally:
+        state("UP")
+
+
+def _wait_for(path, text: str, wait_s: float = 120) -> None:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {path} within {wait_s} s:\n{path.read_text(errors='replace')[-3000:]}")
+
+
 def test_the_study_process_gone_its_jobs_run_on_and_resume_waits_for_them(tb, tmp_path):
+    """The study's process killed (the login session gone) while its jobs wait in the queue: a new study
+    over them is refused, --resume waits for the same jobs and finishes the study. The jobs are held
+    PENDING (partition down) until the resumed study says it waits: tiny jobs would otherwise end, on a
+    loaded machine, before the test looks."""
     out = tmp_path / "h"
     cmd = [*STUDY, "--nps", "1,2", "--baseline", "1", *BATCH, "--out", str(out)]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                          env=tb.env(mpi_env())) as proc:
-        ids = [_job_of(out, 1), _job_of(out, 2)]
-        proc.kill()  # the login session gone, and the study's process with it: no chance to clean up
-        proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    # a new study over it, while its jobs run, is refused: they would write into the same points
-    again = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=tb.env(mpi_env()), timeout=120)
-    assert again.returncode == 2 and "still run; the same command with --resume waits for them" in again.stderr
-    resumed = _study(tb, [*cmd, "--resume"], tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "submitted" not in resumed.stderr and f"job {ids[1]} is still" in resumed.stderr
+    with _partition_down(tb) as up:
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                              env=tb.env(mpi_env())) as proc:
+            ids = [_job_of(out, 1), _job_of(out, 2)]
+            proc.kill()  # the login session gone, and the study's process with it: no chance to clean up
+            proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL
+        # a new study over it, while its jobs are queued, is refused: they would write into the same points
+        again = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=tb.env(mpi_env()),
+                               timeout=120)
+        assert again.returncode == 2 and "still run; the same command with --resume waits for them" in again.stderr
+        err = tmp_path / "resumed.err"
+        with open(err, "w") as f, subprocess.Popen([*cmd, "--resume"], stdout=subprocess.DEVNULL, stderr=f,
+                                                   cwd=tmp_path, env=tb.env(mpi_env())) as resumed:
+            try:
+                for i in ids:
+                    _wait_for(err, f"job {i} is still PENDING: waiting for it")
+                up()
+                resumed.wait(timeout=300)
+            except (AssertionError, subprocess.TimeoutExpired):
+                resumed.kill()
+                raise AssertionError(f"on the nodes:\n{testbed.ps(tb)}\n{err.read_text()[-3000:]}") from None
+    said = err.read_text()
+    assert resumed.returncode == 0, said[-3000:]
+    assert "submitted" not in said, said[-3000:]
     jobs = _jobs(out)
     assert [jobs["1"]["job"], jobs["2"]["job"]] == ids and all(not j["earlier"] for j in jobs.values())
     assert json.loads((out / "study.json").read_text())["complete"] is True
@@ -395,6 +435,46 @@ def test_a_point_that_hits_its_time_limit_keeps_its_checkpoint_and_resume_contin
     assert f"--resume {point}/checkpoint.pt" in open(f"{point}/job.sbatch").read()
     r = json.loads(open(f"{point}/result.json").read())
     assert r["resumed_from_step"] > 0 and r["steps_done"] == r["total_steps"] and not r["stopped_early"]
+
+
+def _rank_pids(point_dir: str) -> list[int]:
+    """The MPI ranks among a point's processes: those whose parent is Hydra's proxy."""
+    ranks = []
+    for pid in _ranks_of(point_dir):
+        try:
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            if open(f"/proc/{ppid}/comm").read().strip() == "hydra_pmi_proxy":
+                ranks.append(pid)
+        except (OSError, ValueError, IndexError):
+            pass
+    return ranks
+
+
+def test_a_rank_that_dies_ends_its_job_and_the_report_shows_its_own_last_words(tb, tmp_path):
+    """One rank of a running batch job aborted (SIGABRT, as an assertion in MPI or a C extension would):
+    the other is not left hanging, the job ends FAILED, and the study's report shows the rank's Python
+    stack (faulthandler) and mpiexec's banner folded into one line, not the banner alone."""
+    out = tmp_path / "a"
+    cmd = [*STUDY, "--nps", "2", "--baseline", "2", "--train-subset", "1024", "--epochs", "2",
+           "--checkpoint-every-steps", "2", *BATCH, "--out", str(out)]
+    point = str(out / "np2")
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                          env=tb.env(mpi_env())) as proc:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not glob.glob(f"{point}/checkpoint-e0000-s*.pt"):
+            time.sleep(0.05)  # training: past the imports and MPI's start
+        ranks = _rank_pids(point)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGABRT)
+        _, err = proc.communicate(timeout=240)
+    job = _job_of(out, 2)
+    assert proc.returncode == 1, err[-3000:]
+    assert f"np=2: job {job} ended FAILED; the end of its log:" in err, err[-3000:]
+    report = err[err.index("the end of its log:"):]
+    assert "| Fatal Python error: Aborted" in report and "ended: Aborted (signal 6)" in report, report
+    assert "| mpiexec: a rank (pid " in report and "BAD TERMINATION" not in report, report
+    assert f"(all of it: {point}/slurm-{job}.log)" in report
+    assert not _rank_pids(point) and _squeue(tb).strip() == ""
 
 
 def test_batch_study_bad_input_is_one_line_exit_2_and_nothing_submitted(tb, tmp_path):

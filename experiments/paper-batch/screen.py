@@ -119,9 +119,16 @@ def seeds(text: str) -> list[int]:
 
 
 def _same_run(saved: dict, wanted: dict) -> bool:
-    """Whether two Configs compute the same run (they may differ in what a resumption may change)."""
+    """Whether two Configs compute the same run (they may differ in what a resumption may change). The
+    saved one is read through Config, so a setting added since takes its default: compile_bn's ``auto``
+    acts only on the fast mode on CPU, so the exact points made before it are the same run."""
+    from pilab.config import Config, ConfigError
     from pilab.engine.checkpoint import RESUMABLE
     strip = lambda c: json.loads(json.dumps({k: v for k, v in c.items() if k not in RESUMABLE}))  # noqa: E731
+    try:
+        saved = Config.from_dict(saved).to_dict()
+    except (ConfigError, TypeError, ValueError):
+        return False
     return strip(saved) == strip(wanted)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, fields, replace
@@ -282,6 +283,31 @@ def _describe(job: slurm.Job) -> str:
     return "done" if job.state == slurm.ENDED_OK else job.state
 
 
+# Hydra's report of a rank that died: ten lines that would fill a short tail and hide the rank's own
+# last words (a traceback, an MPI error) printed above them; folded into one line (_fold_hydra)
+_HYDRA_BANNER = re.compile(r"^=+$|^=\s+(BAD TERMINATION|PID \d+ RUNNING AT|EXIT CODE:|CLEANING UP|YOU CAN IGNORE)"
+                           r"|^This typically refers to a problem|^Please see the FAQ page")
+_HYDRA_RANK = re.compile(r"^=\s+PID (\d+) RUNNING AT (\S+)")
+_HYDRA_EXIT = re.compile(r"^YOUR APPLICATION TERMINATED WITH THE EXIT STRING: (.*)")
+
+
+def _fold_hydra(lines: list[str]) -> list[str]:
+    """``lines`` without Hydra's bad-termination banner, which becomes one line where it stood:
+    ``mpiexec: a rank (pid 16467 on node02) ended: Aborted (signal 6)``."""
+    out, where = [], ""
+    for ln in lines:
+        m = _HYDRA_RANK.match(ln)
+        if m:
+            where = f" (pid {m[1]} on {m[2]})"
+        m = _HYDRA_EXIT.match(ln)
+        if m:
+            out.append(f"mpiexec: a rank{where} ended: {m[1]}")
+            where = ""
+        elif not _HYDRA_BANNER.match(ln):
+            out.append(ln)
+    return out
+
+
 def _log_tail(pt: Point, job: str) -> str:
     path = os.path.join(pt.dir, f"slurm-{job}.log")
     try:
@@ -289,7 +315,17 @@ def _log_tail(pt: Point, job: str) -> str:
             lines = [ln.rstrip() for ln in f.read().splitlines() if ln.strip()]
     except OSError:
         return f"    (no log: {path} was not written)"
-    return "\n".join(f"    | {ln}" for ln in lines[-LOG_LINES:]) or f"    ({path} is empty)"
+    lines = [ln for ln in _fold_hydra(lines) if not ln.startswith("Extension modules:")]  # faulthandler's
+    tail = lines[-LOG_LINES:]
+    # A traceback or a fatal signal's stack starts above its last lines: keep its first line, and of a
+    # fatal signal's (faulthandler: innermost call first) the crashed thread's innermost calls too
+    at = next((i for i, ln in enumerate(lines) if ln.startswith(("Fatal Python error", "Traceback ("))), None)
+    if at is not None and lines[at] not in tail:
+        cur = next((i for i, ln in enumerate(lines) if i > at and ln.startswith("Current thread ")), None)
+        head = [lines[at]] + (lines[cur:cur + 4] if cur is not None and lines[at].startswith("Fatal") else [])
+        tail = head + ["..."] + [ln for ln in tail if ln not in head]
+    tail = "\n".join(f"    | {ln}" for ln in tail)
+    return f"{tail}\n    (all of it: {path})" if tail else f"    ({path} is empty)"
 
 
 def _submit(pt: Point, resume_from: str, st: dict, out: str, log) -> str:
