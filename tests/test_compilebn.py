@@ -30,6 +30,12 @@ def test_auto_compiles_only_long_cpu_runs_and_says_why_not():
     assert compilebn.why_not(Config(), gpu, 320) != "" and compilebn.why_not(Config(compile_bn="on"), gpu, 12) == ""
     exact, _ = simulate.train(replace(TINY, simulate_mode="exact"), 4)
     assert "compile_bn_used" not in exact  # the exact mode has no vectorised BatchNorm to compile
+    # the probe (run after the run is seeded) leaves the run's random stream where it was
+    torch.manual_seed(7)
+    assert compilebn.probe() == ""
+    after = torch.rand(4)
+    torch.manual_seed(7)
+    assert torch.equal(after, torch.rand(4))
 
 
 def test_no_compiler_runs_eager_and_says_so_in_one_line(tmp_path):

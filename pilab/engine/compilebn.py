@@ -38,7 +38,9 @@ def probe() -> str:
     why not, in one line (a missing C++ compiler, a torch built without inductor)."""
     from .layers import compiled_grouped_bn
     try:
-        x = torch.randn(4, 8, 4, 4).contiguous(memory_format=torch.channels_last).requires_grad_()
+        # its own generator: the probe runs after the run is seeded and must not move the run's random stream
+        x = torch.randn(4, 8, 4, 4, generator=torch.Generator().manual_seed(0))
+        x = x.contiguous(memory_format=torch.channels_last).requires_grad_()
         w, b = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
         y, _, _ = compiled_grouped_bn()(x, w, b, 2, 1e-5)
         y.sum().backward()
