@@ -89,3 +89,19 @@ def test_the_paper_batch_driver_resumes_a_killed_point_and_skips_a_finished_one(
     assert r["config"]["resume"] == str(cut / "checkpoint.pt") and len(r["epochs"]) == 2
     table = (out / "table.md").read_text()
     assert "| naive | 3 | 0 |" in table and "| naive | 1 | 0 |" in table
+
+
+def test_the_committed_paper_batch_table_is_what_its_points_make(tmp_path):
+    """experiments/paper-batch/cpu/table.md is what `screen.py --table` makes of the committed points, and its
+    images-to-accuracy section reads the curves right: the committed np=1 passes 0.60 between its epochs 2
+    (0.576) and 3 (0.634), at 2.4 epochs of images."""
+    import shutil
+    screen = _driver("paper-batch", "screen.py")
+    assert screen.epochs_to([0.47, 0.58, 0.63], 0.60) == pytest.approx(2.4)
+    assert screen.epochs_to([0.47, 0.58], 0.40) == 1.0 and screen.epochs_to([0.47, 0.58], 0.60) is None
+    committed = ROOT / "experiments" / "paper-batch" / "cpu"
+    shutil.copytree(committed, tmp_path / "cpu", ignore=shutil.ignore_patterns("curves.png", "table.md"))
+    text = screen.table(str(tmp_path / "cpu"))
+    assert text == (committed / "table.md").read_text(), \
+        "re-run: python experiments/paper-batch/screen.py --table experiments/paper-batch/cpu"
+    assert "| np=1, committed recipe (seed 0) | 1.3 | 2.4 | 3.4 | 4.8 | 6.7 |" in text

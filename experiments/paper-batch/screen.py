@@ -253,7 +253,7 @@ def table(out: str) -> str:
     lines = ["| candidate | np | seed | final test acc | test acc per epoch |", "|---|---:|---:|---:|---|"]
     lines += [f"| {r['candidate']} | {r['np']} | {r['seed']} | {r['final_test_acc']:.4f} | "
               + " ".join(f"{e['test_acc']:.3f}" for e in r["epochs"]) + " |" for r in done]
-    text = summary(out) + "\n## Every point\n\n" + "\n".join(lines) + "\n"
+    text = summary(out) + "\n" + images_to_reach(out) + "\n## Every point\n\n" + "\n".join(lines) + "\n"
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(text)
     figure(out)
@@ -366,6 +366,55 @@ def _summary(found: dict, big: int) -> str:
             "within 1 point of np=1 (3 seeds each), whole-run speedup >= 20×, time to target >= 20× "
             "faster than one node.\n")
     return "## Summary\n\n" + "\n".join(head + body) + "\n" + note
+
+
+LEVELS = (0.5, 0.6, 0.65, 0.7, 0.75)  # the test accuracies images_to_reach counts the epochs to
+
+
+def epochs_to(accs: list[float], level: float) -> float | None:
+    """The epochs of training after which a curve of test accuracy per epoch first reaches ``level``,
+    linear between epoch ends (1.0 if the first epoch's end is already there); None if it never does::
+
+        epochs_to([0.47, 0.58, 0.63], 0.60)   # 2.4
+    """
+    for e, a in enumerate(accs):
+        if a >= level:
+            return 1.0 if e == 0 else e + (level - accs[e - 1]) / (a - accs[e - 1])
+    return None
+
+
+def images_to_reach(out: str, big: int | None = None) -> str:
+    """The table's data-efficiency section: for np=1's committed recipe and each candidate at np=1 and
+    np=``big`` (its mean curve over seeds), the epochs of images after which the test accuracy first
+    reaches each of ``LEVELS``; at np=``big``, also how many times the same recipe's np=1 that is (the same
+    warmup and schedule in epochs, so the ratio is what the larger batch costs in images)."""
+    found = points(out)
+    big = big or max([p for _, p in found] or [48])
+    ref = finished(os.path.join(REPO, "experiments", "paper-size", "naive", "np1", "result.json"))
+    mean = lambda rs: [sum(r["epochs"][e]["test_acc"] for r in rs) / len(rs)  # noqa: E731
+                       for e in range(min(len(r["epochs"]) for r in rs))]
+    seeds_of = lambda rs: f"{len(rs)} seed{'s' if len(rs) > 1 else ''}"  # noqa: E731
+
+    def cells(acc, base=None):
+        out = []
+        for lv in LEVELS:
+            e, b = epochs_to(acc, lv), epochs_to(base, lv) if base else None
+            out.append("—" if e is None else f"{e:.1f}" + (f" ({e / b:.1f}×)" if b else ""))
+        return " | ".join(out)
+    lines = ["| curve | " + " | ".join(f"to {lv:.2f}" for lv in LEVELS) + " |", "|---|" + "---:|" * len(LEVELS)]
+    if ref:
+        lines.append(f"| np=1, committed recipe (seed 0) | {cells([e['test_acc'] for e in ref['epochs']])} |")
+    for name in sorted({n for n, p in found if p == big}):
+        one = mean(found[(name, 1)]) if (name, 1) in found else None
+        if one:
+            lines.append(f"| {name}, np=1 ({seeds_of(found[(name, 1)])}) | {cells(one)} |")
+        lines.append(f"| {name}, np={big} ({seeds_of(found[(name, big)])}) | "
+                     f"{cells(mean(found[(name, big)]), one)} |")
+    return ("## Images to each accuracy\n\n" + "\n".join(lines) + "\n\nEpochs of training images (linear "
+            "between epoch ends, on the mean curve over seeds) after which the test accuracy first reaches each "
+            f"level; at np={big}, in brackets, how many times the same recipe's np=1 that is; — : not within the "
+            "run. Every run has the same 10 epochs of images and a schedule set in epochs: a curve that needs "
+            "more images for an accuracy runs out of them first.\n")
 
 
 def figure(out: str, big: int | None = None) -> str | None:
