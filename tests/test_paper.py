@@ -146,10 +146,11 @@ def test_compare_paper_on_the_committed_paper_size_points(tmp_path):
     """Whatever points of experiments/paper-size/ have finished are in the table with their own accuracy; the rest
     are pending; the committed compare.json is what `pilab compare --paper` makes of them."""
     rules = {"50k naive": "naive", "50k sqrt+warmup": "sqrt-warmup"}
-    batch = os.path.join(REPO, "experiments", "paper-batch", "cpu", "linear-warmup-5-few-step")
+    batch = os.path.join(REPO, "experiments", "paper-batch", "cpu",
+                         "linear-warmup-5-few-step-zero-init-residual")
     p = _pilab("compare", *[os.path.join(PS, r) for r in rules.values()], os.path.join(FBW, "naive"),
                os.path.join(FBW, "sqrt-warmup"), batch, "--labels",
-               "50k naive,50k sqrt+warmup,15k naive,15k sqrt+warmup,50k linear+warmup 5+few-step", "--paper",
+               "50k naive,50k sqrt+warmup,15k naive,15k sqrt+warmup,50k few-step+zero-init", "--paper",
                "--out", str(tmp_path / "c"))
     side = json.loads((tmp_path / "c" / "compare.json").read_text())["paper"]
     for label, r in rules.items():
@@ -165,7 +166,7 @@ def test_compare_paper_on_the_committed_paper_size_points(tmp_path):
     # the paper-batch screen's folder (npN-seedS): its seed 0 at np 1 and 48, and no other np pending
     seed0 = {n: json.load(open(os.path.join(batch, f"np{n}-seed0", "result.json"))) for n in (1, 48)}
     for row in side["rows"]:
-        a = row["studies"]["50k linear+warmup 5+few-step"]
+        a = row["studies"]["50k few-step+zero-init"]
         assert not a["pending"]
         assert a["final_test_acc"] == (seed0[row["np"]]["epochs"][-1]["test_acc"] if row["np"] in seed0 else None)
     committed = json.loads(open(os.path.join(PS, "compare.json")).read())
