@@ -87,6 +87,7 @@ class Config:
     lars_eta: float = 0.001  # LARS trust coefficient
     # --- BatchNorm ---
     zero_init_residual: bool = False  # the last BatchNorm scale of every residual block starts at 0, so each block starts as the identity (Goyal et al. 2017); MobileNetV2's blocks with a shortcut, torchvision-style ResNet blocks
+    whiten_stem: bool = False  # the first convolution over the images starts as a whitening of the training images' patches (their principal directions at unit variance, in +/- pairs; fast-CIFAR recipes), from 5,000 images drawn by the seed; it trains as any other layer
     bn: str = "local"  # local: per-rank statistics (the original study) | sync: across ranks over MPI | renorm: per-rank, Batch Renormalization (Ioffe 2017: corrected towards the running statistics, for small per-rank batches)
     bn_buffers: str = "broadcast"  # before eval/checkpoint: rank 0's running stats | rank average
     ghost_batch: int = 0  # BN statistics over groups of this many images per rank; 0 = whole batch

@@ -93,7 +93,8 @@ def test_zero_init_residual_starts_every_block_with_a_shortcut_as_the_identity()
 def test_the_toolbox_together_trains_in_the_simulator_and_bad_combinations_are_refused():
     cfg = Config(width=0.25, train_subset=320, test_subset=200, batch_size=16, epochs=2, threads=1,
                  optimizer="lamb", lr=4e-3, lr_scaling="sqrt", warmup_epochs=0.5, weight_decay=0.01,
-                 zero_init_residual=True, bn_lr_scale=2.0, lookahead_steps=5, simulate_mode="fast")
+                 zero_init_residual=True, bn_lr_scale=2.0, lookahead_steps=5, whiten_stem=True,
+                 simulate_mode="fast")
     result, _ = simulate.train(cfg, 4)
     loss = result["steps"]["loss"]
     assert all(map(lambda v: v == v, loss))  # finite

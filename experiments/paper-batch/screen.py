@@ -90,6 +90,9 @@ CANDIDATES: dict[str, dict] = {
                                                       lookahead_steps=5, **FEW_STEP),
     "linear + warmup 5 + few-step + BN lr x4": dict(lr=0.025, lr_scaling="linear", warmup_epochs=5.0,
                                                    bn_lr_scale=4.0, **FEW_STEP),
+    # added 2026-12-07, not screened yet: the best recipe that keeps np=1 with the stem started as a whitening
+    "linear + warmup 5 + few-step + zero-init residual + whitened stem": dict(
+        lr=0.025, lr_scaling="linear", warmup_epochs=5.0, zero_init_residual=True, whiten_stem=True, **FEW_STEP),
 }
 REFERENCE = "naive"  # np=1's committed recipe (0.785 on seed 0 at 50,000 images, CPU)
 

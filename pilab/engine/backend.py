@@ -34,6 +34,7 @@ from .exactness import check_custom_model
 from .layers import use_batch_renorm, use_ghost_batchnorm, use_rank_dropout
 from ..models.names import is_builder_spec
 from ..models.residual import zero_residual_bn
+from ..models import whiten
 from ..models.zoo import build_model
 
 NUM_CLASSES = 10
@@ -90,6 +91,15 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
     if cfg.zero_init_residual:
         try:
             zero_residual_bn(model, cfg.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if cfg.whiten_stem:
+        if data is None:
+            raise ConfigError("whiten_stem: the first convolution is made from the training images, and none "
+                              "were given; build the model with data=")
+        try:
+            rows = whiten.sample_rows(len(data.x_train), cfg.seed)
+            whiten.whiten_stem(model, data_mod.to_input(torch.from_numpy(data.x_train[rows]), data.mean, data.std))
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if cfg.bn != "sync" and (cfg.ghost_batch or ranks > 1 or context is not None or cfg.bn == "renorm"):

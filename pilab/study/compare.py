@@ -23,7 +23,7 @@ from .points import _NOT_TRAINING, _load_json
 SETTING_GROUPS = {
     "learning-rate rule": ("lr", "lr_scaling", "lr_ref_batch", "warmup_epochs", "optimizer", "schedule",
                            "momentum", "nesterov", "lars_eta", "bn_lr_scale", "lookahead_steps"),
-    "model": ("model", "width", "timesteps", "zero_init_residual"),
+    "model": ("model", "width", "timesteps", "zero_init_residual", "whiten_stem"),
     "batch": ("batch_mode", "batch_size"),
     "BatchNorm": ("bn", "bn_buffers", "ghost_batch", "bn_group"),
     "data": ("data", "train_subset", "test_subset", "augment", "sharding"),
