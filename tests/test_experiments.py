@@ -105,3 +105,6 @@ def test_the_committed_paper_batch_table_is_what_its_points_make(tmp_path):
     assert text == (committed / "table.md").read_text(), \
         "re-run: python experiments/paper-batch/screen.py --table experiments/paper-batch/cpu"
     assert "| np=1, committed recipe (seed 0) | 1.3 | 2.4 | 3.4 | 4.8 | 6.7 |" in text
+    # the fitting section: warmup 8's last-epoch training accuracy, 0.748/0.744/0.746 at np=1 and
+    # 0.654/0.602/0.653 at np=48 (cpu/results.jsonl), 11.0 points apart
+    assert "| linear + warmup 8 | 0.746 | 0.636 | -11.0 | 0.784 | 0.678 | -10.6 |" in text

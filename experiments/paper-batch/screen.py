@@ -256,7 +256,7 @@ def table(out: str) -> str:
     lines = ["| candidate | np | seed | final test acc | test acc per epoch |", "|---|---:|---:|---:|---|"]
     lines += [f"| {r['candidate']} | {r['np']} | {r['seed']} | {r['final_test_acc']:.4f} | "
               + " ".join(f"{e['test_acc']:.3f}" for e in r["epochs"]) + " |" for r in done]
-    text = summary(out) + "\n" + images_to_reach(out) + "\n## Every point\n\n" + "\n".join(lines) + "\n"
+    text = summary(out) + "\n" + images_to_reach(out) + "\n" + fit(out) + "\n## Every point\n\n" + "\n".join(lines) + "\n"
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(text)
     figure(out)
@@ -418,6 +418,27 @@ def images_to_reach(out: str, big: int | None = None) -> str:
             f"level; at np={big}, in brackets, how many times the same recipe's np=1 that is; — : not within the "
             "run. Every run has the same 10 epochs of images and a schedule set in epochs: a curve that needs "
             "more images for an accuracy runs out of them first.\n")
+
+
+def fit(out: str, big: int | None = None) -> str:
+    """The table's section on fitting: per candidate with both np, the training accuracy of the last epoch
+    (over its augmented images, averaged over its steps) beside the test accuracy, mean over seeds, and np=``big``
+    minus np=1 in each. Where the training gap is as wide as the test gap, np=``big`` loses by fitting the
+    training images less in its steps, not by generalising worse from what it fits."""
+    found = points(out)
+    big = big or max([p for _, p in found] or [48])
+    lines = [f"| candidate | train acc np=1 | np={big} | train gap | test acc np=1 | np={big} | test gap |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name in sorted({n for n, p in found if p == big and (n, 1) in found}):
+        tr = {p: _mean_sd([r["epochs"][-1]["train_acc"] for r in found[(name, p)]])[0] for p in (1, big)}
+        te = {p: _mean_sd([r["epochs"][-1]["test_acc"] for r in found[(name, p)]])[0] for p in (1, big)}
+        lines.append(f"| {name} | {tr[1]:.3f} | {tr[big]:.3f} | {(tr[big] - tr[1]) * 100:+.1f} | "
+                     f"{te[1]:.3f} | {te[big]:.3f} | {(te[big] - te[1]) * 100:+.1f} |")
+    return ("## Fitting the training images\n\n" + "\n".join(lines) + "\n\nThe last epoch's training accuracy "
+            "(its augmented images, averaged over the epoch's steps, the weights themselves) and the final test accuracy (with "
+            "the recipe's EMA and flip averaging where it has them), mean over seeds; gaps in points. A training gap "
+            f"as wide as the test gap: np={big} fits the training images less in its steps, rather than "
+            "generalising worse from what it fits.\n")
 
 
 def figure(out: str, big: int | None = None) -> str | None:
