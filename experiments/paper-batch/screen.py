@@ -454,8 +454,10 @@ def figure(out: str, big: int | None = None) -> str | None:
         return None
     found = points(out)
     big = big or max([p for _, p in found] or [48])
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, name in enumerate(sorted({n for n, _ in found})):
+    names = sorted({n for n, _ in found})
+    # the legend goes under the axes (one line a curve): inside, a dozen curves' labels hid the curves
+    fig, ax = plt.subplots(figsize=(7, 3.6 + 0.16 * sum((n, p) in found for n in names for p in (1, big))))
+    for i, name in enumerate(names):
         for p, style in ((1, "--"), (big, "-")):
             rs = found.get((name, p))
             if not rs:
@@ -469,7 +471,7 @@ def figure(out: str, big: int | None = None) -> str | None:
     ax.set_xlabel("training images seen (thousands)")
     ax.set_ylabel("test accuracy")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     ax.set_title(f"The paper's batch: np=1 (dashed) and np={big} (solid) on the same images", fontsize=9)
     path = os.path.join(out, "curves.png")
     fig.tight_layout()
