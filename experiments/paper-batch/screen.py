@@ -90,7 +90,7 @@ CANDIDATES: dict[str, dict] = {
                                                       lookahead_steps=5, **FEW_STEP),
     "linear + warmup 5 + few-step + BN lr x4": dict(lr=0.025, lr_scaling="linear", warmup_epochs=5.0,
                                                    bn_lr_scale=4.0, **FEW_STEP),
-    # added 2026-12-07, not screened yet: the best recipe that keeps np=1 with the stem started as a whitening
+    # added 2026-12-07: the best recipe that keeps np=1, with the stem started as a whitening of the data
     "linear + warmup 5 + few-step + zero-init residual + whitened stem": dict(
         lr=0.025, lr_scaling="linear", warmup_epochs=5.0, zero_init_residual=True, whiten_stem=True, **FEW_STEP),
 }
@@ -374,6 +374,11 @@ def _summary(found: dict, big: int) -> str:
 LEVELS = (0.5, 0.6, 0.65, 0.7, 0.75)  # the test accuracies images_to_reach counts the epochs to
 
 
+def _mean_curve(rs: list[dict]) -> list[float]:
+    """Test accuracy after each epoch, mean over these seeds' result.json (as long as the shortest)."""
+    return [sum(r["epochs"][e]["test_acc"] for r in rs) / len(rs) for e in range(min(len(r["epochs"]) for r in rs))]
+
+
 def epochs_to(accs: list[float], level: float) -> float | None:
     """The epochs of training after which a curve of test accuracy per epoch first reaches ``level``,
     linear between epoch ends (1.0 if the first epoch's end is already there); None if it never does::
@@ -394,8 +399,7 @@ def images_to_reach(out: str, big: int | None = None) -> str:
     found = points(out)
     big = big or max([p for _, p in found] or [48])
     ref = finished(os.path.join(REPO, "experiments", "paper-size", "naive", "np1", "result.json"))
-    mean = lambda rs: [sum(r["epochs"][e]["test_acc"] for r in rs) / len(rs)  # noqa: E731
-                       for e in range(min(len(r["epochs"]) for r in rs))]
+    mean = _mean_curve
     seeds_of = lambda rs: f"{len(rs)} seed{'s' if len(rs) > 1 else ''}"  # noqa: E731
 
     def cells(acc, base=None):
@@ -462,9 +466,8 @@ def figure(out: str, big: int | None = None) -> str | None:
             rs = found.get((name, p))
             if not rs:
                 continue
-            n = min(len(r["epochs"]) for r in rs)
-            images = [(e + 1) * rs[0]["global_batch"] * rs[0]["steps_per_epoch"] / 1e3 for e in range(n)]
-            mean = [sum(r["epochs"][e]["test_acc"] for r in rs) / len(rs) for e in range(n)]
+            mean = _mean_curve(rs)
+            images = [(e + 1) * rs[0]["global_batch"] * rs[0]["steps_per_epoch"] / 1e3 for e in range(len(mean))]
             ax.plot(images, mean, style, color=f"C{i}", marker="o", ms=3,
                     label=f"{name}, np={p} ({len(rs)} seed{'s' if len(rs) > 1 else ''}, "
                           f"{rs[0]['total_steps']} steps)")
