@@ -1,4 +1,4 @@
-"""Memory per rank (pilab.models.memory): what the cuts keep identical, and the prediction against a real rank."""
+"""Memory per rank (pilab.engine.memory): what the cuts keep identical, and the prediction against a real rank."""
 import contextlib
 import json
 import os
@@ -17,7 +17,8 @@ from torch import nn
 from pilab import data
 from pilab.engine import loop as engine, optim
 from pilab.engine import virtual as engine_virtual
-from pilab.models import memory, zoo as models
+from pilab.engine import memory
+from pilab.models import zoo as models
 from conftest import MPIEXEC, mpi_env
 from pilab.config import Config, ConfigError
 
@@ -271,7 +272,7 @@ def test_prediction_within_15_percent_of_a_real_rank(tmp_path, model, batch):
 
 
 def test_your_own_models_step_memory_is_measured_once_and_only_where_needed():
-    from pilab.models import memprobe
+    from pilab.engine import memprobe
     resnet, head = (Config(model=f"{OWN_MODELS}:{m}", width=0.5, batch_size=32, threads=1)
                     for m in ("small_resnet", "bn1d_head"))
     misses = memprobe.step_memory.cache_info().misses

@@ -1,6 +1,6 @@
 """Memory per rank: the predicted peak RSS of one training rank, and the nodes it has to fit in.
 
-    from pilab.models.memory import predict_peak_bytes, NODE_MEMORY, fit_warning
+    from pilab.engine.memory import predict_peak_bytes, NODE_MEMORY, fit_warning
     peak = predict_peak_bytes(cfg)                 # bytes, one rank, the whole training set on it
     peak = predict_peak_bytes(cfg, np_=48)         # this rank's shard only (static sharding)
     fit_warning(cfg, np_=2, ranks_per_node=2, node_bytes=NODE_MEMORY["pi4b_4gb"])   # None: it fits
@@ -71,8 +71,8 @@ class MemoryConfigError(ConfigError):
 def _model_facts(model: str, width: float, timesteps: int, image_size: int = 32) -> tuple[int, int, int]:
     """(parameters, activation elements of one image, elements of the largest layer output), measured
     on ``models.probe_model`` (the global RNG untouched), for square images of ``image_size``."""
-    from .zoo import _TAKES_TIMESTEPS, activation_elements, count_parameters, largest_output_elements, \
-        probe_model
+    from ..models.zoo import (_TAKES_TIMESTEPS, activation_elements, count_parameters, largest_output_elements,
+                              probe_model)
     ts = timesteps if model in _TAKES_TIMESTEPS else None
     return (count_parameters(probe_model(model, width=width, timesteps=ts)),
             activation_elements(model, width, image_size=image_size, timesteps=ts),
@@ -83,7 +83,7 @@ def _step_memory(cfg: Config, shape: tuple[int, int, int], allocator: str) -> tu
     """(warm bytes, bytes per image) of a training step of your own model, measured (``models.memprobe``);
     None for a registered model (its constants are measured) or where the probe cannot run."""
     from .memprobe import ProbeError, step_memory
-    from .names import is_builder_spec
+    from ..models.names import is_builder_spec
     if not is_builder_spec(cfg.model):
         return None
     try:  # a rank's own threads (1 where cfg.threads is auto: a Pi's ranks get one or two cores each)
