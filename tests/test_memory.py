@@ -116,7 +116,7 @@ for opt in ("sgd", "lars"):
     engine.train(cfg, engine.MPIRanks(None))
     engine.train(replace(cfg, max_steps=0, resume=out + "/checkpoint.pt"), engine.MPIRanks(None))
     engine.train(replace(cfg, out=""), engine.VirtualRanks(2))
-from pilab.models import memory
+from pilab.engine import memory
 from pilab import perfmodel
 for model, width in (("mobilenetv2_cifar", 1.0), ("mobilenetv2", 0.5), ("squeezenet1_1", 1.0)):
     assert memory.predict_peak_bytes(Config(model=model, width=width), np_=2) > 0
