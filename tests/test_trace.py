@@ -1,7 +1,7 @@
 """A per-rank trace of a real run (``--trace``, pilab.engine.trace): real mpiexec ranks on a small slice,
 the file checked against the format (pilab.tracefile.validate), a straggler made by a real CPU quota
 (a cgroup), the bounded window, and the same losses bit for bit with and without tracing; on the testbed
-(two network namespaces, root; hold /tmp/pilab-testbed.lock), one node's link at 10 Mbit/s instead of
+(two network namespaces, root; the machine's testbed lock held), one node's link at 10 Mbit/s instead of
 1 Gbit/s makes the gradient messages crossing it finish late. Both stragglers are also read back by
 ``python -m pilab trace``, which must name them. With trace on, rank 0's ``lane`` events feed the
 notebook's live swim-lane."""
@@ -209,7 +209,7 @@ def test_a_resumed_run_traces_its_own_steps(tmp_path):
     assert sorted({s for _, s in spans}) == res["trace"]["steps"] == [7, 8, 9, 10, 11, 12]
 
 
-def test_a_slow_link_makes_the_buckets_finish_late(tmp_path):
+def test_a_slow_link_makes_the_buckets_finish_late(tmp_path, testbed_lock):
     """Two testbed nodes, one rank each: the same traced run at 1 Gbit/s and with node02's link at 10
     Mbit/s. Every Allreduce crosses that link, so on both ranks the messages' flights (posted to first
     seen complete) and the network part of the wait at the end of backward grow, and the reader names the
