@@ -44,7 +44,7 @@ address already configured here.
 """
 from __future__ import annotations
 
-from .cgroups import limit_memory, processes, ps, throttle
+from .cgroups import cpu_quota, limit_memory, processes, ps, quota, throttle
 from .links import link, shape, traffic, traffic_delta
 from .make import down, status, up
 from .mounts import clear_overlays, overlay
@@ -53,6 +53,6 @@ from .nodes import (DEFAULT_NAME, DEFAULT_RATE, DEFAULT_SUBNET, FIRST_HOST, NODE
                     parse_rate, state_dir)
 
 __all__ = ["Testbed", "TestbedError", "up", "down", "load", "status", "available", "parse_rate",
-           "link", "shape", "throttle", "limit_memory", "overlay", "clear_overlays", "traffic", "traffic_delta",
+           "link", "shape", "throttle", "quota", "cpu_quota", "limit_memory", "overlay", "clear_overlays", "traffic", "traffic_delta",
            "processes", "ps", "burst_bytes", "check_range", "state_dir", "FIRST_HOST", "NODE_IFACE",
            "DEFAULT_SUBNET", "DEFAULT_RATE", "DEFAULT_NAME", "_links", "_netns_list", "_routes_and_addresses"]
