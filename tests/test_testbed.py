@@ -333,6 +333,65 @@ def _per_rank_network(tmp_path, tb, out, hosts):
             "compute": pr["compute"]}
 
 
+def _cpu_rate(pid: int, over_s: float = 1.5) -> float:
+    """Cores a process used over ``over_s`` seconds of wall time (its /proc CPU ticks)."""
+    def ticks():
+        with open(f"/proc/{pid}/stat") as f:
+            st = f.read().rsplit(")", 1)[1].split()
+        return int(st[11]) + int(st[12])
+    t0, c0 = time.monotonic(), ticks()
+    time.sleep(over_s)
+    return (ticks() - c0) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t0)
+
+
+def test_throttle_a_node_while_a_job_runs(tb):
+    # `testbed throttle NODE CPUS` from the CLI while a busy process already runs on node02: it joins the
+    # node's quota at once (the quota bounds it from above: a cap, not a speed), and `none` frees it
+    busy = subprocess.Popen([sys.executable, "-m", "pilab", "testbed", "exec", "--name", NAME, "node02", "--",
+                             sys.executable, "-c", "while True: pass"], env=tb.env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (pids := [p for p in testbed.processes(tb)["node02"]
+                                                          if _cmdline(p) == f"{sys.executable} -c while True: pass"]):
+            time.sleep(0.1)
+        assert pids, testbed.ps(tb)
+        cli = [sys.executable, "-m", "pilab", "testbed", "throttle", "--name", NAME, "node02"]
+        p = subprocess.run([*cli, "0.2"], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "0.2 core" in p.stdout, p.stderr
+        assert testbed.quota(tb, "node02") == pytest.approx(0.2) and testbed.quota(tb, "node01") is None
+        assert f"{NAME}-node02" in _cgroups(pids[0])  # the running process, moved in
+        RECORD["throttled_rate"] = rate = _cpu_rate(pids[0])
+        assert rate < 0.3, rate
+        assert "cpus=0.2" in testbed.ps(tb)
+        status = json.loads(subprocess.run([sys.executable, "-m", "pilab", "testbed", "status", "--name", NAME],
+                                           capture_output=True, text=True, timeout=60).stdout)
+        assert status["nodes"]["node02"]["cpus"] == pytest.approx(0.2)
+        p = subprocess.run([*cli, "none"], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "no CPU quota" in p.stdout, p.stderr
+        assert testbed.quota(tb, "node02") is None and f"{NAME}-node02" not in _cgroups(pids[0])
+        bad = subprocess.run([*cli, "fast"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "give cores as a number" in bad.stderr
+    finally:
+        testbed.throttle(tb, "node02", 0)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(busy.pid, signal.SIGKILL)
+        busy.wait()
+    assert not any(_no_processes_left(tb).values())
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def _cgroups(pid: int) -> str:
+    with open(f"/proc/{pid}/cgroup") as f:
+        return f.read()
+
+
 def test_a_slow_link_shows_as_network_not_waiting(tb, tmp_path):
     # node02's link at a tenth of the others' rate (100 Mbit/s): every Allreduce crosses it, so both
     # ranks spend the extra time in the network; neither waits for the other to reach the Allreduce.

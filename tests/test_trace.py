@@ -103,21 +103,13 @@ def test_trace_of_two_ranks(tmp_path):
 
 
 def _cpu_cgroup(name):
-    """A fresh cgroup with a CPU quota of 0.1 core (v1 cpu controller or v2 cpu.max), or a skip."""
-    for root, v2 in (("/sys/fs/cgroup/cpu", False), ("/sys/fs/cgroup", True)):
-        knob = os.path.join(root, "cpu.max" if v2 else "cpu.cfs_quota_us")
-        if os.path.isfile(knob) and os.access(root, os.W_OK):
-            path = os.path.join(root, name)
-            try:
-                os.makedirs(path, exist_ok=True)
-                with open(os.path.join(path, "cpu.max" if v2 else "cpu.cfs_quota_us"), "w") as f:
-                    f.write("10000 100000" if v2 else "10000")
-            except OSError as e:
-                skip_or_fail(f"cannot make a CPU-quota cgroup at {path} ({e}); run as root",
-                             "the throttled-rank trace must run")
-            return path
-    skip_or_fail("no writable cgroup cpu controller (/sys/fs/cgroup/cpu or cpu.max); run as root",
-                 "the throttled-rank trace must run")
+    """A fresh cgroup with a CPU quota of 0.1 core (testbed.cpu_quota: v1's cpu controller or v2's
+    cpu.max), or a skip."""
+    from pilab import testbed
+    try:
+        return testbed.cpu_quota(name, 0.1)
+    except testbed.TestbedError as e:
+        skip_or_fail(str(e), "the throttled-rank trace must run")
 
 
 def test_throttled_rank_shows(tmp_path):
@@ -130,11 +122,8 @@ def test_throttled_rank_shows(tmp_path):
         res = _train(tmp_path / "t", "--trace", "--trace-window", "2", "--straggler-steps", "2",
                      prefix=lambda a: [MPIEXEC, "-n", "1", *PY, *a, ":", "-n", "1", *wrap, *PY, *a], timeout=180)
     finally:
-        for knob, v in (("cpu.cfs_quota_us", "-1"), ("cpu.max", "max")):
-            if os.path.exists(os.path.join(cg, knob)):
-                with open(os.path.join(cg, knob), "w") as f:
-                    f.write(v)
-        os.rmdir(cg)
+        from pilab import testbed
+        testbed.cpu_quota(os.path.basename(cg), 0)
     spans, _ = _by_step(tracefile.read(str(tmp_path / "t" / "trace.json")))
     # the straggler warning's steps are kept beyond the window (first 5, last 2), on both ranks alike
     t = res["trace"]

@@ -45,7 +45,7 @@ address already configured here.
 """
 from __future__ import annotations
 
-from .cgroups import limit_memory, processes, ps, throttle
+from .cgroups import cpu_quota, limit_memory, processes, ps, quota, throttle
 from .links import link, shape, traffic, traffic_delta
 from .lock import LOCK_PATH, exclusive, holder
 from .make import down, status, up
@@ -56,6 +56,7 @@ from .nodes import (DEFAULT_NAME, DEFAULT_RATE, DEFAULT_SUBNET, FIRST_HOST, NODE
 
 __all__ = ["Testbed", "TestbedError", "up", "down", "load", "status", "available", "parse_rate",
            "exclusive", "holder", "LOCK_PATH",
-           "link", "shape", "throttle", "limit_memory", "overlay", "clear_overlays", "traffic", "traffic_delta",
+           "link", "shape", "throttle", "quota", "cpu_quota", "limit_memory", "overlay", "clear_overlays",
+           "traffic", "traffic_delta",
            "processes", "ps", "burst_bytes", "check_range", "state_dir", "FIRST_HOST", "NODE_IFACE",
            "DEFAULT_SUBNET", "DEFAULT_RATE", "DEFAULT_NAME", "_links", "_netns_list", "_routes_and_addresses"]
