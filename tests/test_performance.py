@@ -262,6 +262,29 @@ def test_the_network_section_without_a_testbed_is_skipped_with_one_line(tmp_path
     assert "network" not in res and res["sections"] == []
 
 
+def test_bench_writes_into_out_and_leaves_the_trees_report_alone(tmp_path):
+    """`pilab bench` run in a tree with a BENCHMARKS.md (as pilab's own) writes its report into --out only;
+    --from puts a report together from saved runs without running anything."""
+    (tmp_path / "BENCHMARKS.md").write_text("the tree's report\n")
+    p = subprocess.run([sys.executable, "-m", "pilab", "bench", "--quick", "--sections", "cli", "--out", "runs/b"],
+                       capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (tmp_path / "BENCHMARKS.md").read_text() == "the tree's report\n"
+    assert sorted(os.listdir(tmp_path / "runs" / "b")) == ["BENCHMARKS.md", "bench.json"]
+    assert "## Command line" in (tmp_path / "runs" / "b" / "BENCHMARKS.md").read_text()
+    p = subprocess.run([sys.executable, "-m", "pilab", "bench", "--from", "runs", "--out", "report"],
+                       capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    text = (tmp_path / "report" / "BENCHMARKS.md").read_text()
+    assert "From `runs/b/bench.json`" in text and "## Command line" in text
+    assert sorted(os.listdir(tmp_path / "runs" / "b")) == ["BENCHMARKS.md", "bench.json"]  # nothing ran
+    p = subprocess.run([sys.executable, "-m", "pilab", "bench", "--from", "runs", "--sections", "cli"],
+                       capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 2 and "--sections go with a run" in p.stderr
+
+
 def test_bench_command_refuses_unknown_sections():
     p = subprocess.run([sys.executable, "-m", "pilab", "bench", "--sections", "nope"], capture_output=True,
                        text=True, cwd=ROOT)

@@ -42,7 +42,7 @@ def _memory_per_rank(res: dict) -> list[str]:
     m = res["machine"]
     out = ["## Memory per rank", "",
            f"Peak RSS of each rank (VmHWM, MB = 10^6 bytes), itemised, two real ranks (`mpiexec -n 2`) on "
-           f"{mem['data']}; measured {m['date']} on {m['cpu']}. Runtime: python + torch + mpi4py imported; data: "
+           f"{mem['data']}; " + (f"from `{res['_from']}`" if res.get("_from") else f"measured {m['date']}") + f" on {m['cpu']}. Runtime: python + torch + mpi4py imported; data: "
            "the rank's shard (uint8) and its share of the test set; model: parameters, gradient buckets, momentum; "
            "activations: what autograd saved in a step's forward; allocator: the rest of the peak (the code "
            "pages of the kernels a step ran, oneDNN's caches, glibc's free lists, gradients in flight). Goal: "

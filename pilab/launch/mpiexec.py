@@ -23,7 +23,8 @@ from typing import Any, Mapping, Sequence
 __all__ = ["LaunchError", "find_mpiexec", "mpiexec_command", "pilab_command", "launcher_size",
            "launcher_rank", "under_mpi", "mpi", "mpi_library", "mpi_versions", "run_job", "job_argv", "JobError"]
 
-MPI_HINT = "`pip install 'pilab[mpich]'` (or the system's MPICH: apt-get install mpich)"
+# pilab is not on PyPI, so `pip install 'pilab[mpich]'` would find nothing: name what installs
+MPI_HINT = "`pip install mpich` (pip's MPICH, the `mpich` extra of a pilab clone) or the system's MPICH (apt-get install mpich)"
 
 
 class LaunchError(ValueError):

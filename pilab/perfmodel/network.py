@@ -332,9 +332,10 @@ def report(data, within: float | None = None, wire_within: float | None = None) 
 
 
 def markdown(n: dict, when: str = "") -> list[str]:
-    """BENCHMARKS.md's lines for the ``network`` section ``n`` (its ``analysis`` made when it was measured);
-    ``when``: the line saying when and at what load it ran."""
-    an = n["analysis"]
+    """BENCHMARKS.md's lines for the ``network`` section ``n``, analysed again by this code (as
+    :func:`report` does: a saved run's ``analysis`` is what the code of its day made of it); ``when``: the
+    line saying when and at what load it ran, or which saved run it is."""
+    an = analyse(n)
     return ["## Performance model against the testbed's shaped links", "",
             f"Testbed {n['testbed']['name']} ({n['testbed']['subnet']}), links {', '.join(n['rates'])}; "
             f"{'quick settings; ' if n.get('quick') else ''}see `pilab.bench.network` and "

@@ -2,7 +2,7 @@
 PYTHONPATH, every Python process (the ranks too: mpiexec passes PYTHONPATH on) loads
 pilab.dist.gradsync with SPIN_S = 60 s, so GradSync's end-of-backward wait polls without napping::
 
-    sudo env PYTHONPATH=experiments/perfmodel/spinning_wait:$PWD flock /tmp/pilab-testbed.lock \\
+    sudo env PYTHONPATH=experiments/perfmodel/spinning_wait:$PWD flock /run/pilab-testbed.lock \\
         python experiments/perfmodel/validate_testbed.py --out runs/validate-spin \\
         --width 1.0 --bucket-mb 1 --bucket-tail-mb 0 --rates 1gbit
 
