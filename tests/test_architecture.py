@@ -48,7 +48,7 @@ def test_the_checker_catches_a_circle_inside_one_part(tmp_path, monkeypatch):
 
 
 def test_the_checker_fences_mpi4py_and_bokeh(tmp_path, monkeypatch):
-    # mpi4py only through pilab.launch.mpi() (or in engine.comm); Bokeh at module level only in the view and
+    # mpi4py only through pilab.launch.mpi() (or in dist/); Bokeh at module level only in the view and
     # the study's report: inside a function elsewhere is fine.
     problems = _check_fake(tmp_path, monkeypatch, {
         "engine.py": "import bokeh.plotting\nfrom mpi4py import MPI\n",

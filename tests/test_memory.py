@@ -246,7 +246,7 @@ OWN_MODELS = Path(__file__).parent / "own_models.py"  # models pilab does not de
 def test_prediction_within_15_percent_of_a_real_rank(tmp_path, model, batch):
     """Two real ranks, a few steps and an evaluation; every rank's measured peak RSS (VmHWM) against
     predict_peak_bytes for the same setting: for the registered MobileNetV2 (its constants measured) and two
-    models pilab has never seen (their step's memory measured by models.memprobe), small_resnet also at
+    models pilab has never seen (their step's memory measured by engine.memprobe), small_resnet also at
     128 images a rank, where its allocator share is twice MobileNetV2's."""
     out = tmp_path / "mem.json"
     spec = model if model == "mobilenetv2" else f"{OWN_MODELS}:{model}"

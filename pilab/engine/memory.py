@@ -19,7 +19,7 @@ The prediction is a sum of parts, each from the model and the data sizes, plus c
   autograd saves, the backward's gradients in flight and what the allocator keeps between steps,
   measured on the registered networks. Your own model (``package.module:builder``) keeps its own share
   (a plain 3x3-conv ResNet at 32x32 keeps as much again as it saves, MobileNetV2 half as much):
-  ``models.memprobe`` measures its step (``warm + per_image * batch``) in a child process, about 2 s
+  ``engine.memprobe`` measures its step (``warm + per_image * batch``) in a child process, about 2 s
   of CPU once per setting; where the probe cannot run (a builder defined in ``__main__``, not Linux) the registered networks' factor stands in;
 * evaluation: ``EVAL_BYTES_PER_ELEMENT`` per element of the largest layer output, times the images of
   one forward (``eval_batch``, at most ``config.EVAL_CHUNK``);
@@ -80,7 +80,7 @@ def _model_facts(model: str, width: float, timesteps: int, image_size: int = 32)
 
 
 def _step_memory(cfg: Config, shape: tuple[int, int, int], allocator: str) -> tuple[int, int] | None:
-    """(warm bytes, bytes per image) of a training step of your own model, measured (``models.memprobe``);
+    """(warm bytes, bytes per image) of a training step of your own model, measured (``engine.memprobe``);
     None for a registered model (its constants are measured) or where the probe cannot run."""
     from .memprobe import ProbeError, step_memory
     from ..models.names import is_builder_spec
@@ -128,7 +128,7 @@ def breakdown(cfg: Config, *, np_: int | None = None, allocator: str = "fast", p
     ``np_`` None: the rank holds the whole training and test sets (the bound for any np); else static
     sharding gives it 1/np of the training images, and it keeps 1/np of the test images. ``allocator``:
     how the rank's malloc is set (``ALLOCATORS``; "fast" keeps more of a step's freed activations).
-    ``probe``: for your own model, measure its step's memory (``models.memprobe``, ~2 s once); False takes
+    ``probe``: for your own model, measure its step's memory (``engine.memprobe``, ~2 s once); False takes
     the registered networks' factor instead (a quick bound, as ``choose_allocator`` uses first)."""
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator={allocator!r}; use one of {', '.join(ALLOCATORS)}")

@@ -54,7 +54,7 @@ MEMORY_SHARE = 0.75
 
 def fitting_ranks(cfg: Config, np_: int, batch: int, free: int | None = None) -> int:
     """The most virtual ranks (1..np_) whose images one forward of the fast mode can hold: the predicted
-    peak of one process training ``k * batch`` images (``models.memory``) within ``MEMORY_SHARE`` of
+    peak of one process training ``k * batch`` images (``engine.memory``) within ``MEMORY_SHARE`` of
     ``free`` bytes (None: what this machine or its memory cgroup has free now; 0: unknown, no limit)::
 
         fitting_ranks(Config(width=1.0), 48, 64, free=24 * 2**30)     # 17 ranks per forward, not 48
