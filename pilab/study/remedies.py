@@ -33,12 +33,7 @@ from ..config import Config, ConfigError, small_mode
 from ..engine.loop import load_data
 from .analysis import POWER_MODELS, calibrate_from, run_energy, target_baseline, time_to_target
 from .points import finished_run, reused_run, same_training, step_events, trained_config
-
-
-def fixed_per_rank(cfg: Config, np_: int) -> int:
-    """Images per rank of "fixed global batch": the size a single rank used, rounded to a multiple of np
-    (>= 2 per rank)."""
-    return max(2, round(cfg.batch_size / np_))
+from .toolbox import fast_and_right, fixed_per_rank
 
 
 def _fixed_global(cfg: Config, np_: int) -> dict:
@@ -81,6 +76,12 @@ def default_candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
     return [(label, ch) for label, ch in out if ch is not None]
 
 
+def toolbox_candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
+    """(label, changes) pairs: :func:`default_candidates`, then the large-batch toolbox's
+    (:func:`pilab.study.toolbox.fast_and_right`; ``--candidates toolbox``)."""
+    return default_candidates(cfg, np_) + [(label, ch) for label, ch in fast_and_right(cfg, np_) if ch is not None]
+
+
 def candidate_labels(cfg: Config, np_: int, candidates=None) -> list[str]:
     """The labels ``only=`` (``--only``) accepts at these settings and ``np_``, in search order, of
     ``candidates`` (a function like :func:`default_candidates`; None: that one)."""
@@ -93,8 +94,7 @@ CANDIDATE_SETS = ("default", "toolbox")
 
 def load_candidates(path: str):
     """A ``candidates(cfg, np_)`` function for :func:`search` or ``pilab remedies --candidates``: pilab's
-    own by name (``"default"``: :func:`default_candidates`; ``"toolbox"``: those and the large-batch
-    toolbox, :func:`pilab.study.toolbox.candidates`), or the one the Python file ``path`` defines (a
+    own by name (``"default"``: :func:`default_candidates`; ``"toolbox"``: :func:`toolbox_candidates`), or the one the Python file ``path`` defines (a
     study's own list, kept beside its results); ConfigError where the file is missing or defines none::
 
         cands = remedies.load_candidates("toolbox")
@@ -105,8 +105,7 @@ def load_candidates(path: str):
     if path == "default":
         return default_candidates
     if path == "toolbox":
-        from .toolbox import candidates
-        return candidates
+        return toolbox_candidates
     if not os.path.isfile(path):
         raise ConfigError(f"--candidates {path}: no such file; give {' or '.join(CANDIDATE_SETS)} (pilab's lists) "
                           "or a Python file that defines candidates(cfg, np_)")

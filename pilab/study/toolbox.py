@@ -1,22 +1,22 @@
-"""The large-batch toolbox as remedies candidates: pilab's default ones (:func:`pilab.study.remedies.default_candidates`),
-then local SGD, the few-step recipe's pieces alone and together, small fixed global batches with BatchNorm over
-the global batch (SyncBatchNorm), over a node's ranks or renormalised, and batch-size ramps, fixed or driven by
-the gradient noise scale -- the candidates of the committed fast-and-right study
-(experiments/fast-but-wrong/remedies/), each defined from the settings and np (the labels carry their batch
-sizes and epochs)::
+"""The large-batch toolbox as remedies candidates, beyond pilab's default ones: local SGD, the few-step recipe's
+pieces alone and together, small fixed global batches with BatchNorm over the global batch (SyncBatchNorm), over
+a node's ranks or renormalised, and batch-size ramps, fixed or driven by the gradient noise scale -- the
+candidates of the committed fast-and-right study (experiments/fast-but-wrong/remedies/), each defined from the
+settings and np (the labels carry their batch sizes and epochs). :func:`pilab.study.remedies.toolbox_candidates`
+puts them after the default ones::
 
     python -m pilab remedies --np 48 --candidates toolbox --only "fixed global batch 192 + few-step recipe + SyncBatchNorm"
-    remedies.search(cfg, 48, candidates=toolbox.candidates, only=["local SGD H=8"])
+    remedies.search(cfg, 48, candidates=remedies.toolbox_candidates, only=["local SGD H=8"])
 """
 from __future__ import annotations
 
 from ..config import Config
-from .remedies import default_candidates, fixed_per_rank
 
 
-def candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
-    """(label, changes) pairs: :func:`pilab.study.remedies.default_candidates`, then :func:`fast_and_right`."""
-    return default_candidates(cfg, np_) + [(label, ch) for label, ch in fast_and_right(cfg, np_) if ch is not None]
+def fixed_per_rank(cfg: Config, np_: int) -> int:
+    """Images per rank of "fixed global batch": the size a single rank used, rounded to a multiple of np
+    (>= 2 per rank)."""
+    return max(2, round(cfg.batch_size / np_))
 
 
 def fast_and_right(cfg: Config, np_: int) -> list[tuple[str, dict | None]]:
