@@ -99,7 +99,7 @@ def test_remedies_name_their_candidates_and_default_to_the_pi_like_scale(tmp_pat
     bad = subprocess.run([sys.executable, "-m", "pilab", "remedies", "--only", "baseline,sqrt lr warmup",
                           "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
-    assert "'sqrt lr warmup' is not a candidate at np=48" in bad.stderr and "sqrt lr + warmup;" in bad.stderr
+    assert "'sqrt lr warmup' is not a candidate at np=48" in bad.stderr and "sqrt lr + warmup (sqrt-lr-warmup);" in bad.stderr
     assert not out.exists()
     bad = subprocess.run([sys.executable, "-m", "pilab", "remedies", "--np", "1", "--recipes-of", "0",
                           "--out", str(out)], capture_output=True, text=True, timeout=120)
