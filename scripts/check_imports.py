@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 # package, named from pilab down ("study", "engine.dist"); a module belongs to the longest part that names it.
 LAYERS = {
     "hosts": -1,  # host/slot lists from a hostfile, --hosts or a Slurm allocation (no pilab imports)
+    "envvars": -1,  # the registry of the environment variables pilab reads (no pilab imports)
     "launch": 0, "files": 0, "embedded": 0,
     "slurm": 0,  # Slurm's commands for batch jobs: a script, sbatch, the queue, scancel (no pilab imports)
     "engine.optim": 0, "engine.buckets": 0, "models.names": 0,
