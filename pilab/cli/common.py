@@ -168,7 +168,7 @@ def batch_text(result: dict) -> str:
 
 def progress_callbacks(quiet: bool):
     """A tqdm bar over all steps and one line per epoch (rank 0 only: callbacks run there); straggler
-    warnings (``pilab.engine.stragglers``) are printed with or without the bar."""
+    warnings (``pilab.trace.stragglers``) are printed with or without the bar."""
     if quiet:
         return [print_stragglers]
     from tqdm.auto import tqdm  # only when a bar is wanted: tqdm.auto probes for a notebook
@@ -283,7 +283,7 @@ def clear_out_dir(out: str) -> None:
 
 def mpi_or_error() -> None:
     """LaunchError with the way to get an MPI library, where mpi4py cannot load one."""
-    from ..engine.dist import MPI
+    from ..dist.helpers import MPI
     from ..launch import MPI_HINT, LaunchError
     if MPI is None:
         raise LaunchError(f"this command needs an MPI library and mpi4py cannot load one; install it "
