@@ -66,6 +66,7 @@ VARS = (
     Var("PILAB_NB_LIVE_EPOCHS", "yours", "the notebook's own (4 small, 5 full)",
         "epochs of the notebooks' live training run"),
     # --- ./lab.sh setup ---
+    Var("PILAB_PYTHON", "setup", "python3", "the Python 3.11+ that makes the virtual environment"),
     Var("PILAB_VENV", "setup", ".venv beside lab.sh", "where ./lab.sh makes and uses the virtual environment"),
     Var("PILAB_SYSTEM_MPI", "setup", "0: pip's MPICH", "1: use the system's MPI and its mpi4py instead of "
         "pip's MPICH"),
