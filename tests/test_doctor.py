@@ -170,7 +170,7 @@ def test_host_that_does_not_answer(tb, tmp_path):
 
 def test_node_with_too_little_memory(tb, tmp_path):
     from pilab.config import Config
-    from pilab.models.memory import predict_peak_bytes
+    from pilab.engine.memory import predict_peak_bytes
     need = 2 * predict_peak_bytes(Config(width=0.25, batch_size=16, threads=1), np_=2 * len(tb.hosts),
                                  allocator="lean")  # what a rank needs (doctor.predicted_peak)
     # enough for the probe itself (Python + torch), not for two ranks of the run

@@ -1,7 +1,7 @@
-"""pilab under a real Slurm (pilab.testbed.slurm): Debian's munged, slurmctld on the testbed's head namespace
+"""pilab under a real Slurm (pilab.testbed.slurmd): Debian's munged, slurmctld on the testbed's head namespace
 and a slurmd in each node namespace. A 2-node testbed x 2 slots serves the module and is always torn down.
 Inside an allocation (train, doctor, notebook engines), and a study as batch jobs (scale/remedies
---launcher slurm: pilab.slurm, pilab.study.batch), faults by real means: scancel, SIGKILL, SIGINT, SIGSTOP,
+--launcher slurm: pilab.launch.slurm, pilab.study.batch), faults by real means: scancel, SIGKILL, SIGINT, SIGSTOP,
 SIGABRT, a partition taken down and Slurm's own time limit.
 
 Needs root, ip/tc (the testbed) and the slurmctld, slurmd and munge packages (``./lab.sh test`` installs
@@ -24,7 +24,7 @@ import pytest
 from conftest import mpi_env, run_on_testbed, skip_or_fail, holding_testbed
 
 from pilab import testbed
-from pilab.testbed import slurm
+from pilab.testbed import slurmd as slurm
 
 pytestmark = pytest.mark.mpi
 

@@ -1,5 +1,5 @@
-"""A per-rank trace of a real run (``--trace``, pilab.engine.trace): real mpiexec ranks on a small slice,
-the file checked against the format (pilab.tracefile.validate), a straggler made by a real CPU quota
+"""A per-rank trace of a real run (``--trace``, pilab.trace.recorder): real mpiexec ranks on a small slice,
+the file checked against the format (pilab.trace.format.validate), a straggler made by a real CPU quota
 (a cgroup), the bounded window, and the same losses bit for bit with and without tracing; on the testbed
 (two network namespaces, root; the machine's testbed lock held), one node's link at 10 Mbit/s instead of
 1 Gbit/s makes the gradient messages crossing it finish late. Both stragglers are also read back by
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import MPIEXEC, REPO, mpi_env, skip_or_fail
-from pilab import tracefile
+from pilab.trace import format as tracefile
 
 TINY = ["--width", "0.25", "--train-subset", "200", "--test-subset", "100", "--batch-size", "16",
         "--threads", "1", "--quiet", "--epochs", "2", "--bucket-mb", "0.05"]
@@ -269,7 +269,7 @@ def test_live_lane_events_of_two_ranks(tmp_path):
     spans and bucket flights, rank 1's estimated compute and wait inside the same step; none without
     trace. The notebook's live swim-lane (plots.LivePlot) builds from them: the last steps, both ranks."""
     from pilab import plots
-    from pilab.plots import trace as tp
+    from pilab.plots import lanes as tp
 
     p = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", LANE_RUN, str(tmp_path / "ev.json")],
                        capture_output=True, text=True, timeout=180, env=mpi_env(), cwd=tmp_path)
@@ -311,7 +311,7 @@ def test_panel_draws_the_lanes_of_a_traced_run():
     pytest.importorskip("ipywidgets")
     from pilab.config import Config
     from pilab.lab import widgets
-    from pilab.plots import trace as tp
+    from pilab.plots import lanes as tp
 
     panel = widgets.ControlPanel(None, Config(width=0.25, train_subset=96, test_subset=50, batch_size=16,
                                               epochs=2, threads=1))

@@ -26,10 +26,10 @@ import sys
 
 from pilab import perfmodel as pm
 from pilab import testbed
-from pilab import tracefile as tf
+from pilab.trace import format as tf
 from pilab.bench import network
 from pilab.files import save_json
-from pilab.study.trace_validation import table, validate
+from pilab.trace.validate import table, validate
 
 from validate_trace import STEP_GOAL, TAIL_GOAL  # this directory: the goals live in one place
 

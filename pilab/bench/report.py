@@ -121,7 +121,7 @@ def _malloc(res: dict) -> list[str]:
             f"each contender a fresh process per round (malloc is per process), {m['steps']} timed steps after 2. "
             "*fast*: glibc keeps freed blocks (mmap threshold 1 GiB, no trimming) — what a rank uses where it "
             "fits; *lean*: blocks from 1 MiB up mapped on their own and returned at once — the lowest peak, "
-            "for a node where fast would not fit (`pilab.models.memory.choose_allocator`). " + _when(res), "",
+            "for a node where fast would not fit (`pilab.engine.memory.choose_allocator`). " + _when(res), "",
             "| malloc | step | minor page faults per step | kernel share of CPU time |", "|---|---|---|---|",
             *rows, "", f"Step time lean / fast: {_r(m['ratio_lean_over_fast'])}.", ""]
 
@@ -213,7 +213,7 @@ def _trace(res: dict) -> list[str]:
             f"{t['model']} width {t['width']}, {t['per_rank_batch']} images per rank, {t['threads']} thread, buckets "
             f"of {t['bucket_mb']:g} MiB: one training step (`Session.step`: data, forward, backward, averaging, "
             "optimizer, the loop's features) of two sessions in one job, one with `Config.trace` (every phase "
-            "stamped, each message tested on its own to note when it completes: `pilab.engine.trace`), "
+            "stamped, each message tested on its own to note when it completes: `pilab.trace.recorder`), "
             f"{t['rounds']} rounds x {t['steps_per_round']} steps each, alternated; the slower rank's median step "
             "per round. " + _when(res), "",
             "| figure | value |", "|---|---|",
@@ -274,7 +274,7 @@ def _network(res: dict) -> list[str]:
     n = res.get("network")
     if not n:
         return []
-    from .network_model import markdown
+    from ..perfmodel.network import markdown
     return markdown(n, _when(res))
 
 

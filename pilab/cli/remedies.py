@@ -38,7 +38,8 @@ def add_parser(sub) -> None:
                    help="accuracy to aim at (default: the baseline simulated at np=1)")
     p.add_argument("--target", default="pi4b_cluster",
                    help="machine the times are predicted for: pi4b_cluster (the default, as for scale), "
-                        "this (calibrated here from the np=1 reference run and a short MPI "
+                        "another Pi preset (pi5_cluster, pi4b_1250_cluster) or a mixed Pi cluster "
+                        "(BOARD:NODES,..., e.g. pi4b:12,pi5:12), this (calibrated here from the np=1 reference run and a short MPI "
                         "micro-benchmark), a calibration or cluster JSON file, or none")
     p.add_argument("--mpiexec", default=None, help="launcher for the micro-benchmark")
     p.add_argument("--resume", dest="resume_search", action="store_true",
@@ -114,15 +115,19 @@ def run(args, argv) -> int:
     if args.recipes_of is not None and args.recipes_of < 1:
         raise ConfigError(f"--recipes-of {args.recipes_of} must be >= 1 (the np whose candidates to run)")
     target = None if args.target == "none" else args.target
-    if target not in (None, "this", "pi4b_cluster") and not os.path.isfile(target):
-        raise ConfigError(f"--target {target!r} is neither this, pi4b_cluster, none nor a JSON file")
+    from ..perfmodel import is_board_spec, is_pi_cluster, resolve_cluster
+    if is_board_spec(target):
+        resolve_cluster(target)  # a mixed cluster's boards: ConfigError naming what is wrong
+    elif target not in (None, "this") and not is_pi_cluster(target) and not os.path.isfile(target):
+        raise ConfigError(f"--target {target!r} is neither this, a Pi preset (pi4b_cluster, pi5_cluster, "
+                          "pi4b_1250_cluster), a mixed Pi cluster (e.g. pi4b:12,pi5:12), none nor a JSON file")
     only = [s.strip() for s in args.only.split(",") if s.strip()] or None
     reuse = [d for d in args.reuse.split(",") if d]
     for d in reuse:
         if not os.path.isdir(d):
             raise ConfigError(f"--reuse {d}: no such study directory; give a pilab scale --out directory")
     opts, cfg = batch_options(args, cfg, [1], resume=args.resume_search)  # one process a job (simulated)
-    from ..engine import preflight
+    from ..engine import ownmodel as preflight
     preflight.check_model(cfg, mpi=True)  # your own model on your data, before any candidate runs
     cands = remedies.load_candidates(args.candidates or "default")
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731

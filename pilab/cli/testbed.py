@@ -1,7 +1,7 @@
 """``pilab testbed {up,down,status,env,exec,link,shape,throttle,traffic}``: a Pi cluster on one machine.
 
     sudo python -m pilab testbed up --nodes 4 --slots 2 --rate 1gbit    # idempotent
-    sudo python -m pilab testbed up --nodes 4 --slurm                    # ... run by Slurm (pilab.slurm)
+    sudo python -m pilab testbed up --nodes 4 --slurm                    # ... run by Slurm (pilab.launch.slurm)
     eval "$(python -m pilab testbed env)"                                # HYDRA_*, UCX_*, PILAB_*
     python -m pilab scale --nps 2,4,8 --hostfile /run/pilab-testbed/hosts
     python -m pilab testbed exec node02 -- hostname                      # a shell "on" a node
@@ -98,7 +98,7 @@ def _run(tbm, args) -> int:
         for h in tb.hosts:
             print(f"  {h}  {tb.address(h)}  (netns {tb.netns(h)}, link {tb.veth(h)})")
         if args.slurm:
-            from ..testbed import slurm
+            from ..testbed import slurmd as slurm
             conf = slurm.start(tb)
             print(f"slurm: slurmctld on head ({slurm.head_address(tb)}), slurmd on {', '.join(tb.hosts)}, "
                   f"partition {slurm.PARTITION}; SLURM_CONF={conf}")

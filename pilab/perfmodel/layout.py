@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from ..engine.buckets import bucket_assignment
+from ..dist.buckets import bucket_assignment
 
 
 @functools.lru_cache(maxsize=None)

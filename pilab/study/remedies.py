@@ -320,7 +320,7 @@ def _epoch_log(log, epochs: int):
 
 def _on(cfg: Config, calibration) -> Config:
     # A preset machine places its own threads per rank; this machine's count says nothing there.
-    return replace(cfg, threads=0) if isinstance(calibration, str) and calibration in perfmodel.PRESETS else cfg
+    return replace(cfg, threads=0) if perfmodel.is_pi_cluster(calibration) else cfg
 
 
 def _whole_run_time(cfg: Config, np_: int, calibration) -> float:

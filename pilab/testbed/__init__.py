@@ -30,7 +30,7 @@ machine, so nothing would cross the shaped link. ``env()`` therefore sets ``UCX_
 ``UCX_NET_DEVICES=eth0``: shared memory inside a node (MPICH's), TCP over the node's link between nodes.
 
 Slurm on the testbed (``up --slurm``: munged, slurmctld on a head namespace, a slurmd per node) is
-:mod:`pilab.testbed.slurm`.
+:mod:`pilab.testbed.slurmd`.
 
 The package by concern: ``nodes`` (what a testbed is, up/down/status), ``shim`` (the files Hydra uses),
 ``make`` (up, down, status), ``links`` (a node's link: down, shaped, its traffic), ``cgroups`` (a node's

@@ -14,7 +14,7 @@ from .cgroups import processes, quota
 from .nodes import (DEFAULT_NAME, NODE_IFACE, Testbed, TestbedError, _NAME_RE, _links, _netns_list, _require,
                     _run, _shape, check_range, load, state_dir)
 from .shim import _write_files
-from .slurm import stop as _stop_slurm
+from .slurmd import stop as _stop_slurm
 
 
 def up(tb: Testbed = Testbed()) -> Testbed:
