@@ -35,9 +35,10 @@ EVAL_CHUNK = 50
 CHOICES = {
     "sharding": ("static", "reshuffle"),
     "batch_mode": ("per_rank", "global"),
-    "optimizer": ("sgd", "lars", "lamb"),
+    "optimizer": ("sgd", "lars", "lamb", "muon"),
     "lr_scaling": ("none", "linear", "sqrt"),
-    "schedule": ("cosine", "step", "constant", "linear"),
+    "schedule": ("cosine", "step", "constant", "linear", "wsd"),
+    "muon_on": ("conv", "conv+depthwise", "conv+head", "conv+depthwise+head"),
     "weight_decay_on": ("weights", "all"),
     "bn": ("local", "sync", "renorm"),
     "bn_buffers": ("broadcast", "average"),
@@ -67,13 +68,15 @@ class Config:
     batch_size: int = 32  # images per rank (per_rank) or in the global batch (global)
     batch_ramp: str = ""  # batch-size ramp: "EPOCH:BATCH,..." -- from each of those epochs (0-based) on, that batch (in batch_size's sense), e.g. batch_size=8 with "3:16,6:32"; or "gns:MAX" -- at each epoch's end the batch becomes the largest of batch_size x 2^k (up to MAX, never smaller than before) whose global batch is within the gradient noise scale measured over that epoch (McCandlish et al. 2018; needs np >= 2); "" = batch_size throughout
     max_steps: int = 0  # stop after this many optimizer steps in total; 0 = no limit
+    batch_aug: int = 1  # batch augmentation (Hoffer et al. 2019): each image of a rank's batch goes into the step this many times, each copy with its own crop and flip; the loss is the mean over the copies, so a step computes this many times the images (the speed counts it); 1 = off
     # --- optimizer ---
-    optimizer: str = "sgd"  # sgd | lars | lamb (Adam's moments with a layer-wise trust ratio, You et al. 2020: beta1 = momentum, beta2 0.999; its lr is Adam's scale, ~1e-3 per 256 images, not SGD's)
+    optimizer: str = "sgd"  # sgd | lars | lamb (Adam's moments with a layer-wise trust ratio, You et al. 2020: beta1 = momentum, beta2 0.999; its lr is Adam's scale, ~1e-3 per 256 images, not SGD's) | muon (the weights muon_on names step by Muon at muon_lr, every other parameter by SGD at lr; see muon_lr)
     lr: float = 0.05  # learning rate per `lr_ref_batch` examples of the global batch
     lr_ref_batch: int = 64  # reference batch size the lr is quoted for
     lr_scaling: str = "none"  # rule from reference to global batch: none | linear | sqrt
     warmup_epochs: float = 0.0  # per-step linear warmup from ~0 to the peak lr, in epochs
-    schedule: str = "cosine"  # after warmup, per step: cosine | step (x0.1 at 50%, 75%) | constant | linear (to 0: with warmup, the triangular schedule of few-step recipes)
+    schedule: str = "cosine"  # after warmup, per step: cosine | step (x0.1 at 50%, 75%) | constant | linear (to 0: with warmup, the triangular schedule of few-step recipes; without, airbench's linear decay) | wsd (warmup-stable-decay: the peak until the last decay_epochs, then linear to 0; a checkpoint of the stable phase resumes with more epochs)
+    decay_epochs: float = 0.0  # schedule=wsd: the last this many epochs decay linearly to 0 (the rest after warmup stays at the peak)
     momentum: float = 0.9  # SGD/LARS momentum coefficient (LAMB's beta1)
     nesterov: bool = False  # Nesterov momentum
     label_smoothing: float = 0.0  # training loss: cross-entropy with this label smoothing (0..1; 0 = none)
@@ -81,11 +84,17 @@ class Config:
     ema_epochs: float = 0.0  # evaluate an exponential moving average of the weights whose time constant is this many epochs (e.g. 0.5: the same horizon at every np; 0 = the weights themselves)
     clip_grad_norm: float = 0.0  # before each optimizer step, scale the averaged gradient down to this global L2 norm if it is longer (0 = never)
     tta: bool = False  # evaluation averages the logits of each test image and of its mirror image
+    tta_translate: bool = False  # with tta: also the image moved one pixel up-left and one down-right (reflect padding), each with its mirror: six views, weighted as airbench's (half the plain pair, a quarter each shifted pair); 3x tta's evaluation cost
     weight_decay: float = 5e-4  # L2 penalty coefficient
     weight_decay_on: str = "weights"  # weights: conv/linear weights only | all parameters
     bn_lr_scale: float = 1.0  # learning rate of BatchNorm scales/shifts and of biases, as a multiple of the weights' (fast-CIFAR recipes raise it); 1 = the same
     lars_eta: float = 0.001  # LARS trust coefficient
+    muon_lr: float = 0.0  # optimizer=muon: the learning rate of the weights Muon steps, per `lr_ref_batch` examples, scaled by lr_scaling and the schedule like lr (airbench: 0.24 at a batch of 2,000); each step moves a weight by muon_lr times its orthogonalised momentum, the weight held at norm sqrt(its output channels)
+    muon_momentum: float = 0.6  # optimizer=muon: Muon's Nesterov momentum (airbench: 0.6 at a batch of 2,000); `momentum` is the SGD parameters'
+    muon_on: str = "conv"  # optimizer=muon: the weights Muon steps: conv (every convolution's filters but depthwise ones) | conv+depthwise | conv+head (and the classifier's weight) | conv+depthwise+head; the rest (BatchNorm, biases, the head unless named) steps by SGD
     # --- BatchNorm ---
+    freeze_bn_scale: bool = False  # every BatchNorm scale fixed at 1 and not trained (airbench's; pair it with a large bn_lr_scale for the shifts, airbench: 64)
+    dirac_init: bool = False  # every dense convolution with at least as many output as input channels starts as the identity on its first input-many filters (torch.nn.init.dirac_; the others keep their random start), as airbench's convolutions; depthwise and narrowing convolutions keep theirs
     zero_init_residual: bool = False  # the last BatchNorm scale of every residual block starts at 0, so each block starts as the identity (Goyal et al. 2017); MobileNetV2's blocks with a shortcut, torchvision-style ResNet blocks
     whiten_stem: bool = False  # the first convolution over the images starts as a whitening of the training images' patches (their principal directions at unit variance, in +/- pairs; fast-CIFAR recipes), from 5,000 images drawn by the seed; it trains as any other layer
     bn: str = "local"  # local: per-rank statistics (the original study) | sync: across ranks over MPI | renorm: per-rank, Batch Renormalization (Ioffe 2017: corrected towards the running statistics, for small per-rank batches)
@@ -152,13 +161,14 @@ class Config:
             raise ConfigError(str(e)) from None
         if self.timesteps < 1:
             raise ConfigError(f"timesteps={self.timesteps} must be >= 1")
-        positive = ("epochs", "batch_size", "lr_ref_batch", "eval_every", "eval_batch", "keep", "straggler_steps",
+        positive = ("epochs", "batch_size", "batch_aug", "lr_ref_batch", "eval_every", "eval_batch", "keep", "straggler_steps",
                     "trace_window")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
         nonneg = ("image_size", "train_subset", "test_subset", "max_steps", "lookahead_steps", "ghost_batch", "bn_group", "threads",
-                  "checkpoint_every", "checkpoint_every_steps", "straggler_threshold", "warmup_epochs", "ema_epochs", "clip_grad_norm", "weight_decay", "momentum", "seed")
+                  "checkpoint_every", "checkpoint_every_steps", "straggler_threshold", "warmup_epochs", "ema_epochs", "clip_grad_norm", "weight_decay", "momentum", "seed",
+                  "decay_epochs", "muon_lr")
         for name in nonneg:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
@@ -169,6 +179,8 @@ class Config:
             raise ConfigError(f"lr={self.lr} must be a positive finite number")
         if self.momentum >= 1:
             raise ConfigError(f"momentum={self.momentum} must be < 1")
+        if not 0 <= self.muon_momentum < 1:
+            raise ConfigError(f"muon_momentum={self.muon_momentum} must be in [0, 1)")
         if self.nesterov and self.momentum == 0:
             raise ConfigError("nesterov=True needs momentum > 0")
         if self.nesterov and self.optimizer == "lamb":
@@ -208,9 +220,40 @@ class Config:
                               "use compression=none")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"label_smoothing={self.label_smoothing} must be in [0, 1)")
+        self._validate_fewstep()
         if self.warmup_epochs > self.epochs:
             raise ConfigError(
                 f"warmup_epochs={self.warmup_epochs} exceeds epochs={self.epochs}; shorten it")
+
+    def _validate_fewstep(self) -> None:
+        """Muon, the warmup-stable-decay schedule and the few-step tricks (issue 54) with the rest."""
+        if self.optimizer == "muon" and not self.muon_lr:
+            raise ConfigError("optimizer=muon needs muon_lr, the lr of the weights Muon steps (per lr_ref_batch "
+                              "images; airbench: 0.24 at a batch of 2,000, e.g. muon_lr=0.005 with lr_ref_batch=32)")
+        if self.muon_lr and self.optimizer != "muon":
+            raise ConfigError(f"muon_lr={self.muon_lr} is Muon's; set optimizer=muon, or drop muon_lr")
+        if self.schedule == "wsd":
+            if not self.decay_epochs:
+                raise ConfigError("schedule=wsd needs decay_epochs > 0: the last epochs, in which the lr decays to 0")
+            if self.warmup_epochs + self.decay_epochs > self.epochs:
+                raise ConfigError(f"warmup_epochs={self.warmup_epochs} + decay_epochs={self.decay_epochs} exceed "
+                                  f"epochs={self.epochs}; shorten them")
+            if self.batch_ramp:
+                raise ConfigError("schedule=wsd counts its decay in the first epoch's steps, which a batch_ramp changes; "
+                                  "use one or the other")
+        elif self.decay_epochs:
+            raise ConfigError(f"decay_epochs={self.decay_epochs} is schedule=wsd's; set schedule=wsd, or drop it")
+        if self.freeze_bn_scale and self.zero_init_residual:
+            raise ConfigError("freeze_bn_scale fixes every BatchNorm scale at 1, zero_init_residual starts some at 0; "
+                              "use one or the other")
+        if self.tta_translate and not self.tta:
+            raise ConfigError("tta_translate adds shifted views to tta's mirror pair; set tta too")
+        if self.batch_aug > 1 and self.ghost_batch:
+            raise ConfigError(f"batch_aug={self.batch_aug} puts each image's copies into the rank's batch, whose "
+                              "ghost_batch groups would then split copies of one image; use one or the other")
+        if self.batch_aug > 1 and not self.augment:
+            raise ConfigError(f"batch_aug={self.batch_aug} makes differently augmented copies, and augment is off; "
+                              "turn augment on, or use batch_aug=1")
 
     # ------------------------------------------------------------------
     def ramp(self) -> list[tuple[int, int]]:

@@ -22,7 +22,9 @@ LAYERS = {
     "hosts": -1,  # host/slot lists from a hostfile, --hosts or a Slurm allocation (no pilab imports)
     "launch": 0, "files": 0, "embedded": 0,
     "slurm": 0,  # Slurm's commands for batch jobs: a script, sbatch, the queue, scancel (no pilab imports)
-    "engine.optim": 0, "engine.buckets": 0, "models.names": 0,
+    "engine.eager": 0,  # torch.optim's methods without the torch._dynamo guards (every pilab optimizer's)
+    "engine.muon": 0.02,  # Muon: orthogonalised momentum for the convolutions (torch, engine.eager)
+    "engine.optim": 0.05, "engine.buckets": 0, "models.names": 0,
     "engine.component": 0,  # what a loop feature is: the moments the loop calls (no imports)
     "engine.noise": 0.2,  # the gradient noise scale, the batch it chooses, and the ramp as a loop feature
     "engine.signals": 0,  # installing signal handlers and putting the old ones back; no pilab imports
@@ -33,6 +35,7 @@ LAYERS = {
     "models.counts": 0.92,  # parameters, MACs, FLOPs of one image (torch only)
     "models.mobilenet": 0.95, "models.squeezenet": 0.95, "models.spiking": 0.97,  # the registered networks (spiking uses mobilenet's channel rounding)
     "models.residual": 0.96,  # residual blocks started as the identity (torch only)
+    "models.dirac": 0.96, "models.bnscale": 0.96,  # convolutions started as the identity; BatchNorm scales fixed at 1 (torch only)
     "models.zoo": 1, "config": 1, "testbed": 1,
     "models.memprobe": 1.4,  # your own model's training step measured in a child process (torch, engine.optim)
     "models.memory": 1.5,  # predicted memory per rank: config and the models only (the doctor and train use it)
@@ -41,6 +44,7 @@ LAYERS = {
     "engine.comm": 1.8, "engine.gradsync": 1.9,  # MPI primitives and shared exact arithmetic; GradSync
     "engine.dist": 2, "data": 2, "engine.checkpoint": 2,
     "engine.syncbn": 2.9,  # SyncBatchNorm over MPI ranks (CPU)
+    "engine.tta": 3,  # test-time augmentation: a test image's logits over its views (torch only)
     "engine.layers": 3, "engine.ema": 3.2,  # ema: the weights' moving average (and its loop feature)
     "engine.exactness": 3.2,  # your own model's layers checked for what the simulator cannot make per-rank
     "engine.lookahead": 3,  # the Lookahead optimizer's slow weights: a loop feature (torch and engine.component only)
