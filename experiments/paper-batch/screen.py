@@ -106,7 +106,7 @@ CANDIDATES: dict[str, dict] = {
     **{f"muon {m:g}{name}": dict(MUON, muon_lr=m, **extra) for m in (0.002, 0.004, 0.008) for name, extra in (
         ("", {}),
         (" + EMA", dict(ema_epochs=0.5)),
-        (", BN trained", dict(freeze_bn_scale=False, bn_lr_scale=1.0)),
+        (" BN trained", dict(freeze_bn_scale=False, bn_lr_scale=1.0)),
         (" + depthwise", dict(muon_on="conv+depthwise")),
         (" + warmup 1", dict(warmup_epochs=1.0, schedule="linear")),
         (" + batch aug 2", dict(batch_aug=2)),
