@@ -9,7 +9,9 @@
 #
 # Environment knobs:
 #   PILAB_VENV=path       where the virtual environment lives (default: .venv beside this file)
-#   PILAB_SYSTEM_MPI=1    use the system MPI (e.g. Debian's mpich) instead of pip's MPICH
+#   PILAB_PYTHON=python   the Python 3.11+ that makes it (default: python3)
+#   PILAB_SYSTEM_MPI=1    use the system's mpi4py and its MPI instead of pip's MPICH (on Debian and
+#                         Raspberry Pi OS python3-mpi4py is built against Open MPI: one node only, see docs)
 #   PILAB_TORCH=spec      torch requirement (default: torch==2.13.0, CPU build)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -17,19 +19,23 @@ here=$(pwd)
 venv=${PILAB_VENV:-$here/.venv}
 py=$venv/bin/python
 torch_spec=${PILAB_TORCH:-torch==2.13.0}
+python=${PILAB_PYTHON:-python3}
 
 say() { printf '[pilab] %s\n' "$*" >&2; }
 
 setup() {
     sysmpi=${PILAB_SYSTEM_MPI:-0}
     if [ ! -x "$py" ]; then
-        command -v python3 >/dev/null || { say "python3 not found; install Python 3.9+ (e.g. apt-get install python3-venv)"; exit 1; }
+        command -v "$python" >/dev/null || { say "$python not found; install Python 3.11+ (e.g. apt-get install python3-venv) or set PILAB_PYTHON"; exit 1; }
+        # pilab's floor (pyproject.toml's requires-python; tests/test_packaging.py checks the code against it)
+        "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+            say "pilab needs Python 3.11+, and $python is $("$python" -V 2>&1); point PILAB_PYTHON at a newer one (e.g. PILAB_PYTHON=python3.12)"; exit 1; }
         say "creating virtual environment $venv"
         # The system MPI's mpi4py is a system package (Debian's python3-mpi4py, built against that MPI):
         # the venv must see it, or pip installs its own mpi4py wheel, which may load another MPI library.
         venv_opts=()
         [ "$sysmpi" = 1 ] && venv_opts=(--system-site-packages)
-        python3 -m venv ${venv_opts[@]+"${venv_opts[@]}"} "$venv" || { say "python3 -m venv failed; on Debian install python3-venv"; exit 1; }
+        "$python" -m venv ${venv_opts[@]+"${venv_opts[@]}"} "$venv" || { say "$python -m venv failed; on Debian install python3-venv"; exit 1; }
     fi
     if [ "$sysmpi" = 1 ] && ! grep -Eqi '^include-system-site-packages *= *true' "$venv/pyvenv.cfg"; then
         say "PILAB_SYSTEM_MPI=1 needs a venv that sees the system's mpi4py, but $venv was made without it; remove it (rm -rf $venv) and rerun"

@@ -15,71 +15,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "pilab"
 
-# Each part of the package and its layer: a module may import only lower layers (the rule in
-# docs/architecture.md: front-ends -> study -> engine -> {dist, data, models}). A part is a module or a
-# package, named from pilab down ("study", "engine.dist"); a module belongs to the longest part that names it.
+# Each part of the package and its layer: a module may import only lower layers (docs/architecture.md:
+# front-ends -> study -> engine -> {dist, data, models}). A part is a folder of pilab (every module in it
+# takes its layer, so a new module needs no entry here) or a module at the top of pilab/.
 LAYERS = {
-    "hosts": -1,  # host/slot lists from a hostfile, --hosts or a Slurm allocation (no pilab imports)
-    "launch": 0, "files": 0, "embedded": 0,
-    "slurm": 0,  # Slurm's commands for batch jobs: a script, sbatch, the queue, scancel (no pilab imports)
-    "engine.eager": 0,  # torch.optim's methods without the torch._dynamo guards (every pilab optimizer's)
-    "engine.muon": 0.02,  # Muon: orthogonalised momentum for the convolutions (torch, engine.eager)
-    "engine.optim": 0.05, "engine.buckets": 0, "models.names": 0,
-    "engine.component": 0,  # what a loop feature is: the moments the loop calls (no imports)
-    "engine.noise": 0.2,  # the gradient noise scale, the batch it chooses, and the ramp as a loop feature
-    "engine.signals": 0,  # installing signal handlers and putting the old ones back; no pilab imports
-    "tracefile": 0.1,  # the Chrome Trace Event Format: build, write, read, check (files only)
-    "verdict": 0,  # the one logic that judges a study's rows; no pilab imports (a leaf: plots and study use it)
-    "plots": 0.5,  # draws what pilab.verdict judged
-    "models.custom": 0.9,  # your own model's builder, found by its string (torch only)
-    "models.counts": 0.92,  # parameters, MACs, FLOPs of one image (torch only)
-    "models.mobilenet": 0.95, "models.squeezenet": 0.95, "models.spiking": 0.97,  # the registered networks (spiking uses mobilenet's channel rounding)
-    "models.residual": 0.96,  # residual blocks started as the identity (torch only)
-    "models.dirac": 0.96, "models.bnscale": 0.96,  # convolutions started as the identity; BatchNorm scales fixed at 1 (torch only)
-    "models.zoo": 1, "config": 1, "testbed": 1,
-    "models.memprobe": 1.4,  # your own model's training step measured in a child process (torch, engine.optim)
-    "models.memory": 1.5,  # predicted memory per rank: config and the models only (the doctor and train use it)
-    "engine.watchdog": 2, "engine.stragglers": 2,
-    "engine.trace": 2.5,  # a per-rank trace of a real run (a loop feature): its timeline, clocks, trace.json
-    "engine.comm": 1.8, "engine.gradsync": 1.9,  # MPI primitives and shared exact arithmetic; GradSync
-    "engine.dist": 2, "data": 2, "engine.checkpoint": 2,
-    "engine.syncbn": 2.9,  # SyncBatchNorm over MPI ranks (CPU)
-    "engine.tta": 3,  # test-time augmentation: a test image's logits over its views (torch only)
-    "engine.layers": 3, "engine.ema": 3.2,  # ema: the weights' moving average (and its loop feature)
-    "engine.exactness": 3.2,  # your own model's layers checked for what the simulator cannot make per-rank
-    "engine.lookahead": 3,  # the Lookahead optimizer's slow weights: a loop feature (torch and engine.component only)
-    "engine.clip": 3,  # the loop feature clipping the averaged gradient's norm
-    "engine.modepick": 3,  # the simulator's auto mode timed: a loop feature (torch and engine.component only)
-    "engine.compilebn": 3.1,  # the fast simulator's BatchNorm compiled: a loop feature (engine.layers, engine.modepick)
-    "engine.features": 3.4,  # the loop's features, each a component in a file of its own
-    "engine.backend": 3.3,  # what the loop asks of a rank backend, and the pieces every backend uses
-    "engine.records": 3.35,  # what the loop records: an epoch's sums and record, the run's result
-    "engine.resume": 3.3, "engine.keeper": 3,  # checkpoints as the loop writes and resumes them; a failed run's result
-    "engine.localsgd": 3,  # local SGD: its plan, the MPI ranks' parameter average, the simulator's per-rank weights
-    "engine.virtual": 3.45,  # the simulator's rank backend (virtual ranks in one process)
-    "engine.ranks": 3.5,  # the rank backends (MPI ranks, the simulator's virtual ranks) the loop drives
-    "engine.loop": 4,
-    "engine.preflight": 4.5,  # your own model against your data, before any rank starts
-    "engine.train": 5, "engine.simulate": 5,
-    "engine.harness": 5.2,  # one guarded run on the ranks (vote, signals, abort, watchdog): CLI, engines, the
-                            # study's jobs
-    "perfmodel": 6, "study.meters": 6.4, "study.energy": 6.5,  # meters: RAPL and power-meter logs (no pilab
-    # imports); energy: uses the perfmodel's Pi facts and the meters; the study uses it
-    "bench": 6.8,  # benchmarks: the engine, the launcher, the harness's jobs and the performance model they check
-    "study": 7,  # the scaling study, its analysis, comparisons, remedies, ablations, the paper, reports
-    "lab.cluster": 9,
-    "doctor": 9.5,  # preflight: the launcher, the perfmodel's bench, the Pi profile's address
-    "lab.widgets": 10,
-    "cli": 11,
-    "__main__": 12, "__init__": 12,
-    # The packages engine/, models/ and lab/ hold modules of several layers; their __init__ imports nothing.
-    # A module in them that is not named above takes the package's layer.
-    "engine": 4, "models": 1, "lab": 10,
+    "files": 0, "verdict": 0,  # atomic writes; the one logic that judges a study's rows (no pilab imports)
+    "component": 0,  # what a loop feature is: the moments the loop calls (no pilab imports)
+    "launch": 0,  # finding mpiexec, starting a job, hostfiles, Slurm, where the ranks land (no torch)
+    "models": 1,  # the networks, by name (torch only)
+    "plots": 1, "testbed": 1,  # the view (Bokeh, matplotlib); network namespaces playing a cluster
+    "config": 2,  # the frozen Config (checks model names against models/)
+    "data": 3, "dist": 3,  # images, shards, loaders; MPI primitives, GradSync, SyncBatchNorm
+    "perfmodel": 4,  # time per step at any np, and its checks against measurements
+    "trace": 5,  # a run's per-rank timeline: recorded, written, read, predicted, validated; stragglers
+    "engine": 6,  # the training loop, its rank backends, its features, one guarded run on the ranks
+    "study": 7,  # scaling studies, remedies, comparisons, reports
+    "bench": 8, "lab": 8,  # the benchmarks (`pilab bench`); the notebook front-ends
+    "doctor": 9,  # preflight of a cluster (uses the lab's profile address)
+    "cli": 10,
+    "__main__": 11, "__init__": 11,
 }
 # Third-party modules only these parts may import (anywhere in them): ipywidgets is the notebook
 # panel's; mpi4py is loaded through pilab.launch.mpi() (importing it initialises MPI, which a process
 # that only plots, predicts or launches must not do) and used directly only by the communication layer.
-ONLY_IN = {"ipywidgets": {"lab.widgets"}, "mpi4py": {"engine.comm", "launch"}}
+ONLY_IN = {"ipywidgets": {"lab"}, "mpi4py": {"dist", "launch"}}
 # Third-party modules that only these modules may import at module level: Bokeh costs ~1 s to import,
 # and a rank, the engine or a benchmark never draws. The view draws the figures; the study's report is
 # the one place that puts them into a page. Elsewhere Bokeh is imported inside the function that draws.

@@ -1,6 +1,7 @@
 """Shared pytest fixtures. Plain pytest runs in one process; MPI tests launch their own mpiexec."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -78,6 +79,35 @@ def run_on_testbed(tb, cmd, *, timeout, **kw):
             pytest.fail(f"the job did not end within {timeout} s; on the nodes then:\n{left}\n"
                         f"-- stdout:\n{out[-2000:]}\n-- stderr:\n{err[-2000:]}")
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@contextlib.contextmanager
+def holding_testbed(request):
+    """Hold the machine's testbed lock (``pilab.testbed.exclusive``) for the block: every fixture or test
+    that makes a testbed (or Slurm on one) runs inside it, so that a second pytest, a benchmark or an
+    experiment that makes testbeds waits instead of taking this one's namespaces and daemons down. While
+    it waits it says so on the terminal (past pytest's capture), naming the process that holds it."""
+    from pilab import testbed
+
+    def say(line):
+        capman = request.config.pluginmanager.getplugin("capturemanager")
+        with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
+            print(f"\n{line}", file=sys.stderr, flush=True)
+
+    with testbed.exclusive(f"pytest {request.node.nodeid}", say=say):
+        yield
+
+
+@pytest.fixture
+def testbed_lock(request):
+    """The machine's testbed lock for one test that makes a testbed of its own (``holding_testbed``);
+    skips (fails under CI=true) where no testbed can be made."""
+    from pilab import testbed
+    why = testbed.available()
+    if why:
+        skip_or_fail(why, "CI runs as root here and must run the multi-node tests")
+    with holding_testbed(request):
+        yield
 
 
 # ---- the suite's clock ----------------------------------------------------------------------

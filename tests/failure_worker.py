@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from pilab import data as data_mod
-from pilab.engine import loop as engine, ranks, virtual
+from pilab.engine import loop as engine, mpi as ranks, virtual
 from pilab.config import Config
 from served import served_batches
 

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 from pilab import data as data_mod
-from pilab.engine import dist, loop as engine, layers, train
+from pilab.dist import helpers as dist
+from pilab.engine import loop as engine, layers, train
 from pilab.config import Config
 
 torch.set_num_threads(1)
@@ -218,7 +219,7 @@ def case_train(out):
     r1, m1 = train.train(one, COMM, data=ds)
     if RANK == 0:
         from pilab.engine import simulate
-        from pilab.engine.ranks import base_model
+        from pilab.engine.mpi import base_model
         update = partial(first_update, base_model(one, torch.device("cpu")).state_dict())
         mine = update(m1.state_dict())
         rel = {}
@@ -429,7 +430,7 @@ def case_syncgroups(out):
     BatchNorm on that group's concatenated batch; one training step against the simulator's, which runs
     every rank in one forward with BatchNorm per group of ranks, and against the other rules."""
     from pilab.engine import simulate
-    from pilab.engine.ranks import base_model
+    from pilab.engine.mpi import base_model
     res = {}
     full, gout, ref_bn = _bn_reference(3)
     mine_bn = layers.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(6)), COMM, group=2)[0]

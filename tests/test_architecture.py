@@ -48,16 +48,16 @@ def test_the_checker_catches_a_circle_inside_one_part(tmp_path, monkeypatch):
 
 
 def test_the_checker_fences_mpi4py_and_bokeh(tmp_path, monkeypatch):
-    # mpi4py only through pilab.launch.mpi() (or in engine.comm); Bokeh at module level only in the view and
+    # mpi4py only through pilab.launch.mpi() (or in dist/); Bokeh at module level only in the view and
     # the study's report: inside a function elsewhere is fine.
     problems = _check_fake(tmp_path, monkeypatch, {
         "engine.py": "import bokeh.plotting\nfrom mpi4py import MPI\n",
         "study/energy.py": "def draw():\n    import bokeh.plotting\n",
         "study/report.py": "import bokeh.plotting\n",
-        "engine/comm.py": "from mpi4py import MPI\n"})
+        "dist/comm.py": "from mpi4py import MPI\n"})
     assert any(p.startswith("pilab.engine:2 imports mpi4py") for p in problems), problems
     assert any(p.startswith("pilab.engine:1 imports bokeh at module level") for p in problems), problems
-    assert not any(p.startswith(("pilab.study.energy", "pilab.study.report", "pilab.engine.comm"))
+    assert not any(p.startswith(("pilab.study.energy", "pilab.study.report", "pilab.dist.comm"))
                    for p in problems), problems
 
 
@@ -65,11 +65,11 @@ def test_the_checker_fences_mpi4py_and_bokeh(tmp_path, monkeypatch):
 # benchmarks measure pilab against (a bare PyTorch loop, DDP, bare mpi4py), which are not a way to train.
 BACKWARD_ALLOWED = {
     "pilab/bench/local.py": "bare-loop and model-only contenders of the one-rank benchmarks",
-    "pilab/bench/ranks.py": "DDP-gloo and bare-mpi4py contenders of the rank benchmarks",
+    "pilab/bench/mpijobs.py": "DDP-gloo and bare-mpi4py contenders of the rank benchmarks",
     "pilab/bench/syncways.py": "per-tensor and fused blocking-Allreduce contenders of the sync section",
-    "pilab/bench/perfmodel.py": "compute-only step timing that the performance model is checked against",
+    "pilab/perfmodel/check.py": "compute-only step timing that the performance model is checked against",
     "pilab/bench/wire.py": "the no-exchange ceiling and DDP-gloo contenders of one step on the wire (issue 23)",
-    "pilab/models/memprobe.py": "a few steps of your own model in a child process, its memory measured (issue 37)",
+    "pilab/engine/memprobe.py": "a few steps of your own model in a child process, its memory measured (issue 37)",
     "scripts/grouped_bn_forms.py": "one BatchNorm layer's forms timed alone, no training (issue 42)",
     "pilab/engine/compilebn.py": "its probe: one small BatchNorm layer compiled forward and backward, no training",
 }
@@ -87,8 +87,8 @@ def test_one_training_loop():
                     callers.add(path.relative_to(REPO).as_posix())
     # the engine's rank backends (their steps: MPI ranks, the simulator's virtual ranks), and GradSync.backward
     # (the loss scaled to this rank's share of the mean)
-    assert callers - set(BACKWARD_ALLOWED) == {"pilab/engine/ranks.py", "pilab/engine/virtual.py",
-                                               "pilab/engine/gradsync.py"}, callers
+    assert callers - set(BACKWARD_ALLOWED) == {"pilab/engine/mpi.py", "pilab/engine/virtual.py",
+                                               "pilab/dist/gradsync.py"}, callers
     assert set(BACKWARD_ALLOWED) <= callers, "an allowed file no longer calls backward: drop it from the list"
 
 
@@ -136,7 +136,7 @@ def test_both_rank_backends_implement_the_declared_protocol():
     import inspect
 
     from pilab.engine.backend import RankBackend
-    from pilab.engine.ranks import MPIRanks, VirtualRanks
+    from pilab.engine.mpi import MPIRanks, VirtualRanks
     methods = [n for n, v in vars(RankBackend).items() if callable(v) and not n.startswith("_")]
     assert len(methods) >= 10, methods
     for backend in (MPIRanks(None), VirtualRanks(2)):
@@ -175,8 +175,8 @@ def test_local_sgd_schedule_is_its_components_alone():
     from pilab.config import Config
     from pilab.engine import features
     from pilab.engine.localsgd import LocalSGD
-    from pilab.engine.ranks import VirtualRanks
-    for name in ("ranks.py", "virtual.py", "loop.py", "ema.py"):
+    from pilab.engine.mpi import VirtualRanks
+    for name in ("mpi.py", "virtual.py", "loop.py", "ema.py"):
         tree = ast.parse((REPO / "pilab" / "engine" / name).read_text())
         reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "phase"
                  and isinstance(n.value, ast.Name) and n.value.id == "localsgd"]

@@ -24,7 +24,7 @@ from conftest import MPIEXEC, mpi_env
 from pilab import data
 from pilab.config import Config
 from pilab.data import DataError
-from pilab.engine import layers, preflight, simulate
+from pilab.engine import layers, ownmodel as preflight, simulate
 from pilab.models import custom
 from pilab.models.names import ModelError
 
@@ -131,7 +131,7 @@ def test_digits_one_channel_8x8_with_their_own_statistics(digits, tmp_path):
     assert again.checksum == digits.checksum and again.mean == digits.mean and again.classes == digits.classes
     assert data.describe(path)["image_shape"] == (1, 8, 8)
     # the memory model reads the shape from the file's headers (a grey 8x8 image is 64 bytes, not 3x...)
-    from pilab.models import memory
+    from pilab.engine import memory
     assert memory.data_facts(Config(data=path)) == (1500, 297, (1, 8, 8))
     loader = data.ShardLoader(again, 3, 1, 16, seed=0)
     x, y = loader.batch(0, 0)

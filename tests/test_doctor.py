@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import mpi_env, skip_or_fail
+from conftest import mpi_env, skip_or_fail, holding_testbed
 
 from pilab import testbed
 from pilab.cli import main as cli_main
@@ -33,18 +33,19 @@ RUN = ["--width", "0.25", "--batch-size", "16", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
-def tb():
+def tb(request):
     why = testbed.available()
     if why:
         skip_or_fail(why, "CI runs as root here and must run the multi-node tests")
-    testbed.down(NAME)
-    bed = testbed.up(testbed.Testbed(nodes=3, slots=2, rate="1gbit", subnet=SUBNET, name=NAME))
-    try:
-        yield bed
-    finally:
+    with holding_testbed(request):
         testbed.down(NAME)
-        assert not [d for d in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup") if os.path.isdir(d)
-                    for e in os.listdir(d) if e.startswith(f"{NAME}-")]
+        bed = testbed.up(testbed.Testbed(nodes=3, slots=2, rate="1gbit", subnet=SUBNET, name=NAME))
+        try:
+            yield bed
+        finally:
+            testbed.down(NAME)
+            assert not [d for d in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup") if os.path.isdir(d)
+                        for e in os.listdir(d) if e.startswith(f"{NAME}-")]
 
 
 def doctor(tb, tmp_path, *args, data=None, env=None):
@@ -169,7 +170,7 @@ def test_host_that_does_not_answer(tb, tmp_path):
 
 def test_node_with_too_little_memory(tb, tmp_path):
     from pilab.config import Config
-    from pilab.models.memory import predict_peak_bytes
+    from pilab.engine.memory import predict_peak_bytes
     need = 2 * predict_peak_bytes(Config(width=0.25, batch_size=16, threads=1), np_=2 * len(tb.hosts),
                                  allocator="lean")  # what a rank needs (doctor.predicted_peak)
     # enough for the probe itself (Python + torch), not for two ranks of the run

@@ -266,10 +266,10 @@ def test_resume_at_another_np_with_sync_bn_matches_to_float_tolerance(tmp_path):
 
 
 def test_a_network_straggler_is_a_slow_link_not_a_small_batch():
-    # The monitor rank 0 feeds (pilab.engine.stragglers): 4 ranks on 2 nodes whose exchange is half of a
+    # The monitor rank 0 feeds (pilab.trace.stragglers): 4 ranks on 2 nodes whose exchange is half of a
     # 0.1 s step -- what 4 images per rank on a healthy gigabit link look like, and what a 100 Mbit/s link
     # does to 32. Only the payload's rate tells them apart: 4 MB in 0.05 s is 80 MB/s, 0.5 MB is 10 MB/s.
-    from pilab.engine.stragglers import MIN_RATE, Monitor
+    from pilab.trace.stragglers import MIN_RATE, Monitor
     hosts = ["node01", "node01", "node02", "node02"]
 
     def run(nbytes, compute=(0.1, 0.1, 0.1, 0.1), steps=12):

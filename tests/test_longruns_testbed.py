@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import mpi_env, run_on_testbed, skip_or_fail
+from conftest import mpi_env, run_on_testbed, skip_or_fail, holding_testbed
 
 from pilab import testbed
 
@@ -33,22 +33,23 @@ TINY = ["--width", "0.25", "--train-subset", "256", "--test-subset", "100", "--t
 
 
 @pytest.fixture(scope="module")
-def tb():
+def tb(request):
     why = testbed.available()
     if why:
         skip_or_fail(why, "CI runs as root here and must run the multi-node tests")
-    testbed.down(NAME)
-    bed = testbed.up(testbed.Testbed(nodes=2, slots=2, rate="1gbit", subnet=SUBNET, name=NAME))
-    try:
-        yield bed
-    finally:
+    with holding_testbed(request):
         testbed.down(NAME)
-        os.makedirs(ARTIFACTS, exist_ok=True)
-        path = os.path.join(ARTIFACTS, "longruns_testbed.json")
-        old = json.load(open(path)) if os.path.exists(path) else {}
-        old.update(RECORD)
-        with open(path, "w") as f:
-            json.dump(old, f, indent=1, sort_keys=True)
+        bed = testbed.up(testbed.Testbed(nodes=2, slots=2, rate="1gbit", subnet=SUBNET, name=NAME))
+        try:
+            yield bed
+        finally:
+            testbed.down(NAME)
+            os.makedirs(ARTIFACTS, exist_ok=True)
+            path = os.path.join(ARTIFACTS, "longruns_testbed.json")
+            old = json.load(open(path)) if os.path.exists(path) else {}
+            old.update(RECORD)
+            with open(path, "w") as f:
+                json.dump(old, f, indent=1, sort_keys=True)
 
 
 def _one_rank_per_node(tb, out, *extra):

@@ -1,4 +1,4 @@
-"""Memory per rank (pilab.models.memory): what the cuts keep identical, and the prediction against a real rank."""
+"""Memory per rank (pilab.engine.memory): what the cuts keep identical, and the prediction against a real rank."""
 import contextlib
 import json
 import os
@@ -17,7 +17,8 @@ from torch import nn
 from pilab import data
 from pilab.engine import loop as engine, optim
 from pilab.engine import virtual as engine_virtual
-from pilab.models import memory, zoo as models
+from pilab.engine import memory
+from pilab.models import zoo as models
 from conftest import MPIEXEC, mpi_env
 from pilab.config import Config, ConfigError
 
@@ -115,7 +116,7 @@ for opt in ("sgd", "lars"):
     engine.train(cfg, engine.MPIRanks(None))
     engine.train(replace(cfg, max_steps=0, resume=out + "/checkpoint.pt"), engine.MPIRanks(None))
     engine.train(replace(cfg, out=""), engine.VirtualRanks(2))
-from pilab.models import memory
+from pilab.engine import memory
 from pilab import perfmodel
 for model, width in (("mobilenetv2_cifar", 1.0), ("mobilenetv2", 0.5), ("squeezenet1_1", 1.0)):
     assert memory.predict_peak_bytes(Config(model=model, width=width), np_=2) > 0
@@ -245,7 +246,7 @@ OWN_MODELS = Path(__file__).parent / "own_models.py"  # models pilab does not de
 def test_prediction_within_15_percent_of_a_real_rank(tmp_path, model, batch):
     """Two real ranks, a few steps and an evaluation; every rank's measured peak RSS (VmHWM) against
     predict_peak_bytes for the same setting: for the registered MobileNetV2 (its constants measured) and two
-    models pilab has never seen (their step's memory measured by models.memprobe), small_resnet also at
+    models pilab has never seen (their step's memory measured by engine.memprobe), small_resnet also at
     128 images a rank, where its allocator share is twice MobileNetV2's."""
     out = tmp_path / "mem.json"
     spec = model if model == "mobilenetv2" else f"{OWN_MODELS}:{model}"
@@ -271,7 +272,7 @@ def test_prediction_within_15_percent_of_a_real_rank(tmp_path, model, batch):
 
 
 def test_your_own_models_step_memory_is_measured_once_and_only_where_needed():
-    from pilab.models import memprobe
+    from pilab.engine import memprobe
     resnet, head = (Config(model=f"{OWN_MODELS}:{m}", width=0.5, batch_size=32, threads=1)
                     for m in ("small_resnet", "bn1d_head"))
     misses = memprobe.step_memory.cache_info().misses

@@ -101,5 +101,5 @@ def test_the_toolbox_together_trains_in_the_simulator_and_bad_combinations_are_r
     assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3  # it learns
     with pytest.raises(ConfigError, match="LAMB has none"):
         Config(optimizer="lamb", nesterov=True)
-    with pytest.raises(ConfigError, match="bn_lr_scale=0.0 must be a positive"):
+    with pytest.raises(ConfigError, match=r"bn_lr_scale=0.0 must be > 0"):
         Config(bn_lr_scale=0)

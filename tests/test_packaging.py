@@ -42,13 +42,15 @@ def _parse(lines) -> dict[str, str]:
     return out
 
 
-def _pyproject() -> dict[str, str]:
-    try:
-        import tomllib
-    except ImportError:  # Python < 3.11
-        import tomli as tomllib
+def _project() -> dict:
+    import tomllib
+
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
-        project = tomllib.load(f)["project"]
+        return tomllib.load(f)["project"]
+
+
+def _pyproject() -> dict[str, str]:
+    project = _project()
     extras = project["optional-dependencies"]
     return _parse(project["dependencies"] + extras["mpich"] + extras["snn"])
 
@@ -80,6 +82,58 @@ def test_binder_scripts_are_executable_and_start_passes_the_command_on():
         assert os.access(path, os.X_OK), f"binder/{name} must be executable"
     with open(os.path.join(REPO, "binder", "start")) as f:
         assert f.read().rstrip().endswith('exec "$@"')
+
+
+# ---- the Python floor ---------------------------------------------------------------------------------
+def _floor() -> tuple[int, int]:
+    m = re.fullmatch(r">=(\d+)\.(\d+)", _project()["requires-python"])
+    assert m, _project()["requires-python"]
+    return int(m[1]), int(m[2])
+
+
+def _vermin(target: str, *paths) -> subprocess.CompletedProcess:
+    """vermin (PyPI; the test extra) run over ``paths``: which Python the code needs, from its syntax and
+    the standard library's functions, modules and keyword arguments it uses (statically: only one Python
+    runs here)."""
+    try:
+        import vermin  # noqa: F401
+    except ImportError:
+        from conftest import skip_or_fail
+        skip_or_fail("vermin is not installed; install the test extra: pip install -e '.[test]'",
+                     "the Python floor must be checked")
+    return subprocess.run([sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())",
+                           "--no-tips", "--violations", "--eval-annotations", f"-t={target}", *paths],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_the_code_runs_on_the_python_floor(tmp_path):
+    """Nothing in pilab, its scripts, tests or docs needs a newer Python than pyproject's requires-python
+    (3.11: subprocess.Popen(process_group=) in cli/train.py, tomllib here); and the check catches what
+    would: a file using a 3.12 function is refused at that floor."""
+    major, minor = _floor()
+    floor = f"{major}.{minor}-"
+    r = _vermin(floor, "pilab", "scripts", "tests", "docs/conf.py", "docs/_ext", "experiments", "notebooks")
+    assert r.returncode == 0, f"code that needs more than Python {major}.{minor}:\n{r.stdout[-4000:]}{r.stderr[-2000:]}"
+    planted = tmp_path / "newer.py"
+    planted.write_text("import itertools\nprint(list(itertools.batched(range(4), 2)))\n")
+    r = _vermin(floor, str(planted))
+    assert r.returncode != 0 and "itertools.batched" in r.stdout, r.stdout
+
+
+def test_every_install_path_states_the_same_floor():
+    major, minor = _floor()
+    v = f"{major}.{minor}"
+    with open(os.path.join(REPO, "environment.yml")) as f:
+        assert f"  - python>={v}\n" in f.read()
+    with open(os.path.join(REPO, "binder", "runtime.txt")) as f:
+        assert f.read().strip() == f"python-{v}"  # repo2docker's Python
+    with open(os.path.join(REPO, "lab.sh")) as f:
+        assert f"sys.version_info < ({major}, {minor})" in f.read()
+    for page in ("README.md", os.path.join("docs", "getting-started.md")):
+        with open(os.path.join(REPO, page)) as f:
+            text = f.read()
+        said = set(re.findall(r"Python (3\.\d+)\+", text))
+        assert said == {v}, (page, said)
 
 
 @pytest.mark.slow

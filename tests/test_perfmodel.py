@@ -158,7 +158,7 @@ def test_per_step_work_makes_small_batches_dearer_per_image():
 
 def test_gradient_layout_matches_gradsync_buckets():
     import torch
-    from pilab.engine.dist import GradSync
+    from pilab.dist.helpers import GradSync
     from pilab.models.zoo import build_model
     for width in (0.25, 1.0):
         with torch.device("meta"):
@@ -430,7 +430,7 @@ def test_wire_model_rows_from_the_committed_network_run():
     """The model against every wire point of the committed run (issue 23 item 4; the table in
     docs/perfmodel.md): a row per contender and point, and where nothing overlaps -- one bucket after
     backward, the link's whole Allreduce exposed -- the step within 15% at every point."""
-    from pilab.bench import network_model
+    from pilab.perfmodel import network as network_model
     data = json.load(open(REPO / "benchmarks" / "results" / "bench_network-2026-12-02-1419.json"))["network"]
     rows = network_model.wire_model_rows(data)
     assert len(rows) == len(data["wire"]) * len(network_model.WIRE_MODEL) == 20
@@ -447,7 +447,7 @@ def test_wire_model_rows_take_each_runs_probe():
     """Each wire run's probe (pilab.bench.wire) sets the overlap rate and the fp16 cost the model uses at
     that point; a run without one (before 2026-12-03), or whose probe found nothing left after backward
     in most rounds (the rate only bounded from below), is modelled at full rate."""
-    from pilab.bench import network_model
+    from pilab.perfmodel import network as network_model
     data = json.load(open(REPO / "benchmarks" / "results" / "bench_network-2026-12-03.json"))["network"]
     rows = network_model.wire_model_rows(data)
     per_run = len(network_model.WIRE_MODEL)

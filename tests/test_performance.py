@@ -16,7 +16,7 @@ from torch import nn
 from pilab import data as data_mod
 from pilab.engine import loop as engine
 from pilab.config import Config, ConfigError
-from pilab.engine.dist import GradSync
+from pilab.dist.helpers import GradSync
 from pilab.engine.layers import GhostBatchNorm2d, RankContext
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,7 +144,7 @@ def test_vectorised_ghost_batchnorm_matches_per_group_batchnorm(ghost, layout):
 
 
 def test_simulate_mode_is_validated_and_auto_picks_what_the_run_allows():
-    from pilab.engine.ranks import mode_used
+    from pilab.engine.mpi import mode_used
     assert Config().simulate_mode == "auto"
     assert mode_used(Config()) == "fast"  # the same mathematics at one process's cost
     assert mode_used(Config(local_steps=4)) == "exact"  # each rank's own weights: one rank per forward
@@ -262,6 +262,29 @@ def test_the_network_section_without_a_testbed_is_skipped_with_one_line(tmp_path
     assert "network" not in res and res["sections"] == []
 
 
+def test_bench_writes_into_out_and_leaves_the_trees_report_alone(tmp_path):
+    """`pilab bench` run in a tree with a BENCHMARKS.md (as pilab's own) writes its report into --out only;
+    --from puts a report together from saved runs without running anything."""
+    (tmp_path / "BENCHMARKS.md").write_text("the tree's report\n")
+    p = subprocess.run([sys.executable, "-m", "pilab", "bench", "--quick", "--sections", "cli", "--out", "runs/b"],
+                       capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (tmp_path / "BENCHMARKS.md").read_text() == "the tree's report\n"
+    assert sorted(os.listdir(tmp_path / "runs" / "b")) == ["BENCHMARKS.md", "bench.json"]
+    assert "## Command line" in (tmp_path / "runs" / "b" / "BENCHMARKS.md").read_text()
+    p = subprocess.run([sys.executable, "-m", "pilab", "bench", "--from", "runs", "--out", "report"],
+                       capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    text = (tmp_path / "report" / "BENCHMARKS.md").read_text()
+    assert "From `runs/b/bench.json`" in text and "## Command line" in text
+    assert sorted(os.listdir(tmp_path / "runs" / "b")) == ["BENCHMARKS.md", "bench.json"]  # nothing ran
+    p = subprocess.run([sys.executable, "-m", "pilab", "bench", "--from", "runs", "--sections", "cli"],
+                       capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 2 and "--sections go with a run" in p.stderr
+
+
 def test_bench_command_refuses_unknown_sections():
     p = subprocess.run([sys.executable, "-m", "pilab", "bench", "--sections", "nope"], capture_output=True,
                        text=True, cwd=ROOT)
@@ -272,7 +295,7 @@ def test_bench_command_refuses_unknown_sections():
 def test_the_wire_job_times_every_contender_against_the_ceiling_and_its_bound():
     # issue 23: the contenders of one step on the wire, run here on loopback (the network section runs
     # the same job on its testbed's nodes); the bound is computed from a link fitted as the section does
-    from pilab.bench import network_model
+    from pilab.perfmodel import network as network_model
     from pilab.launch import run_job
     res = run_job(2, "pilab.bench.wire", {"master": "127.0.0.1", "quick": True}, timeout=600,
                   env=dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1"))

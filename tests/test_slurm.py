@@ -1,7 +1,7 @@
-"""pilab under a real Slurm (pilab.testbed.slurm): Debian's munged, slurmctld on the testbed's head namespace
+"""pilab under a real Slurm (pilab.testbed.slurmd): Debian's munged, slurmctld on the testbed's head namespace
 and a slurmd in each node namespace. A 2-node testbed x 2 slots serves the module and is always torn down.
 Inside an allocation (train, doctor, notebook engines), and a study as batch jobs (scale/remedies
---launcher slurm: pilab.slurm, pilab.study.batch), faults by real means: scancel, SIGKILL, SIGINT, SIGSTOP,
+--launcher slurm: pilab.launch.slurm, pilab.study.batch), faults by real means: scancel, SIGKILL, SIGINT, SIGSTOP,
 SIGABRT, a partition taken down and Slurm's own time limit.
 
 Needs root, ip/tc (the testbed) and the slurmctld, slurmd and munge packages (``./lab.sh test`` installs
@@ -21,10 +21,10 @@ import time
 
 import pytest
 
-from conftest import mpi_env, run_on_testbed, skip_or_fail
+from conftest import mpi_env, run_on_testbed, skip_or_fail, holding_testbed
 
 from pilab import testbed
-from pilab.testbed import slurm
+from pilab.testbed import slurmd as slurm
 
 pytestmark = pytest.mark.mpi
 
@@ -48,18 +48,19 @@ def _need_slurm():
 
 
 @pytest.fixture(scope="module")
-def tb():
+def tb(request):
     _need_slurm()
-    testbed.down(NAME)  # whatever a crashed earlier run left
-    # made by the CLI in a process of its own that then exits, as a teacher's `sudo pilab testbed up`
-    p = subprocess.run([sys.executable, "-m", "pilab", "testbed", "up", "--nodes", "2", "--slots", "2",
-                        "--subnet", SUBNET, "--name", NAME, "--slurm"], capture_output=True, text=True,
-                       cwd=REPO, timeout=120)
-    assert p.returncode == 0, p.stderr
-    try:
-        yield testbed.load(NAME)
-    finally:
-        testbed.down(NAME)
+    with holding_testbed(request):
+        testbed.down(NAME)  # whatever a crashed earlier run left (a live one would hold the lock)
+        # made by the CLI in a process of its own that then exits, as a teacher's `sudo pilab testbed up`
+        p = subprocess.run([sys.executable, "-m", "pilab", "testbed", "up", "--nodes", "2", "--slots", "2",
+                            "--subnet", SUBNET, "--name", NAME, "--slurm"], capture_output=True, text=True,
+                           cwd=REPO, timeout=120)
+        assert p.returncode == 0, p.stderr
+        try:
+            yield testbed.load(NAME)
+        finally:
+            testbed.down(NAME)
 
 
 def _ours() -> list[str]:
@@ -502,8 +503,7 @@ def test_batch_study_bad_input_is_one_line_exit_2_and_nothing_submitted(tb, tmp_
     assert not out.exists() and _squeue(tb).strip() == ""
 
 
-def test_down_stops_every_daemon_and_removes_the_head():
-    _need_slurm()
+def test_down_stops_every_daemon_and_removes_the_head(tb):
     assert testbed.load(NAME, missing_ok=True) is not None  # the module's testbed, made by another process
     assert len(_ours()) == 4, _ours()  # munged, slurmctld, 2 x slurmd
     removed = testbed.down(NAME)

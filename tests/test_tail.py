@@ -10,7 +10,7 @@ import torch
 
 from conftest import MPIEXEC, mpi_env
 from pilab.config import Config
-from pilab.engine.buckets import bucket_assignment
+from pilab.dist.buckets import bucket_assignment
 from pilab.engine.optim import SubsetStep, build_optimizer
 from pilab.models.zoo import build_model
 

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import mpi_env, run_on_testbed, skip_or_fail
+from conftest import holding_testbed, mpi_env, run_on_testbed, skip_or_fail
 
 from pilab import testbed
 
@@ -42,18 +42,19 @@ def _need_testbed():
 
 
 @pytest.fixture(scope="module")
-def tb():
+def tb(request):
     _need_testbed()
-    testbed.down(NAME)  # whatever a crashed earlier run left
-    t = time.monotonic()
-    bed = testbed.up(testbed.Testbed(nodes=2, slots=2, rate="1gbit", subnet=SUBNET, name=NAME))
-    RECORD["up_s"] = round(time.monotonic() - t, 2)
-    try:
-        yield bed
-    finally:
+    with holding_testbed(request):
+        testbed.down(NAME)  # whatever a crashed earlier run left (a live one would hold the lock)
         t = time.monotonic()
-        testbed.down(NAME)
-        RECORD["down_s"] = round(time.monotonic() - t, 2)
+        bed = testbed.up(testbed.Testbed(nodes=2, slots=2, rate="1gbit", subnet=SUBNET, name=NAME))
+        RECORD["up_s"] = round(time.monotonic() - t, 2)
+        try:
+            yield bed
+        finally:
+            t = time.monotonic()
+            testbed.down(NAME)
+            RECORD["down_s"] = round(time.monotonic() - t, 2)
         os.makedirs(ARTIFACTS, exist_ok=True)
         with open(os.path.join(ARTIFACTS, "testbed.json"), "w") as f:
             json.dump(RECORD, f, indent=1)
@@ -105,10 +106,40 @@ def test_up_is_idempotent_and_refuses_a_range_in_use(tb):
                   capture_output=True, text=True, timeout=30)
     assert p.stdout.splitlines()[0] == "node02" and "10.79.0.12/24" in p.stdout
     assert "default" not in p.stdout
+    # while this module's testbed is up, the machine's testbed lock is ours: another process cannot take it
+    p = subprocess.run([sys.executable, "-c", "import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDWR)\n"
+                        "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)", testbed.LOCK_PATH],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "BlockingIOError" in p.stderr, p.stderr
+    assert testbed.holder() == f"pid {os.getpid()} (pytest tests/test_testbed.py)", testbed.holder()
 
 
-def test_down_removes_everything_after_a_crash():
-    _need_testbed()
+_HOLD = ("import sys, time\nfrom pilab import testbed\n"
+         "with testbed.exclusive(sys.argv[2], path=sys.argv[1], say=lambda s: print(s, flush=True)):\n"
+         "    print('got it', flush=True)\n    sys.stdin.read()\n")
+
+
+def test_a_second_testbed_user_waits_naming_the_first(tmp_path):
+    """Two processes that make testbeds: the second waits for the lock, saying which process holds it,
+    and goes on as soon as the first lets go (the lock is an flock: a holder killed by a signal frees it)."""
+    lock = str(tmp_path / "testbed.lock")
+    def hold(who):
+        return subprocess.Popen([sys.executable, "-c", _HOLD, lock, who], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, cwd=REPO)
+    procs = [hold("first")]
+    assert procs[0].stdout.readline() == "got it\n"
+    procs.append(hold("second"))
+    said = procs[1].stdout.readline()
+    assert said.startswith(f"testbed: second: waiting for {lock}, held by pid {procs[0].pid} (first)"), said
+    procs[0].kill()  # not a clean exit: the kernel frees an flock with its holder
+    assert procs[0].wait(timeout=30) == -signal.SIGKILL
+    said = procs[1].stdout.readline()
+    assert said.startswith("testbed: second: got ") and procs[1].stdout.readline() == "got it\n", said
+    procs[1].stdin.close()
+    assert procs[1].wait(timeout=30) == 0
+
+
+def test_down_removes_everything_after_a_crash(testbed_lock):
     bed = testbed.up(testbed.Testbed(nodes=1, rate="none", subnet="10.79.1.0/24", name="pilabz"))
     subprocess.run(["rm", "-rf", bed.state_dir], check=True)  # the process that made it is gone
     removed = testbed.down("pilabz")
@@ -300,6 +331,65 @@ def _per_rank_network(tmp_path, tb, out, hosts):
     net = [e - w for e, w in zip(pr["comm_exposed"], pr["comm_wait"])]
     return {"network": net, "comm_wait": pr["comm_wait"], "comm_exposed": pr["comm_exposed"],
             "compute": pr["compute"]}
+
+
+def _cpu_rate(pid: int, over_s: float = 1.5) -> float:
+    """Cores a process used over ``over_s`` seconds of wall time (its /proc CPU ticks)."""
+    def ticks():
+        with open(f"/proc/{pid}/stat") as f:
+            st = f.read().rsplit(")", 1)[1].split()
+        return int(st[11]) + int(st[12])
+    t0, c0 = time.monotonic(), ticks()
+    time.sleep(over_s)
+    return (ticks() - c0) / os.sysconf("SC_CLK_TCK") / (time.monotonic() - t0)
+
+
+def test_throttle_a_node_while_a_job_runs(tb):
+    # `testbed throttle NODE CPUS` from the CLI while a busy process already runs on node02: it joins the
+    # node's quota at once (the quota bounds it from above: a cap, not a speed), and `none` frees it
+    busy = subprocess.Popen([sys.executable, "-m", "pilab", "testbed", "exec", "--name", NAME, "node02", "--",
+                             sys.executable, "-c", "while True: pass"], env=tb.env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (pids := [p for p in testbed.processes(tb)["node02"]
+                                                          if _cmdline(p) == f"{sys.executable} -c while True: pass"]):
+            time.sleep(0.1)
+        assert pids, testbed.ps(tb)
+        cli = [sys.executable, "-m", "pilab", "testbed", "throttle", "--name", NAME, "node02"]
+        p = subprocess.run([*cli, "0.2"], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "0.2 core" in p.stdout, p.stderr
+        assert testbed.quota(tb, "node02") == pytest.approx(0.2) and testbed.quota(tb, "node01") is None
+        assert f"{NAME}-node02" in _cgroups(pids[0])  # the running process, moved in
+        RECORD["throttled_rate"] = rate = _cpu_rate(pids[0])
+        assert rate < 0.3, rate
+        assert "cpus=0.2" in testbed.ps(tb)
+        status = json.loads(subprocess.run([sys.executable, "-m", "pilab", "testbed", "status", "--name", NAME],
+                                           capture_output=True, text=True, timeout=60).stdout)
+        assert status["nodes"]["node02"]["cpus"] == pytest.approx(0.2)
+        p = subprocess.run([*cli, "none"], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "no CPU quota" in p.stdout, p.stderr
+        assert testbed.quota(tb, "node02") is None and f"{NAME}-node02" not in _cgroups(pids[0])
+        bad = subprocess.run([*cli, "fast"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "give cores as a number" in bad.stderr
+    finally:
+        testbed.throttle(tb, "node02", 0)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(busy.pid, signal.SIGKILL)
+        busy.wait()
+    assert not any(_no_processes_left(tb).values())
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def _cgroups(pid: int) -> str:
+    with open(f"/proc/{pid}/cgroup") as f:
+        return f.read()
 
 
 def test_a_slow_link_shows_as_network_not_waiting(tb, tmp_path):

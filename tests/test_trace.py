@@ -1,7 +1,7 @@
-"""A per-rank trace of a real run (``--trace``, pilab.engine.trace): real mpiexec ranks on a small slice,
-the file checked against the format (pilab.tracefile.validate), a straggler made by a real CPU quota
+"""A per-rank trace of a real run (``--trace``, pilab.trace.recorder): real mpiexec ranks on a small slice,
+the file checked against the format (pilab.trace.format.validate), a straggler made by a real CPU quota
 (a cgroup), the bounded window, and the same losses bit for bit with and without tracing; on the testbed
-(two network namespaces, root; hold /tmp/pilab-testbed.lock), one node's link at 10 Mbit/s instead of
+(two network namespaces, root; the machine's testbed lock held), one node's link at 10 Mbit/s instead of
 1 Gbit/s makes the gradient messages crossing it finish late. Both stragglers are also read back by
 ``python -m pilab trace``, which must name them. With trace on, rank 0's ``lane`` events feed the
 notebook's live swim-lane."""
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import MPIEXEC, REPO, mpi_env, skip_or_fail
-from pilab import tracefile
+from pilab.trace import format as tracefile
 
 TINY = ["--width", "0.25", "--train-subset", "200", "--test-subset", "100", "--batch-size", "16",
         "--threads", "1", "--quiet", "--epochs", "2", "--bucket-mb", "0.05"]
@@ -103,21 +103,13 @@ def test_trace_of_two_ranks(tmp_path):
 
 
 def _cpu_cgroup(name):
-    """A fresh cgroup with a CPU quota of 0.1 core (v1 cpu controller or v2 cpu.max), or a skip."""
-    for root, v2 in (("/sys/fs/cgroup/cpu", False), ("/sys/fs/cgroup", True)):
-        knob = os.path.join(root, "cpu.max" if v2 else "cpu.cfs_quota_us")
-        if os.path.isfile(knob) and os.access(root, os.W_OK):
-            path = os.path.join(root, name)
-            try:
-                os.makedirs(path, exist_ok=True)
-                with open(os.path.join(path, "cpu.max" if v2 else "cpu.cfs_quota_us"), "w") as f:
-                    f.write("10000 100000" if v2 else "10000")
-            except OSError as e:
-                skip_or_fail(f"cannot make a CPU-quota cgroup at {path} ({e}); run as root",
-                             "the throttled-rank trace must run")
-            return path
-    skip_or_fail("no writable cgroup cpu controller (/sys/fs/cgroup/cpu or cpu.max); run as root",
-                 "the throttled-rank trace must run")
+    """A fresh cgroup with a CPU quota of 0.1 core (testbed.cpu_quota: v1's cpu controller or v2's
+    cpu.max), or a skip."""
+    from pilab import testbed
+    try:
+        return testbed.cpu_quota(name, 0.1)
+    except testbed.TestbedError as e:
+        skip_or_fail(str(e), "the throttled-rank trace must run")
 
 
 def test_throttled_rank_shows(tmp_path):
@@ -130,11 +122,8 @@ def test_throttled_rank_shows(tmp_path):
         res = _train(tmp_path / "t", "--trace", "--trace-window", "2", "--straggler-steps", "2",
                      prefix=lambda a: [MPIEXEC, "-n", "1", *PY, *a, ":", "-n", "1", *wrap, *PY, *a], timeout=180)
     finally:
-        for knob, v in (("cpu.cfs_quota_us", "-1"), ("cpu.max", "max")):
-            if os.path.exists(os.path.join(cg, knob)):
-                with open(os.path.join(cg, knob), "w") as f:
-                    f.write(v)
-        os.rmdir(cg)
+        from pilab import testbed
+        testbed.cpu_quota(os.path.basename(cg), 0)
     spans, _ = _by_step(tracefile.read(str(tmp_path / "t" / "trace.json")))
     # the straggler warning's steps are kept beyond the window (first 5, last 2), on both ranks alike
     t = res["trace"]
@@ -209,7 +198,7 @@ def test_a_resumed_run_traces_its_own_steps(tmp_path):
     assert sorted({s for _, s in spans}) == res["trace"]["steps"] == [7, 8, 9, 10, 11, 12]
 
 
-def test_a_slow_link_makes_the_buckets_finish_late(tmp_path):
+def test_a_slow_link_makes_the_buckets_finish_late(tmp_path, testbed_lock):
     """Two testbed nodes, one rank each: the same traced run at 1 Gbit/s and with node02's link at 10
     Mbit/s. Every Allreduce crosses that link, so on both ranks the messages' flights (posted to first
     seen complete) and the network part of the wait at the end of backward grow, and the reader names the
@@ -280,7 +269,7 @@ def test_live_lane_events_of_two_ranks(tmp_path):
     spans and bucket flights, rank 1's estimated compute and wait inside the same step; none without
     trace. The notebook's live swim-lane (plots.LivePlot) builds from them: the last steps, both ranks."""
     from pilab import plots
-    from pilab.plots import trace as tp
+    from pilab.plots import lanes as tp
 
     p = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", LANE_RUN, str(tmp_path / "ev.json")],
                        capture_output=True, text=True, timeout=180, env=mpi_env(), cwd=tmp_path)
@@ -322,7 +311,7 @@ def test_panel_draws_the_lanes_of_a_traced_run():
     pytest.importorskip("ipywidgets")
     from pilab.config import Config
     from pilab.lab import widgets
-    from pilab.plots import trace as tp
+    from pilab.plots import lanes as tp
 
     panel = widgets.ControlPanel(None, Config(width=0.25, train_subset=96, test_subset=50, batch_size=16,
                                               epochs=2, threads=1))

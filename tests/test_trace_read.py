@@ -1,4 +1,4 @@
-"""Reading traces (#39 items 2-3): the straggler table on synthetic traces built with pilab.tracefile
+"""Reading traces (#39 items 2-3): the straggler table on synthetic traces built with pilab.trace.format
 (the recorder's conventions), the `pilab trace` command, and the performance model's predicted trace.
 
     python -m pytest tests/test_trace_read.py
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from pilab import tracefile as tf
-from pilab.study.trace import analyse, load, report
+from pilab.trace import format as tf
+from pilab.trace.read import analyse, load, report
 
 MS = 1e3  # microseconds per millisecond
 
@@ -158,7 +158,7 @@ def test_validate_table(tmp_path):
     out = tmp_path / "pred.json"
     assert _cli("perfmodel", "trace", "--np", "4", "--cluster", "pi4b_cluster", "--width", "0.25",
                 "--out", str(out)).returncode == 0
-    from pilab.study.trace_validation import compare
+    from pilab.trace.validate import compare
     v = compare(tf.read(str(out)), tf.read(str(out)))
     assert v["step"]["error"] == pytest.approx(0, abs=1e-9)
     assert all(b["error"] == pytest.approx(0, abs=1e-9) for b in v["buckets"]) and v["buckets"]
@@ -210,7 +210,7 @@ def test_committed_example_is_what_the_reader_says():
     """experiments/perfmodel/trace-example: the testbed trace, its prediction and the validation JSON the
     driver wrote agree with the reader as it is now."""
     import os
-    from pilab.study.trace_validation import compare
+    from pilab.trace.validate import compare
     d = os.path.join(os.path.dirname(__file__), "..", "experiments", "perfmodel", "trace-example")
     measured = load(os.path.join(d, "trace-200mbit.json"))
     a = analyse(measured)

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from pilab import tracefile as tf
+from pilab.trace import format as tf
 
 
 def _events():

@@ -2,7 +2,7 @@
 restart of TCP's congestion window after an idle link (``net.ipv4.tcp_slow_start_after_idle``) set in
 both testbed namespaces as they come up; every argument goes to validate_testbed.py::
 
-    sudo flock /tmp/pilab-testbed.lock python experiments/perfmodel/validate_no_tcp_restart.py 0 \
+    sudo flock /run/pilab-testbed.lock python experiments/perfmodel/validate_no_tcp_restart.py 0 \
         --out runs/validate-ssai0 --width 1.0 --bucket-mb 1 --bucket-tail-mb 0 --rates 1gbit
 
 The first argument is the value (0: off; 1: Linux's default, for the alternated twin run). Why: the

@@ -2,12 +2,12 @@
 the testbed's own calibration, at 1 Gbit/s and 200 Mbit/s; 2 nodes x 1 rank (one rank per core on a
 2-core machine). Goals from validate_trace.py beside this file.
 
-    sudo flock /tmp/pilab-testbed.lock python experiments/perfmodel/validate_testbed.py --out runs/validate
+    sudo flock /run/pilab-testbed.lock python experiments/perfmodel/validate_testbed.py --out runs/validate
     # a setting whose exposed tail is milliseconds (width 1.0, the last 0.40 MB bucket not re-cut; LOG.md):
-    sudo flock /tmp/pilab-testbed.lock python experiments/perfmodel/validate_testbed.py --out runs/validate-w1 \
+    sudo flock /run/pilab-testbed.lock python experiments/perfmodel/validate_testbed.py --out runs/validate-w1 \
         --width 1.0 --bucket-mb 1 --bucket-tail-mb 0
     # ... with links that behave like a wire after an idle spell (an 80 KB token bucket, not 250 KB):
-    sudo flock /tmp/pilab-testbed.lock python experiments/perfmodel/validate_testbed.py --out runs/validate-wire \
+    sudo flock /run/pilab-testbed.lock python experiments/perfmodel/validate_testbed.py --out runs/validate-wire \
         --width 1.0 --bucket-mb 1 --bucket-tail-mb 0 --burst 81920
 
 Brings its own testbed up (name "trv", 10.92.0.0/24) and always takes it down. Per rate: the Allreduce
@@ -26,10 +26,10 @@ import sys
 
 from pilab import perfmodel as pm
 from pilab import testbed
-from pilab import tracefile as tf
+from pilab.trace import format as tf
 from pilab.bench import network
 from pilab.files import save_json
-from pilab.study.trace_validation import table, validate
+from pilab.trace.validate import table, validate
 
 from validate_trace import STEP_GOAL, TAIL_GOAL  # this directory: the goals live in one place
 

@@ -1,7 +1,7 @@
 """A slow-link trace on the testbed, read by `pilab trace`: N nodes x 1 rank, the last node's link
 shaped to RATE (the others at 1 Gbit/s), a short traced run, then the straggler table.
 
-    sudo flock /tmp/pilab-testbed.lock python experiments/trace-reading/slow_link.py --nodes 4 \
+    sudo flock /run/pilab-testbed.lock python experiments/trace-reading/slow_link.py --nodes 4 \
         --rate 10mbit --out runs/slow-link          # then: python -m pilab trace runs/slow-link
 
 Needs root (network namespaces, tc) and `train --trace`. Brings its own testbed up (name "trr",

@@ -11,7 +11,7 @@ pilab and its pieces are importable (tests call them on tiny settings). The run 
 This file holds no code. Every figure is a ratio against
 a baseline measured in the same run: contenders alternate round by round (the order rotated), one ratio
 per round, reported as median and p10-p90 / min-max. Sections that need ranks run as MPI jobs
-(``pilab.launch.run_job`` over ``pilab.bench.ranks`` / ``pilab.bench.memory`` / ``pilab.engine.harness``; a
+(``pilab.launch.run_job`` over ``pilab.bench.mpijobs`` / ``pilab.bench.memory`` / ``pilab.engine.harness``; a
 failed job raises ``launch.JobError``).
 
 * ``one_rank``: pilab's one-rank step vs a bare PyTorch loop; ``malloc``: that step with malloc "fast"
@@ -25,11 +25,11 @@ failed job raises ``launch.JobError``).
 * ``sync``: the ways to average a step's gradients at np=2 (per-tensor and fused blocking Allreduce,
   GradSync, fp16, MPICH's async progress thread);
 * ``memory``: peak RSS per rank itemised at the study's setting (``pilab.bench.memory``, real ranks),
-  and ``pilab.models.memory``'s prediction against it over 3 widths x 2 batch sizes.
+  and ``pilab.engine.memory``'s prediction against it over 3 widths x 2 batch sizes.
 
 Only when named (minutes each): ``deviation``, the fast mode's deviation after 100 steps at np=48;
 ``perfmodel``, the performance model calibrated here and checked against held-out real runs
-(``pilab.bench.perfmodel``); ``network``, its network half on a testbed of shaped links that the
+(``pilab.perfmodel.check``); ``network``, its network half on a testbed of shaped links that the
 section brings up and removes (root; ``pilab.bench.network``; skipped with one line otherwise).
 
 Running some sections only (``--sections memory``) replaces those sections in an existing BENCHMARKS.md

@@ -1,4 +1,4 @@
-"""What every rank of a benchmark job shares (``pilab.bench.ranks``, ``pilab.bench.syncways``): the world
+"""What every rank of a benchmark job shares (``pilab.bench.mpijobs``, ``pilab.bench.syncways``): the world
 communicator, a barrier that naps, the slower rank's time, the model every contender starts from::
 
     from pilab.bench.job import COMM, nap_barrier, slowest
@@ -12,7 +12,7 @@ import torch
 
 from ..config import Config
 from ..engine import loop as engine
-from ..engine.dist import broadcast_module_
+from ..dist.helpers import broadcast_module_
 from ..launch import mpi
 
 MPI = mpi()  # this module runs on the ranks of a launched job only

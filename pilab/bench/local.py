@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from .. import data as data_mod
 from ..engine import loop as engine
 from ..config import Config
-from ..models.memory import predict_peak_bytes
+from ..engine.memory import predict_peak_bytes
 from ..models.zoo import build_model
 from ..engine.optim import build_optimizer
 from .stats import alternate, alternate_clocks, ratios, summary
@@ -347,7 +347,7 @@ def _malloc_child(cfg: Config, mode: str, steps: int, queue) -> None:
 
 def malloc(cfg: Config, rounds: int, steps: int) -> dict:
     """pilab's one-rank step with malloc "fast" (freed memory kept for the next step) vs "lean" (blocks
-    from 1 MiB up returned at once; ``pilab.models.memory``): each contender a fresh process per round,
+    from 1 MiB up returned at once; ``pilab.engine.memory``): each contender a fresh process per round,
     the order rotated; seconds per step, minor page faults per step and the share of CPU time spent in
     the kernel."""
     import multiprocessing as mp

@@ -16,7 +16,7 @@ what it holds, and rank 0 writes, per rank:
 * ``allocator``: the rest of the peak: gradients in flight in the backward, glibc's free lists and
   oneDNN's primitive caches;
 * ``phases``: the high-water mark of load, set-up, training steps and evaluation; ``peak`` is their
-  largest, ``predicted`` is ``pilab.models.memory.predict_peak_bytes`` for the same setting.
+  largest, ``predicted`` is ``pilab.engine.memory.predict_peak_bytes`` for the same setting.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ from ..launch import mpi  # noqa: E402
 from ..engine import loop as engine  # noqa: E402
 from ..config import Config  # noqa: E402
 from ..files import atomic_write_text  # noqa: E402
-from ..models.memory import breakdown  # noqa: E402
+from ..engine.memory import breakdown  # noqa: E402
 
 RUNTIME_WITH_TORCH = _status()["VmRSS"]
 

@@ -42,14 +42,14 @@ def _memory_per_rank(res: dict) -> list[str]:
     m = res["machine"]
     out = ["## Memory per rank", "",
            f"Peak RSS of each rank (VmHWM, MB = 10^6 bytes), itemised, two real ranks (`mpiexec -n 2`) on "
-           f"{mem['data']}; measured {m['date']} on {m['cpu']}. Runtime: python + torch + mpi4py imported; data: "
+           f"{mem['data']}; " + (f"from `{res['_from']}`" if res.get("_from") else f"measured {m['date']}") + f" on {m['cpu']}. Runtime: python + torch + mpi4py imported; data: "
            "the rank's shard (uint8) and its share of the test set; model: parameters, gradient buckets, momentum; "
            "activations: what autograd saved in a step's forward; allocator: the rest of the peak (the code "
            "pages of the kernels a step ran, oneDNN's caches, glibc's free lists, gradients in flight). Goal: "
            + _goal_words(res, "memory_peak_mb", "the peak per rank in MB")
            + " at the study's setting with malloc lean (what a rank needs; a rank keeps "
            "freed memory for its next step, malloc fast, where the node has room: "
-           "`pilab.models.memory.choose_allocator`).", "",
+           "`pilab.engine.memory.choose_allocator`).", "",
            "| setting | runtime | data | model | activations | allocator | peak (load / set-up / train / eval) | "
            "predicted | goal |" + (" before |" if before else ""), "|---|---|---|---|---|---|---|---|---|"
            + ("---|" if before else "")]
@@ -73,7 +73,7 @@ def _memory_per_rank(res: dict) -> list[str]:
         out += ["Before: the same command's figures in " + ", ".join(f"`{b['file']}`" for b in shown)
                 + " (runtime / data / model / activations / allocator: peak).", ""]
     if mem["table"]:
-        out += ["The prediction (`pilab.models.memory.predict_peak_bytes`) against the measured peak, 3 widths x 2 "
+        out += ["The prediction (`pilab.engine.memory.predict_peak_bytes`) against the measured peak, 3 widths x 2 "
                 "batch sizes (full training set, 1,000 test images, eval batch 50, 2 threads, 2 steps; the "
                 "larger rank's peak):", "", "| width | per rank | measured MB | predicted MB | error |",
                 "|---|---|---|---|---|"]

@@ -34,10 +34,10 @@ All nodes of the testbed share this machine's cores: a node gets ``cores / nodes
 seconds over wall seconds, as in the ``perfmodel`` section). "+ tbf credit" takes off each multi-node
 step the first ``testbed.burst_bytes(rate)`` of its transfer, which tc's token bucket lets through at
 once after the step's compute (a testbed effect, not a wire's: see docs/perfmodel.md). Nothing here
-asserts on timings. The model's side (:mod:`pilab.bench.network_model`) works from the stored measurements
+asserts on timings. The model's side (:mod:`pilab.perfmodel.network`) works from the stored measurements
 only: the recorded run's tables again, without root or runs::
 
-    python -c "from pilab.bench import network_model as m; print(m.report('benchmarks/results/bench_network.json'))"
+    python -c "from pilab.perfmodel import network as m; print(m.report('benchmarks/results/bench_network.json'))"
 """
 from __future__ import annotations
 
@@ -52,22 +52,15 @@ import time
 from .. import perfmodel as pm
 from .. import testbed
 from ..config import Config
-from .perfmodel import train as harness_train
+from ..perfmodel.check import train as harness_train
+from ..perfmodel.network import COMM_BOUND, LOCAL_H, LOCAL_RATE, LOCAL_TRAIN, TRAIN
 
 NAME, SUBNET = "plbench", "10.84.0.0/24"
 SIZES = (4, 1024, 16 * 1024, 128 * 1024, 2 ** 20, 4 * 2 ** 20)
 # (np, nodes): block placement, np / nodes ranks on each node
 POINTS = [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)]
-TRAIN = dict(width=0.25, batch_size=8, train_subset=512, test_subset=100, epochs=1, threads=1)
-COMM_BOUND = 0.30  # communication-bound: measured network time >= this share of the step
 RATES, QUICK_RATES = ("100mbit", "1gbit"), ("100mbit",)
-# Local SGD (issue 20): each rank steps alone and the parameters are averaged every LOCAL_H steps (and at
-# the epoch's end), so a step's exposed network time is the metrics' tiny Allreduce, and every H-th step
-# the parameters': measured as the mean over the steps after the first (the median is a local step's).
-# Twice the images of TRAIN, so that np=8 still averages twice. At LOCAL_RATE, the slowest link.
-LOCAL_H, LOCAL_RATE = 8, "100mbit"
 LOCAL_POINTS = [(2, 2), (4, 2), (8, 4)]
-LOCAL_TRAIN = dict(TRAIN, train_subset=2 * TRAIN["train_subset"], local_steps=LOCAL_H)
 # One synchronous step on the wire (issue 23; pilab.bench.wire): the contenders on 2 nodes x 1 rank and on
 # 4 nodes x 2 ranks (the Pi layout), at each WIRE_RATES rate, beside the physical bound.
 WIRE_RATES, QUICK_WIRE_RATES = ("200mbit", "1gbit"), ("200mbit",)
@@ -136,7 +129,7 @@ def train(tb, np_: int, nodes: int, out: str, log, mpiexec=None, settings=TRAIN)
 def section(quick: bool = False, *, work: str | None = None, mpiexec: str | None = None, repeat: int = 1,
             command: str = "python -m pilab bench --sections network", log=print) -> dict:
     """Bring up the testbed, measure, take it down; the measurements (their analysis, the model's side:
-    :func:`pilab.bench.network_model.analyse`). ``work``:
+    :func:`pilab.perfmodel.network.analyse`). ``work``:
     where the runs' results go (their step logs stay there; the dict keeps the figures; None: a
     temporary folder)."""
     if work is None:

@@ -5,6 +5,68 @@ from __future__ import annotations
 
 from .judging import _OPS, _goal, _ms, _r
 from .memreport import _memory, _memory_per_rank
+# Each section's part of the report, in the report's order: (the bench.json key it reads, its writer).
+def _parts() -> list:
+    return [("one_rank", _one_rank), ("malloc", _malloc), ("models", _models), ("data", _data), ("cache", _cache),
+            ("ranks", lambda r: _comm(r.get("ranks", {}), r)), ("sync", _sync), ("trace", _trace),
+            ("ranks", lambda r: _e2e(r.get("ranks", {}), r)), ("ranks", lambda r: _memory(r.get("ranks", {}))),
+            ("memory", _memory_per_rank), ("simulator", _simulator), ("checkpoint", _checkpoint), ("cli", _cli),
+            ("perfmodel", _perfmodel), ("network", _network)]
+
+
+_RATIOS = ("Every figure is a ratio against a baseline measured in the same run: the contenders alternate round by "
+           "round (order rotated), one ratio per round, shown as **median (p10–p90, n = rounds)**. Timings on a "
+           "shared machine swing by tens of percent from one run to the next; only the ratios mean anything, and a "
+           "wide p10–p90 says the load dominated.")
+
+
+def collected_report(folder: str, *, command: str) -> tuple[str, list[str]]:
+    """BENCHMARKS.md put together from the saved runs under ``folder`` (every ``*.json`` written by
+    :func:`pilab.bench.suite.run`, at any depth): each section from the newest run that has it (by its
+    machine's date), each naming the file it comes from; dates and loads stay in those files. Returns the
+    text and the files used (relative to the working directory)::
+
+        text, used = collected_report("benchmarks/results", command="python -m pilab bench --from benchmarks/results --out .")
+    """
+    import glob
+    import json
+    import os
+    runs = []
+    for path in sorted(glob.glob(os.path.join(glob.escape(folder), "**", "*.json"), recursive=True)):
+        try:
+            with open(path) as f:
+                res = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(res, dict) and isinstance(res.get("machine"), dict) and "sections" in res and "command" in res:
+            runs.append((res["machine"].get("date", ""), path, res))
+    newest = {}
+    for date, path, res in sorted(runs, key=lambda r: (r[0], r[1])):
+        for key in {k for k, _ in _parts()} | {"deviation"}:
+            if key in res:
+                newest[key] = (path, res)
+    used = sorted({path for path, _ in newest.values()})
+    machines = sorted({f"{r['machine']['cpu']}, {r['machine']['cpu_count']} cores; python {r['machine']['python']}, "
+                       f"torch {r['machine']['torch']}" for _, r in newest.values()})
+    out = ["# pilab benchmarks", "",
+           f"Made by `{command}` from the runs saved there (`python -m pilab bench --out DIR` writes one as "
+           "`DIR/bench.json`); do not edit by hand. Each section names the run it comes from; its date, machine "
+           "and load are in that file. " + _RATIOS, "",
+           *[f"- machine: {m}" for m in machines], ""]
+    for key, part in _parts():
+        if key in newest:
+            path, res = newest[key]
+            lines = part({**res, "_from": os.path.relpath(path)})
+            if lines and not any(os.path.relpath(path) in line for line in lines):  # a part that does not say where
+                lines[2:2] = [f"From `{os.path.relpath(path)}` (`{res['command']}`).", ""]
+            out += lines
+    if "deviation" in newest and "simulator" not in newest:
+        path, res = newest["deviation"]
+        out += _simulator({**res, "_from": os.path.relpath(path)})
+    out += _gpu({})
+    return "\n".join(out), used
+
+
 def markdown_report(res: dict) -> str:
     m = res["machine"]
     ranks = res.get("ranks", {})
@@ -59,7 +121,7 @@ def _malloc(res: dict) -> list[str]:
             f"each contender a fresh process per round (malloc is per process), {m['steps']} timed steps after 2. "
             "*fast*: glibc keeps freed blocks (mmap threshold 1 GiB, no trimming) — what a rank uses where it "
             "fits; *lean*: blocks from 1 MiB up mapped on their own and returned at once — the lowest peak, "
-            "for a node where fast would not fit (`pilab.models.memory.choose_allocator`). " + _when(res), "",
+            "for a node where fast would not fit (`pilab.engine.memory.choose_allocator`). " + _when(res), "",
             "| malloc | step | minor page faults per step | kernel share of CPU time |", "|---|---|---|---|",
             *rows, "", f"Step time lean / fast: {_r(m['ratio_lean_over_fast'])}.", ""]
 
@@ -96,8 +158,11 @@ def _data(res: dict) -> list[str]:
 
 
 def _when(res: dict) -> str:
-    """When and under what load a section was measured (a section run alone keeps the older header)."""
+    """When and under what load a section was measured; in a report put together from saved runs
+    (:func:`collected_report`), the file that says it."""
     m = res["machine"]
+    if res.get("_from"):
+        return f"From `{res['_from']}` (`{res['command']}`, on {m['cpu']})."
     return (f"Measured {m['date']} on {m['cpu']}, load average {m['loadavg_start'][0]:.1f} at the start "
             f"(`{res['command']}`).")
 
@@ -148,7 +213,7 @@ def _trace(res: dict) -> list[str]:
             f"{t['model']} width {t['width']}, {t['per_rank_batch']} images per rank, {t['threads']} thread, buckets "
             f"of {t['bucket_mb']:g} MiB: one training step (`Session.step`: data, forward, backward, averaging, "
             "optimizer, the loop's features) of two sessions in one job, one with `Config.trace` (every phase "
-            "stamped, each message tested on its own to note when it completes: `pilab.engine.trace`), "
+            "stamped, each message tested on its own to note when it completes: `pilab.trace.recorder`), "
             f"{t['rounds']} rounds x {t['steps_per_round']} steps each, alternated; the slower rank's median step "
             "per round. " + _when(res), "",
             "| figure | value |", "|---|---|",
@@ -209,7 +274,7 @@ def _network(res: dict) -> list[str]:
     n = res.get("network")
     if not n:
         return []
-    from .network_model import markdown
+    from ..perfmodel.network import markdown
     return markdown(n, _when(res))
 
 
@@ -288,7 +353,7 @@ def _simulator(res: dict) -> list[str]:
                 f"One step of `VirtualRanks(np)` in each `simulate_mode` against one process training the same global "
                 f"batch (np × b images, `MPIRanks(None)`), {s['threads']} threads, {s['rounds']} alternated rounds: "
                 f"the ratio per round, median (p10–p90), by the process's own CPU time (all its threads; other jobs "
-                f"on a shared machine swing it far less) and by wall time. Goals (issue 42): fast ≤ {g['fast']:.2f}, "
+                f"on a shared machine swing it far less) and by wall time. Goals: fast ≤ {g['fast']:.2f}, "
                 f"exact ≤ {g['exact']:.2f}; judged on CPU time, wall beside it.", "",
                 "| model | b × np | global step: wall, CPU | fast / global: CPU, wall | exact / global: CPU, wall "
                 "| goals (CPU) | load |", "|---|---|---|---|---|---|---|"]
@@ -337,7 +402,6 @@ def _checkpoint(res: dict) -> list[str]:
 def _gpu(res: dict) -> list[str]:
     out: list[str] = []
     out += ["## GPU", "",
-            "Not measured: no GPU was available in this session. `scripts/gpu_check.py` runs the full-size check "
-            "(10 epochs of mobilenetv2_cifar on the 50,000 images, np=1 at batch 64 and simulated np=48 at 64 per "
-            "rank); its figures are still to be recorded here, with the date.", ""]
+            "Not measured yet. `scripts/gpu_check.py` runs the full-size check on a machine with a GPU (10 epochs "
+            "of mobilenetv2_cifar on the 50,000 images, np=1 at batch 64 and simulated np=48 at 64 per rank).", ""]
     return out

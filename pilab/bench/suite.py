@@ -147,7 +147,7 @@ def _partial(out: str | None, name: str):
 
 
 def _perfmodel_section(q: bool, mpiexec, log):
-    from . import perfmodel
+    from ..perfmodel import check as perfmodel
     return lambda: perfmodel.section(q, mpiexec, log=log)
 
 
@@ -159,7 +159,7 @@ def _network_section(q: bool, mpiexec, log, out, command):
     work = os.path.join(out, "network") if out else None
 
     def measured_and_analysed():
-        from .network_model import analyse
+        from ..perfmodel.network import analyse
         data = network.section(q, work=work, mpiexec=mpiexec, log=log, command=command)
         data["analysis"] = analyse(data)  # the model's side, from the measurements alone
         return data
@@ -201,7 +201,7 @@ def memory_section(quick: bool, mpiexec: str | None = None, log=print, before=()
     else:
         settings = [dict(data=data, **MEMORY_STUDY, eval_batch=MEMORY_TABLE_EVAL_BATCH),
                     dict(data=data, **MEMORY_STUDY)]
-    # The goal is what a rank needs: malloc "lean" (pilab.models.memory); the first setting once more as a
+    # The goal is what a rank needs: malloc "lean" (pilab.engine.memory); the first setting once more as a
     # rank runs where it fits ("fast": freed memory kept for the next step), to show what that costs.
     lean, fast = {"PILAB_ALLOCATOR": "lean"}, {"PILAB_ALLOCATOR": "fast"}
     for st, env in [(st, lean) for st in settings] + [(settings[0], fast)]:
@@ -216,36 +216,36 @@ def memory_section(quick: bool, mpiexec: str | None = None, log=print, before=()
 
 
 def sync_section(quick: bool, mpiexec: str | None = None) -> dict:
-    """The ``sync`` rank job (``pilab.bench.ranks --sections sync``) twice: as MPICH runs by default,
+    """The ``sync`` rank job (``pilab.bench.mpijobs --sections sync``) twice: as MPICH runs by default,
     and under ``MPIR_CVAR_ASYNC_PROGRESS=1`` (a progress thread per rank), each with its own baseline."""
     from ..launch import run_job
     env = dict(os.environ, OMP_NUM_THREADS="1")
     payload = {"sections": "sync", "quick": quick}
     out = {}
     for key, extra in (("default", {}), ("async_progress", {"MPIR_CVAR_ASYNC_PROGRESS": "1"})):
-        job = run_job(2, "pilab.bench.ranks", payload, name=f"the sync job ({key})", mpiexec=mpiexec,
+        job = run_job(2, "pilab.bench.mpijobs", payload, name=f"the sync job ({key})", mpiexec=mpiexec,
                       env=dict(env, **extra))
         out[key] = job["sync"]
-    out["command"] = "OMP_NUM_THREADS=1 [MPIR_CVAR_ASYNC_PROGRESS=1] mpiexec -n 2 python -m pilab.bench.ranks " \
+    out["command"] = "OMP_NUM_THREADS=1 [MPIR_CVAR_ASYNC_PROGRESS=1] mpiexec -n 2 python -m pilab.bench.mpijobs " \
         "OUT.json --sections sync" + (" --quick" if quick else "")
     return out
 
 
 def trace_section(quick: bool, mpiexec: str | None = None) -> dict:
-    """The ``trace`` rank job (``pilab.bench.ranks --sections trace``): a step with ``--trace`` vs without."""
+    """The ``trace`` rank job (``pilab.bench.mpijobs --sections trace``): a step with ``--trace`` vs without."""
     from ..launch import run_job
-    job = run_job(2, "pilab.bench.ranks", {"sections": "trace", "quick": quick}, name="the trace job",
+    job = run_job(2, "pilab.bench.mpijobs", {"sections": "trace", "quick": quick}, name="the trace job",
                   mpiexec=mpiexec, env=dict(os.environ, OMP_NUM_THREADS="1"))
     out = job["trace"]
-    out["command"] = "OMP_NUM_THREADS=1 mpiexec -n 2 python -m pilab.bench.ranks OUT.json --sections trace" + \
+    out["command"] = "OMP_NUM_THREADS=1 mpiexec -n 2 python -m pilab.bench.mpijobs OUT.json --sections trace" + \
         (" --quick" if quick else "")
     return out
 
 
 def _ranks_job(quick: bool, mpiexec: str | None) -> dict:
     from ..launch import run_job
-    out = run_job(2, "pilab.bench.ranks", {"quick": quick}, name="the rank job", mpiexec=mpiexec,
+    out = run_job(2, "pilab.bench.mpijobs", {"quick": quick}, name="the rank job", mpiexec=mpiexec,
                   env=dict(os.environ, OMP_NUM_THREADS="1"))
-    out["command"] = "OMP_NUM_THREADS=1 mpiexec -n 2 python -m pilab.bench.ranks OUT.json" + \
+    out["command"] = "OMP_NUM_THREADS=1 mpiexec -n 2 python -m pilab.bench.mpijobs OUT.json" + \
         (" --quick" if quick else "")
     return out

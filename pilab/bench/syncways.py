@@ -1,8 +1,8 @@
-"""The ways to average one step's gradients, against each other (``pilab.bench.ranks --sections sync``): per-tensor
+"""The ways to average one step's gradients, against each other (``pilab.bench.mpijobs --sections sync``): per-tensor
 and fused blocking Allreduce, GradSync, GradSync with fp16 compression, and GradSync under MPICH's async
 progress thread::
 
-    mpiexec -n 2 python -m pilab.bench.ranks OUT.json --sections sync
+    mpiexec -n 2 python -m pilab.bench.mpijobs OUT.json --sections sync
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Config
-from ..engine.dist import GradSync
+from ..dist.helpers import GradSync
 from .job import COMM, MPI, RANK, SIZE, _model, nap_barrier, slowest
 from .stats import summary
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ..engine import loop as engine
 from ..config import Config
 from ..launch import mpi
-from ..engine.dist import fp16_type, wait_polling
+from ..dist.helpers import fp16_type, wait_polling
 from ..engine.optim import build_optimizer
 from .job import nap_barrier, slowest
 from .stats import ratios, summary

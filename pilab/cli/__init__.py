@@ -48,11 +48,11 @@ def build_parser() -> Parser:
 
 
 def _library_errors() -> tuple:
-    # pilab.data and pilab.engine.dist import torch (seconds): an error of theirs can only have been raised once
+    # pilab.data and pilab.dist.helpers import torch (seconds): an error of theirs can only have been raised once
     # they were imported, so look their types up instead of importing them for a one-line message.
     errors = [UsageError, ConfigError, LaunchError]
-    for module, name in (("pilab.data.dataset", "DataError"), ("pilab.engine.dist", "LauncherError"),
-                         ("pilab.models.names", "ModelError"), ("pilab.slurm", "SlurmError")):
+    for module, name in (("pilab.data.dataset", "DataError"), ("pilab.dist.helpers", "LauncherError"),
+                         ("pilab.models.names", "ModelError"), ("pilab.launch.slurm", "SlurmError")):
         if module in sys.modules:
             errors.append(getattr(sys.modules[module], name))
     return tuple(errors)

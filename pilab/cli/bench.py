@@ -1,9 +1,13 @@
 """``pilab bench``: side-by-side benchmarks of pilab against what a user would pick instead.
 
-    python -m pilab bench                  # the default set (<= 20 min on a 2-core machine), BENCHMARKS.md
-    python -m pilab bench --quick          # CI-sized settings (~3 min); --markdown '' writes none
+    python -m pilab bench                  # the default set (<= 20 min on a 2-core machine): runs/bench/
+    python -m pilab bench --quick          # CI-sized settings (~3 min)
     python -m pilab bench --sections memory --before benchmarks/results/memory/before-05bde58-eval50.json
     sudo python -m pilab bench --sections network --quick   # the testbed section (needs root)
+    python -m pilab bench --from benchmarks/results --out .  # pilab's BENCHMARKS.md, from its committed runs
+
+A run writes ``<out>/bench.json`` and ``<out>/BENCHMARKS.md`` and nothing else: it never touches the
+BENCHMARKS.md of the tree it runs in. ``--from`` runs nothing: it puts the report together from saved runs.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ def add_parser(sub) -> None:
                                    "and the other ways to average gradients, np=2 vs DDP-gloo and the "
                                    "sync-only floor, memory, the simulator's fast mode; on request the "
                                    "performance model against real runs and on a testbed (root). Writes "
-                                   "<out>/bench.json and a markdown table.")
+                                   "<out>/bench.json and <out>/BENCHMARKS.md.")
     p.add_argument("--quick", action="store_true", help="tiny settings for CI (not the recorded figures)")
     p.add_argument("--sections", default=None,
                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all of them), or "
@@ -28,9 +32,12 @@ def add_parser(sub) -> None:
                         "steps at np=48 (~7 min); the performance model against held-out real runs (~4 min); "
                         "its network half on a testbed of shaped links it brings up and removes (root, "
                         "~15 min; skipped otherwise)")
-    p.add_argument("--out", default="runs/bench", help="directory for bench.json (default: runs/bench)")
-    p.add_argument("--markdown", default="BENCHMARKS.md",
-                   help="markdown report to write (default: BENCHMARKS.md; '' for none)")
+    p.add_argument("--out", default="runs/bench",
+                   help="directory for bench.json and BENCHMARKS.md (default: runs/bench); a run of some sections "
+                        "replaces theirs in a BENCHMARKS.md already there and keeps the others")
+    p.add_argument("--from", dest="from_runs", default="", metavar="DIR",
+                   help="run nothing: write <out>/BENCHMARKS.md from the bench.json files under DIR, each section "
+                        "from the newest run that has it (pilab's own: --from benchmarks/results --out .)")
     p.add_argument("--mpiexec", default=None, help="launcher for the rank jobs (default: pilab.launch's)")
     p.add_argument("--goals", default=None, metavar="JSON",
                    help="the goals to judge figures against, a JSON of {key: [op, value]} (default: "
@@ -88,6 +95,8 @@ def _models(spec: str) -> list[tuple[str, float]] | None:
 
 def run(args, argv) -> int:
     from ..bench import suite as bench
+    if args.from_runs:
+        return _from_runs(bench, args, argv)
     sections = tuple(args.sections.split(",")) if args.sections else bench.SECTIONS
     known = bench.SECTIONS + bench.EXTRA_SECTIONS
     unknown = sorted(set(sections) - set(known))
@@ -101,8 +110,33 @@ def run(args, argv) -> int:
                          "`python -m pilab.bench.memory OUT.json ...`")
     if args.simulator_rounds < 0:
         raise UsageError(f"--simulator-rounds {args.simulator_rounds}: give a positive count (or 0 for the default)")
-    res = bench.run(quick=args.quick, sections=sections, out=args.out, markdown=args.markdown or None,
+    if not args.out:
+        raise UsageError("--out '': give the directory for bench.json and BENCHMARKS.md (default: runs/bench)")
+    markdown = os.path.join(args.out, "BENCHMARKS.md")
+    res = bench.run(quick=args.quick, sections=sections, out=args.out, markdown=markdown,
                     mpiexec=args.mpiexec, command=command, before=before, goals=_goals(args.goals),
                     simulator_models=_models(args.simulator_models), simulator_rounds=args.simulator_rounds or None)
-    print(f"bench: {res['wall_s']:.0f} s; {args.out}/bench.json" + (f", {args.markdown}" if args.markdown else ""))
+    print(f"bench: {res['wall_s']:.0f} s; {os.path.join(args.out, 'bench.json')}, {markdown}")
+    return 0
+
+
+def _from_runs(bench, args, argv) -> int:
+    """``--from DIR``: BENCHMARKS.md from saved runs, nothing measured (the options of a run are refused)."""
+    given = [o for o in ("--quick", "--sections", "--before", "--simulator-models", "--simulator-rounds", "--mpiexec",
+                         "--goals") if any(a == o or a.startswith(o + "=") for a in argv)]
+    if given:
+        raise UsageError(f"{', '.join(given)} go with a run; --from {args.from_runs} runs nothing (it writes "
+                         "BENCHMARKS.md from the runs saved there)")
+    if not os.path.isdir(args.from_runs):
+        raise UsageError(f"--from {args.from_runs}: no such directory; give one holding bench.json files")
+    from ..bench.report import collected_report
+    command = "python -m pilab bench " + " ".join(argv)
+    text, used = collected_report(args.from_runs, command=command)
+    if not used:
+        raise UsageError(f"--from {args.from_runs}: no bench.json of `pilab bench` there")
+    from ..files import atomic_write_text
+    os.makedirs(args.out or ".", exist_ok=True)
+    path = os.path.join(args.out or ".", "BENCHMARKS.md")
+    atomic_write_text(path, text)
+    print(f"bench: {path} from {len(used)} run(s) under {args.from_runs}")
     return 0

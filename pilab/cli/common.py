@@ -11,7 +11,7 @@ import os
 import sys
 from dataclasses import fields
 
-from ..config import CHOICES, Config
+from ..config import CHOICES, Config, allowed
 from ..engine.harness import print_stragglers
 
 EXIT_USAGE = 2
@@ -41,23 +41,30 @@ def ints(text: str, what: str = "process counts") -> list[int]:
 # Config <-> argparse, one source of truth: the dataclass and its comments
 # ----------------------------------------------------------------------------------------------
 def add_config_arguments(p: argparse.ArgumentParser, defaults: Config | None = None,
-                         skip: tuple = ()) -> None:
-    """One ``--flag`` per Config field, typed and with the field's comment as help."""
-    defaults = defaults or Config()
+                         skip: tuple = (), shown: dict | None = None) -> None:
+    """One ``--flag`` per Config field, typed, with the field's help, allowed values and this command's
+    default (``shown``: words instead of a default's value, e.g. one that depends on ``--data``).
+
+    The flags default to None, so that ``config_from_args`` knows which were given; the command's own
+    default is kept on the action as ``pilab_default`` for the manual's reference."""
+    defaults, shown = defaults or Config(), shown or {}
     g = p.add_argument_group("training configuration (pilab.config.Config)")
     for f in fields(Config):
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        text = f"{Config.help(f.name)} (default: {default!r})".replace("%", "%%")
+        rule = allowed(f.name) if f.name not in CHOICES else ""  # argparse lists the choices itself
+        text = (f"{Config.help(f.name)} ({rule + '; ' if rule else ''}"
+                f"default: {shown.get(f.name, repr(default))})").replace("%", "%%")
         if f.type == "bool":
-            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                           default=None, help=text)
+            action = g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                    default=None, help=text)
         else:
             typ = {"int": int, "float": float, "str": str}[f.type]
-            g.add_argument(flag, dest=f.name, type=typ, default=None,
-                           choices=CHOICES.get(f.name), metavar=f.name.upper(), help=text)
+            action = g.add_argument(flag, dest=f.name, type=typ, default=None,
+                                    choices=CHOICES.get(f.name), metavar=f.name.upper(), help=text)
+        action.pilab_default = shown.get(f.name, default)
 
 
 def config_from_args(args: argparse.Namespace, defaults: Config | None = None) -> Config:
@@ -143,7 +150,7 @@ def batch_text(result: dict) -> str:
 
 def progress_callbacks(quiet: bool):
     """A tqdm bar over all steps and one line per epoch (rank 0 only: callbacks run there); straggler
-    warnings (``pilab.engine.stragglers``) are printed with or without the bar."""
+    warnings (``pilab.trace.stragglers``) are printed with or without the bar."""
     if quiet:
         return [print_stragglers]
     from tqdm.auto import tqdm  # only when a bar is wanted: tqdm.auto probes for a notebook
@@ -258,7 +265,7 @@ def clear_out_dir(out: str) -> None:
 
 def mpi_or_error() -> None:
     """LaunchError with the way to get an MPI library, where mpi4py cannot load one."""
-    from ..engine.dist import MPI
+    from ..dist.helpers import MPI
     from ..launch import MPI_HINT, LaunchError
     if MPI is None:
         raise LaunchError(f"this command needs an MPI library and mpi4py cannot load one; install it "

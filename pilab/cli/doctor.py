@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
 def _hosts(args, doctor):
     if args.hosts:
         return doctor.parse_hosts(args.hosts, args.ranks_per_node), None
-    from ..hosts import allocation
+    from ..launch.hosts import allocation
     if not args.hostfile and allocation():  # inside salloc/sbatch: the allocation's nodes and tasks
         return allocation(), None
     path = args.hostfile or os.environ.get("HYDRA_HOST_FILE") or os.environ.get("PILAB_HOSTFILE")

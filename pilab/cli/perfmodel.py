@@ -326,14 +326,15 @@ def run_table(args, argv) -> int:
 
 
 def run_trace(args, argv) -> int:
-    from .. import tracefile as tf
+    from ..trace import format as tf
+    from ..trace.predict import predicted_trace
 
     _check_range(args, "np", 1)
     if args.profile == "both":
         raise UsageError("--profile both: a trace draws one profile; pass --profile pilab")
     cfg = config_from_args(args, _defaults(args))
     cl = _cluster(args)
-    events, meta = pm.predicted_trace(cfg, args.np, cl, args.profile)
+    events, meta = predicted_trace(cfg, args.np, cl, args.profile)
     p = meta["prediction"]
     print(f"{cl.name}, np={args.np}, profile {args.profile}: one step, predicted (ms)")
     for k in ("data", "compute", "straggler", "comm_exposed", "overhead"):
@@ -353,9 +354,9 @@ def run_trace(args, argv) -> int:
 
 
 def run_validate(args, argv) -> int:
-    from .. import tracefile as tf
-    from ..study.trace import load
-    from ..study.trace_validation import table, validate
+    from ..trace import format as tf
+    from ..trace.read import load
+    from ..trace.validate import table, validate
 
     _check_range(args, "step_goal", 0, strict=True)
     _check_range(args, "tail_goal", 0, strict=True)

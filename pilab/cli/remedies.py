@@ -119,7 +119,7 @@ def run(args, argv) -> int:
         if not os.path.isdir(d):
             raise ConfigError(f"--reuse {d}: no such study directory; give a pilab scale --out directory")
     opts, cfg = batch_options(args, cfg, [1], resume=args.resume_search)  # one process a job (simulated)
-    from ..engine import preflight
+    from ..engine import ownmodel as preflight
     preflight.check_model(cfg, mpi=True)  # your own model on your data, before any candidate runs
     cands = remedies.load_candidates(args.candidates) if args.candidates else None
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731

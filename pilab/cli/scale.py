@@ -195,7 +195,7 @@ def run(args, argv) -> int:
                               seed=cfg.seed, image_size=cfg.image_size)
     for p in nps + sims:
         cfg.check_world(p, n_train)
-    from ..engine import preflight
+    from ..engine import ownmodel as preflight
     preflight.check_model(cfg, mpi=bool(nps))  # your own model on your data, before any point runs
     criteria = analysis.Criteria(baseline_np=baseline, target_fraction=args.target_fraction,
                                  wrong_gap=args.wrong_gap, wrong_floor=args.wrong_floor)

@@ -36,7 +36,7 @@ def run(args, argv) -> int:
     if args.np < 1:
         raise ConfigError(f"--np {args.np} must be >= 1")
     simulate.check_supported(cfg)
-    from ..engine import preflight
+    from ..engine import ownmodel as preflight
     preflight.check_model(cfg)  # your own model on your data: before any work
     if check_out_dir(cfg, overwrite=args.overwrite):
         clear_out_dir(cfg.out)

@@ -1,11 +1,12 @@
-"""``pilab testbed {up,down,status,env,exec,link,shape,traffic}``: a Pi cluster on one machine.
+"""``pilab testbed {up,down,status,env,exec,link,shape,throttle,traffic}``: a Pi cluster on one machine.
 
     sudo python -m pilab testbed up --nodes 4 --slots 2 --rate 1gbit    # idempotent
-    sudo python -m pilab testbed up --nodes 4 --slurm                    # ... run by Slurm (pilab.slurm)
+    sudo python -m pilab testbed up --nodes 4 --slurm                    # ... run by Slurm (pilab.launch.slurm)
     eval "$(python -m pilab testbed env)"                                # HYDRA_*, UCX_*, PILAB_*
     python -m pilab scale --nps 2,4,8 --hostfile /run/pilab-testbed/hosts
     python -m pilab testbed exec node02 -- hostname                      # a shell "on" a node
     python -m pilab testbed link node02 down                             # pull its cable
+    sudo python -m pilab testbed throttle node02 0.5                     # half a core: a hot board
     sudo python -m pilab testbed down                                    # also after a crash
 
 See ``pilab.testbed`` for what it builds and how traffic between nodes is kept on TCP.
@@ -56,8 +57,28 @@ def add_parser(sub) -> None:
     s = named(ps.add_parser("shape", help="set one node's link rate (e.g. a slow node)"))
     s.add_argument("host")
     s.add_argument("rate", help="a tc rate, e.g. 100mbit, or 'none'")
+    t = named(ps.add_parser("throttle", help="set one node's speed: a CPU quota (a hot or slower board)",
+                            description="Give the node at most CPUS cores in total (a cgroup CPU quota), "
+                                        "also what already runs there: a job running on it slows down at "
+                                        "once. 0 or 'none' lifts the quota."))
+    t.add_argument("host")
+    t.add_argument("cpus", type=_cpus, help="cores, e.g. 0.5 (half a core), or 'none'")
     named(ps.add_parser("traffic", help="bytes sent/received per node on its link and loopback"))
     p.set_defaults(func=run)
+
+
+def _cpus(text: str) -> float:
+    """A throttle's cores: a number > 0, or 0 / none (no quota)."""
+    import argparse
+    if text.strip().lower() in ("none", "off"):
+        return 0.0
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give cores as a number, e.g. 0.5, or 'none'")
+    return v
 
 
 def run(args, argv) -> int:
@@ -77,7 +98,7 @@ def _run(tbm, args) -> int:
         for h in tb.hosts:
             print(f"  {h}  {tb.address(h)}  (netns {tb.netns(h)}, link {tb.veth(h)})")
         if args.slurm:
-            from ..testbed import slurm
+            from ..testbed import slurmd as slurm
             conf = slurm.start(tb)
             print(f"slurm: slurmctld on head ({slurm.head_address(tb)}), slurmd on {', '.join(tb.hosts)}, "
                   f"partition {slurm.PARTITION}; SLURM_CONF={conf}")
@@ -110,6 +131,10 @@ def _run(tbm, args) -> int:
     if args.action == "shape":
         tbm.shape(tb, args.host, args.rate)
         print(f"{args.host}: {args.rate} both ways")
+        return 0
+    if args.action == "throttle":
+        tbm.throttle(tb, args.host, args.cpus)
+        print(f"{args.host}: {f'{args.cpus:g} core(s) (CPU quota)' if args.cpus else 'no CPU quota'}")
         return 0
     if args.action == "traffic":
         print(json.dumps(tbm.traffic(tb), indent=1))

@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
                         "pilab.engine.watchdog)")
     t.add_argument("--node-memory", default="host",
                    help="memory of one node, for the warning before launch when ranks per node x the "
-                        "predicted peak per rank (pilab.models.memory) exceed it: pi4b_4gb, pi4b_8gb, host "
+                        "predicted peak per rank (pilab.engine.memory) exceed it: pi4b_4gb, pi4b_8gb, host "
                         "(this machine's MemTotal; the default) or a size such as 4GB")
     t.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks that share one node's memory, for that warning (default: with --np all "
@@ -55,7 +55,7 @@ def add_parser(sub) -> None:
 
 
 def _check_memory_flags(args) -> None:
-    from ..models.memory import node_bytes
+    from ..engine.memory import node_bytes
     if args.ranks_per_node is not None and args.ranks_per_node < 1:
         raise ConfigError(f"--ranks-per-node {args.ranks_per_node} must be >= 1")
     node_bytes(args.node_memory)
@@ -63,8 +63,8 @@ def _check_memory_flags(args) -> None:
 
 def _memory_warning(cfg: Config, args, np_: int, ranks_per_node: int) -> None:
     """One line on stderr when ``ranks_per_node`` ranks of ``cfg`` are predicted not to fit in
-    ``--node-memory``; the run goes on (the prediction is within ~15%, see pilab.models.memory)."""
-    from ..models import memory
+    ``--node-memory``; the run goes on (the prediction is within ~15%, see pilab.engine.memory)."""
+    from ..engine import memory
     line = memory.fit_warning(cfg, np_=np_, ranks_per_node=ranks_per_node,
                               node_bytes=memory.node_bytes(args.node_memory))
     if line:
@@ -81,7 +81,7 @@ def run(args, argv) -> int:
         from ..engine.loop import load_data
         ds = load_data(cfg)
         cfg.check_world(1, len(ds.y_train))
-        from ..engine import preflight
+        from ..engine import ownmodel as preflight
         preflight.check_model(cfg)
         _memory_warning(cfg, args, 1, args.ranks_per_node or 1)
         if _check_output(cfg, args, 1):
@@ -115,7 +115,7 @@ def _launch(cfg: Config, args, argv) -> int:
                                              test_subset=cfg.test_subset, seed=cfg.seed,
                                              image_size=cfg.image_size))
     mpi_or_error()
-    from ..engine import preflight
+    from ..engine import ownmodel as preflight
     preflight.check_model(cfg, mpi=True)  # your own model on your data: before any rank starts
     _check_output(cfg, args, args.np)
     _memory_warning(cfg, args, args.np, args.ranks_per_node or args.np)

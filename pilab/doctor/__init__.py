@@ -15,10 +15,10 @@ micro-benchmark: the report holds it as ``runs``/``fit``, the format ``perfmodel
 """
 from __future__ import annotations
 
-from ..hosts import HostsError, parse_hosts, read_hostfile
+from ..launch.hosts import HostsError, parse_hosts, read_hostfile
 from .common import CHECKS, DoctorError
 from .jobs import controller_address, data_path, predicted_peak
-from .launcher import mpiexec_library, same_family
+from ..launch.library import mpiexec_library, same_family
 from .preflight import run
 from .table import format_table
 

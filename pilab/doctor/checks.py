@@ -6,7 +6,7 @@ import shlex
 import sys
 
 from .common import CHECKS, CLOCK_LIMIT_S, HOT_C, SLOW_LINK
-from .launcher import same_family
+from ..launch.library import same_family
 
 
 def _ok(detail: str) -> dict:

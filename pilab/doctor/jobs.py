@@ -137,9 +137,9 @@ def _needs_snn(cfg) -> bool:
 
 
 def predicted_peak(cfg, np_: int) -> int:
-    """Predicted peak RSS of one of ``np_`` ranks training ``cfg``, in bytes (``pilab.models.memory``): with
+    """Predicted peak RSS of one of ``np_`` ranks training ``cfg``, in bytes (``pilab.engine.memory``): with
     malloc "lean", what a rank needs (it keeps more, "fast", only where the node has room for it)."""
-    from ..models.memory import predict_peak_bytes
+    from ..engine.memory import predict_peak_bytes
     return int(predict_peak_bytes(cfg, np_=np_, allocator="lean"))
 
 

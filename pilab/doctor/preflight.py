@@ -9,8 +9,8 @@ from .checks import _checks, _skip
 from .common import DoctorError
 from .jobs import (_Job, _Listener, _hostfile, _launcher_words, _needs_snn, _net_job, _probe_cmd,
                    controller_address, data_path, predicted_peak)
-from .launcher import _family, mpiexec_library
-from .placement import placement_checks
+from ..launch.library import _family, mpiexec_library
+from ..launch.placement import placement_checks
 
 
 def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpiexec: str | None = None,

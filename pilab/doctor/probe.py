@@ -298,7 +298,7 @@ def net_probe(args) -> dict | None:
 
     from ..launch import launcher_size, mpi
     from ..launch import mpi_library as library_name
-    from ..perfmodel.bench import comm_bench
+    from ..perfmodel.microbench import comm_bench
     MPI = mpi()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -2,11 +2,11 @@
 the device, the data's loading, the model as every rank starts it, the one forward-and-loss recipe, the
 evaluation, the run's environment, and ``StepResult`` (one synchronous step as every rank agrees on it).
 
-The two backends are in ``pilab.engine.ranks``: ``MPIRanks(comm)`` and ``VirtualRanks(np_)``;
+The two backends are in ``pilab.engine.mpi``: ``MPIRanks(comm)`` and ``VirtualRanks(np_)``;
 tests/test_architecture.py checks that both implement ``RankBackend``::
 
     from pilab.engine.backend import RankBackend
-    from pilab.engine.ranks import VirtualRanks
+    from pilab.engine.mpi import VirtualRanks
     isinstance(VirtualRanks(4), RankBackend)     # True
 """
 from __future__ import annotations
@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import __version__
-from .component import SYNC, Phase  # noqa: F401 (a step's exchange, re-exported with the protocol)
+from ..component import SYNC, Phase  # noqa: F401 (a step's exchange, re-exported with the protocol)
 from .. import data as data_mod
 from ..config import EVAL_CHUNK, Config, ConfigError
 from ..launch import launcher_local_size, mpi_versions
-from .dist import reduce_sums, world
+from ..dist.helpers import reduce_sums, world
 from .exactness import check_custom_model
 from .layers import use_batch_renorm, use_ghost_batchnorm, use_rank_dropout
 from .tta import tta_logits
@@ -223,7 +223,7 @@ class StepResult:
     # share g_r / np), and the averaged gradient's (see pilab.engine.noise)
     ranks_grad_sq: object = None
     avg_grad_sq: float | None = None
-    # Config.trace only: this rank's step on its own clock (pilab.engine.trace.Timeline), else None
+    # Config.trace only: this rank's step on its own clock (pilab.trace.recorder.Timeline), else None
     timeline: object = None
 
 

@@ -2,7 +2,7 @@
 averaged gradient is scaled down to that L2 norm if it is longer (Pascanu et al. 2013; what
 ``torch.nn.utils.clip_grad_norm_`` does on one process).
 
-Exact in the simulator: the norm is ``pilab.engine.dist.squared_norm``'s (float64, the same bits wherever
+Exact in the simulator: the norm is ``pilab.dist.helpers.squared_norm``'s (float64, the same bits wherever
 the same values are), taken of the averaged gradient every rank holds alike, so every MPI rank and every
 virtual rank scale by the same factor. A local-SGD step clips each rank's own gradient::
 
@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from .component import Component
-from .dist import squared_norm
+from ..component import Component
+from ..dist.helpers import squared_norm
 
 
 class ClipGradNorm(Component):

@@ -10,7 +10,7 @@ more than it saves, so those stay eager. Compiling takes 10-45 s (one kernel per
 first steps) and needs a C++ compiler, so ``compile_bn=auto`` turns it on only for CPU runs of
 ``modepick.MIN_STEPS`` steps or more, after a probe (one small layer compiled forward and backward); where
 the probe fails, the run goes on eager and result.json says why. It is the loop component ``CompiledBN``
-(``pilab.engine.component``); result.json gets ``compile_bn_used`` (True, or the reason it is not)::
+(``pilab.component``); result.json gets ``compile_bn_used`` (True, or the reason it is not)::
 
     python -m pilab simulate --np 48 --epochs 10                     # auto: "compile_bn_used": true
     python -m pilab simulate --np 48 --epochs 1 --compile-bn off     # always eager
@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from .component import Component
+from ..component import Component
 from .modepick import MIN_STEPS
 
 # Activations of a layer (N*C*H*W) from which its BatchNorm runs compiled: below it the eager form was

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .component import Component
+from ..component import Component
 
 
 class WeightAverage:

@@ -1,4 +1,4 @@
-"""The training loop's features, each a ``pilab.engine.component.Component`` in a file of its own; the
+"""The training loop's features, each a ``pilab.component.Component`` in a file of its own; the
 loop calls them at fixed moments and never names one. A new feature is a file, a ``Config`` field and a
 line here::
 
@@ -13,8 +13,8 @@ from .localsgd import LocalSGD
 from .lookahead import Lookahead
 from .modepick import ModePick
 from .noise import NoiseRamp
-from .stragglers import StragglerWatch
-from .trace import Trace
+from ..trace.stragglers import StragglerWatch
+from ..trace.recorder import Trace
 
 # CompiledBN first: it sets the fast mode's BatchNorm before ModePick's trial times that mode; ModePick's trial
 # steps run before the other features see the first step; Lookahead before EMA, which averages the weights

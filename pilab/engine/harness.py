@@ -81,7 +81,7 @@ def prepare(comm, make_cfg: Callable[[], Config], hang_s: float | None, *, also=
         cfg, data, hang_s, _ = harness.prepare(comm, lambda: cfg, None)
         harness.guarded_run(cfg, comm, data=data, hang_s=hang_s)
     """
-    from .dist import check_launcher
+    from ..dist.helpers import check_launcher
     from .loop import Handoff, load_data
     from .watchdog import hang_s_from_env
     check_launcher(comm)
@@ -128,7 +128,7 @@ def guarded_run(cfg: Config, comm, *, data=None, callbacks=(), hang_s: float = 1
         raise ValueError(f"where={where!r}: use 'job' or 'engine'")
     if stop is not None:
         raise ValueError("a job installs its own stop flag (SIGINT, SIGTERM); stop= is for engines")
-    from .dist import abort_on_error
+    from ..dist.helpers import abort_on_error
     from .loop import Keeper, failure_reason
     rank0 = comm.Get_rank() == 0
     # An abort keeps what was done: rank 0 writes result.json (stopped_early, the reason naming the
@@ -179,7 +179,7 @@ def exit_code(result: dict, signum: int | None = None) -> int:
 
 
 def print_stragglers(ev) -> None:
-    """A callback that prints the straggler monitor's warnings (``pilab.engine.stragglers``) and the start's
+    """A callback that prints the straggler monitor's warnings (``pilab.trace.stragglers``) and the start's
     (a SyncBatchNorm group split over hosts: ``loop.split_sync_groups``) on stderr."""
     if ev["kind"] == "straggler":
         print(ev["line"], file=sys.stderr, flush=True)

@@ -5,7 +5,7 @@ affine parameters or running statistics) and every dropout layer. A layer that m
 batch some other way cannot be made per-rank; ``engine.exactness.check_rank_exact`` finds it before training (per-image
 layers such as GroupNorm and LayerNorm need nothing).
 
-* ``SyncBatchNorm`` (``pilab.engine.syncbn``) — batch statistics over all MPI ranks, or over groups of
+* ``SyncBatchNorm`` (``pilab.dist.syncbn``) — batch statistics over all MPI ranks, or over groups of
   consecutive ranks (``bn_group``), on CPU (``bn="sync"``);
 * ``GhostBatchNorm2d`` — statistics per group of ``ghost_batch`` images, and per *virtual* rank in the
   simulator (or per group of virtual ranks: ``bn="sync"`` with ``bn_group``), with running statistics kept
@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from .syncbn import SyncBatchNorm, _per_channel, convert_sync_batchnorm  # noqa: F401 (re-exported)
+from ..dist.syncbn import SyncBatchNorm, _per_channel, convert_sync_batchnorm  # noqa: F401 (re-exported)
 
 __all__ = ["step_seed", "SyncBatchNorm", "convert_sync_batchnorm", "RankContext", "GhostBatchNorm2d",
            "RankDropout", "use_ghost_batchnorm", "use_rank_dropout", "sync_virtual_buffers_",

@@ -5,7 +5,7 @@ one of the gradients every step. ``local_after`` epochs of ordinary synchronous 
 (post-local SGD: the early, large-gradient phase synchronous, the later one local)::
 
     cfg = Config(local_steps=8, local_after=2)      # 2 synchronous epochs, then average every 8 steps
-    ParameterAverage(gsync)()                        # an MPI rank's average (pilab.engine.ranks.MPIRanks)
+    ParameterAverage(gsync)()                        # an MPI rank's average (pilab.engine.mpi.MPIRanks)
     phase(cfg, steps_per_epoch=39, epoch=3, step=7)  # Phase(local=True, average=True)
 
 The loop's feature is ``LocalSGD``, a component: before every step it sets ``session.phase`` (this
@@ -28,8 +28,8 @@ import copy
 import torch
 
 from .checkpoint import CheckpointError
-from .comm import MPI, _buf
-from .component import SYNC, Component, Phase
+from ..dist.comm import MPI, _buf
+from ..component import SYNC, Component, Phase
 
 
 def phase(cfg, steps_per_epoch: int, epoch: int, step: int) -> Phase:

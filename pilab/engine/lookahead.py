@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .component import Component
+from ..component import Component
 
 ALPHA = 0.5  # the slow weights' step towards the fast ones (Zhang et al.'s default; 0.5 and 0.8 both work)
 

@@ -1,9 +1,9 @@
 """The one training loop, over a rank backend (``pilab.engine.backend.RankBackend``): ``MPIRanks(comm)``
 (this process is one rank of an MPI job) or ``VirtualRanks(np_)`` (the simulator), both in
-``pilab.engine.ranks`` and re-exported here. The loop owns data, schedule, steps, evaluation cadence,
+``pilab.engine.mpi`` and re-exported here. The loop owns data, schedule, steps, evaluation cadence,
 checkpoints, events and the result; each feature (the weights' EMA, gradient clipping, local SGD, the
 noise-driven batch ramp, the straggler monitor, the trace) is a component it calls at fixed moments
-(``pilab.engine.component``, ``pilab.engine.features``)::
+(``pilab.component``, ``pilab.engine.features``)::
 
     from pilab.engine import loop as engine
     result, model = engine.train(Config(epochs=1), engine.VirtualRanks(4))
@@ -48,12 +48,12 @@ from .. import data as data_mod
 from .checkpoint import CheckpointError
 from ..config import Config
 from ..files import save_json
-from ..models import memory
+from . import memory
 from .optim import build_optimizer, lr_at, set_lr
 # the rank backends and the pieces they share, re-exported: ``loop`` is the engine's one public face
 from .keeper import Keeper, failure_reason, result_from_checkpoint  # noqa: F401 (re-exported)
-from .ranks import (EVAL_BATCH, NUM_CLASSES, MPIRanks, StepResult, VirtualRanks,  # noqa: F401 (re-exported)
-                    base_model, environment, evaluate, load_data, peak_mem_mb, resolve_device)
+from .mpi import (EVAL_BATCH, NUM_CLASSES, MPIRanks, StepResult, VirtualRanks, base_model, environment, evaluate,
+                  load_data, peak_mem_mb, resolve_device)  # noqa: F401 (re-exported)
 from .backend import SYNC, local_ranks, split_sync_groups  # noqa: F401 (re-exported)
 from .records import EVAL_ON_STOP_MAX, STEP_KEYS, TIME_KEYS  # noqa: F401 (re-exported)
 
@@ -91,7 +91,7 @@ class Session:
         self.cfg, self.ranks = cfg, ranks
         self.np_, self.rank = ranks.np_, ranks.rank
         # malloc kept "fast" (a step reuses the last step's freed memory, no page faults) where this
-        # node's ranks fit with it, else "lean" (pilab.models.memory); the numbers computed are the same
+        # node's ranks fit with it, else "lean" (pilab.engine.memory); the numbers computed are the same
         self.allocator = memory.choose_allocator(cfg, np_=None if ranks.simulated else self.np_,
                                                  ranks_per_node=local_ranks(ranks),
                                                  node_bytes=memory.host_memory_bytes())

@@ -4,7 +4,7 @@ mathematics of MPI's ranks, to float rounding or better). Which one wins depends
 per-rank batch (BENCHMARKS.md's simulator section: fast is 0.89x one process at MobileNetV2-CIFAR 0.25
 32 x 48 where exact is 1.16x, but 1.17x at MobileNetV2 1.0 32 x 8 where exact is 1.08x), so no rule
 written from one machine's table would pick right on the next one; a measurement costs a few steps.
-It is the loop component ``ModePick`` (``pilab.engine.component``), wanted by ``simulate_mode=auto`` on
+It is the loop component ``ModePick`` (``pilab.component``), wanted by ``simulate_mode=auto`` on
 the simulator; result.json gets ``simulate_mode_trial`` (the times, or why there was no trial) beside
 the backend's ``simulate_mode_used``::
 
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .component import Component
+from ..component import Component
 
 # A run shorter than this many steps keeps the fast mode untimed: the trial's steps (up to ~3x a fast
 # step each where exact is slow: the small per-rank kernels of 4-image batches) would be > ~5% of it.

@@ -25,6 +25,7 @@ import math
 import torch
 from torch import nn
 
+from ..models.weights import muon_weights
 from .eager import Eager
 
 NS_STEPS = 3  # airbench's (Keller Jordan's general Muon: 5)
@@ -45,23 +46,6 @@ def orthogonalise(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7) -> 
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
     return x.T if tall else x
-
-
-def muon_weights(model: nn.Module, on: str = "conv") -> list[nn.Parameter]:
-    """The weights Muon steps under ``Config.muon_on``: dense convolutions' filters, with ``depthwise``
-    also depthwise filters (``groups`` = channels: each output channel has its own k x k filter, so the
-    "matrix" Muon orthogonalises is a stack of unrelated filters), with ``head`` also the classifier
-    (every ``nn.Linear``)."""
-    parts = set(on.split("+"))
-    out = []
-    for m in model.modules():
-        if isinstance(m, nn.Conv2d) and m.weight.requires_grad:
-            depthwise = m.groups > 1 and m.groups == m.in_channels
-            if not depthwise or "depthwise" in parts:
-                out.append(m.weight)
-        elif isinstance(m, nn.Linear) and "head" in parts and m.weight.requires_grad:
-            out.append(m.weight)
-    return out
 
 
 def muon_groups(model: nn.Module, cfg, groups: list[dict]) -> list[dict]:
@@ -147,14 +131,3 @@ def build_muon(model: nn.Module, cfg, peak_lr: float, groups: list[dict]) -> Muo
         g["lr"] = peak_lr * g.get("lr_scale", 1.0)
     return Muon(groups, lr=peak_lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
                 muon_momentum=cfg.muon_momentum)
-
-
-def ns_flops(shapes: list[tuple[int, int]], steps: int = NS_STEPS) -> float:
-    """Floating-point operations of one Muon step's orthogonalisations, for matrices of these (rows,
-    cols): per iteration X X^T, (b A + c A A), that times X, on the short side s of an s x l matrix
-    (the performance model counts them in a step's compute)."""
-    total = 0.0
-    for r, c in shapes:
-        s, l_ = min(r, c), max(r, c)
-        total += steps * (2 * s * s * l_ + 2 * s ** 3 + 2 * s * s * l_)
-    return total

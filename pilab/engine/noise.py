@@ -18,7 +18,7 @@ does, their means over many steps (here: an epoch's) are divided, not the per-st
     next_batch(8, [8, 16, 32], 48, ns.value())           # the ramp's choice for the next epoch
 
 ``rank_sq`` are each rank's squared gradient norms *as sent*, i.e. of its share ``g_r / np`` of the
-average (``pilab.engine.dist.squared_norm``; GradSync's per-rank slots carry them, exactly, so every rank
+average (``pilab.dist.helpers.squared_norm``; GradSync's per-rank slots carry them, exactly, so every rank
 and the simulator hold the same numbers and choose the same batch).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .component import Component
+from ..component import Component
 
 
 class NoiseScale:

@@ -1,7 +1,7 @@
 """What the training loop records: an epoch's sums (``EpochSums``), the epoch's record (``end_epoch``:
 evaluation when due, buffers settled, times per rank) and the run's result (``result``: config,
 environment, per-epoch metrics, per-step timings, peak memory). Components add their own keys to both
-(``pilab.engine.component``)::
+(``pilab.component``)::
 
     acc = EpochSums(); acc.add(st, images)
     record, checkpoint_now = records.end_epoch(session, epoch, acc, seconds, steps_log, stopped, gstep)

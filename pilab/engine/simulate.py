@@ -26,7 +26,7 @@ from torch import nn
 
 from . import loop as engine
 from ..config import Config
-from .preflight import with_model
+from .ownmodel import with_model
 from .layers import GhostBatchNorm2d, use_ghost_batchnorm, virtual_state  # noqa: F401  (re-exported)
 
 __all__ = ["run", "train", "check_supported", "virtual_state", "GhostBatchNorm2d", "use_ghost_batchnorm"]

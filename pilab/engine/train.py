@@ -21,7 +21,7 @@ from torch import nn
 
 from . import loop as engine
 from ..config import Config
-from .preflight import with_model
+from .ownmodel import with_model
 from .loop import load_data  # noqa: F401  (part of this module's API: rank 0 decodes first)
 
 __all__ = ["run", "train", "load_data"]

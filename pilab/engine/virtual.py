@@ -1,5 +1,5 @@
 """The simulator's rank backend: ``VirtualRanks(np_)`` emulates np ranks in this process (see
-``pilab.engine.simulate``), the loop's other backend beside ``pilab.engine.ranks.MPIRanks``::
+``pilab.engine.simulate``), the loop's other backend beside ``pilab.engine.mpi.MPIRanks``::
 
     from pilab.engine import loop as engine
     result, model = engine.train(cfg, engine.VirtualRanks(48))
@@ -24,9 +24,9 @@ from . import localsgd
 from .. import data as data_mod
 from ..config import Config, ConfigError
 from .backend import SYNC, Phase, StepResult, base_model, environment, evaluate, forward_loss, on_grads_, usable_cores
-from .dist import share_of_mean, squared_norm
+from ..dist.helpers import share_of_mean, squared_norm
 from .layers import RankContext, step_seed, sync_virtual_buffers_
-from .trace import Timeline
+from ..trace.recorder import Timeline
 
 # simulate_mode=fast runs the global batch in one forward (the memory of one process training it, the
 # physical bound); on a GPU the exact mode's chunks are about this many images
@@ -54,14 +54,14 @@ MEMORY_SHARE = 0.75
 
 def fitting_ranks(cfg: Config, np_: int, batch: int, free: int | None = None) -> int:
     """The most virtual ranks (1..np_) whose images one forward of the fast mode can hold: the predicted
-    peak of one process training ``k * batch`` images (``models.memory``) within ``MEMORY_SHARE`` of
+    peak of one process training ``k * batch`` images (``engine.memory``) within ``MEMORY_SHARE`` of
     ``free`` bytes (None: what this machine or its memory cgroup has free now; 0: unknown, no limit)::
 
         fitting_ranks(Config(width=1.0), 48, 64, free=24 * 2**30)     # 17 ranks per forward, not 48
     """
     from dataclasses import replace
 
-    from ..models import memory
+    from . import memory
 
     free = memory.free_bytes() if free is None else free
     if not free:

@@ -82,7 +82,7 @@ def _controls(c: Config, style: dict) -> dict:
                                             tooltip=Config.help("warmup_epochs"), style=style),
         "optimizer": _dropdown("optimizer", CHOICES["optimizer"], c.optimizer),
         "bn": _dropdown("bn", CHOICES["bn"], c.bn),
-        # every rank's step on one time axis (pilab.engine.trace): <out>/trace.json where the run has an out
+        # every rank's step on one time axis (pilab.trace.recorder): <out>/trace.json where the run has an out
         "trace": W.Checkbox(value=c.trace, description="trace", tooltip=Config.help("trace"), style=style),
     }
 

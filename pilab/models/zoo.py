@@ -167,7 +167,7 @@ def activation_elements(name: str, width: float = 1.0, num_classes: int = 10,
 def largest_output_elements(name: str, width: float = 1.0, num_classes: int = 10,
                             image_size: int = 32, timesteps: Optional[int] = None) -> int:
     """Elements of the largest output any leaf layer writes for one image: what an evaluation batch
-    (no autograd) holds at its peak is a few of these per image (``pilab.models.memory``)::
+    (no autograd) holds at its peak is a few of these per image (``pilab.engine.memory``)::
 
         largest_output_elements("mobilenetv2_cifar", width=1.0)   # 144 channels x 32 x 32
     """

@@ -49,7 +49,7 @@ from __future__ import annotations
 from .allreduce import allreduce_phases, allreduce_rounds, allreduce_time
 from .assumptions import (BACKWARD_FRACTION, ELEMENT_BYTES, FLOPS_PER_ACTIVATION_CPU, METRIC_BYTES,
                           STEP_WORK_PER_TENSOR_CPU, THREAD_EXPONENT)
-from .bench import DEFAULT_SIZES, comm_bench, run_comm_bench
+from .microbench import DEFAULT_SIZES, comm_bench, run_comm_bench
 from .calibrate import Calibration, calibrate, cluster_from_calibration, this_box
 from .fit import fit_alpha_beta
 from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, work_per_image
@@ -59,7 +59,6 @@ from .predict import PROFILES, bucket_schedule, exchange, predict, step_schedule
 from .presets import (PI_BASELINE_NP, PI_CORES_PER_NODE, PI_GBE_GOODPUT, PI_NODES, PI_RANKS_PER_NODE,
                       PI_STUDY_NPS, PI_TABLE_NPS, PI_THREADS_PER_RANK, PRESETS, PUBLISHED, pi4b_cluster,
                       pi_config, published_table, relinked, resolve_cluster)
-from .trace import predicted_trace
 from .tables import PI_TABLE_COLUMNS, TABLE_COLUMNS, markdown_table, pi_table, pi_table_markdown, predict_table
 
 __all__ = [
@@ -68,7 +67,7 @@ __all__ = [
     "comm_bench", "run_comm_bench", "DEFAULT_SIZES", "fit_alpha_beta", "calibrate",
     "this_box", "pi4b_cluster", "cluster_from_calibration", "PRESETS", "resolve_cluster", "relinked",
     "gradient_layout", "buckets_for", "work_per_image", "bn_bytes", "bn_channels",
-    "PROFILES", "predict", "predict_table", "exchange", "bucket_schedule", "step_schedule", "predicted_trace", "pi_config", "pi_table",
+    "PROFILES", "predict", "predict_table", "exchange", "bucket_schedule", "step_schedule", "pi_config", "pi_table",
     "markdown_table", "pi_table_markdown", "TABLE_COLUMNS", "PI_TABLE_COLUMNS",
     "FLOPS_PER_ACTIVATION_CPU", "STEP_WORK_PER_TENSOR_CPU", "BACKWARD_FRACTION", "THREAD_EXPONENT",
     "ELEMENT_BYTES", "METRIC_BYTES",

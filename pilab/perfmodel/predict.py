@@ -111,7 +111,7 @@ def bucket_schedule(cfg: Config, layout, compute: float, cl: Cluster, ar: Callab
     backward take ``compute`` seconds (from the forward's start), and what it costs on an idle wire:
     ``{"forward_end", "backward_end", "buckets": [{numel, bytes, posted, start, end, cost}, ...]}`` in
     GradSync's order. The one rule ``predict`` prices the exposed tail with and
-    ``pilab.perfmodel.trace`` draws::
+    ``pilab.trace.predict`` draws::
 
         bucket_schedule(Config(), gradient_layout("mobilenetv2_cifar", 1.0), 0.5, cl, ar)["buckets"][-1]
     """

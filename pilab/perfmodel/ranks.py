@@ -11,7 +11,7 @@ import argparse
 
 from ..files import save_json
 from ..launch import mpi
-from .bench import DEFAULT_SIZES, comm_bench
+from .microbench import DEFAULT_SIZES, comm_bench
 
 
 def main(argv=None) -> int:

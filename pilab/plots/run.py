@@ -15,7 +15,7 @@ from bokeh.palettes import Category10
 from bokeh.plotting import figure
 
 from .. import verdict as judging
-from .trace import LiveLanes
+from .lanes import LiveLanes
 from .base import H, PARTS, PART_LABELS, PART_COLORS, STEP_SOURCE, EPOCH_SOURCE, RANK_SOURCE, _fig, _legend_outside, Paragraph
 
 
@@ -225,7 +225,7 @@ class LivePlot:
 
     Step events stream into the loss and throughput plots, epoch events into the accuracy plot and the
     per-rank time split, a traced run's lane events into the swim-lane of its last steps under it
-    (``pilab.plots.trace.LiveLanes``); a start event clears everything for the new run. Safe to call from the
+    (``pilab.plots.lanes.LiveLanes``); a start event clears everything for the new run. Safe to call from the
     watcher thread of a :class:`pilab.lab.cluster.Run` (updates are serialised).
     """
 
@@ -312,7 +312,7 @@ class LivePlot:
             self.ranks.data = _rank_columns(self._per_rank, self.marks)
 
     def _straggler(self, event: Mapping) -> None:
-        """Mark each straggler's bar and show the warning line (``pilab.engine.stragglers``)."""
+        """Mark each straggler's bar and show the warning line (``pilab.trace.stragglers``)."""
         for s in event.get("stragglers") or []:
             self.marks[int(s["rank"])] = f"{s['kind']} +{100 * s['slowdown']:.0f}%"
         n = len(self.timeline.y_range.factors)

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
-from .. import slurm
+from ..launch import slurm
 from ..config import Config
 from ..files import save_json
 # .points and ..engine.checkpoint load torch (seconds): imported where a point is read, so that

@@ -30,11 +30,12 @@ machine, so nothing would cross the shaped link. ``env()`` therefore sets ``UCX_
 ``UCX_NET_DEVICES=eth0``: shared memory inside a node (MPICH's), TCP over the node's link between nodes.
 
 Slurm on the testbed (``up --slurm``: munged, slurmctld on a head namespace, a slurmd per node) is
-:mod:`pilab.testbed.slurm`.
+:mod:`pilab.testbed.slurmd`.
 
 The package by concern: ``nodes`` (what a testbed is, up/down/status), ``shim`` (the files Hydra uses),
-``make`` (up, down, status), ``links`` (a node's link: down, shaped, its traffic), ``cgroups`` (a node's processes, CPU quota and
-memory limit), ``mounts`` (cgroup file systems and overlays inside a node), ``slurm``.
+``make`` (up, down, status), ``links`` (a node's link: down, shaped, its traffic), ``cgroups`` (a node's
+processes, CPU quota and memory limit), ``mounts`` (cgroup file systems and overlays inside a node),
+``slurm``, ``lock`` (one job that makes testbeds at a time on the machine: ``exclusive``).
 
 Everything the testbed makes carries its name as a prefix (namespaces ``<name>-node01…``, links
 ``<name>-br`` and ``<name>-n01…``, the state directory ``/run/<name>-testbed``), so ``down`` finds and
@@ -44,8 +45,9 @@ address already configured here.
 """
 from __future__ import annotations
 
-from .cgroups import limit_memory, processes, ps, throttle
+from .cgroups import cpu_quota, limit_memory, processes, ps, quota, throttle
 from .links import link, shape, traffic, traffic_delta
+from .lock import LOCK_PATH, exclusive, holder
 from .make import down, status, up
 from .mounts import clear_overlays, overlay
 from .nodes import (DEFAULT_NAME, DEFAULT_RATE, DEFAULT_SUBNET, FIRST_HOST, NODE_IFACE, Testbed, TestbedError,
@@ -53,6 +55,8 @@ from .nodes import (DEFAULT_NAME, DEFAULT_RATE, DEFAULT_SUBNET, FIRST_HOST, NODE
                     parse_rate, state_dir)
 
 __all__ = ["Testbed", "TestbedError", "up", "down", "load", "status", "available", "parse_rate",
-           "link", "shape", "throttle", "limit_memory", "overlay", "clear_overlays", "traffic", "traffic_delta",
+           "exclusive", "holder", "LOCK_PATH",
+           "link", "shape", "throttle", "quota", "cpu_quota", "limit_memory", "overlay", "clear_overlays",
+           "traffic", "traffic_delta",
            "processes", "ps", "burst_bytes", "check_range", "state_dir", "FIRST_HOST", "NODE_IFACE",
            "DEFAULT_SUBNET", "DEFAULT_RATE", "DEFAULT_NAME", "_links", "_netns_list", "_routes_and_addresses"]

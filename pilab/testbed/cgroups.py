@@ -1,5 +1,5 @@
 """A node's processes and its cgroups: what runs on each node (``processes``, ``ps``), a slower board
-(``throttle``: a CPU quota) and a smaller one (``limit_memory``)."""
+(``throttle``: a CPU quota, also while a job runs; ``quota`` reads it) and a smaller one (``limit_memory``)."""
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +19,7 @@ def ps(tb: Testbed) -> str:
     """What runs on each node, one line a process: pid, state, what it waits in (wchan), CPU seconds,
     its cgroups' limits, the command. For a job that does not end: which process holds it up, where::
 
-        print(testbed.ps(tb))     # node02 12345 S futex_wait_queue 3.1s cpu=15000/100000 python -m pilab...
+        print(testbed.ps(tb))     # node02 12345 S futex_wait_queue 3.1s threads=3 cpus=0.15 python -m pilab...
     """
     lines = []
     tick = os.sysconf("SC_CLK_TCK")
@@ -36,21 +36,21 @@ def ps(tb: Testbed) -> str:
             except OSError:
                 continue  # ended meanwhile
             cpu_s = (int(stat[11]) + int(stat[12])) / tick
-            limit = ""
-            quota = os.path.join(_cgroup(tb.name, host) or "/nonexistent", "cpu.cfs_quota_us")
-            with contextlib.suppress(OSError), open(quota) as f:
-                limit = f" cpu_quota_us={f.read().strip()}"
+            cpus = quota(tb, host)
+            limit = "" if cpus is None else f" cpus={cpus:g}"
             lines.append(f"{host} {pid} {stat[0]} {wchan} {cpu_s:.1f}s threads={threads}{limit} {cmd}")
     return "\n".join(lines) or "(no process on any node)"
 
 
-def _cgroup(tb_name: str, host: str) -> str | None:
-    """The node's CPU-quota cgroup directory (cgroup v1 cpu controller, else v2), None if neither."""
-    for root, v2 in (("/sys/fs/cgroup/cpu", False), ("/sys/fs/cgroup/unified", True),
-                     ("/sys/fs/cgroup", True)):
-        if os.path.isfile(os.path.join(root, "cpu.max" if v2 else "cpu.cfs_quota_us")) or \
-                (not v2 and os.path.isdir(root) and os.path.isfile(os.path.join(root, "cpu.cfs_period_us"))):
-            return os.path.join(root, f"{tb_name}-{host}")
+def _cpu_root() -> tuple[str, bool] | None:
+    """(root, is v2) of the cgroup tree with the cpu controller: v1's cpu hierarchy, else the v2 tree
+    (hybrid's /sys/fs/cgroup/unified, then pure v2's /sys/fs/cgroup); None without one."""
+    if os.path.isfile("/sys/fs/cgroup/cpu/cpu.cfs_period_us"):
+        return "/sys/fs/cgroup/cpu", False
+    for root in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
+        with contextlib.suppress(OSError), open(os.path.join(root, "cgroup.controllers")) as f:
+            if "cpu" in f.read().split():
+                return root, True
     return None
 
 
@@ -84,26 +84,72 @@ def _remove_cgroup(path: str, unlimited: list[tuple[str, str]], wait_s: float = 
             time.sleep(0.2)
 
 
-def throttle(tb: Testbed, host: str, cpus: float) -> None:
-    """Give every process started on ``host`` from now on at most ``cpus`` cores in total (a CPU quota:
-    a slower board); ``cpus=0`` lifts it. The shim puts what it starts into the node's cgroup."""
-    tb.index(host)
-    path = _cgroup(tb.name, host)
-    if path is None:
-        raise TestbedError("no cgroup cpu controller at /sys/fs/cgroup: cannot throttle a node here")
+def cpu_quota(name: str, cpus: float, pids=()) -> str:
+    """Make the cgroup ``name`` (under the cpu controller's root, v1 or v2) allow at most ``cpus`` cores
+    in total, move ``pids`` into it and return its directory; ``cpus=0`` lifts the quota and removes
+    the group (what is still in it goes back to the parent). A process joins by writing its pid to
+    ``<dir>/cgroup.procs``; one already running slows down at once::
+
+        cg = cpu_quota("pilab-slow", 0.5)          # then: echo $$ > {cg}/cgroup.procs && exec ...
+        cpu_quota("pilab-slow", 0)
+    """
+    found = _cpu_root()
+    if found is None:
+        raise TestbedError("no cgroup cpu controller at /sys/fs/cgroup (v1's cpu, or v2 with cpu in "
+                           "cgroup.controllers): cannot set a CPU quota here")
+    root, v2 = found
+    path = os.path.join(root, name)
     if cpus <= 0:
         _remove_cgroup(path, [("cpu.max", "max"), ("cpu.cfs_quota_us", "-1")])
-        return
-    os.makedirs(path, exist_ok=True)
-    period = 100_000
-    if os.path.exists(os.path.join(path, "cpu.max")):
-        with open(os.path.join(path, "cpu.max"), "w") as f:
-            f.write(f"{int(cpus * period)} {period}")
-    else:
-        with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
-            f.write(str(period))
-        with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
-            f.write(str(int(cpus * period)))
+        return path
+    if v2:  # the controller must be enabled for the root's children
+        with contextlib.suppress(OSError), open(os.path.join(root, "cgroup.subtree_control"), "w") as f:
+            f.write("+cpu")
+    try:
+        os.makedirs(path, exist_ok=True)
+        period = 100_000
+        quota = max(1000, int(cpus * period))  # the kernel's least quota is 1 ms a period
+        knobs = [("cpu.max", f"{quota} {period}")] if v2 else \
+            [("cpu.cfs_period_us", str(period)), ("cpu.cfs_quota_us", str(quota))]
+        for knob, value in knobs:
+            with open(os.path.join(path, knob), "w") as f:
+                f.write(value)
+    except OSError as e:
+        raise TestbedError(f"cannot set a CPU quota at {path} ({e.strerror}): run as root") from None
+    for pid in pids:
+        with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.procs"), "w") as f:
+            f.write(str(pid))  # gone meanwhile: nothing to slow down
+    return path
+
+
+def throttle(tb: Testbed, host: str, cpus: float) -> None:
+    """Give ``host`` at most ``cpus`` cores in total from now on (a CPU quota: a slower or hotter board);
+    ``cpus=0`` lifts it. What already runs there is moved under the quota too, so a node can be slowed
+    (or freed) while a job runs; what the shim starts later joins it::
+
+        testbed.throttle(tb, "node02", 0.5)    # node02 is now half a core
+        testbed.throttle(tb, "node02", 0)      # and the whole machine again
+    """
+    tb.index(host)
+    cpu_quota(f"{tb.name}-{host}", cpus, processes(tb)[host] if cpus > 0 else ())
+
+
+def quota(tb: Testbed, host: str) -> float | None:
+    """The cores ``host`` may use (its ``throttle``), None when it has no quota."""
+    found = _cpu_root()
+    if found is None:
+        return None
+    path, v2 = os.path.join(found[0], f"{tb.name}-{host}"), found[1]
+    try:
+        if v2:
+            with open(os.path.join(path, "cpu.max")) as f:
+                q, per = f.read().split()
+            return None if q == "max" else int(q) / int(per)
+        with open(os.path.join(path, "cpu.cfs_quota_us")) as f, open(os.path.join(path, "cpu.cfs_period_us")) as g:
+            q, per = int(f.read()), int(g.read())
+        return None if q <= 0 else q / per
+    except (OSError, ValueError):
+        return None
 
 
 def _memory_cgroup(tb_name: str, host: str) -> tuple[str, bool] | None:

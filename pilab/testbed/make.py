@@ -10,11 +10,11 @@ import shutil
 import subprocess
 import time
 
-from .cgroups import processes
+from .cgroups import processes, quota
 from .nodes import (DEFAULT_NAME, NODE_IFACE, Testbed, TestbedError, _NAME_RE, _links, _netns_list, _require,
                     _run, _shape, check_range, load, state_dir)
 from .shim import _write_files
-from .slurm import stop as _stop_slurm
+from .slurmd import stop as _stop_slurm
 
 
 def up(tb: Testbed = Testbed()) -> Testbed:
@@ -104,7 +104,7 @@ def status(name: str = DEFAULT_NAME) -> dict:
         out.update(testbed=tb.to_dict(), hostfile=tb.hostfile, shim=tb.shim,
                    bridge_address=tb.bridge_address,
                    nodes={h: {"address": tb.address(h), "rate": tb.rate_of(h),
-                              "link": _link_state(tb.veth(h))} for h in tb.hosts},
+                              "link": _link_state(tb.veth(h)), "cpus": quota(tb, h)} for h in tb.hosts},
                    processes=_processes(tb) if spaces else {})
     return out
 

@@ -50,7 +50,7 @@ def _etc_hosts(tb: Testbed) -> str:
     cluster's hosts file: Hydra's proxies started by Slurm reach mpiexec by its node's name. This
     machine's own /etc/hosts is left as it is; no name lookup leaves the machine."""
     path = os.path.join(tb.state_dir, "etc-hosts")
-    head = ipaddress.ip_network(tb.subnet).network_address + 2  # Slurm's head namespace (testbed.slurm)
+    head = ipaddress.ip_network(tb.subnet).network_address + 2  # Slurm's head namespace (testbed.slurmd)
     lines = ["127.0.0.1 localhost", f"{head} head", *(f"{tb.address(h)} {h}" for h in tb.hosts)]
     atomic_write_text(path, "\n".join(lines) + "\n")
     return f"mount --bind {shlex.quote(path)} /etc/hosts 2>/dev/null"

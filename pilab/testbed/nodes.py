@@ -150,7 +150,7 @@ class Testbed:
             # the Pi profile's controller (profiles/profile_pi) on the head node's bridge address
             "PILAB_HOSTFILE": self.hostfile, "PILAB_CONTROLLER_IP": self.bridge_address,
             "PILAB_TESTBED": self.name,
-            # Slurm's client commands, when `up --slurm` started it (pilab.slurm)
+            # Slurm's client commands, when `up --slurm` started it (pilab.launch.slurm)
             **_slurm_env(self.name),
         }
 
@@ -163,7 +163,7 @@ class Testbed:
 
 
 def slurm_conf(name: str = DEFAULT_NAME) -> str:
-    """Where ``up --slurm`` writes slurm.conf (pilab.testbed.slurm)."""
+    """Where ``up --slurm`` writes slurm.conf (pilab.testbed.slurmd)."""
     return os.path.join(state_dir(name), "slurm", "slurm.conf")
 
 

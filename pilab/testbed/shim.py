@@ -42,8 +42,9 @@ case "$host" in
 esac
 # a node slowed by `testbed.throttle` (a CPU-quota cgroup of its own) or made smaller by
 # `testbed.limit_memory` (a memory cgroup): everything started on it joins
-for cg in /sys/fs/cgroup/cpu/{name}-"$name" /sys/fs/cgroup/unified/{name}-"$name"; do
-    [ -d "$cg" ] && echo $$ > "$cg/cgroup.procs" 2>/dev/null && break
+for cg in /sys/fs/cgroup/cpu/{name}-"$name" /sys/fs/cgroup/unified/{name}-"$name" /sys/fs/cgroup/{name}-"$name"; do
+    [ -f "$cg/cpu.cfs_quota_us" ] || [ -f "$cg/cpu.max" ] || continue
+    echo $$ > "$cg/cgroup.procs" 2>/dev/null && break
 done
 for cg in /sys/fs/cgroup/memory/{name}-"$name" /sys/fs/cgroup/{name}-"$name"; do
     [ -f "$cg/memory.limit_in_bytes" ] || [ -f "$cg/memory.max" ] || continue

@@ -6,7 +6,7 @@
 #
 # ipyparallel's Slurm launcher submits the batch script below (sbatch); inside its allocation MPICH's
 # mpiexec starts the engines through Slurm (`-launcher slurm`: one srun step, one proxy per node), so
-# the engines are ranks 0..n-1 of one MPI job, nodes filled in order (pilab.hosts.place), and
+# the engines are ranks 0..n-1 of one MPI job, nodes filled in order (pilab.launch.hosts.place), and
 # cluster.start returns them in rank order as with the other profiles.
 #
 # Settings read from the environment (all optional):

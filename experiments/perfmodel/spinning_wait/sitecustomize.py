@@ -1,8 +1,8 @@
 """An experiment, not pilab's behaviour (issue 39's tail on a loaded machine): with this folder first on
 PYTHONPATH, every Python process (the ranks too: mpiexec passes PYTHONPATH on) loads
-pilab.engine.gradsync with SPIN_S = 60 s, so GradSync's end-of-backward wait polls without napping::
+pilab.dist.gradsync with SPIN_S = 60 s, so GradSync's end-of-backward wait polls without napping::
 
-    sudo env PYTHONPATH=experiments/perfmodel/spinning_wait:$PWD flock /tmp/pilab-testbed.lock \\
+    sudo env PYTHONPATH=experiments/perfmodel/spinning_wait:$PWD flock /run/pilab-testbed.lock \\
         python experiments/perfmodel/validate_testbed.py --out runs/validate-spin \\
         --width 1.0 --bucket-mb 1 --bucket-tail-mb 0 --rates 1gbit
 
@@ -18,7 +18,7 @@ SPIN_S = 60.0
 
 class _SpinningWait(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "pilab.engine.gradsync":
+        if name != "pilab.dist.gradsync":
             return None
         sys.meta_path.remove(self)  # find the real module, then patch it once it has run
         spec = importlib.util.find_spec(name)

@@ -104,7 +104,7 @@ class Engines:
         engines of ranks ``>= np_`` take part only in the communicator split and then idle.
         ``scatter=True``: rank 0 loads the data and sends each rank its shard (no copy on the nodes).
         ``hang_s``: seconds without an event from rank 0 after which the run counts as stuck. ``trace``:
-        ``cfg.trace`` set (every rank's step on one time axis, ``pilab.engine.trace``: ``<out>/trace.json``
+        ``cfg.trace`` set (every rank's step on one time axis, ``pilab.trace.recorder``: ``<out>/trace.json``
         and the result's ``trace``)::
 
             run = lab.train(cfg, np_=1, callbacks=[plots.LivePlot()])

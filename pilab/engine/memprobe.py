@@ -1,11 +1,11 @@
 """What a model's training step costs in memory beyond its saved activations, measured on the model itself.
 
-    from pilab.models.memprobe import step_memory
+    from pilab.engine.memprobe import step_memory
     warm, per_image = step_memory("mynets:resnet8", width=1.0, timesteps=None, shape=(3, 32, 32),
                                   threads=1, malloc=(("MALLOC_MMAP_THRESHOLD_", "1073741824"),))
     # bytes, bytes per image
 
-``pilab.models.memory`` predicts the activations of a training step from the elements its layers write
+``pilab.engine.memory`` predicts the activations of a training step from the elements its layers write
 and a factor measured on the registered networks (MobileNetV2's: autograd's saved tensors, the backward's
 gradients in flight, glibc keeping freed blocks, oneDNN's scratch). That factor is the model's, not a
 constant: beyond its saved activations a plain 3x3-convolution ResNet at full 32x32 resolution keeps about
@@ -53,7 +53,7 @@ def step_memory(model: str, width: float, timesteps: int | None, shape: tuple[in
     (C, H, W), measured in a child process (see the module's docstring); raises ProbeError."""
     if not sys.platform.startswith("linux"):
         raise ProbeError("the probe reads /proc/self/status (Linux only)")
-    from .custom import _LOCAL
+    from ..models.custom import _LOCAL
     if model in _LOCAL or model.startswith("__main__:"):  # a function defined in __main__ or a notebook cell: no child process can import it
         raise ProbeError(f"{model} is defined in this process only; put it in a .py file to have it measured")
     args = [model, repr(width), repr(timesteps), ",".join(map(str, shape)), str(threads), str(num_classes)]
@@ -61,7 +61,7 @@ def step_memory(model: str, width: float, timesteps: int | None, shape: tuple[in
     # the builder is imported by its string there: give the child every directory this process imports from
     env["PYTHONPATH"] = os.pathsep.join([p or os.getcwd() for p in sys.path])
     try:
-        p = subprocess.run([sys.executable, "-m", "pilab.models.memprobe", *args], capture_output=True,
+        p = subprocess.run([sys.executable, "-m", "pilab.engine.memprobe", *args], capture_output=True,
                            text=True, timeout=600, env=env)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ProbeError(f"the memory probe of {model} did not run: {e}") from None
@@ -79,8 +79,8 @@ def _one_batch(model: str, width: float, timesteps, shape, num_classes: int, bat
     import torch
     import torch.nn.functional as F
 
-    from ..engine.optim import SGD
-    from .zoo import build_model
+    from .optim import SGD
+    from ..models.zoo import build_model
 
     torch.manual_seed(0)
     net = build_model(model, num_classes=num_classes, width=width, timesteps=timesteps)
@@ -103,8 +103,8 @@ def main(argv: list[str]) -> int:
     model, width, timesteps, shape, threads, num_classes = argv
     import torch  # imported here, in the parent, before any fork: each child starts with it
 
-    from ..engine.optim import SGD  # noqa: F401
-    from .zoo import build_model  # noqa: F401
+    from .optim import SGD  # noqa: F401
+    from ..models.zoo import build_model  # noqa: F401
 
     torch.set_num_threads(int(threads))
     ts = None if timesteps == "None" else int(timesteps)

@@ -9,10 +9,10 @@ each node namespace, as on a Pi cluster run by Slurm::
     sudo python -m pilab testbed down                   # stops the daemons too (also after a crash)
 
     from pilab import testbed
-    from pilab.testbed import slurm
+    from pilab.testbed import slurmd
     tb = testbed.up(testbed.Testbed(nodes=2, slots=2))
-    slurm.start(tb)                                     # waits until every node is idle
-    slurm.stop(tb.name)
+    slurmd.start(tb)                                     # waits until every node is idle
+    slurmd.stop(tb.name)
 
 How it is laid out, and what is configured around because the nodes share one kernel:
 
@@ -109,14 +109,14 @@ def write_conf(tb: Testbed) -> str:
     partition ``pi`` with every node. Returns its path."""
     d = _dir(tb.name)
     lines = [
-        f"# pilab testbed {tb.name}: a Slurm cluster of {tb.nodes} node namespaces (pilab/testbed/slurm.py)",
+        f"# pilab testbed {tb.name}: a Slurm cluster of {tb.nodes} node namespaces (pilab/testbed/slurmd.py)",
         f"ClusterName={tb.name}", f"SlurmctldHost={HEAD}({head_address(tb)})",
         "SlurmctldPort=6817", "SlurmdPort=6818", "SlurmUser=root", "SlurmdUser=root",
         "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={d}/munge/munge.socket",
         f"StateSaveLocation={d}/ctld", f"SlurmdSpoolDir={d}/spool/%n",
         f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd-%n.pid",
         f"SlurmctldLogFile={d}/log/slurmctld.log", f"SlurmdLogFile={d}/log/slurmd-%n.log",
-        "# no cgroup plugins: several slurmds share one kernel (see pilab/testbed/slurm.py)",
+        "# no cgroup plugins: several slurmds share one kernel (see pilab/testbed/slurmd.py)",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none", "SlurmdParameters=config_overrides",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "SchedulerType=sched/backfill",

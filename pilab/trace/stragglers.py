@@ -31,7 +31,7 @@ from collections import deque
 
 import numpy as np
 
-from .component import Component
+from ..component import Component
 
 __all__ = ["Monitor", "THRESHOLD", "MIN_RATE", "WINDOW", "STEPS", "EVERY_S"]
 
@@ -142,7 +142,7 @@ class Monitor:
 
 
 class StragglerWatch(Component):
-    """The loop's feature (a ``pilab.engine.component.Component``): rank 0 of an MPI job of 2+ ranks
+    """The loop's feature (a ``pilab.component.Component``): rank 0 of an MPI job of 2+ ranks
     feeds every step's per-rank times to a ``Monitor`` (``Config.straggler_threshold`` > 0) and emits
     its warnings as events; result.json's ``stragglers`` and ``straggler_lines`` are its own (empty where
     it does not watch)."""

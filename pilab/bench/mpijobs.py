@@ -1,6 +1,6 @@
 """The benchmarks that need real ranks, one MPI job (every rank runs this module)::
 
-    mpiexec -n 2 python -m pilab.bench.ranks OUT.json [--quick] [--sections memory,comm,e2e,sync]
+    mpiexec -n 2 python -m pilab.bench.mpijobs OUT.json [--quick] [--sections memory,comm,e2e,sync]
 
 ``pilab.bench.suite.run`` launches it. Sections, all in one job so that every ratio is between contenders
 measured in the same sitting, alternated round by round:
@@ -15,7 +15,7 @@ measured in the same sitting, alternated round by round:
   ways to average a step's gradients, per-tensor and fused blocking Allreduce, GradSync, fp16
   (``pilab.bench.syncways``);
 * trace (``--sections trace`` only): a training step with ``Config.trace`` against the same step without it
-  (``pilab.engine.trace``'s overhead), two sessions alternated round by round.
+  (``pilab.trace.recorder``'s overhead), two sessions alternated round by round.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from ..engine import loop as engine, train
 from ..config import Config
-from ..engine.dist import GradSync
+from ..dist.helpers import GradSync
 from ..launch import mpi_library
 from ..engine.optim import build_optimizer
 from .job import COMM, MPI, RANK, SIZE, _model, nap_barrier, slowest

@@ -1,7 +1,7 @@
 """A per-rank trace of a real run (``Config.trace``): every rank's data, forward, backward, each gradient
 message's Allreduce (posted, first seen complete), the wait at the end of backward, the optimizer,
 evaluations and checkpoints, on the ranks' clocks aligned over MPI, written by rank 0 as
-``<out>/trace.json`` in the Chrome Trace Event Format (``pilab.tracefile``; open it in ui.perfetto.dev)::
+``<out>/trace.json`` in the Chrome Trace Event Format (``pilab.trace.format``; open it in ui.perfetto.dev)::
 
     mpiexec -n 2 python -m pilab train --trace --out runs/t     # runs/t/trace.json + result.json["trace"]
     python -m pilab train --np 2 --trace --trace-window 20 --out runs/t
@@ -14,7 +14,7 @@ instead of one Testall). Without ``trace`` both take their usual path. The simul
 ranks per forward goes on its first rank's track) and the one optimizer step on rank 0's track.
 
 Bounded: each rank keeps the first ``FIRST`` steps, the last ``trace_window`` and up to ``trace_window``
-steps a straggler warning named (every rank runs the same ``pilab.engine.stragglers.Monitor`` on the
+steps a straggler warning named (every rank runs the same ``pilab.trace.stragglers.Monitor`` on the
 per-rank times every rank already receives with the last bucket, so they agree without a message). At
 every epoch's end the ranks' clocks are compared again and what each rank kept goes to rank 0 (one
 gather per epoch, never per step); rank 0 merges, converts to its clock and prunes to the same bound.
@@ -35,8 +35,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from .. import tracefile
-from .component import Component
+from . import format as tracefile
+from ..component import Component
 from .stragglers import Monitor
 
 __all__ = ["Trace", "Timeline", "clock_offsets", "FIRST", "ROUNDS"]
@@ -155,7 +155,7 @@ class Trace(Component):
         return [self._lane(g, epoch + 1, tl, st)] if self.rank == 0 else []
 
     def _lane(self, g: int, epoch: int, tl: Timeline, st) -> dict:
-        """Rank 0's ``lane`` event of step ``g`` (the notebook's live swim-lane, ``pilab.plots.trace``):
+        """Rank 0's ``lane`` event of step ``g`` (the notebook's live swim-lane, ``pilab.plots.lanes``):
         seconds on rank 0's clock from the trace's zero. Rank 0's own spans and flights are measured
         (the simulator's: every virtual rank's); another MPI rank's are estimated from what rank 0 has
         each step without a message: the step started together on every rank, its data, forward and

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .dist import allreduce_
+from .helpers import allreduce_
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 

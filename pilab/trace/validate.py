@@ -1,8 +1,8 @@
 """A measured trace beside the performance model's prediction of the same run: per bucket and for the
 step, predicted against measured and the error, in the manner of ASTRA-sim's validation tables::
 
-    from pilab import tracefile as tf
-    from pilab.study.trace_validation import validate, table
+    from pilab.trace import format as tf
+    from pilab.trace.validate import validate, table
     v = validate(tf.read("runs/x/trace.json"), "runs/perfmodel/calibration.json")
     print(table(v, step_goal=0.10, tail_goal=0.20))     # goals are the caller's (experiments/perfmodel)
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import statistics
 
-from .. import tracefile as tf
-from .trace import analyse, figures, steps
+from . import format as tf
+from .read import analyse, figures, steps
 
 
 def _bucket_times(doc: dict) -> dict:
@@ -68,7 +68,7 @@ def validate(measured: dict, cluster, profile: str = "pilab") -> dict:
     """Predict the measured trace's run (its ``otherData`` config and np) on ``cluster`` (a calibration
     JSON path, preset name, Calibration or Cluster) and ``compare``; the prediction's trace events and
     meta come back under "predicted"."""
-    from ..perfmodel import predicted_trace
+    from .predict import predicted_trace
 
     meta = measured.get("otherData") or {}
     if not meta.get("config") or not meta.get("np"):

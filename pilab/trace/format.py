@@ -2,7 +2,7 @@
 ``about:tracing`` open. One module builds, writes, reads and checks them, for a measured run's trace and
 for the performance model's predicted one alike::
 
-    from pilab import tracefile as tf
+    from pilab.trace import format as tf
     ev = [tf.process(0, "node01"), tf.thread(0, 1, "rank 1"),
           tf.span("backward", pid=0, tid=1, ts=120.0, dur=800.5, step=3),
           *tf.flight("bucket 2", pid=0, tid=1, ts=400.0, end=950.0, id="1-3-2", step=3, bytes=1048576)]
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 
-from .files import atomic_write_text
+from ..files import atomic_write_text
 
 __all__ = ["process", "thread", "span", "flight", "write", "read", "validate", "TraceError"]
 
@@ -122,5 +122,5 @@ def read(path: str) -> dict:
         try:
             doc = json.load(f)
         except json.JSONDecodeError as e:
-            raise TraceError(f"{path} is not JSON ({e}); write it with pilab.tracefile.write") from None
+            raise TraceError(f"{path} is not JSON ({e}); write it with pilab.trace.format.write") from None
     return validate(doc)

@@ -2,9 +2,9 @@
 keyword, ``comm=None`` meaning one process (every call a no-op) -- and the exact arithmetic an MPI rank
 and the simulator share: ``share_of_mean``, ``squared_norm``, and the named ``Slots`` that ride with the
 last gradient bucket. The one module that imports mpi4py for
-training (``pilab.launch`` loads it for the rest); ``pilab.engine.dist`` re-exports everything here::
+training (``pilab.launch`` loads it for the rest); ``pilab.dist.helpers`` re-exports everything here::
 
-    from pilab.engine.dist import allreduce_, world
+    from pilab.dist.helpers import allreduce_, world
     rank, size = world(comm)
     allreduce_(t, comm, op="mean")
 """

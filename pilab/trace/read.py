@@ -1,8 +1,8 @@
 """Reading a trace: per rank, where each step's time went, which steps were slow and who made them slow,
 and the critical path of a typical step. Works on a measured run's ``trace.json`` and on the performance
-model's predicted one alike (the conventions of ``pilab.tracefile``)::
+model's predicted one alike (the conventions of ``pilab.trace.format``)::
 
-    from pilab.study.trace import load, analyse, report
+    from pilab.trace.read import load, analyse, report
     a = analyse(load("runs/x"), top=5)        # a run directory or a trace file
     print(report(a))                          # the table `python -m pilab trace runs/x` prints
     a["slow"][0]["who"]                       # "rank 3 (node02)" or "link node01-node02"
@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from .. import tracefile as tf
+from . import format as tf
 
 STEP_SPANS = ("data", "forward", "backward", "wait", "optimizer")
 COMPUTE = ("forward", "backward", "optimizer")

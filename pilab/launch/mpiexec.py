@@ -5,7 +5,7 @@ performance model's micro-benchmark, the cluster helper and the benchmarks::
 
     from pilab import launch
     cmd = launch.pilab_command(2, ["train", "--epochs", "1"])   # [.../mpiexec, -n, 2, python, -m, pilab, ...]
-    res = launch.run_job(2, "pilab.bench.ranks", {"quick": True})   # rank 0's answer, a dict
+    res = launch.run_job(2, "pilab.bench.mpijobs", {"quick": True})   # rank 0's answer, a dict
 
 Library code launches rank-side entry modules through :func:`run_job`, never the CLI. Loads neither
 torch nor MPI (the CLI's ``--help`` imports it).
@@ -23,7 +23,8 @@ from typing import Any, Mapping, Sequence
 __all__ = ["LaunchError", "find_mpiexec", "mpiexec_command", "pilab_command", "launcher_size",
            "launcher_rank", "under_mpi", "mpi", "mpi_library", "mpi_versions", "run_job", "job_argv", "JobError"]
 
-MPI_HINT = "`pip install 'pilab[mpich]'` (or the system's MPICH: apt-get install mpich)"
+# pilab is not on PyPI, so `pip install 'pilab[mpich]'` would find nothing: name what installs
+MPI_HINT = "`pip install mpich` (pip's MPICH, the `mpich` extra of a pilab clone) or the system's MPICH (apt-get install mpich)"
 
 
 class LaunchError(ValueError):
@@ -81,7 +82,7 @@ def srun_command(np_: int, program: Sequence[str], *, mpiexec: str | None = None
     """Inside an allocation: ``env -u HYDRA_HOST_FILE mpiexec -launcher slurm -launcher-exec SRUN -n np
     program…``. Hydra asks Slurm for the nodes and tasks per node (``SLURM_JOB_NODELIST``,
     ``SLURM_TASKS_PER_NODE``) and starts one proxy per node with ``srun``: nodes filled in order, each up to
-    its tasks, as with the allocation written out as a hostfile (:func:`pilab.hosts.place`). A
+    its tasks, as with the allocation written out as a hostfile (:func:`pilab.launch.hosts.place`). A
     ``HYDRA_HOST_FILE`` left in the environment (the testbed's ``env``) would take precedence, hence
     ``env -u``; so does a ``HYDRA_IFACE`` this host lacks (an sbatch script gets the submitter's). (``srun --mpi=pmi2`` alone starts small MPICH programs, but Slurm 22.05's PMI-2 server
     rejects the address exchange of pilab's ranks under MPICH 5: "value not properly terminated".)"""
@@ -146,7 +147,7 @@ def under_mpi() -> bool:
 
 
 def mpi():
-    """The ``mpi4py.MPI`` module: the one place pilab imports mpi4py (``pilab.engine.dist`` aside, which
+    """The ``mpi4py.MPI`` module: the one place pilab imports mpi4py (``pilab.dist.helpers`` aside, which
     holds the communication itself). Only ranks call it -- importing mpi4py initialises MPI, which a
     process that only predicts, plots or launches must not do::
 
@@ -219,10 +220,10 @@ def run_job(np_: int, module: str, payload: Mapping[str, Any] | None = None, *, 
             env: Mapping[str, str] | None = None, timeout: float | None = None, cwd: str | None = None,
             answer_dir: str | None = None) -> dict:
     """Run ``mpiexec -n np python -m module ANSWER.json <payload as flags>`` and return the JSON its
-    rank 0 wrote to ANSWER.json; every rank-side entry module (``pilab.engine.harness``, ``pilab.bench.ranks``,
+    rank 0 wrote to ANSWER.json; every rank-side entry module (``pilab.engine.harness``, ``pilab.bench.mpijobs``,
     ``pilab.perfmodel.ranks`` …) takes that path first and its payload as flags (:func:`job_argv`)::
 
-        res = launch.run_job(2, "pilab.bench.ranks", {"quick": True}, env={"OMP_NUM_THREADS": "1"})
+        res = launch.run_job(2, "pilab.bench.mpijobs", {"quick": True}, env={"OMP_NUM_THREADS": "1"})
 
     ``env``: the job's whole environment (default: this process's). ``extra``: mpiexec arguments before
     ``-n`` (``-hosts``, ``-ppn`` …). ``answer_dir``: where ANSWER.json goes (a temporary folder is made

@@ -1,8 +1,9 @@
 """The performance model's step as a trace: what one synchronous step of a configured run would look
-like on a cluster, in the format of a measured run's ``trace.json`` (``pilab.tracefile``)::
+like on a cluster, in the format of a measured run's ``trace.json`` (``pilab.trace.format``)::
 
-    from pilab import tracefile as tf
-    from pilab.perfmodel import pi_config, predicted_trace
+    from pilab.trace import format as tf
+    from pilab.perfmodel import pi_config
+    from pilab.trace.predict import predicted_trace
     events, meta = predicted_trace(pi_config(), 48, "pi4b_cluster")
     tf.write("runs/pi48/predicted.json", events, meta=meta)   # open it in ui.perfetto.dev
 
@@ -23,10 +24,10 @@ per-step overhead (``Cluster.step_overhead_s``: the optimizer call, Python, logg
 """
 from __future__ import annotations
 
-from .. import tracefile as tf
-from .assumptions import METRIC_BYTES
-from .predict import step_schedule
-from .presets import resolve_cluster
+from . import format as tf
+from ..perfmodel.assumptions import METRIC_BYTES
+from ..perfmodel.predict import step_schedule
+from ..perfmodel.presets import resolve_cluster
 
 US = 1e6  # trace times are microseconds
 
@@ -35,7 +36,7 @@ def predicted_trace(cfg, np_: int, cluster, profile: str = "pilab", **sizes) -> 
     """(events, meta) of one predicted step of ``cfg`` at ``np_`` ranks on ``cluster`` (a preset name,
     Cluster, Calibration or JSON path, as ``predict`` takes); ``tracefile.write(path, events, meta=meta)``
     writes it. ``meta["prediction"]`` holds the step's figures in seconds."""
-    from .predict import _as_config  # one reading of a config for predict and the trace
+    from ..perfmodel.predict import _as_config  # one reading of a config for predict and the trace
     cfg = _as_config(cfg)
     cl = resolve_cluster(cluster)
     out = step_schedule(cfg, np_, cl, profile, **sizes)

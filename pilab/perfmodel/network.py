@@ -1,8 +1,8 @@
 """The ``network`` section's analysis: the performance model against what :mod:`pilab.bench.network` measured
 on the testbed, from the stored measurements only (no root, no runs)::
 
-    from pilab.bench import network_model
-    print(network_model.report("benchmarks/results/bench_network-2026-12-02-1419.json"))
+    from pilab.perfmodel import network
+    print(network.report("benchmarks/results/bench_network-2026-12-02-1419.json"))
 
 It says how far the model is from each point (median and worst |predicted / measured - 1|); a tolerance to
 count the points within (a study's goal, e.g. experiments/network-model/goal.py) is the caller's.
@@ -15,11 +15,19 @@ from .. import perfmodel as pm
 from .. import testbed
 from ..config import Config
 from ..files import load_json
-from .network import COMM_BOUND, LOCAL_H, LOCAL_RATE, LOCAL_TRAIN, TRAIN
 
 # ----------------------------------------------------------------------------------------------
 # the model's side (from the stored measurements only: --analyse redoes it without running anything)
 # ----------------------------------------------------------------------------------------------
+# What the section runs (pilab.bench.network runs it; the analysis below reads its settings)
+TRAIN = dict(width=0.25, batch_size=8, train_subset=512, test_subset=100, epochs=1, threads=1)
+COMM_BOUND = 0.30  # communication-bound: measured network time >= this share of the step
+# Local SGD (issue 20): each rank steps alone and the parameters are averaged every LOCAL_H steps (and at
+# the epoch's end), so a step's exposed network time is the metrics' tiny Allreduce, and every H-th step
+# the parameters': measured as the mean over the steps after the first (the median is a local step's).
+# Twice the images of TRAIN, so that np=8 still averages twice. At LOCAL_RATE, the slowest link.
+LOCAL_H, LOCAL_RATE = 8, "100mbit"
+LOCAL_TRAIN = dict(TRAIN, train_subset=2 * TRAIN["train_subset"], local_steps=LOCAL_H)
 FIT = {"min_bytes": 16 * 1024, "stat": "seconds"}  # see perfmodel.fit_alpha_beta
 
 
@@ -324,13 +332,14 @@ def report(data, within: float | None = None, wire_within: float | None = None) 
 
 
 def markdown(n: dict, when: str = "") -> list[str]:
-    """BENCHMARKS.md's lines for the ``network`` section ``n`` (its ``analysis`` made when it was measured);
-    ``when``: the line saying when and at what load it ran."""
-    an = n["analysis"]
+    """BENCHMARKS.md's lines for the ``network`` section ``n``, analysed again by this code (as
+    :func:`report` does: a saved run's ``analysis`` is what the code of its day made of it); ``when``: the
+    line saying when and at what load it ran, or which saved run it is."""
+    an = analyse(n)
     return ["## Performance model against the testbed's shaped links", "",
             f"Testbed {n['testbed']['name']} ({n['testbed']['subnet']}), links {', '.join(n['rates'])}; "
             f"{'quick settings; ' if n.get('quick') else ''}see `pilab.bench.network` and "
-            "`pilab.bench.network_model` for what each column is. " + when, "", bench_table(an), "", table(an), "",
+            "`pilab.perfmodel.network` for what each column is. " + when, "", bench_table(an), "", table(an), "",
             summary(an), "* not communication-bound: communication < 30% of the step, or one node", ""] + _wire(n)
 
 

@@ -3,11 +3,11 @@
 Three levels, as in Horovod's torch package:
 
 * primitives: ``allreduce_``, ``broadcast_``, ``world`` — thin, in-place (trailing ``_``), ``root=`` keyword
-  (``pilab.engine.comm``);
+  (``pilab.dist.comm``);
 * helpers built on them: ``broadcast_module_``, ``broadcast_optimizer_state_``, ``sync_buffers_``,
   ``reduce_sums``, ``gather_floats`` (SyncBatchNorm, built on ``allreduce_``, is in ``pilab.engine.layers``);
 * the optimizer-side piece: ``GradSync``, fused gradient buckets averaged with ``Iallreduce`` while
-  backward is still running (``pilab.engine.gradsync``).
+  backward is still running (``pilab.dist.gradsync``).
 
 All of them are importable from here.
 
@@ -34,8 +34,8 @@ from ..launch import launcher_size
 # the primitives and the optimizer-side piece, each in a module of its own, re-exported: ``dist`` is
 # the communication layer's one public face
 from .comm import MPI, _buf, allreduce_, broadcast_, world  # noqa: F401
-from .gradsync import (SLEEP_S, SPIN_BYTES_PER_S, SPIN_S, GradSync, Slots, StepComm,  # noqa: F401
-                       fp16_type, share_of_mean, squared_norm, wait_polling)
+from .gradsync import (SLEEP_S, SPIN_BYTES_PER_S, SPIN_S, GradSync, Slots, StepComm, fp16_type, share_of_mean,
+                       squared_norm, wait_polling)  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------

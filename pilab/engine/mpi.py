@@ -31,14 +31,13 @@ from .. import data as data_mod
 from ..config import Config
 from ..launch import mpi
 # the pieces every backend uses, re-exported (``pilab.engine.loop`` re-exports them again)
-from .backend import (EVAL_BATCH, NUM_CLASSES, SYNC, Phase, RankBackend, StepResult, base_model,  # noqa: F401
-                      environment, evaluate, forward_loss, load_data, on_grads_, peak_mem_mb, resolve_device,
-                      usable_cores)
-from .dist import (GradSync, Slots, bn_buffers, broadcast_module_, broadcast_optimizer_state_, gather_floats,
-                   squared_norm, sync_buffers_, world)
+from .backend import (EVAL_BATCH, NUM_CLASSES, SYNC, Phase, RankBackend, StepResult, base_model, environment,
+                      evaluate, forward_loss, load_data, on_grads_, peak_mem_mb, resolve_device, usable_cores)  # noqa: F401
+from ..dist.helpers import (GradSync, Slots, bn_buffers, broadcast_module_, broadcast_optimizer_state_,
+                            gather_floats, squared_norm, sync_buffers_, world)
 from .layers import convert_sync_batchnorm, step_seed
 from .optim import SubsetStep
-from .trace import Timeline
+from ..trace.recorder import Timeline
 # the simulator's backend, re-exported: the loop takes both from here
 from .virtual import EXACT_CUDA_CHUNK_IMAGES, VirtualRanks, mode_used  # noqa: F401
 
@@ -96,12 +95,12 @@ class MPIRanks:
         # adds), so a step has one synchronisation point, not two: the loss and correct images, the votes
         # to stop or checkpoint after this step (any rank's, so every rank acts after the same step; rank
         # 0's clock decides a --checkpoint-minutes save), and each rank's network time of the step before
-        # (one slot per rank), which rank 0's straggler monitor compares live (pilab.engine.stragglers)
+        # (one slot per rank), which rank 0's straggler monitor compares live (pilab.trace.stragglers)
         self.slots = Slots()
         for name in _SUMS:
             self.slots.declare(name)
         self.slots.declare("network", self.np_)
-        self.trace = cfg.trace  # each step's phase boundaries and messages' flights (pilab.engine.trace)
+        self.trace = cfg.trace  # each step's phase boundaries and messages' flights (pilab.trace.recorder)
         self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, tail_mb=cfg.bucket_tail_mb,
                               compression=cfg.compression, meta=self.slots, norms=bool(cfg.gns_max), observe=cfg.trace)
         self.on_grads = tuple(on_grads)

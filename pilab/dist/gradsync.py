@@ -1,6 +1,6 @@
 """Fused, overlapped gradient averaging: ``GradSync`` posts each bucket's ``Iallreduce`` from the
 gradient hooks while backward is still running (Horovod's fusion buffer, DDP's buckets), with named
-``Slots`` of per-step values riding with the last bucket. Re-exported by ``pilab.engine.dist``::
+``Slots`` of per-step values riding with the last bucket. Re-exported by ``pilab.dist.helpers``::
 
     sync = GradSync(model, MPI.COMM_WORLD, bucket_mb=1.0)
     sync.backward(loss)      # buckets are posted from gradient hooks as they fill
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from .buckets import bucket_assignment
-from .comm import (SLEEP_S, SPIN_BYTES_PER_S, SPIN_S, MPI, Slots, _buf, fp16_type,  # noqa: F401 (re-exported)
-                   share_of_mean, squared_norm, wait_polling, world)
+from .comm import (SLEEP_S, SPIN_BYTES_PER_S, SPIN_S, MPI, Slots, _buf, fp16_type, share_of_mean, squared_norm,
+                   wait_polling, world)  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -36,7 +36,7 @@ class StepComm:
     posts: list = field(default_factory=list)  # perf_counter() of each post, in bucket order
     ready: float = 0.0  # perf_counter() when this rank's last bucket went out (its gradients were all in)
     tests: int = 0  # Testall calls made from the gradient hooks this step
-    # observe=True only (a traced run, pilab.engine.trace): per message [first bucket index, bytes, posted,
+    # observe=True only (a traced run, pilab.trace.recorder): per message [first bucket index, bytes, posted,
     # first seen complete] (perf_counter() seconds), in posting order
     flights: list = field(default_factory=list)
     stepped: float = 0.0  # finish(step=...): seconds spent stepping landed buckets inside the wait (not in exposed)
@@ -212,7 +212,7 @@ class GradSync:
             sync.backward(loss)     # instead of loss.backward()
             sync.finish()
 
-        The simulator scales its ranks' losses alike (``pilab.engine.ranks.VirtualRanks``), so the
+        The simulator scales its ranks' losses alike (``pilab.engine.mpi.VirtualRanks``), so the
         two still form the same sums bit for bit."""
         if self.size > 1 and self.exchange:
             self.seeded = True

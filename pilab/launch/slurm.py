@@ -1,6 +1,6 @@
 """Slurm's commands as a batch study uses them: a job script, ``sbatch``, the queue, ``scancel``::
 
-    from pilab import slurm
+    from pilab.launch import slurm
     slurm.require_commands()                              # SlurmError naming the fix if sbatch/squeue are missing
     slurm.partition("pi")                                 # {"nodes": 4, "cpus_per_node": 2, "cpus": 8}
     slurm.time_seconds("00:10:00")                        # 600 (every sbatch --time format)

@@ -1,6 +1,6 @@
 """Your own model against your data, checked before any rank starts (the CLI, the notebook panel, a study)::
 
-    from pilab.engine import preflight
+    from pilab.engine import ownmodel as preflight
     cfg = preflight.with_model(cfg, my_builder)     # a Python function -> Config.model's string
     preflight.check_model(cfg, np_=4, mpi=True)     # ModelError / DataError: one line, problem and fix
 

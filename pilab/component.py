@@ -22,7 +22,7 @@ every rank, in this order::
 
 A component keeps its state on itself and reads the loop's through ``session`` (``session.cfg``,
 ``session.params``, ``session.epoch_steps``, ...). Values a feature needs summed over the ranks with the
-gradients get named slots (``pilab.engine.dist.Slots``), not offsets.
+gradients get named slots (``pilab.dist.helpers.Slots``), not offsets.
 """
 from __future__ import annotations
 

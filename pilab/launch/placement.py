@@ -1,7 +1,7 @@
 """Where the ranks will land, and whether Slurm will let them: one check per host (``placement``).
 
 MPI fills the hosts in order, each up to its slots (Hydra with a hostfile; Slurm's block distribution
-inside an allocation: :func:`pilab.hosts.place`). The memory and CPU checks assume ``ranks_per_node``
+inside an allocation: :func:`pilab.launch.hosts.place`). The memory and CPU checks assume ``ranks_per_node``
 ranks on every host; a host given fewer or more slots gets another count, and its checks were about a
 different run. Inside an allocation the doctor also asks Slurm for each node's state: a node drained or
 down keeps the job's ranks from starting there (or Slurm ends them)::
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from ..hosts import HostsError, in_allocation, place, total_slots
+from .hosts import HostsError, in_allocation, place, total_slots
 
 __all__ = ["placement_checks", "slurm_states"]
 

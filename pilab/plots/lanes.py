@@ -1,15 +1,15 @@
 """A trace drawn as swim lanes: one lane per rank (grouped by host), time across, a rectangle per span
 coloured by its name, each bucket's Allreduce a thin bar above its rank's lane (its intra-/inter-node
-phases, in a predicted trace, thinner still). Takes a checked trace document (``pilab.tracefile.read``)::
+phases, in a predicted trace, thinner still). Takes a checked trace document (``pilab.trace.format.read``)::
 
-    from pilab import tracefile as tf
-    from pilab.plots import trace as tp
+    from pilab.trace import format as tf
+    from pilab.plots import lanes as tp
     doc = tf.read("runs/x/trace.json")
     tp.write_html(doc, "runs/x/trace.html")          # Bokeh, zoomable; BokehJS inline (works offline)
     tp.write_step_png(doc, 12, "runs/x/step12.png")  # one step, matplotlib: .png and .svg
 
 ``python -m pilab trace RUN_DIR`` calls both. Live, from a traced run's ``lane`` events (rank 0's, each
-step: ``pilab.engine.trace``), :class:`LiveLanes` draws the last steps; ``plots.LivePlot`` shows it under
+step: ``pilab.trace.recorder``), :class:`LiveLanes` draws the last steps; ``plots.LivePlot`` shows it under
 the per-rank bars when the run has ``trace`` on.
 """
 from __future__ import annotations
@@ -161,7 +161,7 @@ _LANE_KEYS = ("left", "right", "top", "bottom", "color", "alpha", "name", "step"
 
 
 def lane_columns(events, keep: int = LANE_STEPS) -> dict:
-    """The live swim-lane's columns from ``lane`` events (``pilab.engine.trace``): the last ``keep``
+    """The live swim-lane's columns from ``lane`` events (``pilab.trace.recorder``): the last ``keep``
     steps' spans and bucket flights as rectangles, x in ms from the first kept step's start, rank r's
     lane at y = -r; estimated spans (another MPI rank's) drawn paler and named so."""
     evs = sorted(events, key=lambda e: e["global_step"])[-keep:] if keep else []
@@ -195,7 +195,7 @@ class LiveLanes:
         train.run(Config(trace=True, ...), comm, callbacks=[lanes])
 
     Rank 0's lane is measured; the other ranks' come from the per-rank times rank 0 receives with each
-    step's last gradient (see ``pilab.engine.trace.Trace._lane``): their compute, and the wait after it.
+    step's last gradient (see ``pilab.trace.recorder.Trace._lane``): their compute, and the wait after it.
     The figure is hidden until a run with ``trace`` on starts."""
 
     def __init__(self, keep: int = LANE_STEPS):

@@ -1,6 +1,6 @@
 """Memory per rank: the predicted peak RSS of one training rank, and the nodes it has to fit in.
 
-    from pilab.models.memory import predict_peak_bytes, NODE_MEMORY, fit_warning
+    from pilab.engine.memory import predict_peak_bytes, NODE_MEMORY, fit_warning
     peak = predict_peak_bytes(cfg)                 # bytes, one rank, the whole training set on it
     peak = predict_peak_bytes(cfg, np_=48)         # this rank's shard only (static sharding)
     fit_warning(cfg, np_=2, ranks_per_node=2, node_bytes=NODE_MEMORY["pi4b_4gb"])   # None: it fits
@@ -19,7 +19,7 @@ The prediction is a sum of parts, each from the model and the data sizes, plus c
   autograd saves, the backward's gradients in flight and what the allocator keeps between steps,
   measured on the registered networks. Your own model (``package.module:builder``) keeps its own share
   (a plain 3x3-conv ResNet at 32x32 keeps as much again as it saves, MobileNetV2 half as much):
-  ``models.memprobe`` measures its step (``warm + per_image * batch``) in a child process, about 2 s
+  ``engine.memprobe`` measures its step (``warm + per_image * batch``) in a child process, about 2 s
   of CPU once per setting; where the probe cannot run (a builder defined in ``__main__``, not Linux) the registered networks' factor stands in;
 * evaluation: ``EVAL_BYTES_PER_ELEMENT`` per element of the largest layer output, times the images of
   one forward (``eval_batch``, at most ``config.EVAL_CHUNK``);
@@ -71,8 +71,8 @@ class MemoryConfigError(ConfigError):
 def _model_facts(model: str, width: float, timesteps: int, image_size: int = 32) -> tuple[int, int, int]:
     """(parameters, activation elements of one image, elements of the largest layer output), measured
     on ``models.probe_model`` (the global RNG untouched), for square images of ``image_size``."""
-    from .zoo import _TAKES_TIMESTEPS, activation_elements, count_parameters, largest_output_elements, \
-        probe_model
+    from ..models.zoo import (_TAKES_TIMESTEPS, activation_elements, count_parameters, largest_output_elements,
+                              probe_model)
     ts = timesteps if model in _TAKES_TIMESTEPS else None
     return (count_parameters(probe_model(model, width=width, timesteps=ts)),
             activation_elements(model, width, image_size=image_size, timesteps=ts),
@@ -80,10 +80,10 @@ def _model_facts(model: str, width: float, timesteps: int, image_size: int = 32)
 
 
 def _step_memory(cfg: Config, shape: tuple[int, int, int], allocator: str) -> tuple[int, int] | None:
-    """(warm bytes, bytes per image) of a training step of your own model, measured (``models.memprobe``);
+    """(warm bytes, bytes per image) of a training step of your own model, measured (``engine.memprobe``);
     None for a registered model (its constants are measured) or where the probe cannot run."""
     from .memprobe import ProbeError, step_memory
-    from .names import is_builder_spec
+    from ..models.names import is_builder_spec
     if not is_builder_spec(cfg.model):
         return None
     try:  # a rank's own threads (1 where cfg.threads is auto: a Pi's ranks get one or two cores each)
@@ -128,7 +128,7 @@ def breakdown(cfg: Config, *, np_: int | None = None, allocator: str = "fast", p
     ``np_`` None: the rank holds the whole training and test sets (the bound for any np); else static
     sharding gives it 1/np of the training images, and it keeps 1/np of the test images. ``allocator``:
     how the rank's malloc is set (``ALLOCATORS``; "fast" keeps more of a step's freed activations).
-    ``probe``: for your own model, measure its step's memory (``models.memprobe``, ~2 s once); False takes
+    ``probe``: for your own model, measure its step's memory (``engine.memprobe``, ~2 s once); False takes
     the registered networks' factor instead (a quick bound, as ``choose_allocator`` uses first)."""
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator={allocator!r}; use one of {', '.join(ALLOCATORS)}")

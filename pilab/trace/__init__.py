@@ -1,0 +1,5 @@
+"""A run's per-rank timeline, in one home: recorded during a real run (``recorder``, the ``Trace`` component),
+watched live for stragglers (``stragglers``), written and read in the Chrome Trace Event Format
+(``format``), analysed (``read``), predicted by the performance model (``predict``) and a measured trace
+set beside its prediction (``validate``).
+"""
