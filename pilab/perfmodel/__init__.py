@@ -16,6 +16,7 @@ Calibrate on your machine, then predict (everything returns dicts / lists of dic
     perfmodel.predict(Config(width=0.25), 2, cal)                      # one dict
     perfmodel.predict_table(Config(), [2, 4, 8, 48], "pi4b_cluster", "naive", baseline_np=2)
     perfmodel.pi_table()                                                # both profiles + published figures
+    perfmodel.predict(pi_config(), 48, "pi4b:12,pi5:12", baseline_np=2)["balancing"]   # a mixed cluster
 
 The model, per optimizer step on every rank (synchronous, so the slowest rank sets the pace):
 
@@ -55,17 +56,20 @@ from .fit import fit_alpha_beta
 from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, work_per_image
 from .machine import ALGORITHMS, Cluster, Link
 from .metrics import efficiency, karp_flatt, speedup
-from .predict import PROFILES, bucket_schedule, exchange, predict, step_schedule
-from .presets import (PI_BASELINE_NP, PI_CORES_PER_NODE, PI_GBE_GOODPUT, PI_NODES, PI_RANKS_PER_NODE,
-                      PI_STUDY_NPS, PI_TABLE_NPS, PI_THREADS_PER_RANK, PRESETS, PUBLISHED, pi4b_cluster,
-                      pi_config, published_table, relinked, resolve_cluster)
-from .tables import PI_TABLE_COLUMNS, TABLE_COLUMNS, markdown_table, pi_table, pi_table_markdown, predict_table
+from .predict import BALANCE, PROFILES, bucket_schedule, exchange, predict, step_schedule
+from .presets import (BOARDS, PI_BASELINE_NP, PI_CORES_PER_NODE, PI_GBE_GOODPUT, PI_NODES, PI_RANKS_PER_NODE,
+                      PI_STUDY_NPS, PI_TABLE_NPS, PI_THREADS_PER_RANK, PRESETS, PUBLISHED, is_board_spec,
+                      is_pi_cluster, mixed_cluster, pi4b_cluster, pi_config, published_table, relinked,
+                      resolve_cluster)
+from .tables import (BALANCE_COLUMNS, PI_TABLE_COLUMNS, TABLE_COLUMNS, balance_rows, markdown_table, pi_table,
+                     pi_table_markdown, predict_table)
 
 __all__ = [
     "speedup", "efficiency", "karp_flatt", "PUBLISHED", "published_table",
     "Link", "Cluster", "Calibration", "allreduce_rounds", "allreduce_time", "allreduce_phases", "ALGORITHMS",
     "comm_bench", "run_comm_bench", "DEFAULT_SIZES", "fit_alpha_beta", "calibrate",
     "this_box", "pi4b_cluster", "cluster_from_calibration", "PRESETS", "resolve_cluster", "relinked",
+    "BOARDS", "mixed_cluster", "is_board_spec", "is_pi_cluster", "BALANCE", "balance_rows", "BALANCE_COLUMNS",
     "gradient_layout", "buckets_for", "work_per_image", "bn_bytes", "bn_channels",
     "PROFILES", "predict", "predict_table", "exchange", "bucket_schedule", "step_schedule", "pi_config", "pi_table",
     "markdown_table", "pi_table_markdown", "TABLE_COLUMNS", "PI_TABLE_COLUMNS",

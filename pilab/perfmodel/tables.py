@@ -46,6 +46,30 @@ def pi_table(cfg=None, nps: Iterable[int] = PI_TABLE_NPS, cluster=None) -> list[
     return rows
 
 
+def balance_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """``predict_table``'s rows on a mixed cluster as the comparison of its sharings: per np the step and
+    speedup with equal shares and with shares by speed, each step as a multiple of the ideal one (np
+    where every rank runs at one speed have no comparison: off = balanced)."""
+    out = []
+    for r in rows:
+        b = r.get("balancing")
+        row = {"np": r["np"], "nodes": r["nodes"]}
+        if b is None:
+            row.update(step_off=r["step_time"], step_balanced=r["step_time"], step_ideal=r["step_time"],
+                       speedup_off=r.get("speedup"), speedup_balanced=r.get("speedup"), off_of_ideal=1.0,
+                       balanced_of_ideal=1.0)
+        else:
+            row.update(step_off=b["off"]["step_time"], step_balanced=b["balanced"]["step_time"],
+                       step_ideal=b["ideal"]["step_time"], speedup_off=b["off"]["speedup"],
+                       speedup_balanced=b["balanced"]["speedup"], off_of_ideal=b["off"]["of_ideal"],
+                       balanced_of_ideal=b["balanced"]["of_ideal"])
+        out.append(row)
+    return out
+
+
+# `pilab perfmodel table`'s comparison on a mixed cluster (balance_rows)
+BALANCE_COLUMNS = ["np", "nodes", "step_off", "step_balanced", "step_ideal", "off_of_ideal", "balanced_of_ideal",
+                   "speedup_off", "speedup_balanced"]
 # the columns `pilab perfmodel table` prints of each predict() row
 TABLE_COLUMNS = ["np", "nodes", "threads", "per_rank_batch", "steps_per_epoch", "step_time",
                  "time", "comm", "comm_exposed", "eval_time", "epoch_time", "images_per_s",

@@ -16,7 +16,7 @@ import os
 from .. import verdict as judging
 from ..plots import EXPERIMENTS
 from ..config import Config
-from .points import _NOT_TRAINING, _load_json
+from .points import _NOT_TRAINING, _load_json, mode_ran
 
 
 # Settings that belong together when studies differ (one "what varies" in a comparison's title).
@@ -65,6 +65,7 @@ def compare(studies: dict[str, dict]) -> dict:
             curve = [e["test_acc"] for e in res["epochs"]]
             table_rows.append({
                 "label": label, "np": r["np"], "simulated": r["simulated"],
+                "simulate_mode": mode_ran(res),
                 "global_batch": r["global_batch"], "peak_lr": r["peak_lr"],
                 "steps": res["total_steps"], "final_test_acc": r["final_test_acc"],
                 "test_acc_curve": curve,
