@@ -16,15 +16,16 @@ import os
 from .. import verdict as judging
 from ..plots import EXPERIMENTS
 from ..config import Config
-from .points import _NOT_TRAINING, _load_json
+from .points import _NOT_TRAINING, _load_json, mode_ran
 
 
 # Settings that belong together when studies differ (one "what varies" in a comparison's title).
 SETTING_GROUPS = {
     "learning-rate rule": ("lr", "lr_scaling", "lr_ref_batch", "warmup_epochs", "optimizer", "schedule",
-                           "momentum", "nesterov", "lars_eta", "bn_lr_scale", "lookahead_steps"),
-    "model": ("model", "width", "timesteps", "zero_init_residual", "whiten_stem"),
-    "batch": ("batch_mode", "batch_size"),
+                           "momentum", "nesterov", "lars_eta", "bn_lr_scale", "lookahead_steps", "decay_epochs",
+                           "muon_lr", "muon_momentum", "muon_on"),
+    "model": ("model", "width", "timesteps", "zero_init_residual", "whiten_stem", "dirac_init", "freeze_bn_scale"),
+    "batch": ("batch_mode", "batch_size", "batch_aug"),
     "BatchNorm": ("bn", "bn_buffers", "ghost_batch", "bn_group"),
     "data": ("data", "train_subset", "test_subset", "augment", "sharding"),
 }
@@ -64,6 +65,7 @@ def compare(studies: dict[str, dict]) -> dict:
             curve = [e["test_acc"] for e in res["epochs"]]
             table_rows.append({
                 "label": label, "np": r["np"], "simulated": r["simulated"],
+                "simulate_mode": mode_ran(res),
                 "global_batch": r["global_batch"], "peak_lr": r["peak_lr"],
                 "steps": res["total_steps"], "final_test_acc": r["final_test_acc"],
                 "test_acc_curve": curve,
@@ -139,6 +141,15 @@ def committed_studies(name: str) -> dict[str, dict]:
     return found
 
 
+def common_np(studies: dict[str, dict]) -> int | None:
+    """The largest np that every study has a row at (None where they share none but the reference's)::
+
+        common_np({"this run": small, "committed": full})     # 8 where one ran 1, 2, 8 and the other 1, 2, 8, 48
+    """
+    shared = set.intersection(*[{r["np"] for r in st["rows"]} for st in studies.values()]) if studies else set()
+    return max(shared) if len(shared) > 1 else None
+
+
 # A speedup within this fraction of another model's is "about the same" (the performance model's
 # predictions are not finer than that).
 SAME_SPEED = 0.1
@@ -154,6 +165,8 @@ def models_interpretation(studies: dict[str, dict], *, committed: str | None = N
         compare.models_interpretation({"MobileNetV2": a, "SqueezeNet 1.1": b}, committed="three-models")
     """
     studies = _with_committed(studies, committed) if committed else studies
+    if at_np is None:  # compare like with like: the largest np every study ran (this run's 8, a committed 48)
+        at_np = common_np(studies)
     rows = models_summary(studies, at_np=at_np)
     parts = []
     timed = [r for r in rows if r.get("speedup_at_largest")]
