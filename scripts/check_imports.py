@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 LAYERS = {
     "files": 0, "verdict": 0,  # atomic writes; the one logic that judges a study's rows (no pilab imports)
     "component": 0,  # what a loop feature is: the moments the loop calls (no pilab imports)
+    "lazy": 0,  # a package's face loaded on first use (PEP 562)
     "launch": 0,  # finding mpiexec, starting a job, hostfiles, Slurm, where the ranks land (no torch)
     "models": 1,  # the networks, by name (torch only)
     "plots": 1, "testbed": 1,  # the view (Bokeh, matplotlib); network namespaces playing a cluster

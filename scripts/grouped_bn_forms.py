@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from pilab.bench.stats import alternate_clocks, ratios, summary
 from pilab.engine.layers import _GroupedBN, compiled_grouped_bn
+from pilab import engine
 
 EPS = 1e-5
 
@@ -98,7 +99,6 @@ def end_to_end(rounds: int, threads: int) -> None:
     from pilab.bench.stats import alternate_clocks as clocks_of
     from pilab.config import Config
     from pilab.data import load
-    from pilab.engine import loop as engine
 
     ds = load("embedded")
     for model, width, b, np_ in (("mobilenetv2_cifar", 1.0, 32, 8), ("mobilenetv2_cifar", 1.0, 4, 48),

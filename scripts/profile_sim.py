@@ -21,7 +21,7 @@ import torch
 from pilab.bench.local import stepper
 from pilab.bench.stats import alternate, ratios, summary
 from pilab.config import Config
-from pilab.engine import loop as engine
+from pilab import engine
 
 
 def sessions(cfg: Config, np_: int, modes: list[str]) -> dict:
@@ -50,11 +50,10 @@ def profile(name: str, f, steps: int = 2, top: int = 18) -> None:
 def compare_run(a, epochs: int) -> dict:
     """The same small simulated run (``epochs`` over 40 steps' images) in the exact and the fast mode:
     per-step losses, their largest difference, and the final test accuracy of each."""
-    from pilab.engine import simulate
     b = int(a.b.split(",")[0])
     cfg = Config(model=a.model, width=a.width, batch_size=b, threads=a.threads, epochs=epochs,
                  train_subset=10 * a.np * b, test_subset=1000, lr=a.lr, lr_ref_batch=64, warmup_epochs=0.5)
-    runs = {m: simulate.run(replace(cfg, simulate_mode=m), a.np) for m in ("exact", "fast")}
+    runs = {m: engine.simulate(replace(cfg, simulate_mode=m), a.np) for m in ("exact", "fast")}
     loss = {m: r["steps"]["loss"] for m, r in runs.items()}
     diff = [abs(x - y) for x, y in zip(loss["exact"], loss["fast"])]
     out = {"np": a.np, "per_rank_batch": b, "steps": len(diff), "max_step_loss_diff": max(diff),

@@ -11,6 +11,7 @@ from dataclasses import replace
 from conftest import REPO
 
 from pilab.config import Config
+from pilab import engine
 
 TINY = Config(width=0.25, train_subset=64, test_subset=20, batch_size=4, epochs=1, threads=1, seed=1,
               data="embedded", simulate_mode="fast")
@@ -19,16 +20,16 @@ TINY = Config(width=0.25, train_subset=64, test_subset=20, batch_size=4, epochs=
 def test_auto_compiles_only_long_cpu_runs_and_says_why_not():
     import torch
 
-    from pilab.engine import compilebn, simulate
-    r, _ = simulate.train(TINY, 4)  # 4 steps
+    from pilab.engine import compilebn
+    r, _ = engine.fit(TINY, engine.VirtualRanks(4))  # 4 steps
     assert r["compile_bn_used"] == "4 steps < 200: compiling would not pay"
     assert r["simulate_mode_used"] == "fast"
-    off, _ = simulate.train(replace(TINY, compile_bn="off"), 4)
+    off, _ = engine.fit(replace(TINY, compile_bn="off"), engine.VirtualRanks(4))
     assert off["compile_bn_used"] == "compile_bn=off" and off["steps"]["loss"] == r["steps"]["loss"]
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert compilebn.why_not(Config(), cpu, 320) == ""  # a study's np=48 point: compiled
     assert compilebn.why_not(Config(), gpu, 320) != "" and compilebn.why_not(Config(compile_bn="on"), gpu, 12) == ""
-    exact, _ = simulate.train(replace(TINY, simulate_mode="exact"), 4)
+    exact, _ = engine.fit(replace(TINY, simulate_mode="exact"), engine.VirtualRanks(4))
     assert "compile_bn_used" not in exact  # the exact mode has no vectorised BatchNorm to compile
     # the probe (run after the run is seeded) leaves the run's random stream where it was
     torch.manual_seed(7)
@@ -51,8 +52,7 @@ def test_no_compiler_runs_eager_and_says_so_in_one_line(tmp_path):
     r = json.loads((out / "result.json").read_text())
     assert r["compile_bn_used"].startswith("torch.compile failed") and r["config"]["compile_bn"] == "on"
     # ... and the eager run it went on with is the run compile_bn=off gives
-    from pilab.engine import simulate
-    ref, _ = simulate.train(replace(TINY, compile_bn="off", seed=0), 4)
+    ref, _ = engine.fit(replace(TINY, compile_bn="off", seed=0), engine.VirtualRanks(4))
     assert r["steps"]["loss"] == ref["steps"]["loss"]
 
 

@@ -194,7 +194,7 @@ def test_a_job_payload_becomes_the_entry_modules_flags():
 
 def test_python_entry_points_import_without_mpi(tmp_path):
     code = ("from pilab.engine import train, simulate, loop as engine, checkpoint; "
-            "from pilab.dist import helpers as dist; "
+            "from pilab import dist; "
             "from pilab.lab import cluster; from pilab.study import scaling; "
             "from pilab.config import Config; "
             "r = train.run(Config(width=0.25, train_subset=64, test_subset=20, batch_size=16, epochs=1, "

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pilab import data
-from pilab.engine import loop as engine, optim
+from pilab import engine
+from pilab.engine import optim
 from pilab.engine import virtual as engine_virtual
 from pilab.engine import memory
 from pilab.models import zoo as models

@@ -12,6 +12,7 @@ from conftest import MPIEXEC, REPO, mpi_env
 from pilab import perfmodel as pm
 from pilab.config import Config, ConfigError
 from pilab.perfmodel.allreduce import _critical_counts
+from pilab import engine
 
 
 # ---- the published figures -------------------------------------------------------------------
@@ -158,7 +159,7 @@ def test_per_step_work_makes_small_batches_dearer_per_image():
 
 def test_gradient_layout_matches_gradsync_buckets():
     import torch
-    from pilab.dist.helpers import GradSync
+    from pilab.dist import GradSync
     from pilab.models.zoo import build_model
     for width in (0.25, 1.0):
         with torch.device("meta"):
@@ -231,7 +232,7 @@ def test_sync_batchnorm_pays_two_blocking_allreduces_per_layer():
         dataclasses.replace(cfg, bn_group=2)
     # ... and a run says so when mpiexec placed a group's ranks on different hosts (round robin over a hosts
     # file without slot counts): the price above assumed a node's ranks are consecutive
-    from pilab.engine.loop import split_sync_groups
+    from pilab.engine.backend import split_sync_groups
     pairs = dataclasses.replace(cfg, bn="sync", bn_group=2)
     assert split_sync_groups(pairs, 4, ["pi01", "pi01", "pi02", "pi02"]) is None
     line = split_sync_groups(pairs, 4, ["pi01", "pi02", "pi01", "pi02"])
@@ -320,8 +321,7 @@ def test_cli_bad_numbers_are_one_line_errors(argv, capsys):
 # ---- a real np=1 run -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def np1_result():
-    from pilab.engine import train
-    return train.run(Config(width=0.25, train_subset=256, test_subset=100, epochs=1, batch_size=32,
+    return engine.train(Config(width=0.25, train_subset=256, test_subset=100, epochs=1, batch_size=32,
                             threads=1))
 
 

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pilab import data as data_mod
-from pilab.engine import loop as engine
+from pilab import engine
 from pilab.config import Config, ConfigError
-from pilab.dist.helpers import GradSync
+from pilab.dist import GradSync
 from pilab.engine.layers import GhostBatchNorm2d, RankContext
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,7 +144,7 @@ def test_vectorised_ghost_batchnorm_matches_per_group_batchnorm(ghost, layout):
 
 
 def test_simulate_mode_is_validated_and_auto_picks_what_the_run_allows():
-    from pilab.engine.mpi import mode_used
+    from pilab.engine import mode_used
     assert Config().simulate_mode == "auto"
     assert mode_used(Config()) == "fast"  # the same mathematics at one process's cost
     assert mode_used(Config(local_steps=4)) == "exact"  # each rank's own weights: one rank per forward

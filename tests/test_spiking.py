@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import MPIEXEC, mpi_env
-from pilab.engine import loop as engine, layers
+from pilab import engine
+from pilab.engine import layers
 from pilab.config import Config, ConfigError
 from pilab.models.zoo import (DEFAULT_TIMESTEPS, LIFLayer, SpikingConv, _snntorch, activation_elements, build_model,
                           count_parameters, forward_macs, synaptic_ops, train_flops_per_image)

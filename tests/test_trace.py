@@ -16,6 +16,7 @@ import pytest
 
 from conftest import MPIEXEC, REPO, mpi_env, skip_or_fail
 from pilab.trace import format as tracefile
+from pilab import engine
 
 TINY = ["--width", "0.25", "--train-subset", "200", "--test-subset", "100", "--batch-size", "16",
         "--threads", "1", "--quiet", "--epochs", "2", "--bucket-mb", "0.05"]
@@ -159,11 +160,10 @@ def test_window_keeps_first_and_last_steps(tmp_path):
 def test_simulator_tracks_per_virtual_rank(tmp_path):
     """The simulator: one track per virtual rank (data, forward, backward), the optimizer on rank 0's."""
     from pilab.config import Config
-    from pilab.engine import loop as engine
 
     cfg = Config(width=0.25, train_subset=64, test_subset=20, batch_size=8, epochs=1, max_steps=3, threads=1,
                  trace=True, out=str(tmp_path / "s"))
-    result, _ = engine.train(cfg, engine.VirtualRanks(2, ranks_per_chunk=1))
+    result, _ = engine.fit(cfg, engine.VirtualRanks(2, ranks_per_chunk=1))
     spans, flights = _by_step(tracefile.read(str(tmp_path / "s" / "trace.json")))
     assert set(spans) == {(r, s) for r in (0, 1) for s in (1, 2, 3)} and not flights
     assert all({"data", "forward", "backward"} <= set(row) for row in spans.values())

@@ -11,7 +11,7 @@ import time
 import torch
 
 from ..config import Config
-from ..engine import loop as engine
+from .. import engine
 from ..dist.helpers import broadcast_module_
 from ..launch import mpi
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import data as data_mod
-from ..engine import loop as engine
+from .. import engine
 from ..config import Config
 from ..engine.memory import predict_peak_bytes
 from ..models.zoo import build_model

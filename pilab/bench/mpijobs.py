@@ -31,9 +31,9 @@ from dataclasses import replace
 import numpy as np
 import torch
 import torch.nn.functional as F
-from ..engine import loop as engine, train
+from .. import engine
 from ..config import Config
-from ..dist.helpers import GradSync
+from ..dist import GradSync
 from ..launch import mpi_library
 from ..engine.optim import build_optimizer
 from .job import COMM, MPI, RANK, SIZE, _model, nap_barrier, slowest
@@ -43,7 +43,7 @@ from .syncways import sync
 def memory(quick: bool) -> dict:
     steps = 4 if quick else 10
     cfg = Config(max_steps=steps, threads=1)  # the default run, cut short: its peak is reached in step 1
-    result = train.run(cfg, COMM)
+    result = engine.train(cfg, COMM)
     sess = engine.Session(replace(cfg, max_steps=1), engine.MPIRanks(COMM))
     loader = sess.ranks.loader
     shard = {"rank": RANK, "loader_images": int(loader._x.shape[0]), "shard_size": int(loader.shard_size),

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Config
-from ..dist.helpers import GradSync
+from ..dist import GradSync
 from .job import COMM, MPI, RANK, SIZE, _model, nap_barrier, slowest
 from .stats import summary
 

@@ -34,10 +34,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..engine import loop as engine
+from .. import engine
 from ..config import Config
 from ..launch import mpi
-from ..dist.helpers import fp16_type, wait_polling
+from ..dist import fp16_type, wait_polling
 from ..engine.optim import build_optimizer
 from .job import nap_barrier, slowest
 from .stats import ratios, summary

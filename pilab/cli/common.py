@@ -265,7 +265,7 @@ def clear_out_dir(out: str) -> None:
 
 def mpi_or_error() -> None:
     """LaunchError with the way to get an MPI library, where mpi4py cannot load one."""
-    from ..dist.helpers import MPI
+    from ..dist import MPI
     from ..launch import MPI_HINT, LaunchError
     if MPI is None:
         raise LaunchError(f"this command needs an MPI library and mpi4py cannot load one; install it "

@@ -35,9 +35,9 @@ Where things live (everything below is importable from ``pilab.data`` itself):
 from __future__ import annotations
 
 from .arrays import from_arrays, from_dataset, save
-from .augmentation import MEAN, PAD, STD, augment, pad_for, to_input
+from .augmentation import PAD, augment, pad_for, to_input
 from .cache import cache_entries, clear_cache, default_cache_dir
-from .dataset import CIFAR10, CLASSES, DataError
+from .dataset import CIFAR10, CIFAR10_MEAN as MEAN, CIFAR10_STD as STD, CLASSES, DataError
 from .decode import BATCHES_DIR, OFFICIAL_URL
 from .loader import ShardLoader, ranks_batch
 from .shards import POLICIES, epoch_accounting, epoch_batches, static_shards, stratified_subset, test_shard

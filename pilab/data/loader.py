@@ -1,4 +1,4 @@
-"""The per-rank batch iterator that ``train.run`` and the simulator use::
+"""The per-rank batch iterator that ``pilab.train`` and the simulator use::
 
     from pilab import data
     loader = data.ShardLoader(ds, np_=comm.size, rank=comm.rank, batch=32, seed=cfg.seed)

@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import __version__
-from ..component import SYNC, Phase  # noqa: F401 (a step's exchange, re-exported with the protocol)
+from ..component import SYNC, Phase
 from .. import data as data_mod
 from ..config import EVAL_CHUNK, Config, ConfigError
 from ..launch import launcher_local_size, mpi_versions
-from ..dist.helpers import reduce_sums, world
+from ..dist import reduce_sums, world
 from .exactness import check_custom_model
 from .layers import use_batch_renorm, use_ghost_batchnorm, use_rank_dropout
 from ..models.names import is_builder_spec
@@ -184,7 +184,9 @@ def peak_mem_mb() -> float:
 
 @dataclass
 class StepResult:
-    """One synchronous step as every rank agrees on it: global sums, and this rank's times (s)."""
+    """One step as every rank agrees on it: global sums, and this rank's times (s). What a component needs
+    beyond it (every rank's values of its slots, the step's spans) it takes in its ``on_step`` moment
+    (``pilab.component.RankStep``)."""
     loss_sum: float  # sum of per-image losses over the global batch
     correct: float  # correctly classified images of the global batch
     stop_votes: float  # ranks that asked to stop after this step
@@ -197,17 +199,6 @@ class StepResult:
     # of comm_exposed: waiting for the slowest rank to finish its backward (the rest is network time)
     comm_wait: float = 0.0
     save_votes: float = 0.0  # ranks that asked for a checkpoint after this step
-    # every rank's compute of this step and network time of the step before (s; MPI ranks only), and the
-    # payload that network time moved (bytes: that step's bytes_sent, which local SGD makes vary)
-    ranks_compute: object = None
-    ranks_network: object = None
-    network_bytes: int | None = None
-    # a noise-driven batch ramp (batch_ramp="gns:MAX"): every rank's squared gradient norm as sent (of its
-    # share g_r / np), and the averaged gradient's (see pilab.engine.noise)
-    ranks_grad_sq: object = None
-    avg_grad_sq: float | None = None
-    # Config.trace only: this rank's step on its own clock (pilab.trace.recorder.Timeline), else None
-    timeline: object = None
 
 
 @runtime_checkable
@@ -226,10 +217,10 @@ class RankBackend(Protocol):
     np_: int
     comm: object
 
-    def check(self, cfg: Config) -> None: ...
+    def check(self, cfg: Config, components=()) -> None: ...
     def threads(self, cfg: Config) -> int: ...
-    def build(self, cfg: Config, device, ds, batch: int) -> nn.Module: ...
-    def start(self, cfg: Config, model: nn.Module, optimizer, on_grads=()) -> None: ...
+    def build(self, cfg: Config, device, ds, batch: int, components=()) -> nn.Module: ...
+    def start(self, cfg: Config, model: nn.Module, optimizer, components=()) -> None: ...
     def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None,
              phase: Phase = SYNC) -> StepResult: ...
     def set_batch(self, batch: int) -> None: ...
@@ -271,7 +262,24 @@ def local_ranks(ranks) -> int:
     return max(1, launcher_local_size())
 
 
-def on_grads_(fns, params: list) -> None:
-    """The components' ``on_grads`` moment: the gradients a backend is about to step with."""
-    for fn in fns:
-        fn([p.grad for p in params])
+PHASES = ("data", "forward", "backward", "wait", "optimizer")  # an MPI rank's step, in order
+
+
+def phase_spans(rank: int, marks) -> list:
+    """A step's spans on ``rank``'s track from its phase boundaries (``perf_counter`` seconds; the
+    boundary before each of ``PHASES`` and the step's end)::
+
+        phase_spans(0, (t_data, t_forward, t_backward, t_backward_end, t_wait_end, t_end))
+    """
+    return [(rank, name, marks[i], marks[i + 1]) for i, name in enumerate(PHASES)]
+
+
+def slot_sizes(components, np_: int) -> dict:
+    """Every component's slots, ``{name: count}``, in the components' order (each name once)."""
+    out: dict = {}
+    for c in components:
+        for name, n in c.slots(np_).items():
+            if name in out:
+                raise ValueError(f"slot {name!r} is declared by two components; give each a name of its own")
+            out[name] = n
+    return out

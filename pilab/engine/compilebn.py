@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from ..component import Component
+from ..component import Component, Stage
 from .modepick import MIN_STEPS
 
 # Activations of a layer (N*C*H*W) from which its BatchNorm runs compiled: below it the eager form was
@@ -71,6 +71,7 @@ class CompiledBN(Component):
     start, before ``ModePick``'s trial times the fast mode, so the trial times what the run would run."""
 
     name = "compile_bn"
+    stage = Stage.COMPILE
 
     @classmethod
     def wanted(cls, cfg, ranks) -> bool:

@@ -87,7 +87,8 @@ def check_rank_exact(model: nn.Module, image_shape: tuple, name: str = "the mode
 def check_custom_model(model: nn.Module, name: str, image_shape: tuple, num_classes: int) -> None:
     """Your own model before training: its output for the data's images (``models.custom.check_output``)
     and its layers (``check_rank_exact``); ``models.custom.ModelError`` names the problem and the fix."""
-    from ..models.custom import ModelError, check_output
+    from ..models.custom import check_output
+    from ..models.names import ModelError
 
     check_output(model, tuple(image_shape), num_classes, name)
     try:

@@ -56,7 +56,7 @@ def vote(comm, check: Callable[[], Any], refusals: tuple = ()) -> Any:
     :class:`Refused` before any collective of the training itself, instead of leaving some ranks
     waiting. Returns this rank's ``check()`` value::
 
-        ds = harness.vote(comm, lambda: train.load_data(cfg))
+        ds = harness.vote(comm, lambda: engine.load_data(cfg))
     """
     MPI = _mpi()
     error, value = None, None
@@ -82,7 +82,8 @@ def prepare(comm, make_cfg: Callable[[], Config], hang_s: float | None, *, also=
         harness.guarded_run(cfg, comm, data=data, hang_s=hang_s)
     """
     from ..dist.helpers import check_launcher
-    from .loop import Handoff, load_data
+    from .backend import load_data
+    from .loop import Handoff
     from .watchdog import hang_s_from_env
     check_launcher(comm)
 
@@ -109,27 +110,30 @@ class Outcome:
 
 
 def guarded_run(cfg: Config, comm, *, data=None, callbacks=(), hang_s: float = 120.0, where: str = "job",
-                stop=None) -> Outcome:
+                stop=None, components=()) -> Outcome:
     """Train ``cfg`` on every rank of ``comm`` under the guards of ``where`` ("job" or "engine", see
-    the module docstring); call it on every rank. ``data``: as for ``train.run`` (the CLI hands its data
+    the module docstring); call it on every rank. ``data``: as for ``pilab.train`` (the CLI hands its data
     set over with ``engine.Handoff``). ``stop``: "engine" only, the caller's stop flag (a job installs
-    its own signal handlers). ``hang_s``: the watchdog's quiet time (0: no watchdog)::
+    its own signal handlers). ``hang_s``: the watchdog's quiet time (0: no watchdog). ``components``: yours
+    (``pilab.Component``), beside the features ``cfg`` asks for::
 
         with cluster.stop_flag() as stop:
             out = harness.guarded_run(cfg, comm, where="engine", stop=stop, hang_s=120)
     """
-    from . import train  # torch: on the ranks only
+    from .loop import fit  # torch: on the ranks only
+    from .mpi import MPIRanks
     from .watchdog import Watchdog
     if where == "engine":
         with Watchdog(comm, hang_s, fatal=("unreachable",)) as watchdog:
-            result, model = train.train(cfg, comm, callbacks=callbacks, stop=watchdog.polled(stop), data=data)
+            result, model = fit(cfg, MPIRanks(comm), callbacks=callbacks, stop=watchdog.polled(stop), data=data,
+                                components=components)
         return Outcome(result, model)
     if where != "job":
         raise ValueError(f"where={where!r}: use 'job' or 'engine'")
     if stop is not None:
         raise ValueError("a job installs its own stop flag (SIGINT, SIGTERM); stop= is for engines")
-    from ..dist.helpers import abort_on_error
-    from .loop import Keeper, failure_reason
+    from ..dist import abort_on_error
+    from .keeper import Keeper, failure_reason
     rank0 = comm.Get_rank() == 0
     # An abort keeps what was done: rank 0 writes result.json (stopped_early, the reason naming the
     # rank and host) when its watchdog ends it, when it fails itself, or when another rank tells it
@@ -148,8 +152,8 @@ def guarded_run(cfg: Config, comm, *, data=None, callbacks=(), hang_s: float = 1
             Watchdog(comm, hang_s, on_end=keeper, on_peer_failure=keeper) as watchdog:
         dog.append(watchdog)
         flag.on_signal, flag.on_exit = keeper, keeper.cleanup
-        result, model = train.train(cfg, comm, callbacks=callbacks, data=data, keeper=keeper,
-                                    stop=_Polled(watchdog.polled(flag), flag))
+        result, model = fit(cfg, MPIRanks(comm), callbacks=callbacks, data=data, keeper=keeper,
+                            stop=_Polled(watchdog.polled(flag), flag), components=components)
     return Outcome(result, model, flag.signum)
 
 
@@ -195,14 +199,39 @@ def _mpi():
 # ----------------------------------------------------------------------------------------------
 # the job: one guarded run launched by pilab.launch.run_job (the study's measured points)
 # ----------------------------------------------------------------------------------------------
+def save_components(components, path: str) -> str:
+    """Your components pickled into ``path`` for a job's ranks (``--components``), each rank unpickling
+    its own copy. A class only this process knows (defined in a notebook or ``__main__``) cannot reach
+    them: ConfigError, naming it."""
+    import pickle
+
+    for c in components:
+        if type(c).__module__ == "__main__":
+            raise ConfigError(f"component {type(c).__name__} is defined in this process only, which MPI ranks "
+                              "cannot import; put its class in a .py file the ranks can import (or simulate)")
+    with open(path, "wb") as f:
+        pickle.dump(list(components), f)
+    return path
+
+
+def load_components(path: str) -> list:
+    """The components ``save_components`` wrote (the job's own file: its launcher wrote it)."""
+    import pickle
+
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
 def main(argv=None) -> int:
-    """Every rank of ``mpiexec -n N python -m pilab.engine.harness ANSWER.json --config JSON [--hang-s S]``:
-    the run ``pilab train`` makes under mpiexec (the vote, the guards, result.json in the config's
-    ``out``), without the CLI; rank 0 writes the result to ANSWER.json as well."""
+    """Every rank of ``mpiexec -n N python -m pilab.engine.harness ANSWER.json --config JSON [--hang-s S]
+    [--components FILE]``: the run ``pilab train`` makes under mpiexec (the vote, the guards, result.json in
+    the config's ``out``), without the CLI; rank 0 writes the result to ANSWER.json as well.
+    ``--components``: your components, pickled into FILE by ``save_components`` (a study's points)."""
     p = argparse.ArgumentParser(description="one guarded training run on the ranks of this job")
     p.add_argument("answer", help="where rank 0 writes the result (JSON)")
     p.add_argument("--config", required=True, help="the Config as JSON (its to_dict())")
     p.add_argument("--hang-s", type=float, default=None, help="watchdog (default: $PILAB_HANG_S or 120)")
+    p.add_argument("--components", default=None, help="your components, pickled (save_components)")
     a = p.parse_args(argv)
     from ..files import save_json
     comm = _mpi().COMM_WORLD
@@ -212,7 +241,8 @@ def main(argv=None) -> int:
         if e.speaks:
             print(f"pilab: error: {e.error}", file=sys.stderr)
         return EXIT_REFUSED
-    out = guarded_run(cfg, comm, data=data, callbacks=[print_stragglers], hang_s=hang_s)
+    components = load_components(a.components) if a.components else ()
+    out = guarded_run(cfg, comm, data=data, callbacks=[print_stragglers], hang_s=hang_s, components=components)
     if comm.Get_rank() == 0:
         save_json(out.result, a.answer)
     return exit_code(out.result, out.signum)

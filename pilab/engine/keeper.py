@@ -5,7 +5,7 @@ thread), ``failure_reason`` (one line naming the rank, host and exception) and
 
     keeper = engine.Keeper()
     with Watchdog(comm, hang_s, on_end=keeper) as wd:
-        train.run(cfg, comm, stop=wd.polled(), keeper=keeper)
+        pilab.train(cfg, comm, stop=wd.polled(), keeper=keeper)
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class Keeper:
 
         keeper = engine.Keeper()
         with Watchdog(comm, hang_s, on_end=keeper) as wd:
-            train.run(cfg, comm, stop=wd.polled(), keeper=keeper)
+            pilab.train(cfg, comm, stop=wd.polled(), keeper=keeper)
     """
 
     SETTLE_S, SETTLE_MAX_S = 0.5, 3.0

@@ -16,8 +16,7 @@ layers such as GroupNorm and LayerNorm need nothing).
 
 The training engine picks them; the loops never build layers themselves::
 
-    model = convert_sync_batchnorm(build_model("mobilenetv2_cifar"), comm)        # MPI ranks
-    convert_sync_batchnorm(build_model("mobilenetv2_cifar"), comm, group=2)       # ... per pair of ranks
+    model = pilab.dist.convert_sync_batchnorm(build_model("mobilenetv2_cifar"), comm)   # MPI ranks
     ctx = RankContext(seed=0)
     use_ghost_batchnorm(model, ranks=48, ghost_batch=0, context=ctx)             # 48 virtual ranks
 """
@@ -30,9 +29,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from ..dist.syncbn import SyncBatchNorm, _per_channel, convert_sync_batchnorm  # noqa: F401 (re-exported)
+from ..dist import SyncBatchNorm, per_channel
 
-__all__ = ["step_seed", "SyncBatchNorm", "convert_sync_batchnorm", "RankContext", "GhostBatchNorm2d",
+__all__ = ["step_seed", "RankContext", "GhostBatchNorm2d",
            "RankDropout", "use_ghost_batchnorm", "use_rank_dropout", "sync_virtual_buffers_",
            "virtual_state"]
 
@@ -187,7 +186,7 @@ class GhostBatchNorm2d(nn.Module):
         weight = self.weight if self.weight is not None else torch.ones_like(invstd)
         scale = weight * invstd * r
         shift = (self.bias if self.bias is not None else 0.0) + weight * d - mean * scale
-        y = x * _per_channel(scale, nd) + _per_channel(shift, nd)
+        y = x * per_channel(scale, nd) + per_channel(shift, nd)
         with torch.no_grad():
             n = x.numel() // x.shape[1]
             rm.mul_(1 - self.momentum).add_(mean.detach(), alpha=self.momentum)

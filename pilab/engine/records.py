@@ -114,4 +114,5 @@ def result(s: Session, epochs_log: list, steps_log: dict, bytes_per_step: int, s
         "epochs_done": sum(1 for e in epochs_log if e["steps"] == s.epoch_steps[e["epoch"] - 1]),
         **({"batch_plan": [{"epoch": e + 1, "per_rank_batch": s.bcfg.per_rank_batch(s.np_, e), "steps": n}
                            for e, n in enumerate(s.epoch_steps)]} if cfg.batch_ramp else {}),
+        **({"components": s.yours} if s.yours else {}),
     }

@@ -21,7 +21,7 @@ from . import checkpoint
 from .. import data as data_mod
 from .checkpoint import CheckpointError, WriteError
 from ..config import Config
-from ..dist.helpers import bn_buffers, world
+from ..dist import bn_buffers, world
 
 
 def summary(s: Session) -> dict:

@@ -3,7 +3,7 @@
     with signals.handled((signal.SIGINT,), lambda signum, frame: flag.set()):
         ...                                        # SIGINT sets the flag here, and only here
     with signals.interruptible(mpi=False) as stop:  # Ctrl-C / SIGTERM: stop after the step
-        result = train.run(cfg, None, stop=stop)
+        result = pilab.train(cfg, None, stop=stop)
 
 Used by the CLI (a run's Ctrl-C and SIGTERM, a launcher's forwarding), the rank harness
 (``pilab.engine.harness``) and the notebook engines' stop flag (``pilab.lab.cluster.stop_flag``). No pilab imports.
@@ -43,7 +43,7 @@ def exit_code_for(signum: int) -> int:
 
 
 class Interrupt:
-    """The stop request a signal makes; ``train.run(..., stop=flag)`` polls it after every step."""
+    """The stop request a signal makes; ``pilab.train(..., stop=flag)`` polls it after every step."""
 
     def __init__(self):
         self.signum: int | None = None
@@ -65,7 +65,7 @@ def interruptible(*, mpi: bool, speak: bool = True):
     in one process; under mpiexec this rank leaves at once and the launcher ends the others::
 
         with interruptible(mpi=False) as stop:
-            result = train.run(cfg, None, stop=stop)
+            result = pilab.train(cfg, None, stop=stop)
     """
     flag = Interrupt()
 

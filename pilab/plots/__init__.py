@@ -1,6 +1,6 @@
 """Bokeh figures for pilab: live while a run goes on, and from result / study dicts afterwards.
 
-Every function takes plain dicts (a ``train.run`` result, a ``pilab.study.scaling.study`` result, or their JSON) and
+Every function takes plain dicts (a ``pilab.train`` result, a ``pilab.study.scaling.study`` result, or their JSON) and
 returns a Bokeh figure or layout, so notebooks and the HTML report draw the same pictures::
 
     from pilab import plots

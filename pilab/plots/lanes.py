@@ -188,11 +188,11 @@ def lane_columns(events, keep: int = LANE_STEPS) -> dict:
 
 class LiveLanes:
     """The swim-lane of a traced run's last ``keep`` steps, live: call it with each train event (a
-    ``train.run`` callback, or through ``plots.LivePlot``)::
+    ``pilab.train`` callback, or through ``plots.LivePlot``)::
 
         lanes = LiveLanes()
         plots.show(lanes.figure)
-        train.run(Config(trace=True, ...), comm, callbacks=[lanes])
+        pilab.train(Config(trace=True, ...), comm, callbacks=[lanes])
 
     Rank 0's lane is measured; the other ranks' come from the per-rank times rank 0 receives with each
     step's last gradient (see ``pilab.trace.recorder.Trace._lane``): their compute, and the wait after it.

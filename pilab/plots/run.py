@@ -1,5 +1,5 @@
 """One run's figures -- loss, accuracy, throughput, where each rank's time went -- live while it goes
-on (:class:`LivePlot`, a ``train.run`` callback) and from its result dict afterwards::
+on (:class:`LivePlot`, a ``pilab.train`` callback) and from its result dict afterwards::
 
     plots.show(plots.result_layout(result))
 """
@@ -217,11 +217,11 @@ def result_layout(result: Mapping):
 # live
 # ----------------------------------------------------------------------------------------------
 class LivePlot:
-    """Plots that follow a run: call it with each train event (it is a ``train.run`` callback)::
+    """Plots that follow a run: call it with each train event (it is a ``pilab.train`` callback)::
 
         live = plots.LivePlot()
         live.widget()                               # display first (a jupyter_bokeh BokehModel)
-        result = train.run(cfg, callbacks=[live])   # or lab.train(cfg, callbacks=[live])
+        result = pilab.train(cfg, callbacks=[live])   # or lab.train(cfg, callbacks=[live])
 
     Step events stream into the loss and throughput plots, epoch events into the accuracy plot and the
     per-rank time split, a traced run's lane events into the swim-lane of its last steps under it

@@ -27,10 +27,11 @@ import re
 from dataclasses import replace
 
 from .. import perfmodel
-from ..engine import checkpoint, simulate
+from .. import engine
+from ..engine import checkpoint
 from .. import verdict as judging
 from ..config import Config, ConfigError, small_mode
-from ..engine.loop import load_data
+from ..engine import load_data
 from .analysis import POWER_MODELS, calibrate_from, run_energy, target_baseline, time_to_target
 from .points import finished_run, reused_run, same_training, step_events, trained_config
 
@@ -271,7 +272,7 @@ def _reference(cfg: Config, sim_cfg: Config, ds, known: list, cands: list, refer
         if log:  # minutes on a laptop: say what runs, then one line per epoch
             log(f"  reference: the baseline at np=1, {cfg.epochs} epoch(s), sets the target accuracy")
         _point(callbacks, plan, "reference np=1")
-        ref = simulate.run(sim_cfg, 1, data=ds, callbacks=([_epoch_log(log, cfg.epochs)] if log else [])
+        ref = engine.simulate(sim_cfg, 1, data=ds, callbacks=([_epoch_log(log, cfg.epochs)] if log else [])
                            + [step_events(callbacks)])
     if reference_acc is None or calibration == "this":
         if reference_acc is None:
@@ -332,7 +333,7 @@ def _candidate_run(c: Config, np_: int, ds, out, name: str, resume: bool, reuse,
     r = known_run(known, c, np_)
     if r is not None:
         return r, f"the run of '{r['known_as']}'" if r.get("known_as") else "a run already made"
-    res = simulate.run(replace(c, out=d or "", resume=part), np_, data=ds, callbacks=[step_events(callbacks)])
+    res = engine.simulate(replace(c, out=d or "", resume=part), np_, data=ds, callbacks=[step_events(callbacks)])
     return res, f"continued from {os.path.basename(part)}" if part else ""
 
 

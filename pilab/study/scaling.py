@@ -18,14 +18,16 @@ performance model. The rows and their verdict are :mod:`pilab.study.analysis`'s,
 """
 from __future__ import annotations
 
+import copy
 import glob
 import os
 import re
+import tempfile
 import time
 from dataclasses import asdict, replace
 
 from . import energy
-from ..engine import simulate
+from .. import engine
 from ..config import DEMO, Config, ConfigError, small_mode
 from ..launch import run_job
 from . import report
@@ -89,11 +91,16 @@ def models_sweep() -> dict:
 
 
 def run_measured(cfg: Config, np_: int, out: str, *, mpiexec: str | None = None,
-                 hostfile: str | None = None, timeout: float | None = None) -> dict:
+                 hostfile: str | None = None, timeout: float | None = None, components=()) -> dict:
     """One real MPI job (``pilab.engine.harness`` on np ranks, as ``pilab train`` runs them); returns its
-    result.json. Raises ``launch.JobError`` (a RuntimeError) with the job's exit code and last lines."""
-    return run_job(np_, "pilab.engine.harness", {"config": replace(cfg, out=out).to_dict()}, name=f"np={np_} run",
-                   mpiexec=mpiexec, hostfile=hostfile, timeout=timeout, answer_dir=out)
+    result.json. Raises ``launch.JobError`` (a RuntimeError) with the job's exit code and last lines.
+    ``components``: yours, pickled for the ranks (their classes importable there)."""
+    payload = {"config": replace(cfg, out=out).to_dict()}
+    with tempfile.TemporaryDirectory() as d:
+        if components:
+            payload["components"] = engine.save_components(components, os.path.join(d, "components.pkl"))
+        return run_job(np_, "pilab.engine.harness", payload, name=f"np={np_} run", mpiexec=mpiexec,
+                       hostfile=hostfile, timeout=timeout, answer_dir=out)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -125,7 +132,7 @@ def _partial_study(cfg, criteria, nps, simulate_nps, runs, kept, t_start, comman
 def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria = Criteria(),
           out: str | None = None, mpiexec: str | None = None, hostfile: str | None = None,
           calibration=None, callbacks=(), command: str | None = None, target=None,
-          resume: bool = False, reuse=()) -> dict:
+          resume: bool = False, reuse=(), components=()) -> dict:
     """Run the study; returns {"rows", "runs", "criteria", "config", ...} and writes it under ``out``.
 
     ``target``: the machine speedup and time to target are reported for — None / "this" (measured
@@ -142,7 +149,8 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
     finished points of an earlier run with the same settings in ``out`` and runs only the others.
     ``reuse``: other studies' directories whose finished points are taken where they are the same
     training (:func:`~pilab.study.points.same_training`: the np=1 point of an LR-rule study is every
-    rule's np=1 point).
+    rule's np=1 point). ``components``: yours (``pilab.Component``), a fresh copy in every point (a
+    measured point's ranks unpickle them: their classes must be importable there).
     """
     tname = target_name(target)
     nps = sorted(set(int(p) for p in nps))
@@ -156,7 +164,7 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
     kept: list[int] = []  # points taken from an earlier run of this study (resume) or another (reuse)
     try:
         _run_points(cfg, sim_cfg, nps, simulate_nps, runs, kept, out=out, resume=resume, reuse=reuse,
-                    mpiexec=mpiexec, hostfile=hostfile, callbacks=callbacks)
+                    mpiexec=mpiexec, hostfile=hostfile, callbacks=callbacks, components=components)
     except (KeyboardInterrupt, RuntimeError) as e:  # RuntimeError: a failed run (launch.JobError)
         for cb in callbacks:
             cb({"kind": "stopped"})
@@ -184,18 +192,18 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
 
 
 def _run_points(cfg: Config, sim_cfg: Config, nps: list, simulate_nps: list, runs: dict, kept: list, *,
-                out, resume: bool, reuse, mpiexec, hostfile, callbacks) -> None:
+                out, resume: bool, reuse, mpiexec, hostfile, callbacks, components=()) -> None:
     """Every point in order, measured then simulated, each put into ``runs`` as it finishes (so an
     interrupted study still has the finished ones); the callbacks hear of each before and after."""
     points = [(p, False) for p in nps] + [(p, True) for p in simulate_nps]
     for p in nps:
         _announce(callbacks, points, p, False)
-        runs[p] = _measured_point(cfg, p, out, resume, reuse, kept, mpiexec, hostfile)
+        runs[p] = _measured_point(cfg, p, out, resume, reuse, kept, mpiexec, hostfile, components)
         for cb in callbacks:
             cb({"kind": "run", "np": p, "simulated": False, "result": runs[p], "kept": p in kept})
     for p in simulate_nps:
         _announce(callbacks, points, p, True)
-        runs[p] = _simulated_point(sim_cfg, p, out, resume, reuse, kept, callbacks)
+        runs[p] = _simulated_point(sim_cfg, p, out, resume, reuse, kept, callbacks, components)
         for cb in callbacks:
             cb({"kind": "run", "np": p, "simulated": True, "result": runs[p], "kept": p in kept})
 
@@ -209,7 +217,8 @@ def _sweep_threads(cfg: Config, nps: list, hostfile: str | None) -> Config:
     return cfg
 
 
-def _measured_point(cfg: Config, p: int, out, resume: bool, reuse, kept: list, mpiexec, hostfile) -> dict:
+def _measured_point(cfg: Config, p: int, out, resume: bool, reuse, kept: list, mpiexec, hostfile,
+                    components=()) -> dict:
     """np point ``p`` as a real MPI job: kept from ``out`` (resume), taken from a study in ``reuse``, or
     run now under ``out/np<p>`` with this machine's CPU energy (RAPL, where readable); ``kept`` gets
     ``p`` where it was not run now."""
@@ -221,14 +230,15 @@ def _measured_point(cfg: Config, p: int, out, resume: bool, reuse, kept: list, m
         if out:
             _clear_point(run_out)
         with energy.RaplWindow() as window:  # this machine's CPU energy, where readable
-            earlier = run_measured(cfg, p, run_out, mpiexec=mpiexec, hostfile=hostfile)
+            earlier = run_measured(cfg, p, run_out, mpiexec=mpiexec, hostfile=hostfile, components=components)
         earlier["rapl"] = window.to_dict()
     else:
         kept.append(p)
     return earlier
 
 
-def _simulated_point(sim_cfg: Config, p: int, out, resume: bool, reuse, kept: list, callbacks) -> dict:
+def _simulated_point(sim_cfg: Config, p: int, out, resume: bool, reuse, kept: list, callbacks,
+                     components=()) -> dict:
     """np point ``p`` from the simulator, kept, reused or run now as :func:`_measured_point`'s."""
     # each run's result.json is written as it completes: a long study keeps what it did
     point_cfg = replace(sim_cfg, out=os.path.join(out, f"np{p}") if out else "")
@@ -238,7 +248,8 @@ def _simulated_point(sim_cfg: Config, p: int, out, resume: bool, reuse, kept: li
     if earlier is None:
         if out:
             _clear_point(point_cfg.out)
-        earlier = simulate.run(point_cfg, p, callbacks=[step_events(callbacks)])
+        earlier = engine.simulate(point_cfg, p, callbacks=[step_events(callbacks)],
+                                  components=[copy.deepcopy(c) for c in components])
     else:
         kept.append(p)
     return earlier

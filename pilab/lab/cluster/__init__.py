@@ -16,7 +16,7 @@ Or from a shell, then attach: ``ipcluster start --profile-dir profiles/profile_p
 
 Stopping works on busy engines: the client asks each engine's nanny process (ipyparallel's per-engine
 helper, reachable while the engine computes) to send SIGINT; while training, the engine's handler only
-sets a flag (:func:`stop_flag`), which ``train.run`` polls every step and OR-reduces over the ranks, so
+sets a flag (:func:`stop_flag`), which ``pilab.train`` polls every step and OR-reduces over the ranks, so
 all ranks leave after the same step. A ``%%px`` cell interrupted from the notebook sends the same SIGINT.
 
 Where things live (everything below is importable from ``pilab.lab.cluster`` itself):

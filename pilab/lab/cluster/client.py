@@ -98,14 +98,15 @@ class Engines:
         return _wait_ar(self, ar, timeout)
 
     def train(self, cfg, np_: int | None = None, *, callbacks: Iterable[Callable] = (),
-              scatter: bool = False, hang_s: float = 120.0, poll_s: float = 0.2, trace: bool | None = None) -> "Run":
-        """Start ``train.run(cfg)`` on ranks ``0..np_-1`` (default: all) and return a :class:`Run`
+              scatter: bool = False, hang_s: float = 120.0, poll_s: float = 0.2, trace: bool | None = None,
+              components=()) -> "Run":
+        """Start ``pilab.train(cfg)`` on ranks ``0..np_-1`` (default: all) and return a :class:`Run`
         at once. Rank 0's events are passed to each callback as they arrive, from a watcher thread;
         engines of ranks ``>= np_`` take part only in the communicator split and then idle.
         ``scatter=True``: rank 0 loads the data and sends each rank its shard (no copy on the nodes).
         ``hang_s``: seconds without an event from rank 0 after which the run counts as stuck. ``trace``:
         ``cfg.trace`` set (every rank's step on one time axis, ``pilab.trace.recorder``: ``<out>/trace.json``
-        and the result's ``trace``)::
+        and the result's ``trace``). ``components``: yours (``pilab.Component``), sent to every engine::
 
             run = lab.train(cfg, np_=1, callbacks=[plots.LivePlot()])
             run.wait()["np"]     # 1
@@ -119,7 +120,8 @@ class Engines:
         if self._run is not None and not self._run.done:
             raise ClusterError("a run is still going on these engines; run.stop() or run.wait() first")
         self.check()
-        ar = self.view.apply_async(engine_train, cfg, np_, stream=True, scatter=scatter, hang_s=hang_s)
+        ar = self.view.apply_async(engine_train, cfg, np_, stream=True, scatter=scatter, hang_s=hang_s,
+                                   components=list(components))
         self._run = Run(self, ar, np_, callbacks=callbacks, hang_s=hang_s, poll_s=poll_s)
         return self._run
 

@@ -2,13 +2,13 @@
 
     %%px
     from mpi4py import MPI
+    from pilab import engine
     from pilab.lab import cluster
-    from pilab.engine import train
     with cluster.stop_flag() as stop:              # a kernel interrupt stops every rank after a step
-        result, model = train.train(cfg, MPI.COMM_WORLD, stop=stop)
+        result, model = engine.fit(cfg, engine.MPIRanks(MPI.COMM_WORLD), stop=stop)
     cluster.rank_state(MPI.COMM_WORLD, model, result)    # a table of what each rank holds, on rank 0
 
-mpi4py, torch and ``pilab.engine.train`` are imported inside the functions that need them: importing mpi4py
+mpi4py, torch and the engine's loop are imported inside the functions that need them: importing mpi4py
 initialises MPI, and the notebook client imports this module (to send :func:`engine_train` to the
 engines) without becoming an MPI process or loading torch.
 """
@@ -36,7 +36,7 @@ def whoami() -> dict:
 
 
 class StopFlag:
-    """A callable that says whether a stop was requested (``train.run(..., stop=flag)``)."""
+    """A callable that says whether a stop was requested (``pilab.train(..., stop=flag)``)."""
 
     def __init__(self):
         self.requested_at: float | None = None
@@ -55,11 +55,11 @@ def stop_flag(signals=(signal.SIGINT,)):
 
         %%px
         with cluster.stop_flag() as stop:
-            result = train.run(cfg, MPI.COMM_WORLD, stop=stop)
+            result = pilab.train(cfg, MPI.COMM_WORLD, stop=stop)
 
     Interrupting the notebook kernel during that cell makes ipyparallel send SIGINT to the engines;
     here it sets the flag instead of raising KeyboardInterrupt in the middle of a collective (which
-    would leave the other ranks waiting forever). ``train.run`` polls the flag every step and stops
+    would leave the other ranks waiting forever). ``pilab.train`` polls the flag every step and stops
     all ranks together when any rank has it set. Outside the main thread it yields a plain flag.
     """
     flag = StopFlag()
@@ -73,7 +73,7 @@ last: dict = {}
 
 
 def engine_train(cfg, np_: int | None = None, *, stream: bool = True, scatter: bool = False,
-                 hang_s: float = 0.0) -> dict:
+                 hang_s: float = 0.0, components=()) -> dict:
     """Train on ranks ``0..np_-1`` of COMM_WORLD; call it on every engine (it splits the world).
 
     Ranks ``>= np_`` get no communicator and return ``{"rank": r, "idle": True}`` at once. Rank 0 of
@@ -103,7 +103,7 @@ def engine_train(cfg, np_: int | None = None, *, stream: bool = True, scatter: b
             # ends itself, naming the unreachable ranks (the client reports them as died). A stuck but
             # reachable rank is left to the client's own hang report.
             out = guarded_run(cfg, comm, data=data, callbacks=callbacks, hang_s=hang_s, where="engine",
-                              stop=stop)
+                              stop=stop, components=components)
             result = out.result
             last.clear()
             last.update(model=out.model, cfg=cfg, np=np_, rank=comm.Get_rank(), result=result)

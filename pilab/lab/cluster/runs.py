@@ -266,7 +266,7 @@ class LocalRun(Run):
         result = run.wait()
     """
 
-    def __init__(self, cfg, *, callbacks=()):
+    def __init__(self, cfg, *, callbacks=(), components=()):
         self.lab, self.ar, self.np_ = None, None, 1
         self.callbacks = list(callbacks)
         self.events, self.status, self.result, self.error = [], "running", None, None
@@ -276,6 +276,7 @@ class LocalRun(Run):
         self._done = threading.Event()
         self._callback_errors = []
         self._flag = StopFlag()
+        self.components = list(components)
         self._thread = threading.Thread(target=self._work, args=(cfg,), name="pilab-local-run",
                                         daemon=True)
         self._thread.start()
@@ -286,10 +287,11 @@ class LocalRun(Run):
             self._flag.set()
 
     def _work(self, cfg) -> None:
-        from ...engine import train  # torch, only once a local run starts: importing pilab.lab.cluster stays light
+        from ... import engine  # torch, only once a local run starts: importing pilab.lab.cluster stays light
 
         try:
-            self.result = train.run(cfg, None, callbacks=[self._dispatch], stop=self._flag)
+            self.result = engine.train(cfg, None, callbacks=[self._dispatch], stop=self._flag,
+                                       components=self.components)
             self.status = "stopped" if self.result.get("stopped_early") else "done"
         except Exception as e:
             self._fail("failed", f"the run failed: {_short(e)}", e)

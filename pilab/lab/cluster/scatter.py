@@ -1,6 +1,6 @@
 """Data distribution for nodes without a copy of the data set: rank 0 sends each rank its shard::
 
-    train.run(cfg, comm, data=cluster.load_scattered(cfg, comm))      # sharding="static" only
+    pilab.train(cfg, comm, data=cluster.load_scattered(cfg, comm))      # sharding="static" only
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def scatter_shards(ds, comm, *, seed: int = 0, root: int = 0):
 
         ds = data.load("embedded") if comm.rank == 0 else None
         local = cluster.scatter_shards(ds, comm, seed=cfg.seed)
-        train.run(cfg, comm, data=local)        # sharding="static" only
+        pilab.train(cfg, comm, data=local)        # sharding="static" only
 
     The returned data set has the full shapes, but only this rank's rows are filled (the rest stay
     untouched zero pages, which cost no memory); ``data.ShardLoader`` and ``train.evaluate`` read just
@@ -74,7 +74,7 @@ def scatter_shards(ds, comm, *, seed: int = 0, root: int = 0):
 def load_scattered(cfg, comm, *, root: int = 0):
     """Rank ``root`` loads ``cfg``'s data set (with its subsets) and scatters the shards::
 
-        train.run(cfg, comm, data=cluster.load_scattered(cfg, comm))
+        pilab.train(cfg, comm, data=cluster.load_scattered(cfg, comm))
     """
     from ... import data as data_mod  # torch: see scatter_shards
 
