@@ -151,7 +151,7 @@ class Config:
     def _validate_values(self) -> None:
         """Each setting alone: the bounds its ``setting`` declares, a known model (or your own builder)
         and width, and the rules that bounds cannot say."""
-        from .models.names import check_width
+        from .models import check_width
 
         for f in fields(self):
             _check_bounds(f.name, getattr(self, f.name), f.metadata)

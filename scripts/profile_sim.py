@@ -69,7 +69,7 @@ _PEAK = """
 import sys, json
 from dataclasses import replace
 from pilab.config import Config
-from pilab.engine import loop as engine
+from pilab import engine
 from pilab.engine.backend import peak_mem_mb
 mode, np_, b, model, width, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5]), int(sys.argv[6])
 cfg = Config(model=model, width=width, batch_size=b, threads=threads, epochs=10, test_subset=10)

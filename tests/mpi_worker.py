@@ -189,7 +189,7 @@ def case_train(out):
 
     # 5) SyncBatchNorm == BatchNorm on the concatenated batch (forward and backward)
     full, gout, ref_bn = _bn_reference(4)
-    sync_bn = layers.SyncBatchNorm(6, COMM.Dup())
+    sync_bn = dist.SyncBatchNorm(6, COMM.Dup())
     sync_bn.load_state_dict(ref_bn.state_dict())
     xr = full.clone().requires_grad_(True)
     yr = ref_bn(xr)
@@ -429,7 +429,7 @@ def case_syncgroups(out):
     from pilab.engine import base_model
     res = {}
     full, gout, ref_bn = _bn_reference(3)
-    mine_bn = layers.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(6)), COMM, group=2)[0]
+    mine_bn = dist.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(6)), COMM, group=2)[0]
     mine_bn.load_state_dict(ref_bn.state_dict())
     group = slice(3 * (RANK // 2 * 2), 3 * (RANK // 2 * 2 + 2))  # this rank's group's images
     xr = full[group].clone().requires_grad_(True)

@@ -63,7 +63,7 @@ def test_compiled_layer_is_the_eager_mathematics_to_float_rounding():
     import torch
     import torch.nn.functional as F
 
-    from pilab.engine.layers import _GroupedBN, compiled_grouped_bn
+    from pilab.engine.layers import GroupedBN, compiled_grouped_bn
     g = torch.Generator().manual_seed(0)
     groups, c = 12, 16  # 12 virtual ranks of 4 images, 16 x 16 pixels: one kernel shape
     x = (torch.randn(48, c, 16, 16, generator=g) * 3 + 1).contiguous(memory_format=torch.channels_last)
@@ -83,7 +83,7 @@ def test_compiled_layer_is_the_eager_mathematics_to_float_rounding():
         return y, mean, var
 
     ref = run(native, torch.float64)
-    forms = {"eager": lambda *a: _GroupedBN.apply(*a, groups, 1e-5),
+    forms = {"eager": lambda *a: GroupedBN.apply(*a, groups, 1e-5),
              "compiled": lambda *a: compiled_grouped_bn()(*a, groups, 1e-5)}
     for name, f in forms.items():
         got = run(f, torch.float32)

@@ -264,7 +264,7 @@ def test_neuromorphic_energy_figures():
 
 
 def test_neuromorphic_energy_of_a_measured_spiking_net():
-    from pilab.models.zoo import build_model, synaptic_ops
+    from pilab.models import build_model, synaptic_ops
 
     torch.manual_seed(0)
     x = torch.rand(4, 3, 32, 32) * 2 - 1

@@ -1,4 +1,4 @@
-"""The large-batch toolbox's optimizer settings (pilab/engine/optim.py, pilab/models/residual.py) on a real
+"""The large-batch toolbox's optimizer settings (pilab/engine/optim.py, pilab/models/init.py) on a real
 model and real images: LAMB's layer-wise step, BatchNorm/bias learning-rate scale, residual blocks started
 as the identity. Each checked against its paper's arithmetic, then trained through the loop."""
 from dataclasses import replace
@@ -14,7 +14,7 @@ from pilab import engine
 from pilab.engine.backend import base_model
 from pilab.engine.optim import LAMB, build_optimizer, param_groups, set_lr
 from pilab.models.mobilenet import InvertedResidual
-from pilab.models.residual import residual_bns
+from pilab.models.init import residual_bns
 from pilab.models.zoo import build_model
 
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import MPIEXEC, REPO, mpi_env
 from pilab import perfmodel as pm
 from pilab.config import Config, ConfigError
-from pilab.perfmodel.allreduce import _critical_counts
+from pilab.perfmodel.allreduce import critical_counts
 from pilab import engine
 
 
@@ -67,7 +67,7 @@ def _synthetic_bench(alpha, beta, nps=(2, 3, 4), cores=64, over_alpha=0.0):
         sizes = [4, 64, 1024, 16384, 131072, 1 << 20, 4 << 20]
         secs = []
         for s in sizes:
-            n_a, n_b = _critical_counts(p, s, "mpich")
+            n_a, n_b = critical_counts(p, s, "mpich")
             secs.append(n_a * (alpha + (over_alpha if p > cores else 0)) + n_b * beta)
         runs.append({"np": p, "ranks_per_node": p, "cores": cores, "sizes_bytes": sizes,
                      "seconds": secs})
@@ -430,7 +430,7 @@ def test_wire_model_rows_from_the_committed_network_run():
     """The model against every wire point of the committed run (issue 23 item 4; the table in
     docs/perfmodel.md): a row per contender and point, and where nothing overlaps -- one bucket after
     backward, the link's whole Allreduce exposed -- the step within 15% at every point."""
-    from pilab.perfmodel import network as network_model
+    from pilab.perfmodel import check as network_model
     data = json.load(open(REPO / "benchmarks" / "results" / "bench_network-2026-12-02-1419.json"))["network"]
     rows = network_model.wire_model_rows(data)
     assert len(rows) == len(data["wire"]) * len(network_model.WIRE_MODEL) == 20
@@ -447,7 +447,7 @@ def test_wire_model_rows_take_each_runs_probe():
     """Each wire run's probe (pilab.bench.wire) sets the overlap rate and the fp16 cost the model uses at
     that point; a run without one (before 2026-12-03), or whose probe found nothing left after backward
     in most rounds (the rate only bounded from below), is modelled at full rate."""
-    from pilab.perfmodel import network as network_model
+    from pilab.perfmodel import check as network_model
     data = json.load(open(REPO / "benchmarks" / "results" / "bench_network-2026-12-03.json"))["network"]
     rows = network_model.wire_model_rows(data)
     per_run = len(network_model.WIRE_MODEL)

@@ -115,7 +115,7 @@ def test_device_resident_loader_gives_the_same_batches(policy, augment):
 @pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format])
 @pytest.mark.parametrize("ghost", [0, 4])
 def test_vectorised_ghost_batchnorm_matches_per_group_batchnorm(ghost, layout):
-    """Both vectorised paths: the simulator's channels-last batch (_GroupedBN, its own backward) and any
+    """Both vectorised paths: the simulator's channels-last batch (GroupedBN, its own backward) and any
     other layout (var_mean and autograd)."""
     torch.manual_seed(0)
     ctx = RankContext()
@@ -295,7 +295,7 @@ def test_bench_command_refuses_unknown_sections():
 def test_the_wire_job_times_every_contender_against_the_ceiling_and_its_bound():
     # issue 23: the contenders of one step on the wire, run here on loopback (the network section runs
     # the same job on its testbed's nodes); the bound is computed from a link fitted as the section does
-    from pilab.perfmodel import network as network_model
+    from pilab.perfmodel import check as network_model
     from pilab.launch import run_job
     res = run_job(2, "pilab.bench.wire", {"master": "127.0.0.1", "quick": True}, timeout=600,
                   env=dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1"))

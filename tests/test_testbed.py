@@ -452,8 +452,8 @@ def test_pi_profile_engines_register_across_the_nodes(tb, monkeypatch):
         # a %%px-style cell: the same code on every engine
         cfg = Config(width=0.25, train_subset=256, test_subset=100, epochs=1, batch_size=16, threads=1)
         lab.push(cfg=cfg)
-        lab.view.execute("from mpi4py import MPI\nfrom pilab.engine import train\n"
-                         "px_result = train.run(cfg, MPI.COMM_WORLD)", block=True)
+        lab.view.execute("from mpi4py import MPI\nimport pilab\n"
+                         "px_result = pilab.train(cfg, MPI.COMM_WORLD)", block=True)
         hosts = lab.view.pull("px_result", block=True)[0]["env"]["hostnames"]
         assert hosts == ["node01", "node01", "node02", "node02"]
         # rank 0 scatters the shards: the nodes need no copy of the data

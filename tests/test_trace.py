@@ -250,14 +250,14 @@ LANE_RUN = """
 import json, sys
 from mpi4py import MPI
 from pilab.config import Config
-from pilab.engine import train
+from pilab import engine
 comm = MPI.COMM_WORLD
 out = {}
 for trace in (True, False):
     cfg = Config(width=0.25, train_subset=96, test_subset=50, batch_size=16, epochs=1, threads=1,
                  bucket_mb=0.05, trace=trace)
     events = []
-    train.train(cfg, comm, callbacks=[events.append])
+    engine.train(cfg, comm, callbacks=[events.append])
     out[str(trace)] = events
 if comm.Get_rank() == 0:
     json.dump(out, open(sys.argv[1], "w"), default=float)

@@ -51,7 +51,7 @@ from ..launch import mpi  # noqa: E402
 from .. import engine  # noqa: E402
 from ..config import Config  # noqa: E402
 from ..files import atomic_write_text  # noqa: E402
-from ..engine.memory import breakdown  # noqa: E402
+from ..engine import breakdown  # noqa: E402
 
 RUNTIME_WITH_TORCH = _status()["VmRSS"]
 

@@ -11,7 +11,7 @@ import time
 
 from ..config import Config
 from ..files import atomic_write_text, save_json
-from .machine import machine
+from .report import machine
 
 
 SECTIONS = ("one_rank", "malloc", "models", "data", "cache", "simulator", "checkpoint", "cli", "ranks", "sync",
@@ -159,7 +159,7 @@ def _network_section(q: bool, mpiexec, log, out, command):
     work = os.path.join(out, "network") if out else None
 
     def measured_and_analysed():
-        from ..perfmodel.network import analyse
+        from ..perfmodel.check import analyse
         data = network.section(q, work=work, mpiexec=mpiexec, log=log, command=command)
         data["analysis"] = analyse(data)  # the model's side, from the measurements alone
         return data

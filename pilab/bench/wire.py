@@ -36,11 +36,10 @@ import torch.nn.functional as F
 
 from .. import engine
 from ..config import Config
-from ..launch import mpi
 from ..dist import fp16_type, wait_polling
-from ..engine.optim import build_optimizer
-from .job import nap_barrier, slowest
-from .stats import ratios, summary
+from ..engine import build_optimizer
+from ..launch import mpi
+from .stats import nap_barrier, ratios, slowest, summary
 
 MPI = mpi()  # this module runs on the ranks of a launched job only
 COMM = MPI.COMM_WORLD

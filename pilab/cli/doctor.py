@@ -47,12 +47,12 @@ def add_parser(sub) -> None:
 def _hosts(args, doctor):
     if args.hosts:
         return doctor.parse_hosts(args.hosts, args.ranks_per_node), None
-    from ..launch.hosts import allocation
+    from ..launch import allocation
     if not args.hostfile and allocation():  # inside salloc/sbatch: the allocation's nodes and tasks
         return allocation(), None
     path = args.hostfile or os.environ.get("HYDRA_HOST_FILE") or os.environ.get("PILAB_HOSTFILE")
     if not path:
-        from ..lab.cluster.profiles import profile_dir
+        from ..lab.cluster import profile_dir
         path = os.path.join(profile_dir("pi"), "hosts")
         if not os.path.isfile(path):
             raise UsageError(f"no hosts: give --hostfile FILE or --hosts a,b (or create {path} from "

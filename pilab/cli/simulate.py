@@ -7,12 +7,10 @@ from __future__ import annotations
 import os
 import sys
 
-from ..config import Config, ConfigError
-from ..engine.harness import EXIT_WRITE
-from ..engine.signals import exit_code_for, interruptible
-from .common import (add_config_arguments, batch_text, check_out_dir, clear_out_dir, config_from_args,
-                     progress_callbacks)
 from .. import engine
+from ..config import Config, ConfigError
+from ..engine import EXIT_WRITE, exit_code_for, interruptible
+from .common import add_config_arguments, batch_text, check_out_dir, clear_out_dir, config_from_args, progress_callbacks
 
 DEFAULTS = Config(out="runs/simulate")
 

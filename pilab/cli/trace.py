@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 
 def run_trace(args, argv) -> int:
     from ..trace import format as tf
-    from ..trace.read import analyse, load, report
+    from ..trace import analyse, load, report
     from .common import UsageError
 
     if args.top < 0:

@@ -16,12 +16,12 @@ import subprocess
 import sys
 import time
 
+from .. import engine
 from ..config import Config, ConfigError
+from ..engine import exit_code_for, handled, interruptible
 from ..launch import pilab_command, under_mpi
-from ..engine.signals import exit_code_for, handled, interruptible
 from .common import (EXIT_USAGE, UsageError, add_config_arguments, batch_text, check_out_dir, clear_out_dir,
                      config_from_args, mpi_or_error, progress_callbacks, strip_flags)
-from .. import engine
 
 DEFAULTS = Config(out="runs/train")
 
@@ -56,7 +56,7 @@ def add_parser(sub) -> None:
 
 
 def _check_memory_flags(args) -> None:
-    from ..engine.memory import node_bytes
+    from ..engine import node_bytes
     if args.ranks_per_node is not None and args.ranks_per_node < 1:
         raise ConfigError(f"--ranks-per-node {args.ranks_per_node} must be >= 1")
     node_bytes(args.node_memory)
@@ -134,7 +134,7 @@ def _launch(cfg: Config, args, argv) -> int:
         if proc.poll() is None:
             proc.send_signal(signum)
     with handled((signal.SIGINT, signal.SIGTERM), forward):
-        from ..engine.watchdog import watch_launcher
+        from ..engine import watch_launcher
         t_launch, tail = time.time(), [""]
         rc = watch_launcher(proc, tail=tail)
         if rc != 0 and cfg.out:
@@ -213,7 +213,7 @@ def _report(result: dict, cfg: Config, signum: int | None = None, *, speak: bool
     """Print the summary (rank 0 only: ``speak``) and return the exit code (``harness.exit_code``): 0;
     74 when a checkpoint or the result could not be written; 128 + the signal when stopped by one (130
     when another rank's signal or a stop request ended the run)."""
-    from ..engine.harness import exit_code
+    from ..engine import exit_code
     write_error = result.get("write_error")
     if speak:
         last = result["epochs"][-1] if result["epochs"] else {}

@@ -26,25 +26,23 @@ Sources for :func:`load` (decoded once, then cached as an ``.npz`` in :func:`def
 Where things live (everything below is importable from ``pilab.data`` itself):
 
 - :mod:`~pilab.data.dataset`: the :class:`CIFAR10` arrays and :class:`DataError`;
-- :mod:`~pilab.data.sources`: :func:`load` and :func:`fetch`; :mod:`~pilab.data.decode` reads each layout,
+- :mod:`~pilab.data.sources`: :func:`load` and :func:`fetch`; :mod:`~pilab.data.sources` reads each layout,
   :mod:`~pilab.data.cache` keeps the decoded arrays;
 - :mod:`~pilab.data.shards`: subsets, shards, per-epoch batch indices, test slices (numpy only);
-- :mod:`~pilab.data.augmentation`: normalisation and batched crop/flip (torch);
+- :mod:`~pilab.data.loader`: normalisation and batched crop/flip (torch);
 - :mod:`~pilab.data.loader`: :class:`ShardLoader`, one rank's batches.
 """
 from __future__ import annotations
 
 from .arrays import from_arrays, from_dataset, save
-from .augmentation import PAD, augment, pad_for, to_input
-from .cache import cache_entries, clear_cache, default_cache_dir
+from .cache import cache_entries, clear_cache, default_cache_dir, resolve_cache_dir
 from .dataset import CIFAR10, CIFAR10_MEAN as MEAN, CIFAR10_STD as STD, CLASSES, DataError
-from .decode import BATCHES_DIR, OFFICIAL_URL
-from .loader import ShardLoader, ranks_batch
+from .loader import PAD, ShardLoader, augment, pad_for, ranks_batch, to_input
 from .shards import POLICIES, epoch_accounting, epoch_batches, static_shards, stratified_subset, test_shard
-from .sources import describe, fetch, load, train_size
+from .sources import BATCHES_DIR, OFFICIAL_URL, cached_counts, describe, fetch, load, resolve_source, train_size
 
-__all__ = [
-    "CIFAR10", "CLASSES", "DataError", "load", "train_size", "describe", "from_arrays", "from_dataset", "save", "fetch", "default_cache_dir", "cache_entries", "clear_cache",
-    "BATCHES_DIR", "OFFICIAL_URL", "POLICIES", "stratified_subset", "static_shards", "epoch_accounting",
-    "epoch_batches", "test_shard", "MEAN", "STD", "PAD", "pad_for", "to_input", "augment", "ShardLoader", "ranks_batch",
-]
+__all__ = ["CIFAR10", "CLASSES", "DataError", "load", "train_size", "describe", "from_arrays", "from_dataset", "save",
+    "fetch", "default_cache_dir", "cache_entries", "clear_cache", "BATCHES_DIR", "OFFICIAL_URL", "POLICIES",
+    "stratified_subset", "static_shards", "epoch_accounting", "epoch_batches", "test_shard", "MEAN", "STD", "PAD",
+    "pad_for", "to_input", "augment", "ShardLoader", "ranks_batch", "resolve_cache_dir", "cached_counts",
+    "resolve_source"]

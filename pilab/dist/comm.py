@@ -1,10 +1,10 @@
 """MPI primitives: ``world``, ``allreduce_``, ``broadcast_`` -- thin, in-place (trailing ``_``), ``root=``
 keyword, ``comm=None`` meaning one process (every call a no-op) -- and the exact arithmetic an MPI rank
 and the simulator share: ``share_of_mean``, ``squared_norm``, and the named ``Slots`` that ride with the
-last gradient bucket. The one module that imports mpi4py for
-training (``pilab.launch`` loads it for the rest); ``pilab.dist.helpers`` re-exports everything here::
+last gradient bucket. The one module that imports mpi4py for training (``pilab.launch`` loads it for
+the rest)::
 
-    from pilab.dist.helpers import allreduce_, world
+    from pilab.dist import allreduce_, world
     rank, size = world(comm)
     allreduce_(t, comm, op="mean")
 """

@@ -1,6 +1,6 @@
 """Fused, overlapped gradient averaging: ``GradSync`` posts each bucket's ``Iallreduce`` from the
 gradient hooks while backward is still running (Horovod's fusion buffer, DDP's buckets), with named
-``Slots`` of per-step values riding with the last bucket. Re-exported by ``pilab.dist.helpers``::
+``Slots`` of per-step values riding with the last bucket (``pilab.dist``'s face offers it)::
 
     sync = GradSync(model, MPI.COMM_WORLD, bucket_mb=1.0)
     sync.backward(loss)      # buckets are posted from gradient hooks as they fill
@@ -9,7 +9,6 @@ gradient hooks while backward is still running (Horovod's fusion buffer, DDP's b
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 import time
 from dataclasses import dataclass, field
@@ -19,8 +18,7 @@ import torch
 from torch import nn
 
 from .buckets import bucket_assignment
-from .comm import (SLEEP_S, SPIN_BYTES_PER_S, SPIN_S, MPI, Slots, fp16_type, mpi_buffer, share_of_mean, squared_norm,
-                   wait_polling, world)  # noqa: F401 (re-exported)
+from .comm import MPI, SPIN_BYTES_PER_S, SPIN_S, Slots, fp16_type, mpi_buffer, share_of_mean, wait_polling, world
 
 
 @dataclass

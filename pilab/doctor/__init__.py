@@ -15,12 +15,9 @@ micro-benchmark: the report holds it as ``runs``/``fit``, the format ``perfmodel
 """
 from __future__ import annotations
 
-from ..launch.hosts import HostsError, parse_hosts, read_hostfile
-from .common import CHECKS, DoctorError
-from .jobs import controller_address, data_path, predicted_peak
-from ..launch.library import mpiexec_library, same_family
-from .preflight import run
-from .table import format_table
+from ..launch import HostsError, mpiexec_library, parse_hosts, read_hostfile, same_family
+from .checks import CHECKS, DoctorError
+from .preflight import controller_address, data_path, format_table, predicted_peak, run
 
 # the parts: common (error, markers, limits), launcher (the MPI behind mpiexec), jobs (the probes and the
 # listener), checks, placement (where ranks land; Slurm's node states), preflight (run), table, probe

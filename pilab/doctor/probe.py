@@ -27,7 +27,7 @@ import sys
 import time
 
 from ..files import sha256_tree
-from .common import HELLO, MARK  # the head reads the lines that start with these from the job's stdout
+from .checks import HELLO, MARK  # the head reads the lines that start with these from the job's stdout
 
 
 def say(kind: str, obj) -> None:
@@ -298,7 +298,7 @@ def net_probe(args) -> dict | None:
 
     from ..launch import launcher_size, mpi
     from ..launch import mpi_library as library_name
-    from ..perfmodel.microbench import comm_bench
+    from ..perfmodel import comm_bench
     MPI = mpi()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

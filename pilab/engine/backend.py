@@ -24,18 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import __version__
+from .. import __version__, data as data_mod
 from ..component import SYNC, Phase
-from .. import data as data_mod
 from ..config import EVAL_CHUNK, Config, ConfigError
-from ..launch import launcher_local_size, mpi_versions
 from ..dist import reduce_sums, world
-from .exactness import check_custom_model
+from ..launch import launcher_local_size, mpi_versions
+from ..models import build_model, is_builder_spec, sample_rows, whiten_stem, zero_residual_bn
 from .layers import use_batch_renorm, use_ghost_batchnorm, use_rank_dropout
-from ..models.names import is_builder_spec
-from ..models.residual import zero_residual_bn
-from ..models import whiten
-from ..models.zoo import build_model
+from .ownmodel import check_custom_model
 
 NUM_CLASSES = 10
 EVAL_BATCH = Config.eval_batch  # the default; a run uses cfg.eval_batch
@@ -98,8 +94,8 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
             raise ConfigError("whiten_stem: the first convolution is made from the training images, and none "
                               "were given; build the model with data=")
         try:
-            rows = whiten.sample_rows(len(data.x_train), cfg.seed)
-            whiten.whiten_stem(model, data_mod.to_input(torch.from_numpy(data.x_train[rows]), data.mean, data.std))
+            rows = sample_rows(len(data.x_train), cfg.seed)
+            whiten_stem(model, data_mod.to_input(torch.from_numpy(data.x_train[rows]), data.mean, data.std))
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if cfg.bn != "sync" and (cfg.ghost_batch or ranks > 1 or context is not None or cfg.bn == "renorm"):

@@ -1,6 +1,6 @@
 """The fast simulator's per-rank BatchNorm on large layers as ``torch.compile``'s fused kernels.
 
-The fast mode normalises every virtual rank's images in one vectorised pass (``layers._GroupedBN``): the
+The fast mode normalises every virtual rank's images in one vectorised pass (``layers.GroupedBN``): the
 same mathematics as one BatchNorm per rank, but four passes over the activations each way where native
 BatchNorm makes one or two, which is the whole of its excess over one process training the global batch
 at MobileNetV2-CIFAR 1.0 (BENCHMARKS.md's simulator section). Given to ``torch.compile`` as plain tensor

@@ -8,8 +8,7 @@ a line here::
 from __future__ import annotations
 
 from ..component import in_order
-from ..trace.recorder import Trace
-from ..trace.stragglers import StragglerWatch
+from ..trace import StragglerWatch, Trace
 from .clip import ClipGradNorm
 from .compilebn import CompiledBN
 from .ema import EMA

@@ -15,12 +15,12 @@ the straggler monitor, the trace, and yours) is a component it calls at fixed mo
 
 What stays the loop's own, not a component, and why:
 
-* checkpoints, mid-epoch ones included (``_set_checkpoints``, ``_save_due``, ``resume.write``): a
+* checkpoints, mid-epoch ones included (``_set_checkpoints``, ``_save_due``, ``checkpoint.write_position``): a
   checkpoint *is* the loop's position (epoch, step in the epoch, the epoch's partial sums, the history,
   the data order's np), written between two steps with the loop's sums, and a failed write stops the loop
   after that step; the every-K-steps / M-minutes vote rides with the step's metrics like the stop vote.
   Components take part through ``state_dict`` / ``load_state_dict``, saved under their names.
-* a resume regrouped at another np (``_resume``, ``resume.epoch_plan``, ``ranks.carry``): it is the data
+* a resume regrouped at another np (``_resume``, ``checkpoint.epoch_plan``, ``ranks.carry``): it is the data
   order of the interrupted epoch and the model as loaded, settled before any component exists (the
   components start on the model already resumed).
 * a fixed batch ramp (``Config.batch_ramp``): the batch plan is the schedule's input, as the learning
@@ -42,18 +42,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import __version__
-from .. import data as data_mod
+from .. import __version__, data as data_mod
 from ..component import SYNC
 from ..config import Config
 from ..files import save_json
-from . import checkpoint, features, memory, records, resume
+from . import checkpoint, features, memory, records
 from .backend import StepResult, load_data, local_ranks, resolve_device, split_sync_groups
 from .checkpoint import CheckpointError
-from .keeper import failure_reason
 from .optim import build_optimizer, lr_at, set_lr
 from .ownmodel import with_model
-from .records import STEP_KEYS, TIME_KEYS
+from .records import STEP_KEYS, TIME_KEYS, failure_reason
 
 MULTI_NODE_CHECKPOINT_MINUTES = 10.0  # --checkpoint-minutes default (-1) on a run whose ranks span hosts
 
@@ -130,7 +128,7 @@ class Session:
         """The position ``cfg.resume`` holds (``{}`` without one): model and optimizer loaded, the
         interrupted epoch's data order regrouped over these ranks where the np changed."""
         cfg, ranks, spe = self.cfg, self.ranks, self.steps_per_epoch
-        ck = resume.load(cfg, ranks, self.model, self.optimizer) if cfg.resume else {}
+        ck = checkpoint.load_position(cfg, ranks, self.model, self.optimizer) if cfg.resume else {}
         self.start_epoch, self.history = ck.get("epoch", 0), ck.get("history", [])
         self.start_step = ck.get("step_in_epoch", 0)  # steps of start_epoch already done
         self.partial = ck.get("partial")  # that epoch's sums so far
@@ -142,7 +140,7 @@ class Session:
         # finishes the interrupted epoch in the order it began with, regrouped over the new ranks
         self.order_np = ck.get("order_np", self.np_) if self.start_step else self.np_
         if self.order_np != self.np_:
-            ranks.carry(self.start_epoch, resume.epoch_plan(cfg, self.ds, self.order_np, self.start_epoch, spe),
+            ranks.carry(self.start_epoch, checkpoint.epoch_plan(cfg, self.ds, self.order_np, self.start_epoch, spe),
                         self.ds)
         if owned and not ranks.simulated and cfg.sharding == "static" and self.order_np == self.np_:
             # The loader copied this rank's shard; the whole training set stays only where it is shared
@@ -348,7 +346,7 @@ def _train_epoch(run: _Run, epoch: int, stop) -> bool:
         # a checkpoint asked for (every K steps, M minutes), or the last step of a stopped run
         if st.save_votes > 0 or (ending and s.step_checkpoints):
             if step + 1 < spe:  # mid-epoch: now, before any BatchNorm buffers are settled
-                failed = resume.write(s, epoch, run.gstep, run.epochs_log, step_in_epoch=step + 1, acc=acc)
+                failed = checkpoint.write_position(s, epoch, run.gstep, run.epochs_log, step_in_epoch=step + 1, acc=acc)
                 if failed:
                     run.fail(failed)
                     break
@@ -367,7 +365,7 @@ def _train_epoch(run: _Run, epoch: int, stop) -> bool:
     run.epochs_log.append(record)
     run.emit({"kind": "epoch", **record})
     if checkpoint_now and cfg.out:
-        failed = resume.write(s, epoch + 1, run.gstep, run.epochs_log)
+        failed = checkpoint.write_position(s, epoch + 1, run.gstep, run.epochs_log)
         if failed:  # every rank stops here, after this full epoch
             run.fail(failed)
     return run.stopped
@@ -402,7 +400,7 @@ def _finish(run: _Run) -> dict:
     for c in s.components:  # a component that runs on rank 0 alone (the straggler monitor) speaks there only
         result.update(c.result())
     if s.rank == 0:
-        result["checkpoints"] = resume.summary(s)
+        result["checkpoints"] = checkpoint.summary(s)
         result["last_checkpoint"] = result["checkpoints"]["last"]
     result["stop_reason"] = run.stop_reason
     result["started_at"], result["ended_at"] = run.started_at, time.time()  # see pilab.study.energy
@@ -425,7 +423,7 @@ def _keep(run: _Run, reason: str) -> str:
     res = records.result(s, list(run.epochs_log), {k: list(v) for k, v in run.steps_log.items()}, 0, True,
                   time.perf_counter() - run.t_wall, collective=False)
     res.update(stop_reason=reason, aborted=True, started_at=run.started_at, ended_at=time.time(),
-               checkpoints=resume.summary(s))
+               checkpoints=checkpoint.summary(s))
     res["last_checkpoint"] = res["checkpoints"]["last"]
     for c in s.components:
         res.update(c.result())

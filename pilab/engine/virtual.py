@@ -191,7 +191,7 @@ class VirtualRanks:
         # the same batch). Several ranks per forward are faster on a GPU but sum weight gradients in
         # another order, and BatchNorm's shift invariance amplifies that float noise (~1e-3 after a step).
         # simulate_mode=fast: the global batch in one forward (the memory of one process training it), ghost
-        # BN vectorised over the ranks' groups (layers._GroupedBN); docs/simulator.md gives its deviation.
+        # BN vectorised over the ranks' groups (layers.GroupedBN); docs/simulator.md gives its deviation.
         self.mode = mode_used(cfg, per_rank)
         fast = self.mode == "fast"
         # the exact mode's ranks per forward: one on CPU (MPI's arithmetic), ~256 images on a GPU

@@ -22,7 +22,7 @@ import ipywidgets as W
 
 from .. import plots
 from ..config import CHOICES, Config, ConfigError, small_mode
-from ..models.names import MODEL_NAMES, WIDTH_RANGE
+from ..models import MODEL_NAMES, WIDTH_RANGE
 
 __all__ = ["ControlPanel", "Progress", "quickstart_config", "small_mode"]
 

@@ -5,10 +5,12 @@ cluster gives (``hosts``), Slurm's commands (``slurm``), which MPI library a lau
     from pilab.launch import find_mpiexec, run_job
     res = run_job(2, "pilab.engine.harness", {"config": cfg.to_dict()})   # rank 0's answer
 """
+from .hosts import HostsError, allocation, parse_hosts, placement_checks, read_hostfile
 from .mpiexec import (MPI_HINT, JobError, LaunchError, find_mpiexec, job_argv, launcher_local_size, launcher_rank,
-                      launcher_size, mpi, mpi_library, mpi_versions, mpiexec_command, pilab_command, run_job,
-                      srun_command, under_mpi, use_srun)
+                      launcher_size, mpi, mpi_family, mpi_library, mpi_versions, mpiexec_command, mpiexec_library,
+                      pilab_command, run_job, same_family, srun_command, under_mpi, use_srun)
 
 __all__ = ["MPI_HINT", "JobError", "LaunchError", "find_mpiexec", "job_argv", "launcher_local_size", "launcher_rank",
-           "launcher_size", "mpi", "mpi_library", "mpi_versions", "mpiexec_command", "pilab_command", "run_job",
-           "srun_command", "under_mpi", "use_srun"]
+    "launcher_size", "mpi", "mpi_library", "mpi_versions", "mpiexec_command", "pilab_command", "run_job",
+    "srun_command", "under_mpi", "use_srun", "HostsError", "allocation", "parse_hosts", "placement_checks",
+    "read_hostfile", "mpi_family", "mpiexec_library", "same_family"]

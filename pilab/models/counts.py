@@ -18,7 +18,7 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _hooked_forward(model: nn.Module, hooks, image_size: int) -> None:
+def hooked_forward(model: nn.Module, hooks, image_size: int) -> None:
     """One eval-mode forward of a single zero image with ``hooks`` ((module, fn) pairs) attached;
     the hooks are removed and the model's train/eval mode restored afterwards."""
     param = next(model.parameters())
@@ -35,8 +35,8 @@ def _hooked_forward(model: nn.Module, hooks, image_size: int) -> None:
         model.train(was_training)
 
 
-def _numel(out) -> int:
-    """Elements a layer wrote in ``_hooked_forward``'s one-image forward: all of its output (a spiking
+def output_numel(out) -> int:
+    """Elements a layer wrote in ``hooked_forward``'s one-image forward: all of its output (a spiking
     layer's batch holds that image's T steps), or the first tensor of a tuple (a neuron's spikes)."""
     return (out[0] if isinstance(out, (tuple, list)) else out).numel()
 
@@ -53,13 +53,13 @@ def forward_macs(model: nn.Module, image_size: int = 32) -> int:
     def conv_hook(m: nn.Conv2d, inp, out):
         nonlocal total
         k = m.kernel_size[0] * m.kernel_size[1] * (m.in_channels // m.groups)
-        total += _numel(out) * k  # the forward has one image
+        total += output_numel(out) * k  # the forward has one image
 
     def linear_hook(m: nn.Linear, inp, out):
         nonlocal total
-        total += _numel(out) * m.in_features
+        total += output_numel(out) * m.in_features
 
-    _hooked_forward(model, [(m, conv_hook if isinstance(m, nn.Conv2d) else linear_hook)
+    hooked_forward(model, [(m, conv_hook if isinstance(m, nn.Conv2d) else linear_hook)
                             for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))],
                     image_size)
     return total

@@ -16,14 +16,13 @@ One module per kind of picture: ``base`` (what they all share, the notebook's Ta
 ``run`` (one run, live or afterwards), ``study`` (a scaling study and its report page), ``remedies`` (a
 remedies search, a study over seeds) and ``compare`` (studies side by side, the paper).
 """
-from .base import (EXPERIMENTS, EPOCH_SOURCE, PART_COLORS, PART_LABELS, PARTS, RANK_SOURCE, STEP_SOURCE, Paragraph,
+from .base import (EPOCH_SOURCE, EXPERIMENTS, PARTS, PART_COLORS, PART_LABELS, RANK_SOURCE, STEP_SOURCE, Paragraph,
                    Table, html_table, setup_notebook, show, show_committed)
-from .compare import compare_figures, models_figure, paper_figures
-from .remedies import remedies_figure, seeds_figure
-from .run import (LivePlot, accuracy_figure, loss_figure, rank_label, result_layout, run_summary,
-                  throughput_figure, timeline_figure)
-from .study import (curves_by_np, efficiency_figure, energy_figure, report_layout, scaling_dashboard,
-                    speedup_figure, study_accuracy_figure, study_cells)
+from .run import (LivePlot, accuracy_figure, loss_figure, rank_label, result_layout, run_summary, throughput_figure,
+                  timeline_figure)
+from .study import (compare_figures, curves_by_np, efficiency_figure, energy_figure, models_figure, paper_figures,
+                    remedies_figure, report_layout, scaling_dashboard, seeds_figure, speedup_figure,
+                    study_accuracy_figure, study_cells)
 
 __all__ = ["setup_notebook", "show", "show_committed", "LivePlot", "loss_figure", "accuracy_figure",
            "throughput_figure", "timeline_figure", "rank_label", "result_layout", "run_summary", "speedup_figure",

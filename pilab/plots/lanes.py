@@ -20,7 +20,7 @@ from bokeh.models import ColumnDataSource, HoverTool, Range1d
 from bokeh.plotting import figure
 
 from ..files import atomic_write_text
-from .base import LANE_SOURCE, _fig
+from .base import LANE_SOURCE, new_figure
 
 SPAN_COLORS = {"data": "#9d9d9d", "forward": "#72b7b2", "backward": "#4c78a8", "wait": "#e45756",
                "optimizer": "#54a24b", "eval": "#b279a2", "checkpoint": "#9d755d",
@@ -129,9 +129,9 @@ def write_html(doc: dict, path: str, title: str = "pilab trace") -> str:
 def write_step_png(doc: dict, step: int, png_path: str) -> str:
     """One step's lanes as a static figure (``png_path`` and the same name with .svg), x in ms from the
     step's start; returns the PNG's path."""
-    from .static import _pyplot, save
+    from .static import get_pyplot, save
 
-    plt = _pyplot()
+    plt = get_pyplot()
     rows, _ = lanes(doc)
     sh = shapes(doc, step)
     t0 = min((s["start"] for s in sh), default=0.0)
@@ -202,7 +202,7 @@ class LiveLanes:
         self.keep = keep
         self.events: deque = deque(maxlen=keep)
         self.source = ColumnDataSource({k: [] for k in _LANE_KEYS}, name=LANE_SOURCE)
-        p = _fig(f"every rank's last {keep} steps (trace on: rank 0 measured, the others estimated)",
+        p = new_figure(f"every rank's last {keep} steps (trace on: rank 0 measured, the others estimated)",
                  "ms (rank 0's clock, from the first step shown)", "", y_range=Range1d(-0.6, 0.6))
         p.width = 2 * p.width
         p.quad(source=self.source, left="left", right="right", top="top", bottom="bottom", fill_color="color",

@@ -15,15 +15,16 @@ from bokeh.palettes import Category10
 from bokeh.plotting import figure
 
 from .. import verdict as judging
+from .base import (EPOCH_SOURCE, PARTS, PART_COLORS, PART_LABELS, RANK_SOURCE, STEP_SOURCE, H, Paragraph,
+                   legend_outside, new_figure)
 from .lanes import LiveLanes
-from .base import H, PARTS, PART_LABELS, PART_COLORS, STEP_SOURCE, EPOCH_SOURCE, RANK_SOURCE, _fig, _legend_outside, Paragraph
 
 
 # ----------------------------------------------------------------------------------------------
 # per-run figures (shared by LivePlot and the static views)
 # ----------------------------------------------------------------------------------------------
 def _loss(src: ColumnDataSource) -> figure:
-    p = _fig("training loss per step", "step", "loss (mean over ranks)")
+    p = new_figure("training loss per step", "step", "loss (mean over ranks)")
     p.line("global_step", "loss", source=src, color=Category10[10][0], line_width=1.5)
     p.add_tools(HoverTool(tooltips=[("step", "@global_step"), ("epoch", "@epoch"),
                                     ("loss", "@loss{0.000}"), ("lr", "@lr{0.0000}")]))
@@ -31,7 +32,7 @@ def _loss(src: ColumnDataSource) -> figure:
 
 
 def _accuracy(src: ColumnDataSource) -> figure:
-    p = _fig("accuracy per epoch", "epoch", "accuracy")
+    p = new_figure("accuracy per epoch", "epoch", "accuracy")
     p.y_range = Range1d(0, 1)
     p.xaxis.ticker.min_interval = 1  # whole epochs, not 1.5
     for key, label, color in (("train_acc", "train", Category10[10][0]),
@@ -40,18 +41,18 @@ def _accuracy(src: ColumnDataSource) -> figure:
         p.scatter("epoch", key, source=src, color=color, size=6, legend_label=label)
     p.add_tools(HoverTool(tooltips=[("epoch", "@epoch"), ("train", "@train_acc{0.000}"),
                                     ("test", "@test_acc{0.000}")]))
-    _legend_outside(p)
+    legend_outside(p)
     return p
 
 
 def _throughput(src: ColumnDataSource) -> figure:
-    p = _fig("throughput", "step", "images / s (all ranks)")
+    p = new_figure("throughput", "step", "images / s (all ranks)")
     p.line("global_step", "images_per_s", source=src, color=Category10[10][2], line_width=1.5)
     return p
 
 
 def _timeline(src: ColumnDataSource, title: str = "where each rank's time went") -> figure:
-    p = _fig(title, "seconds (the run's wall time, once it ended)", "rank",
+    p = new_figure(title, "seconds (the run's wall time, once it ended)", "rank",
              y_range=list(src.data["rank"]) or ["0"])
     renderers = p.hbar_stack(list(PARTS), y="rank", height=0.7, source=src,
                              color=[PART_COLORS[k] for k in PARTS])
@@ -121,7 +122,7 @@ def _step_columns(result: Mapping) -> dict:
             "images_per_s": [gb / t if t else None for t in times]}
 
 
-def _epoch_columns(result: Mapping) -> dict:
+def epoch_columns(result: Mapping) -> dict:
     ep = result.get("epochs") or []
     return {k: [e.get(k) for e in ep] for k in
             ("epoch", "train_acc", "test_acc", "train_loss", "test_loss", "images_per_s")}
@@ -134,7 +135,7 @@ def loss_figure(result: Mapping) -> figure:
 
 def accuracy_figure(result: Mapping) -> figure:
     """Train and test accuracy per epoch of one run."""
-    return _accuracy(ColumnDataSource(_epoch_columns(result)))
+    return _accuracy(ColumnDataSource(epoch_columns(result)))
 
 
 def throughput_figure(result: Mapping) -> figure:

@@ -16,12 +16,11 @@ import os
 import sys
 from dataclasses import asdict, dataclass, replace
 
-from . import energy
-from .. import perfmodel
-from .. import verdict as judging
+from .. import perfmodel, verdict as judging
 from ..config import Config, ConfigError
 from ..launch import LaunchError
 from ..perfmodel import efficiency, karp_flatt, speedup
+from . import energy
 
 
 @dataclass(frozen=True)
@@ -208,7 +207,7 @@ def run_energy(run: dict, times: dict | None, machine: str, target_acc: float) -
             "energy_source": e["source"]}
 
 
-def _predict(cfg: Config, nps, calibration) -> dict[int, dict]:
+def predict_points(cfg: Config, nps, calibration) -> dict[int, dict]:
     """Predicted epoch times (and comm shares) from the performance model, where it is available."""
     if calibration is None:
         return {}
@@ -236,16 +235,16 @@ def target_baseline(target) -> int:
     return perfmodel.PI_BASELINE_NP if target == "pi4b_cluster" else 0
 
 
-def _baseline_per_image(cfg: Config, p0: int, target) -> float:
+def baseline_time_per_image(cfg: Config, p0: int, target) -> float:
     """The target's predicted training seconds per image at ``p0`` ranks (no run needed)."""
     pr = perfmodel.predict(replace(cfg, threads=0) if target in perfmodel.PRESETS else cfg, p0, target)
     return pr["time"] / pr["images"]
 
 
-def _predict_target(cfg: Config, nps, target) -> dict[int, dict]:
+def predict_target(cfg: Config, nps, target) -> dict[int, dict]:
     """Every np's times on the target machine, threads per rank as that machine gives them."""
     # This machine's thread count says nothing about the target's: let the model place the ranks.
-    return _predict(replace(cfg, threads=0) if target in perfmodel.PRESETS else cfg, nps, target)
+    return predict_points(replace(cfg, threads=0) if target in perfmodel.PRESETS else cfg, nps, target)
 
 
 def sized_for_model(cfg: Config, runs: dict) -> Config:
@@ -275,7 +274,7 @@ def calibrate_from(np1_result: dict, mpiexec: str | None = None):
     return perfmodel.calibrate(np1_result, bench)
 
 
-def _jsonable(obj):
+def jsonable(obj):
     if obj is None:
         return None
     if hasattr(obj, "to_dict"):

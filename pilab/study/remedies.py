@@ -26,12 +26,9 @@ import os
 import re
 from dataclasses import replace
 
-from .. import perfmodel
-from .. import engine
-from ..engine import checkpoint
-from .. import verdict as judging
+from .. import engine, perfmodel, verdict as judging
 from ..config import Config, ConfigError, small_mode
-from ..engine import load_data
+from ..engine import checkpoint, load_data
 from .analysis import POWER_MODELS, calibrate_from, run_energy, target_baseline, time_to_target
 from .points import finished_run, reused_run, same_training, step_events, trained_config
 
@@ -237,7 +234,7 @@ def _candidate(label: str, changes: dict, sim_cfg: Config, np_: int, ds, plan: l
         c.check_world(np_, len(ds.y_train))
     except ConfigError as e:
         return {"label": label, "changes": changes, "skipped": str(e)}
-    _point(callbacks, plan, label)
+    announce_point(callbacks, plan, label)
     res, kept = _candidate_run(c, np_, ds, out, slug(label), resume, reuse, known, callbacks)
     row = _candidate_row(label, changes, c, np_, res, calibration, target, base)
     row["kept"] = kept
@@ -271,7 +268,7 @@ def _reference(cfg: Config, sim_cfg: Config, ds, known: list, cands: list, refer
     if reference_acc is None or (calibration == "this" and ref is None):
         if log:  # minutes on a laptop: say what runs, then one line per epoch
             log(f"  reference: the baseline at np=1, {cfg.epochs} epoch(s), sets the target accuracy")
-        _point(callbacks, plan, "reference np=1")
+        announce_point(callbacks, plan, "reference np=1")
         ref = engine.simulate(sim_cfg, 1, data=ds, callbacks=([_epoch_log(log, cfg.epochs)] if log else [])
                            + [step_events(callbacks)])
     if reference_acc is None or calibration == "this":
@@ -361,7 +358,7 @@ def known_run(runs, c: Config, np_: int) -> dict | None:
     return None
 
 
-def _point(callbacks, plan: list[str], label: str) -> None:
+def announce_point(callbacks, plan: list[str], label: str) -> None:
     """Tell the callbacks which run comes next (a progress bar names it and counts it)."""
     for cb in callbacks:
         cb({"kind": "point", "label": label, "index": plan.index(label), "of": len(plan)})
@@ -432,6 +429,6 @@ def search_summary(res: dict) -> str:
     return " ".join(parts)
 
 
-def _target_text(res: dict) -> str:
+def target_text(res: dict) -> str:
     t = res.get("target_accuracy")
     return f"target {t:.3f}" if t is not None else "no target (the reference has not learned)"

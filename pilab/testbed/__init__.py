@@ -45,18 +45,17 @@ address already configured here.
 """
 from __future__ import annotations
 
-from .cgroups import cpu_quota, limit_memory, processes, ps, quota, throttle
-from .links import link, shape, traffic, traffic_delta
+from .cgroups import cpu_quota, limit_memory, link, processes, ps, quota, shape, throttle, traffic, traffic_delta
 from .lock import LOCK_PATH, exclusive, holder
 from .make import down, status, up
-from .mounts import clear_overlays, overlay
 from .nodes import (DEFAULT_NAME, DEFAULT_RATE, DEFAULT_SUBNET, FIRST_HOST, NODE_IFACE, Testbed, TestbedError,
-                    _links, _netns_list, _routes_and_addresses, available, burst_bytes, check_range, load,
-                    parse_rate, state_dir)
+                    available, burst_bytes, check_range, links, load, netns_list, parse_rate, routes_and_addresses,
+                    state_dir)
+from .shim import clear_overlays, overlay
 
 __all__ = ["Testbed", "TestbedError", "up", "down", "load", "status", "available", "parse_rate",
            "exclusive", "holder", "LOCK_PATH",
            "link", "shape", "throttle", "quota", "cpu_quota", "limit_memory", "overlay", "clear_overlays",
            "traffic", "traffic_delta",
            "processes", "ps", "burst_bytes", "check_range", "state_dir", "FIRST_HOST", "NODE_IFACE",
-           "DEFAULT_SUBNET", "DEFAULT_RATE", "DEFAULT_NAME", "_links", "_netns_list", "_routes_and_addresses"]
+           "DEFAULT_SUBNET", "DEFAULT_RATE", "DEFAULT_NAME", "links", "netns_list", "routes_and_addresses"]

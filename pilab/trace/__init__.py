@@ -3,3 +3,11 @@ watched live for stragglers (``stragglers``), written and read in the Chrome Tra
 (``format``), analysed (``read``), predicted by the performance model (``predict``) and a measured trace
 set beside its prediction (``validate``).
 """
+from .. import lazy
+
+__getattr__, __dir__, __all__ = lazy.face(__name__, {
+    "predict": ["predicted_trace", "table", "validate"],
+    "read": ["analyse", "load", "report"],
+    "recorder": ["Trace"],
+    "stragglers": ["StragglerWatch"],
+})

@@ -23,24 +23,22 @@ Where things live (everything below is importable from ``pilab.lab.cluster`` its
 
 - :mod:`~pilab.lab.cluster.profiles`: profiles, hostfiles, the LAN address; :func:`start` and :func:`connect`;
 - :mod:`~pilab.lab.cluster.client`: :class:`Engines` (the notebook side);
-- :mod:`~pilab.lab.cluster.runs`: :class:`Run`, :class:`LocalRun` (a run on them or in this kernel, its failures);
+- :mod:`~pilab.lab.cluster.client`: :class:`Run`, :class:`LocalRun` (a run on them or in this kernel, its failures);
 - :mod:`~pilab.lab.cluster.rank`: what runs inside each engine (:func:`whoami`, :func:`stop_flag`,
   :func:`engine_train`, :func:`rank_state`);
 - :mod:`~pilab.lab.cluster.events`: rank 0's events to the notebook, both halves (:func:`publish` and its reader);
-- :mod:`~pilab.lab.cluster.scatter`: rank 0 sends each rank its data shard (:func:`scatter_shards`).
+- :mod:`~pilab.lab.cluster.rank`: rank 0 sends each rank its data shard (:func:`scatter_shards`).
 
 The launcher (``mpiexec``) is found by :func:`pilab.launch.find_mpiexec`.
 """
 from __future__ import annotations
 
-from .client import Engines
+from .client import Engines, LocalRun, Run
 from .errors import ClusterError
 from .events import publish
-from .profiles import (connect, hostfile_slots, lan_address, non_loopback_addresses, profile_dir,
-                       running_clusters, start, stop_stale)
-from .runs import LocalRun, Run
-from .rank import RankTable, StopFlag, engine_train, last, rank_state, stop_flag, whoami
-from .scatter import load_scattered, scatter_shards
+from .profiles import (connect, hostfile_slots, lan_address, non_loopback_addresses, profile_dir, running_clusters,
+                       start, stop_stale)
+from .rank import RankTable, StopFlag, engine_train, last, load_scattered, rank_state, scatter_shards, stop_flag, whoami
 
 __all__ = [
     "ClusterError", "Engines", "Run", "LocalRun", "start", "connect", "profile_dir", "hostfile_slots",
