@@ -4,7 +4,9 @@ Sphinx with MyST (Markdown pages) and MyST-NB (the notebooks as tutorial pages, 
 in them: nothing is executed here) -- the scientific-Python ecosystem's documentation tool, whose autodoc
 reads pilab's docstrings. The build is offline and its HTML works from file:// (no CDN: no MathJax, no
 widget manager). The results pages' tables are made here, at build time, from the committed JSON under
-experiments/ (docs/_ext/pilab_results.py).
+experiments/ (docs/_ext/pilab_results.py), and the reference's lists -- every command's options, every
+Config setting, every environment variable, the exit codes -- from the code (docs/_ext/pilab_reference.py,
+which says why it is ours and not sphinx-argparse).
 """
 import os
 import shutil
@@ -19,7 +21,7 @@ project = "pilab"
 author = "pilab contributors"
 copyright = "pilab contributors, MIT licence"
 
-extensions = ["myst_nb", "sphinx.ext.autodoc", "pilab_results"]
+extensions = ["myst_nb", "sphinx.ext.autodoc", "pilab_results", "pilab_reference"]
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 nb_execution_mode = "off"          # the committed outputs are the ones shown (./lab.sh notebooks makes them)

@@ -498,6 +498,26 @@ def test_loader_replay(embedded):
     assert torch.equal(x, x5) and torch.equal(y, y5)
 
 
+@pytest.mark.parametrize("total, speeds", [(64, [1.0, 0.5]), (64, [2.0, 2.0]), (7, [1, 1, 1]), (3, [100, 1, 1]),
+                                           (1536, [1.0] * 24 + [2.5] * 24), (100, [0.3, 1e-3, 5.0, 2.2, 2.2])])
+def test_batch_shares_sum_to_the_global_batch_in_proportion_to_speed(total, speeds):
+    shares = data.batch_shares(total, speeds)
+    assert sum(shares) == total and min(shares) >= 1 and len(shares) == len(speeds)
+    ideal = [total * s / sum(speeds) for s in speeds]
+    # each share within one image of its ideal, unless raised to the least share of 1
+    assert all(abs(b - i) < 1 or b == 1 for b, i in zip(shares, ideal)), (shares, ideal)
+    assert shares == data.batch_shares(total, list(speeds))  # the same on every rank
+    assert data.batch_shares(total, [3.0] * len(speeds)) == data.batch_shares(total, [1.0] * len(speeds))
+
+
+def test_batch_shares_refuses_what_cannot_be_split():
+    with pytest.raises(data.DataError, match="at least 3"):
+        data.batch_shares(2, [1, 1, 1])
+    for bad in ([1, 0], [1, -1], [1, float("nan")], []):
+        with pytest.raises(data.DataError, match="positive, finite"):
+            data.batch_shares(10, bad)
+
+
 def test_test_shard_coverage():
     for n in (0, 5, 1000, 10_001):
         for np_ in (1, 2, 3, 7, 24):

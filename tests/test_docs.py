@@ -197,3 +197,47 @@ def test_every_link_in_the_manual_leads_somewhere():
                 if anchor not in slugs:
                     bad.append(f"{os.path.relpath(md, REPO)}: {target} (no such heading)")
     assert not bad, "\n".join(bad)
+
+
+# ---- the reference: generated from the code at build time (docs/_ext/pilab_reference.py) -----------
+def _all_parsers():
+    """(name, parser) for every command and sub-command of ``pilab``."""
+    import argparse
+
+    from pilab.cli import build_parser
+
+    todo, out = [("pilab", build_parser())], []
+    while todo:
+        name, p = todo.pop(0)
+        out.append((name, p))
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                todo += [(f"{name} {n}", sub) for n, sub in a.choices.items()]
+    return out
+
+
+def test_reference_pages_list_every_option_setting_variable_and_exit_code(site):
+    """What the parsers, Config, the environment registry and the exit-code table hold is on the built
+    pages -- made when the manual is built, so a new option cannot be missing from it."""
+    from dataclasses import fields
+
+    from pilab.cli.common import EXIT_CODES
+    from pilab.config import Config, allowed
+    from pilab.envvars import VARS
+
+    commands = _text(site / "reference" / "commands.html")
+    for name, p in _all_parsers()[1:]:
+        assert f'id="{name.replace(" ", "-")}"' in commands, name  # its section
+        for a in p._actions:
+            if not hasattr(a, "pilab_default") and a.dest != "help":  # Config's flags: on the Config page
+                for opt in a.option_strings:
+                    assert f">{opt}<" in commands, (name, opt)
+    config = _text(site / "reference" / "config.html")
+    for f in fields(Config):
+        assert f">{f.name}<" in config and f">--{f.name.replace('_', '-')}" in config, f.name
+        rule = allowed(f.name).replace(">", "&gt;").replace("<", "&lt;")
+        assert rule in config, (f.name, rule)
+    env = _text(site / "reference" / "environment.html")
+    assert all(f">{v.name}<" in env for v in VARS)
+    codes = _text(site / "reference" / "exit-codes.html")
+    assert all(f">{c}<" in codes for c, _ in EXIT_CODES if isinstance(c, int))

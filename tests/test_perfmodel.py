@@ -300,6 +300,74 @@ def test_cli_table_and_predict(tmp_path, capsys):
     assert "efficiency" in text and "profile naive" in text
 
 
+# ---- mixed and throttled clusters --------------------------------------------------------------
+def test_a_mixed_cluster_waits_for_its_slowest_board_and_balanced_shares_approach_the_ideal():
+    cfg = pm.pi_config()
+    mixed = pm.resolve_cluster("pi4b:12,pi5:12")
+    assert mixed.nodes == 24 and mixed.node_speeds == (1.0,) * 12 + (pm.BOARDS["pi5"],) * 12
+    assert mixed.rank_speeds(4) == [1.0] * 4 and mixed.rank_speeds(48)[-1] == pm.BOARDS["pi5"]
+    pi4b = pm.predict(cfg, 48, "pi4b_cluster", baseline_np=2)
+    assert "balancing" not in pi4b and "shares" not in pi4b  # a uniform cluster's prediction is as it was
+    # up to 24 ranks only Pi 4B nodes are used: the same figures as the Pi 4B cluster, nothing to balance
+    for p in (2, 24):
+        m = pm.predict(cfg, p, mixed)
+        assert m["step_time"] == pm.predict(cfg, p, "pi4b_cluster")["step_time"] and "balancing" not in m
+    m = pm.predict(cfg, 48, mixed, baseline_np=2)
+    b = m["balancing"]
+    # off: the Pi 5s wait for the Pi 4Bs, step for step as on 24 Pi 4Bs
+    assert m["balance"] == "off" and m["step_time"] == pytest.approx(pi4b["step_time"])
+    assert b["off"]["speedup"] == pytest.approx(pi4b["speedup"])
+    assert b["mean_speed"] == pytest.approx((1 + pm.BOARDS["pi5"]) / 2)
+    # balanced: shares by speed (the training's rule), the global batch kept, close to the ideal cluster's step
+    shares = b["balanced"]["shares"]
+    assert sum(shares) == 48 * 32 and shares == pm_shares(48 * 32, mixed.rank_speeds(48))
+    assert shares[0] < 32 < shares[-1]
+    assert b["off"]["of_ideal"] > 1.6 and 1.0 <= b["balanced"]["of_ideal"] < 1.05
+    assert b["balanced"]["speedup"] > 1.5 * b["off"]["speedup"]
+    assert pm.predict(cfg, 48, mixed, balance="static")["step_time"] == pytest.approx(b["balanced"]["step_time"])
+    # one slower board among 24: everything waits for it unless its ranks take less
+    one = pm.predict(cfg, 48, "pi4b:23,pi4b_1250:1")["balancing"]
+    assert one["off"]["of_ideal"] == pytest.approx(1.2, abs=0.03) and one["balanced"]["of_ideal"] < 1.05
+    # the uniform presets of the other boards: as fast as their speed, the same speedup
+    pi5 = pm.predict(cfg, 48, "pi5_cluster", baseline_np=2)
+    assert pi5["step_time"] < pi4b["step_time"] / 2 and "balancing" not in pi5
+    # a Cluster JSON keeps its node speeds
+    back = pm.Cluster.from_dict(json.loads(json.dumps(mixed.to_dict())))
+    assert back == mixed and pm.predict(cfg, 48, back)["step_time"] == m["step_time"]
+
+
+def pm_shares(total, speeds):
+    from pilab.data import batch_shares
+    return batch_shares(total, speeds)
+
+
+@pytest.mark.parametrize("spec, words", [("pi6:3", "not BOARD:NODES"), ("pi5:0", "not BOARD:NODES"),
+                                         ("pi5", "unknown preset"), ("pi4b:2,pi5:x", "not BOARD:NODES")])
+def test_a_bad_mixed_cluster_is_refused_naming_the_boards(spec, words):
+    with pytest.raises(ConfigError, match=words) as e:
+        pm.resolve_cluster(spec)
+    assert "pi4b_1250" in str(e.value)
+    with pytest.raises(ConfigError, match="node_speeds"):
+        dataclasses.replace(pm.pi4b_cluster(), node_speeds=(1.0, 0.0) + (1.0,) * 22)
+    with pytest.raises(ConfigError, match="one speed per node"):
+        dataclasses.replace(pm.pi4b_cluster(), node_speeds=(1.0, 2.0))
+
+
+def test_cli_prices_a_mixed_cluster_with_and_without_balancing(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert _cli(["perfmodel", "predict", "--np", "48", "--cluster", "pi4b:12,pi5:12", "--baseline-np", "2",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "every step waits for the slowest rank" in text
+    assert "shares by speed (--balance static)" in text and "18 x 24, 46 x 24" in text
+    assert json.loads(out.read_text())["balancing"]["balanced"]["of_ideal"] < 1.05
+    assert _cli(["perfmodel", "table", "--cluster", "pi4b:12,pi5:12", "--nps", "2", "48"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("| np | nodes | step_off"))
+    row48 = lines[head + 3].split("|")
+    assert row48[1].strip() == "48" and float(row48[6]) > 1.6 and float(row48[7]) < 1.05
+
+
 @pytest.mark.parametrize("argv", [
     ["predict", "--np", "0"],
     ["predict", "--np", "4", "--baseline-np", "-1"],

@@ -3,7 +3,11 @@ declared once (its help, allowed values and default are the CLI's help, the refe
 error's words), every environment variable pilab reads in one registry, the exit codes in one table."""
 from __future__ import annotations
 
+import ast
+import glob
 import math
+import os
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -77,3 +81,54 @@ def test_the_cli_help_says_what_the_setting_declares(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stderr.strip() == "pilab: error: momentum=1.0 must be < 1", p.stderr
     assert allowed("momentum") == ">= 0 and < 1"
+
+
+# ---- environment variables -----------------------------------------------------------------------
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "docs", "_ext"))
+from envscan import code_env_reads, env_reads  # noqa: E402  (the scanner the manual's page uses too)
+
+
+def test_the_reader_finds_each_form_of_reading():
+    """The checker itself, on a planted source: each form of reading is found, a write is not."""
+    src = ('import os\nNAMES = ("A_ONE", "A_TWO")\n'
+           'x = os.environ.get("R_GET"); y = os.environ["R_SUB"]; z = os.getenv("R_GETENV")\n'
+           'if "R_IN" in os.environ: pass\n'
+           'def f(env): return env.get("R_ENV")\n'
+           'for v in NAMES:\n    os.environ.get(v)\n'
+           'w = {k: os.environ[k] for k in ("R_COMP",) if k in os.environ}\n'
+           'if {"R_SET"} & set(os.environ): pass\n'
+           'os.environ["W_SET"] = "1"; d = dict(os.environ, W_KW="1"); os.environ.update(W_UP="1")\n')
+    assert env_reads(src) == {"R_GET", "R_SUB", "R_GETENV", "R_IN", "R_ENV", "A_ONE", "A_TWO", "R_COMP", "R_SET"}
+
+
+def test_every_environment_variable_read_is_in_the_registry_and_none_else():
+    from pilab.envvars import GROUPS, VARS
+    found = code_env_reads()
+    registered = {v.name for v in VARS}
+    missing = {k: v for k, v in found.items() if k not in registered}
+    assert not missing, f"read but not in pilab/envvars.py's VARS (add a Var for each): {missing}"
+    stale = registered - set(found)
+    assert not stale, f"in pilab/envvars.py but read nowhere (remove them): {sorted(stale)}"
+    assert len(registered) == len(VARS), "a variable registered twice"
+    assert all(v.group in GROUPS and v.what and v.default for v in VARS)
+
+
+# ---- exit codes ----------------------------------------------------------------------------------
+def test_every_exit_status_constant_is_in_the_table():
+    """Each ``EXIT_* = N`` of pilab's code (and the signals' 128 + N) is a row of EXIT_CODES, the table the
+    manual's exit-code page is made from."""
+    from pilab.cli.common import EXIT_CODES
+    from pilab.engine.harness import exit_code_for
+    codes = {c for c, _ in EXIT_CODES}
+    found = {}
+    for path in glob.glob(os.path.join(REPO, "pilab", "**", "*.py"), recursive=True):
+        if os.sep + "bench" + os.sep in path:  # the benchmarks' own result states, not a command's status
+            continue
+        with open(path, encoding="utf-8") as f:
+            for name, value in re.findall(r"^(EXIT_[A-Z_]+) = (\d+)[ \t]*(?:#|$)", f.read(), re.M):
+                found[name] = int(value)
+    assert {"EXIT_USAGE", "EXIT_WRITE", "EXIT_HANG"} <= set(found)
+    missing = {k: v for k, v in found.items() if v not in codes}
+    assert not missing, f"exit statuses not in pilab.cli.common.EXIT_CODES: {missing}"
+    assert exit_code_for(2) in codes and exit_code_for(15) in codes

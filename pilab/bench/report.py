@@ -10,7 +10,7 @@ against the goals the run was given (``res["goals"]``: {key: [op, value]})::
 The machine a benchmark ran on, for its table's header: the processor's name (x86's model name, or an Arm
 board and its core type) and the load::
 
-    from pilab.bench.machine import cpu_name, machine
+    from pilab.bench.report import cpu_name, machine
     machine()["cpu"]     # 'Raspberry Pi 4 Model B Rev 1.4 (Cortex-A72)'
 
 BENCHMARKS.md's memory sections: the default run's peak per rank, and the itemised peak per rank at

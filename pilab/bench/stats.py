@@ -7,7 +7,7 @@ in the same run, one ratio per alternation, reported as the median and its sprea
 What every rank of a benchmark job shares (``pilab.bench.mpijobs``, ``pilab.bench.mpijobs``): the world
 communicator, a barrier that naps, the slower rank's time, the model every contender starts from::
 
-    from pilab.bench.job import COMM, nap_barrier, slowest
+    from pilab.bench.stats import COMM, nap_barrier, slowest
     nap_barrier(); t = slowest(time.perf_counter() - t0)
 """
 from __future__ import annotations

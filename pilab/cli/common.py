@@ -12,9 +12,26 @@ import sys
 from dataclasses import fields
 
 from ..config import CHOICES, Config, allowed
-from ..engine import print_stragglers
+from ..engine import EXIT_HANG, EXIT_WRITE, print_stragglers
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1
+# Every exit status a command gives, with what it means: the manual's exit-code reference is made from it.
+EXIT_CODES = (
+    (0, "done; every check passed (`doctor`)"),
+    (EXIT_FAILED, "a check failed (`doctor`), a study's point or a launched job failed (`scale`, `remedies`, "
+                  "`perfmodel bench`); the finished points are kept and `--resume` runs the rest"),
+    (EXIT_USAGE, "bad input: one line on stderr naming the problem and the fix; nothing written, no rank "
+                 "started"),
+    (EXIT_HANG, "a rank made no step for --hang-s seconds: the watchdog ended the job, naming the "
+                "unreachable or stuck rank"),
+    (EXIT_WRITE, "a result, report or checkpoint could not be written (disk full, no permission): one line, "
+                 "the earlier files intact"),
+    (130, "stopped by Ctrl-C (SIGINT) after the step every rank agreed on; result.json says stopped_early "
+          "and `--resume` continues"),
+    (143, "stopped by SIGTERM (a scheduler's end of job), as for 130"),
+    ("128 + N", "stopped by signal N; any other status of `train --np` is mpiexec's (a rank crashed)"),
+)
 
 
 class UsageError(Exception):

@@ -137,7 +137,9 @@ def _add_machine_arguments(q) -> None:
     pi = pm.pi4b_cluster()
     g = q.add_argument_group("machine")
     g.add_argument("--preset", "--cluster", default="pi4b_cluster",
-                   help="pi4b_cluster, or a Cluster/Calibration JSON file (default: %(default)s)")
+                   help=f"{', '.join(pm.PRESETS)}; a mixed cluster BOARD:NODES,... of {', '.join(pm.BOARDS)} "
+                        "(e.g. pi4b:12,pi5:12: a mixed cluster is priced with and without balanced shares); "
+                        "or a Cluster/Calibration JSON file (default: %(default)s)")
     g.add_argument("--calibration", default=None,
                    help="a calibration JSON: predict for this box (overrides --preset)")
     g.add_argument("--profile", default="pilab", choices=(*pm.PROFILES, "both"),
@@ -147,12 +149,13 @@ def _add_machine_arguments(q) -> None:
     g.add_argument("--algorithm", default=None, choices=pm.ALGORITHMS,
                    help="Allreduce algorithm (default: the machine's, mpich = by message size)")
     g.add_argument("--train-gflops", dest="train_gflops", type=float, default=None,
-                   help=f"pi4b_cluster: achieved training GFLOP/s per rank (default {pi.train_gflops})")
+                   help=f"Pi presets: achieved training GFLOP/s per rank of a Pi 4B at 1.5 GHz (the other boards "
+                        f"scale it by their speed) (default {pi.train_gflops})")
     g.add_argument("--inter-alpha", dest="inter_alpha", type=float, default=None,
-                   help=f"pi4b_cluster: inter-node latency, seconds per message (default "
+                   help=f"Pi presets: inter-node latency, seconds per message (default "
                         f"{pi.inter.alpha * 1e6:g}e-6)")
     g.add_argument("--inter-mbps", dest="inter_mbps", type=float, default=None,
-                   help=f"pi4b_cluster: inter-node bandwidth in MB/s (default {1 / pi.inter.beta / 1e6:g})")
+                   help=f"Pi presets: inter-node bandwidth in MB/s (default {1 / pi.inter.beta / 1e6:g})")
     g.add_argument("--baseline-np", dest="baseline_np", type=int, default=None,
                    help="np the speedup and efficiency are measured against")
     g.add_argument("--out", default=None, help="also write the result as JSON here")
@@ -197,8 +200,8 @@ def _write_json(obj, path: str | None) -> None:
 
 
 def _defaults(args) -> Config:
-    """The Pi study's setting with the Pi preset, else Config's defaults."""
-    if args.preset == "pi4b_cluster" and not args.calibration:
+    """The Pi study's setting with a Pi preset, else Config's defaults."""
+    if pm.is_pi_cluster(args.preset) and not args.calibration:
         return pm.pi_config()
     return Config()
 
@@ -210,9 +213,11 @@ def _cluster(args) -> pm.Cluster:
     _check_range(args, "inter_alpha", 0)
     if args.calibration:
         cl = pm.this_box(_load_calibration(args.calibration))
-    elif args.preset == "pi4b_cluster":
-        kw = {} if args.train_gflops is None else {"train_gflops": args.train_gflops}
-        cl = pm.relinked(pm.pi4b_cluster(**kw), alpha=args.inter_alpha, mbps=args.inter_mbps)
+    elif pm.is_pi_cluster(args.preset):
+        cl = pm.resolve_cluster(args.preset)
+        if args.train_gflops is not None:  # the Pi 4B's rate; the other boards' follow from their speeds
+            cl = dataclasses.replace(cl, train_gflops=args.train_gflops)
+        cl = pm.relinked(cl, alpha=args.inter_alpha, mbps=args.inter_mbps)
     else:
         cl = pm.resolve_cluster(args.preset)
     if args.algorithm:
@@ -295,13 +300,43 @@ def run_predict(args, argv) -> int:
         out = outs[prof] = pm.predict(cfg, args.np, cl, prof, baseline_np=args.baseline_np)
         print(f"\n{cl.name}, profile {prof}")
         for k, v in out.items():
+            if k == "balancing":
+                continue
             if isinstance(v, dict):
                 for k2, v2 in v.items():
                     print(f"{k + '.' + k2:>20}: {v2:.4g}")
+            elif isinstance(v, list):
+                print(f"{k:>20}: {_runs(v)}")
             else:
                 print(f"{k:>20}: {v:.4g}" if isinstance(v, float) else f"{k:>20}: {v}")
+        if "balancing" in out:
+            print(_balancing_lines(out["balancing"]))
     _write_json(outs if len(outs) > 1 else outs[profiles[0]], args.out)
     return 0
+
+
+def _runs(values: list) -> str:
+    """A per-rank list, runs of equal values as VALUE x COUNT: "18 x 24, 46 x 24"."""
+    out: list[list] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return ", ".join(f"{v:g}" + (f" x {n}" if n > 1 else "") for v, n in out)
+
+
+def _balancing_lines(b: dict) -> str:
+    """A mixed cluster's step off, balanced and ideal, as lines of text."""
+    lines = [f"\nnodes of different speeds (mean {b['mean_speed']:.3g}): every step waits for the slowest rank"]
+    for key, what in (("off", "equal shares (--balance off)"), ("balanced", "shares by speed (--balance static)"),
+                      ("ideal", "ideal: every node at the mean speed")):
+        r = b[key]
+        lines.append(f"{what:>38}: step {r['step_time']:.4g} s"
+                     + (f" = {r['of_ideal']:.3f} x ideal" if "of_ideal" in r else "")
+                     + (f", speedup {r['speedup']:.3g}" if r.get("speedup") is not None else "")
+                     + f"; per-rank batch {_runs(r['shares'])}")
+    return "\n".join(lines)
 
 
 def run_table(args, argv) -> int:
@@ -321,6 +356,10 @@ def run_table(args, argv) -> int:
         result["tables"][prof] = rows
         print(f"\n{cl.name}, profile {prof}, baseline np={rows[0].get('baseline_np')}")
         print(pm.markdown_table(rows, pm.TABLE_COLUMNS))
+        if cl.node_speeds:
+            print(f"\nwith and without balanced shares (the step on the ideal cluster: every node at the "
+                  "mean speed of the ranks)")
+            print(pm.markdown_table(pm.balance_rows(rows), pm.BALANCE_COLUMNS))
     _write_json(result, args.out)
     return 0
 
@@ -356,7 +395,7 @@ def run_trace(args, argv) -> int:
 def run_validate(args, argv) -> int:
     from ..trace import format as tf
     from ..trace import load
-    from ..trace import table, validate
+    from ..trace import table, predict as validate
 
     _check_range(args, "step_goal", 0, strict=True)
     _check_range(args, "tail_goal", 0, strict=True)

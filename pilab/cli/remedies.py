@@ -24,11 +24,13 @@ def add_parser(sub) -> None:
                        description="Simulate the baseline and candidate remedies at --np ranks and "
                                    "print accuracy, predicted time and the Pareto front.")
     p.add_argument("--np", type=int, default=48, help="process count to find remedies for (default 48)")
-    p.add_argument("--candidates", default="", metavar="FILE",
-                   help="a Python file whose candidates(cfg, np_) gives the candidates (a study's own list, e.g. "
-                        "experiments/fast-but-wrong/remedies/candidates.py; default: pilab's, listed below)")
-    p.add_argument("--only", default="", help="comma-separated candidate labels to run (default: all; "
-                                              "the labels at these settings are listed below)")
+    p.add_argument("--candidates", default="default", metavar="SET|FILE",
+                   help="the candidates: default (pilab's, listed below), toolbox (those, then local SGD, the few-step "
+                        "recipe, SyncBatchNorm and the other BatchNorm variants at small global batches, batch-size "
+                        "ramps), or a Python file whose candidates(cfg, np_) gives them (a study's own list)")
+    p.add_argument("--only", default="", help="comma-separated candidates to run, each by its label or its folder "
+                                              "name (sqrt-lr-warmup); default: all (the labels at these settings "
+                                              "are listed below)")
     p.add_argument("--recipes-of", type=int, default=None, metavar="NP",
                    help="run the candidates as they are at NP ranks (their global batch, their labels) at --np: "
                         "--np 1 --recipes-of 48 is np=48's recipes on one process, the same-recipe comparison")
@@ -36,7 +38,8 @@ def add_parser(sub) -> None:
                    help="accuracy to aim at (default: the baseline simulated at np=1)")
     p.add_argument("--target", default="pi4b_cluster",
                    help="machine the times are predicted for: pi4b_cluster (the default, as for scale), "
-                        "this (calibrated here from the np=1 reference run and a short MPI "
+                        "another Pi preset (pi5_cluster, pi4b_1250_cluster) or a mixed Pi cluster "
+                        "(BOARD:NODES,..., e.g. pi4b:12,pi5:12), this (calibrated here from the np=1 reference run and a short MPI "
                         "micro-benchmark), a calibration or cluster JSON file, or none")
     p.add_argument("--mpiexec", default=None, help="launcher for the micro-benchmark")
     p.add_argument("--resume", dest="resume_search", action="store_true",
@@ -53,11 +56,11 @@ def add_parser(sub) -> None:
 
     def format_help():
         if p.epilog is None:
-            from ..study import candidate_labels
-            p.epilog = ("candidates (--only) without --candidates, at the default settings and --np 48; their labels "
-                        "follow --np "
-                        "and the settings (the batch sizes and epochs in them):\n  "
-                        + "\n  ".join(candidate_labels(_defaults(), 48)))
+            from ..study import candidate_labels, slug
+            p.epilog = ("the default candidates (--only), at the default settings and --np 48, by label and folder "
+                        "name; they follow --np and the settings (the batch sizes and epochs in them); "
+                        "--candidates toolbox adds its own:\n  "
+                        + "\n  ".join(f"{label}  ({slug(label)})" for label in candidate_labels(_defaults(), 48)))
             p.formatter_class = argparse.RawDescriptionHelpFormatter  # one label a line
         return plain_help()
     p.format_help = format_help
@@ -111,8 +114,12 @@ def run(args, argv) -> int:
     if args.recipes_of is not None and args.recipes_of < 1:
         raise ConfigError(f"--recipes-of {args.recipes_of} must be >= 1 (the np whose candidates to run)")
     target = None if args.target == "none" else args.target
-    if target not in (None, "this", "pi4b_cluster") and not os.path.isfile(target):
-        raise ConfigError(f"--target {target!r} is neither this, pi4b_cluster, none nor a JSON file")
+    from ..perfmodel import is_board_spec, is_pi_cluster, resolve_cluster
+    if is_board_spec(target):
+        resolve_cluster(target)  # a mixed cluster's boards: ConfigError naming what is wrong
+    elif target not in (None, "this") and not is_pi_cluster(target) and not os.path.isfile(target):
+        raise ConfigError(f"--target {target!r} is neither this, a Pi preset (pi4b_cluster, pi5_cluster, "
+                          "pi4b_1250_cluster), a mixed Pi cluster (e.g. pi4b:12,pi5:12), none nor a JSON file")
     only = [s.strip() for s in args.only.split(",") if s.strip()] or None
     reuse = [d for d in args.reuse.split(",") if d]
     for d in reuse:
@@ -121,7 +128,7 @@ def run(args, argv) -> int:
     opts, cfg = batch_options(args, cfg, [1], resume=args.resume_search)  # one process a job (simulated)
     from ..engine import ownmodel as preflight
     preflight.check_model(cfg, mpi=True)  # your own model on your data, before any candidate runs
-    cands = remedies.load_candidates(args.candidates) if args.candidates else None
+    cands = remedies.load_candidates(args.candidates or "default")
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     known = []
     if opts is not None:

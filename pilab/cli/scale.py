@@ -44,6 +44,8 @@ def add_parser(sub) -> None:
     p.add_argument("--target", default="pi4b_cluster",
                    help="machine the speedup and time to target are for: pi4b_cluster (24 Raspberry Pi "
                         "4B x 2 ranks, predicted by the performance model; speed baseline one node = np 2), "
+                        "another Pi preset (pi5_cluster, pi4b_1250_cluster) or a mixed Pi cluster "
+                        "(BOARD:NODES,..., e.g. pi4b:12,pi5:12: its ranks wait for the slowest board), "
                         "this (this machine: measured, simulated points predicted here), or a calibration "
                         "/ cluster JSON (default: pi4b_cluster; this machine's times are shown beside it)")
     p.add_argument("--hostfile", default=None, help="MPI hostfile for the measured runs (Pi cluster)")

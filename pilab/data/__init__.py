@@ -38,11 +38,12 @@ from .arrays import from_arrays, from_dataset, save
 from .cache import cache_entries, clear_cache, default_cache_dir, resolve_cache_dir
 from .dataset import CIFAR10, CIFAR10_MEAN as MEAN, CIFAR10_STD as STD, CLASSES, DataError
 from .loader import PAD, ShardLoader, augment, pad_for, ranks_batch, to_input
-from .shards import POLICIES, epoch_accounting, epoch_batches, static_shards, stratified_subset, test_shard
+from .shards import (POLICIES, batch_shares, epoch_accounting, epoch_batches, static_shards, stratified_subset,
+                     test_shard)
 from .sources import BATCHES_DIR, OFFICIAL_URL, cached_counts, describe, fetch, load, resolve_source, train_size
 
 __all__ = ["CIFAR10", "CLASSES", "DataError", "load", "train_size", "describe", "from_arrays", "from_dataset", "save",
     "fetch", "default_cache_dir", "cache_entries", "clear_cache", "BATCHES_DIR", "OFFICIAL_URL", "POLICIES",
-    "stratified_subset", "static_shards", "epoch_accounting", "epoch_batches", "test_shard", "MEAN", "STD", "PAD",
-    "pad_for", "to_input", "augment", "ShardLoader", "ranks_batch", "resolve_cache_dir", "cached_counts",
-    "resolve_source"]
+    "stratified_subset", "static_shards", "epoch_accounting", "epoch_batches", "test_shard", "batch_shares", "MEAN",
+    "STD", "PAD", "pad_for", "to_input", "augment", "ShardLoader", "ranks_batch", "resolve_cache_dir",
+    "cached_counts", "resolve_source"]

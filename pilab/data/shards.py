@@ -128,6 +128,33 @@ def epoch_batches(labels: np.ndarray, np_: int, rank: int, batch: int, epoch: in
     return reshuffle_global(len(labels), np_, rank, steps, batch, epoch, seed)
 
 
+def batch_shares(total: int, speeds) -> list[int]:
+    """Split a global batch of ``total`` images over ranks in proportion to their ``speeds`` (images per
+    second, or any positive measure of it): integers >= 1 that sum to ``total``, the largest remainders
+    rounded up (ties to the lower rank). Every rank computes the same shares from the same speeds; the
+    performance model prices a mixed cluster with the same rule::
+
+        batch_shares(64, [1.0, 0.5])       # [43, 21]
+        batch_shares(64, [2.0, 2.0])       # [32, 32]
+    """
+    s = np.asarray(speeds, dtype=float)
+    if s.ndim != 1 or not len(s) or not np.all(np.isfinite(s)) or np.any(s <= 0):
+        raise DataError(f"speeds={list(speeds)!r}: give one positive, finite speed per rank")
+    if not isinstance(total, (int, np.integer)) or total < len(s):
+        raise DataError(f"a global batch of {total!r} cannot give each of {len(s)} ranks an image; use at "
+                        f"least {len(s)}")
+    ideal = total * s / s.sum()
+    shares = np.maximum(1, np.floor(ideal)).astype(np.int64)
+    while shares.sum() > total:  # ranks raised to 1 took images: the most over its ideal gives one back
+        over = np.where(shares > 1, shares - ideal, -np.inf)
+        shares[int(np.argmax(over))] -= 1
+    rest = int(total - shares.sum())
+    order = sorted(range(len(s)), key=lambda r: (-(ideal[r] - shares[r]), r))
+    for r in order[:rest]:
+        shares[r] += 1
+    return [int(x) for x in shares]
+
+
 def test_shard(n_test: int, np_: int, rank: int) -> slice:
     """Contiguous slice of the test set for ``rank``: sizes differ by <= 1, every image once overall,
     so per-rank metrics (correct counts, loss sums) are combined with a sum-allreduce."""

@@ -19,7 +19,7 @@ Your own model: what the simulator cannot make per-rank, found before training.
 images some other way (batch statistics by hand, randomness outside a dropout layer) cannot be, and is
 refused here with one line naming it::
 
-    from pilab.engine.exactness import check_custom_model, check_rank_exact
+    from pilab.engine.ownmodel import check_custom_model, check_rank_exact
     check_rank_exact(my_model, (3, 32, 32))                       # ValueError naming the layer
     check_custom_model(my_model, "mynets:net", (1, 8, 8), 10)     # its output too; ModelError
 """

@@ -1,4 +1,7 @@
-"""Residual blocks started as the identity: the last BatchNorm scale of every block with a shortcut set to
+"""How a network starts (as ``torch.nn.init`` for pilab's settings); each function changes a built model
+in place and says how many layers it changed.
+
+Residual blocks started as the identity: the last BatchNorm scale of every block with a shortcut set to
 0, so at the first step each block passes its input through and the network is as shallow as its stem and
 head (Goyal et al. 2017, "Accurate, large minibatch SGD", section 5.1: it eases the first steps at a large
 learning rate, which a large global batch needs). ``Config.zero_init_residual``::
@@ -18,6 +21,24 @@ short run at a large learning rate needs most. ``Config.whiten_stem``::
 Only the starting point changes: the filters train as any others. The sample is chosen by the seed, not
 by the rank, and MPI ranks start from rank 0's weights anyway, so every rank (and the simulator) starts
 from the same filters.
+
+Convolutions started as the identity where their shapes allow (``Config.dirac_init``), as airbench's
+CIFAR-10 scripts start theirs: a dense convolution with at least as many output as input channels gets
+``torch.nn.init.dirac_`` on its first in-channels filters (output channel i passes input channel i
+through, the kernel's centre 1), the other filters keep their random start; at the first step each
+such layer passes its input on, however deep the network. Depthwise convolutions (a 3x3 identity filter
+per channel would start every block without its spatial filter) and narrowing ones (no identity fits)
+keep their random start::
+
+    n = dirac_convs(build_model("mobilenetv2_cifar", width=0.25))   # MobileNetV2: the stem, every
+                                                                    # expanding 1x1 and the last 1x1
+
+BatchNorm scales fixed at 1 and not trained (``Config.freeze_bn_scale``), as airbench's CIFAR-10 scripts
+keep theirs: each BatchNorm then normalises and shifts, and the next layer's weights carry the scale. With
+few steps the shifts can then take a far larger learning rate than the weights (airbench: 64x,
+``Config.bn_lr_scale``) without a scale to blow up::
+
+    n = freeze_bn_scale(model)    # every affine BatchNorm's weight: 1, requires_grad False
 """
 from __future__ import annotations
 
@@ -114,3 +135,30 @@ def whiten_stem(model: nn.Module, images: torch.Tensor) -> int:
     if conv.bias is not None:
         conv.bias[:k] = (-(w[:k] @ mean)).to(conv.bias.dtype)
     return k
+
+
+def dirac_convs(model: nn.Module) -> int:
+    """Start each dense, non-narrowing convolution of ``model`` (odd kernel) as the identity on its first
+    in-channels filters, in place; how many it changed."""
+    n = 0
+    with torch.no_grad():
+        for m in model.modules():
+            if (isinstance(m, nn.Conv2d) and m.groups == 1 and m.out_channels >= m.in_channels
+                    and all(k % 2 for k in m.kernel_size)):
+                nn.init.dirac_(m.weight[:m.in_channels])
+                n += 1
+    return n
+
+
+def freeze_bn_scale(model: nn.Module) -> int:
+    """Set every affine BatchNorm's scale to 1 and leave it out of training (``requires_grad`` False: no
+    gradient, no exchange, no optimizer state), in place; how many. Per-rank copies of the layer that the
+    simulator makes keep the flag (``pilab.engine.layers``)."""
+    n = 0
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, _BatchNorm) and m.weight is not None:
+                m.weight.fill_(1.0)
+                m.weight.requires_grad_(False)
+                n += 1
+    return n

@@ -16,6 +16,7 @@ Calibrate on your machine, then predict (everything returns dicts / lists of dic
     perfmodel.predict(Config(width=0.25), 2, cal)                      # one dict
     perfmodel.predict_table(Config(), [2, 4, 8, 48], "pi4b_cluster", "naive", baseline_np=2)
     perfmodel.pi_table()                                                # both profiles + published figures
+    perfmodel.predict(pi_config(), 48, "pi4b:12,pi5:12", baseline_np=2)["balancing"]   # a mixed cluster
 
 The model, per optimizer step on every rank (synchronous, so the slowest rank sets the pace):
 
@@ -36,13 +37,14 @@ The model, per optimizer step on every rank (synchronous, so the slowest rank se
     epoch     = steps x step + evaluation (pilab: test set sharded over ranks; naive: every rank
                 evaluates the whole test set)
 
-One module per concern, each depending only on those above it in this list: ``assumptions`` (the
-stated constants), ``metrics`` (speedup, efficiency, Karp-Flatt), ``machine`` (Link, Cluster),
-``allreduce`` (schedules and their cost), ``fit`` (alpha-beta), ``bench`` (the MPI micro-benchmark and
-its launcher), ``layout`` (gradient tensors and buckets of a model), ``calibrate`` (Calibration,
-this_box), ``presets`` (the Pi facts, pi4b_cluster, the published figures), ``predict``, ``trace`` (a predicted step as
-a Chrome trace), ``tables`` (Markdown). Importing the package loads neither torch nor MPI; the command line lives in
-``pilab.cli.perfmodel``. See docs/perfmodel.md for the assumptions and the Raspberry Pi table.
+One module per concern, each depending only on those above it in this list: ``metrics`` (speedup,
+efficiency, Karp-Flatt), ``machine`` (the stated constants; Link, Cluster), ``allreduce`` (schedules and
+their cost), ``layout`` (gradient tensors and buckets of a model), ``calibrate`` (the MPI micro-benchmark
+and its launcher, the alpha-beta fit, Calibration, this_box), ``presets`` (the Pi facts, pi4b_cluster, the
+published figures), ``predict`` (and its tables in Markdown), ``check`` (the model against measured runs
+and the testbed's network). A predicted step as a Chrome trace is ``pilab.trace.predict``'s. Importing
+the package loads neither torch nor MPI; the command line lives in ``pilab.cli.perfmodel``. See
+docs/perfmodel.md for the assumptions and the Raspberry Pi table.
 """
 from __future__ import annotations
 
@@ -53,16 +55,19 @@ from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, work_pe
 from .machine import (ALGORITHMS, BACKWARD_FRACTION, ELEMENT_BYTES, FLOPS_PER_ACTIVATION_CPU, METRIC_BYTES,
                       STEP_WORK_PER_TENSOR_CPU, THREAD_EXPONENT, Cluster, Link)
 from .metrics import efficiency, karp_flatt, speedup
-from .predict import (PI_TABLE_COLUMNS, PROFILES, TABLE_COLUMNS, as_config, bucket_schedule, exchange,
-                      markdown_table, pi_table, pi_table_markdown, predict, predict_table, step_schedule)
-from .presets import (PI_BASELINE_NP, PI_CORES_PER_NODE, PI_GBE_GOODPUT, PI_NODES, PI_RANKS_PER_NODE, PI_STUDY_NPS,
-                      PI_TABLE_NPS, PI_THREADS_PER_RANK, PRESETS, PUBLISHED, pi4b_cluster, pi_config,
-                      published_table, relinked, resolve_cluster)
+from .predict import (BALANCE, BALANCE_COLUMNS, PI_TABLE_COLUMNS, PROFILES, TABLE_COLUMNS, as_config, balance_rows,
+                      bucket_schedule, exchange, markdown_table, pi_table, pi_table_markdown, predict, predict_table,
+                      step_schedule)
+from .presets import (BOARDS, PI_BASELINE_NP, PI_CORES_PER_NODE, PI_GBE_GOODPUT, PI_NODES, PI_RANKS_PER_NODE,
+                      PI_STUDY_NPS, PI_TABLE_NPS, PI_THREADS_PER_RANK, PRESETS, PUBLISHED, is_board_spec,
+                      is_pi_cluster, mixed_cluster, pi4b_cluster, pi_config, published_table, relinked,
+                      resolve_cluster)
 
 __all__ = ["speedup", "efficiency", "karp_flatt", "PUBLISHED", "published_table", "Link", "Cluster", "Calibration",
     "allreduce_rounds", "allreduce_time", "allreduce_phases", "ALGORITHMS", "comm_bench", "run_comm_bench",
     "DEFAULT_SIZES", "fit_alpha_beta", "calibrate", "this_box", "pi4b_cluster", "cluster_from_calibration", "PRESETS",
-    "resolve_cluster", "relinked", "gradient_layout", "buckets_for", "work_per_image", "bn_bytes", "bn_channels",
+    "resolve_cluster", "relinked", "BOARDS", "mixed_cluster", "is_board_spec", "is_pi_cluster", "BALANCE",
+    "balance_rows", "BALANCE_COLUMNS", "gradient_layout", "buckets_for", "work_per_image", "bn_bytes", "bn_channels",
     "PROFILES", "predict", "predict_table", "exchange", "bucket_schedule", "step_schedule", "pi_config", "pi_table",
     "markdown_table", "pi_table_markdown", "TABLE_COLUMNS", "PI_TABLE_COLUMNS", "FLOPS_PER_ACTIVATION_CPU",
     "STEP_WORK_PER_TENSOR_CPU", "BACKWARD_FRACTION", "THREAD_EXPONENT", "ELEMENT_BYTES", "METRIC_BYTES", "PI_NODES",

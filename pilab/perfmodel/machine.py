@@ -7,7 +7,7 @@
 
 The performance model's stated assumptions, in one place (docs/perfmodel.md explains each).
 
-    from pilab.perfmodel.assumptions import THREAD_EXPONENT
+    from pilab.perfmodel.machine import THREAD_EXPONENT
     compute_s * (ref_threads / threads) ** THREAD_EXPONENT     # compute time at another thread count
 """
 from __future__ import annotations
@@ -95,6 +95,10 @@ class Cluster:
     available_cores: float = 0.0  # cores one job gets per node on a shared machine (0: all of them)
     flops_per_activation: float = 0.0  # memory-bound cost per activation element (0: FLOPs only)
     step_work_per_tensor: float = 0.0  # per-step work independent of the batch, per parameter tensor
+    # each node's speed as a multiple of the rates above, in hostfile order (a mixed or hot cluster: a Pi 5
+    # beside Pi 4Bs, a throttled board); every per-rank cost on that node (compute, data, overhead) is
+    # divided by it. Empty: every node runs at the rates above
+    node_speeds: tuple = ()
     notes: str = ""
 
     def __post_init__(self):
@@ -109,6 +113,13 @@ class Cluster:
         if bad:
             raise ConfigError(f"cluster {self.name!r}: " + ", ".join(f"{k}={v}" for k, v in bad.items())
                               + " must be a fraction in [0, 1]")
+        speeds = tuple(self.node_speeds)
+        object.__setattr__(self, "node_speeds", speeds)
+        if any(not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)) for v in speeds):
+            raise ConfigError(f"cluster {self.name!r}: node_speeds={speeds!r} must all be numbers > 0")
+        if speeds and self.nodes != len(speeds):
+            raise ConfigError(f"cluster {self.name!r}: {len(speeds)} node_speeds for nodes={self.nodes}; "
+                              "give one speed per node")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"cluster {self.name!r}: algorithm={self.algorithm!r}; choose one of "
                               f"{', '.join(ALGORITHMS)}")
@@ -126,3 +137,13 @@ class Cluster:
     def node_of(self, rank: int, np_: int) -> int:
         rpn = self.ranks_per_node or np_
         return rank // rpn
+
+    def rank_speeds(self, np_: int) -> list[float] | None:
+        """Each of ``np_`` ranks' speed (its node's, block placement), None when every node runs at
+        the cluster's rates::
+
+            resolve_cluster("pi4b:1,pi5:1").rank_speeds(4)      # [1.0, 1.0, 2.5, 2.5]
+        """
+        if not self.node_speeds:
+            return None
+        return [float(self.node_speeds[self.node_of(r, np_)]) for r in range(np_)]

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..config import Config, ConfigError
 from .allreduce import allreduce_phases, allreduce_time
-from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, work_per_image
+from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, optimizer_work, work_per_image
 from .machine import ELEMENT_BYTES, METRIC_BYTES, THREAD_EXPONENT, Cluster
 from .metrics import efficiency, karp_flatt, speedup
 from .presets import PI_TABLE_NPS, PUBLISHED, pi4b_cluster, pi_config, published_table, resolve_cluster
@@ -86,9 +86,10 @@ def _rank_costs(cfg: Config, p: int, b: int, cl: Cluster, place: dict, n_tensors
     threads, oversub = place["threads"], place["oversubscription"]
     thread_factor = (cl.ref_threads / threads) ** THREAD_EXPONENT
     work = work_per_image(cfg.model, cfg.width, cl.flops_per_activation, timesteps=cfg.timesteps)
-    step_work = b * work + cl.step_work_per_tensor * n_tensors
+    views = b * cfg.batch_aug  # batch augmentation: every copy is trained on (and augmented)
+    step_work = views * work + cl.step_work_per_tensor * n_tensors + optimizer_work(cfg)
     compute = step_work / (cl.train_gflops * 1e9) * thread_factor * oversub
-    return {"compute": compute, "data": b * (cl.data_s_per_image * oversub),
+    return {"compute": compute, "data": views * (cl.data_s_per_image * oversub),
             "straggler": compute * cl.compute_cv * _expected_max_normal(p),
             "eval_s_per_image": (work / 3) / (cl.eval_gflops * 1e9) * thread_factor * oversub}
 
@@ -234,7 +235,7 @@ def _local_share(cfg: Config, p: int) -> float:
 def _eval_time(cfg: Config, p: int, n_test: int, per_image: float, evaluation: str,
                ar: Callable[[float], float], metric: float) -> float:
     """Seconds of one evaluation of the test set."""
-    per_image *= 2 if cfg.tta else 1  # flip TTA: two forwards per test image
+    per_image *= (6 if cfg.tta_translate else 2) if cfg.tta else 1  # TTA: a forward per view (pilab.engine.tta)
     if evaluation == "full":
         return n_test * per_image
     t = math.ceil(n_test / p) * per_image
@@ -244,7 +245,7 @@ def _eval_time(cfg: Config, p: int, n_test: int, per_image: float, evaluation: s
 
 
 def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int | None = None,
-            n_train: int | None = None, n_test: int | None = None) -> dict:
+            n_train: int | None = None, n_test: int | None = None, balance: str | None = None) -> dict:
     """Predicted time per epoch of ``cfg`` at ``np_`` ranks on ``cluster``.
 
     ``cluster``: a Calibration, a Cluster, a preset name ("pi4b_cluster") or a JSON path.
@@ -255,6 +256,16 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
 
         predict(Config(width=0.5), 8, "pi4b_cluster", "naive", baseline_np=2)["efficiency"]
 
+    On a cluster whose nodes differ in speed (``Cluster.node_speeds``: "pi4b:12,pi5:12", a throttled
+    board) every step waits for the slowest rank. ``balance``: "off" (every rank trains the same share of
+    the global batch), "static" or "dynamic" (each rank's share set by its speed, ``data.batch_shares``:
+    the same rule the training uses; the model's speeds do not change during a run, so the two price
+    alike); default: ``cfg.balance`` where the Config has it, else "off". Such a prediction also carries
+    ``balancing``: the step and epoch off, balanced, and on the ideal cluster (every node at the mean
+    speed: the same total speed, perfect sharing), with their speedups against ``baseline_np``::
+
+        predict(pi_config(), 48, "pi4b:12,pi5:12", baseline_np=2)["balancing"]["balanced"]["speedup"]
+
     Times are seconds; "time" is the training part of an epoch (as in result.json's epochs[].time),
     "epoch_time" adds evaluation. Settings that cannot run (np < 1, more ranks than the cluster has)
     raise ``ConfigError``.
@@ -264,11 +275,53 @@ def predict(cfg, np_: int, cluster, profile: str = "pilab", *, baseline_np: int 
     cl = resolve_cluster(cluster)
     p = _checked_np(np_, baseline_np, cl)
     n_train, n_test = _sizes(cfg, n_train, n_test)
-    out = (_ramped if cfg.batch_ramp else _one_batch)(cfg, p, cl, profile, n_train, n_test)
-    return _with_speedup(out, cfg, p, cl, profile, baseline_np, n_train, n_test)
+    balance = _balance(cfg, balance)
+    out = _priced(cfg, p, cl, profile, baseline_np, n_train, n_test, balance)
+    if len(set(cl.rank_speeds(p) or [1.0])) > 1:
+        out["balancing"] = _balancing(out, cfg, p, cl, profile, baseline_np, n_train, n_test)
+    return out
 
 
-def _one_batch(cfg: Config, p: int, cl, profile: str, n_train: int, n_test: int) -> dict:
+def _priced(cfg: Config, p: int, cl: Cluster, profile: str, baseline_np, n_train: int, n_test: int,
+            balance: str) -> dict:
+    """``predict`` without the comparison of a mixed cluster's sharings."""
+    out = (_ramped if cfg.batch_ramp else _one_batch)(cfg, p, cl, profile, n_train, n_test, balance)
+    return _with_speedup(out, cfg, p, cl, profile, baseline_np, n_train, n_test, balance)
+
+
+BALANCE = ("off", "static", "dynamic")
+
+
+def _balance(cfg: Config, balance: str | None) -> str:
+    balance = balance or getattr(cfg, "balance", "off")
+    if balance not in BALANCE:
+        raise ConfigError(f"balance={balance!r}; use one of {', '.join(BALANCE)}")
+    return balance
+
+
+def _balancing(out: dict, cfg: Config, p: int, cl: Cluster, profile: str, baseline_np, n_train, n_test) -> dict:
+    """A mixed cluster's step and epoch with and without balanced shares, and on the ideal cluster of the
+    same total speed (every node at the mean speed of the ranks, equal shares)."""
+    import dataclasses
+    speeds = cl.rank_speeds(p)
+    mean = sum(speeds) / len(speeds)
+    ideal = dataclasses.replace(cl, node_speeds=(mean,) * len(cl.node_speeds))
+    # one baseline for all three: this cluster's baseline_np ranks (equal shares there, as with off)
+    base = None if baseline_np is None else _priced(cfg, baseline_np, cl, profile, None, n_train, n_test, "off")
+    rows = {}
+    for key, cluster, mode in (("off", cl, "off"), ("balanced", cl, "static"), ("ideal", ideal, "off")):
+        q = out if cluster is cl and (mode == "off") == (out["balance"] == "off") else \
+            _priced(cfg, p, cluster, profile, None, n_train, n_test, mode)
+        rows[key] = {"step_time": q["step_time"], "time": q["time"], "epoch_time": q["epoch_time"],
+                     "speedup": speedup(base["epoch_time"], q["epoch_time"]) if base else None,
+                     "shares": q["shares"]}
+    for key in ("off", "balanced"):
+        rows[key]["of_ideal"] = rows[key]["step_time"] / rows["ideal"]["step_time"]
+    rows["mean_speed"] = mean
+    return rows
+
+
+def _one_batch(cfg: Config, p: int, cl, profile: str, n_train: int, n_test: int, balance: str = "off") -> dict:
     """``predict``'s epoch at one batch size (a ramp's epochs are each one: ``_ramped``)."""
     averaging, evaluation = _profile(profile)
     b = cfg.per_rank_batch(p)
@@ -276,13 +329,15 @@ def _one_batch(cfg: Config, p: int, cl, profile: str, n_train: int, n_test: int)
     place = _placement(cfg, p, cl)
     layout = gradient_layout(cfg.model, cfg.width)
     rank = _rank_costs(cfg, p, b, cl, place, len(layout))
+    overhead, shares = cl.step_overhead_s, None
+    if cl.node_speeds:  # nodes of different speeds: the step is the slowest rank's
+        rank, overhead, shares = _slowest_rank(cfg, p, b, cl, place, len(layout), balance)
     compute, data, straggler = rank["compute"], rank["data"], rank["straggler"]
     ar = _allreduce_fn(p, cl, place)
     metric = ar(METRIC_BYTES) if p > 1 else 0.0
     local = _local_share(cfg, p)
     messages, comm, exposed, sync_bn = _step_comm(cfg, p, cl, place, layout, averaging, compute, steps, ar,
                                                   metric, local)
-    overhead = cl.step_overhead_s
     step = data + compute + straggler + exposed + overhead
     eval_time = _eval_time(cfg, p, n_test, rank["eval_s_per_image"], evaluation, ar, metric)
     # evaluation runs every eval_every epochs and after the last: its average share per epoch
@@ -313,7 +368,27 @@ def _one_batch(cfg: Config, p: int, cl, profile: str, n_train: int, n_test: int)
         "epoch_time": time_ + evals_per_epoch * eval_time,
         "first_epoch_time": time_ + cl.warmup_s,
         "images_per_s": images / time_ if time_ > 0 else None,
+        **({"balance": balance, "shares": shares} if shares is not None else {}),
     }
+
+
+def _slowest_rank(cfg: Config, p: int, b: int, cl: Cluster, place: dict, n_tensors: int,
+                  balance: str) -> tuple[dict, float, list[int]]:
+    """On nodes of different speeds: the costs of the rank that finishes its part of a step last (each
+    rank's compute, data and overhead divided by its node's speed), its overhead, and every rank's share
+    of the global batch (equal with ``balance`` off, else ``data.batch_shares`` of the speeds). The
+    test set is sharded equally whatever the shares: evaluation waits for the slowest rank."""
+    from ..data import batch_shares  # pilab.data loads torch: not at `import pilab.perfmodel`
+
+    speeds = cl.rank_speeds(p)
+    shares = [b] * p if balance == "off" else batch_shares(b * p, speeds)
+    costs = {q: _rank_costs(cfg, p, q, cl, place, n_tensors) for q in set(shares)}
+    slowest = max(range(p), key=lambda r: (costs[shares[r]]["data"] + costs[shares[r]]["compute"]
+                                           + cl.step_overhead_s) / speeds[r])
+    s = speeds[slowest]
+    rank = {k: v / s for k, v in costs[shares[slowest]].items()}
+    rank["eval_s_per_image"] = costs[shares[slowest]]["eval_s_per_image"] / min(speeds)
+    return rank, cl.step_overhead_s / s, shares
 
 
 def _steps(cfg: Config, p: int, b: int, n_train: int) -> int:
@@ -390,10 +465,10 @@ def _sync_bn_cost(cfg: Config, p: int, cl, place: dict) -> tuple[float, int]:
     return sum(gar((2 * c + 1) * 8) + gar(2 * c * 8) for c in chans), 2 * len(chans)
 
 
-def _with_speedup(out: dict, cfg: Config, p: int, cl, profile: str, baseline_np, n_train, n_test) -> dict:
+def _with_speedup(out: dict, cfg: Config, p: int, cl, profile: str, baseline_np, n_train, n_test,
+                  balance: str = "off") -> dict:
     if baseline_np is not None:
-        base = out if baseline_np == p else predict(cfg, baseline_np, cl, profile,
-                                                    n_train=n_train, n_test=n_test)
+        base = out if baseline_np == p else _priced(cfg, baseline_np, cl, profile, None, n_train, n_test, balance)
         S = speedup(base["epoch_time"], out["epoch_time"])
         out.update({"baseline_np": baseline_np, "speedup": S,
                     "efficiency": efficiency(S, p, baseline_np),
@@ -407,12 +482,12 @@ _EPOCH_SUMS = ("compute", "data", "straggler", "comm", "comm_exposed", "overhead
                "images", "steps_per_epoch")
 
 
-def _ramped(cfg: Config, p: int, cl, profile: str, n_train: int, n_test: int) -> dict:
+def _ramped(cfg: Config, p: int, cl, profile: str, n_train: int, n_test: int, balance: str = "off") -> dict:
     """A batch ramp (``cfg.batch_ramp``): each epoch predicted at its own batch, averaged per epoch."""
     from dataclasses import replace
 
-    by_batch = {b: predict(replace(cfg, batch_size=b, batch_ramp=""), p, cl, profile, n_train=n_train,
-                           n_test=n_test) for _, b in cfg.ramp()}  # once per batch, not per epoch
+    by_batch = {b: _priced(replace(cfg, batch_size=b, batch_ramp=""), p, cl, profile, None, n_train, n_test,
+                           balance) for _, b in cfg.ramp()}  # once per batch, not per epoch
     parts = [by_batch[cfg.batch_at(e)] for e in range(cfg.epochs)]
     out = dict(parts[0])
     for k in _EPOCH_SUMS:
@@ -460,6 +535,30 @@ def pi_table(cfg=None, nps: Iterable[int] = PI_TABLE_NPS, cluster=None) -> list[
     return rows
 
 
+def balance_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """``predict_table``'s rows on a mixed cluster as the comparison of its sharings: per np the step and
+    speedup with equal shares and with shares by speed, each step as a multiple of the ideal one (np
+    where every rank runs at one speed have no comparison: off = balanced)."""
+    out = []
+    for r in rows:
+        b = r.get("balancing")
+        row = {"np": r["np"], "nodes": r["nodes"]}
+        if b is None:
+            row.update(step_off=r["step_time"], step_balanced=r["step_time"], step_ideal=r["step_time"],
+                       speedup_off=r.get("speedup"), speedup_balanced=r.get("speedup"), off_of_ideal=1.0,
+                       balanced_of_ideal=1.0)
+        else:
+            row.update(step_off=b["off"]["step_time"], step_balanced=b["balanced"]["step_time"],
+                       step_ideal=b["ideal"]["step_time"], speedup_off=b["off"]["speedup"],
+                       speedup_balanced=b["balanced"]["speedup"], off_of_ideal=b["off"]["of_ideal"],
+                       balanced_of_ideal=b["balanced"]["of_ideal"])
+        out.append(row)
+    return out
+
+
+# `pilab perfmodel table`'s comparison on a mixed cluster (balance_rows)
+BALANCE_COLUMNS = ["np", "nodes", "step_off", "step_balanced", "step_ideal", "off_of_ideal", "balanced_of_ideal",
+                   "speedup_off", "speedup_balanced"]
 # the columns `pilab perfmodel table` prints of each predict() row
 TABLE_COLUMNS = ["np", "nodes", "threads", "per_rank_batch", "steps_per_epoch", "step_time",
                  "time", "comm", "comm_exposed", "eval_time", "epoch_time", "images_per_s",

@@ -3,6 +3,7 @@
     from pilab.perfmodel import presets
     presets.pi4b_cluster(train_gflops=3.0)         # the Pi cluster with one assumption changed
     presets.resolve_cluster("pi4b_cluster")        # a name, a Cluster/Calibration or its JSON path
+    presets.resolve_cluster("pi4b:12,pi5:12")      # a mixed cluster: 12 Pi 4B, then 12 Pi 5 (BOARDS)
     presets.pi_config(epochs=1)                    # the study's training setting
     presets.published_table()                      # its three published figures, completed
 
@@ -96,7 +97,56 @@ def relinked(cluster: Cluster, *, alpha: float | None = None, mbps: float | None
                                        cluster.inter.beta if mbps is None else 1 / (mbps * 1e6)))
 
 
-PRESETS = {"pi4b_cluster": pi4b_cluster}
+# Each board's speed on pilab's training step as a multiple of the Pi 4B at 1.5 GHz (pi4b_cluster's rates).
+# Estimates, not measurements of this step: no one has run it on these boards here. What they rest on:
+# - pi5 (BCM2712, 4x Cortex-A76 @ 2.4 GHz, LPDDR4X-4267): HPL 30.2 Gflops at launch, 35.2 on the 8 GB board
+#   and 37.9 on the 16 GB one (github.com/geerlingguy/top500-benchmark, issues 18 and 51, and its README's
+#   table), against 11.4 for a CM4 at 1.5 GHz (issue 33) and 11.9 for a Pi 4B at 1.8 GHz (issue 13): 2.6-3.3x
+#   on dense FP64 matrix work; sysbench's one-core prime search 2737 against 1478 events/s, 1.85x
+#   (leoncode.co.uk/articles/raspberry-pi-benchmarks); Raspberry Pi's own launch claim, 2-3x the CPU
+#   performance of a Pi 4. MobileNetV2's step is mostly memory-bound depthwise convolutions, BatchNorm and
+#   ReLU6, between those two kinds of work: 2.5x, inside both 1.85-3.3 and Raspberry Pi's 2-3x.
+# - pi4b_1250: the "1.25 GHz edition" of the Pi 4B sold in 2026 (github.com/geerlingguy/sbc-reviews
+#   issue 110, sbc-bench's report in github.com/ThomasKaiser/sbc-bench issue 136: cpufreq at 1250 MHz, a
+#   BCM2711 B0 like the 1.5 GHz board, nothing on the board tells them apart). The same core and memory
+#   at 1250/1500 of the clock: 0.83x, an upper bound on the slowdown, since the memory-bound part of the
+#   step does not slow with the core's clock.
+BOARDS = {"pi4b": 1.0, "pi4b_1250": 1250 / 1500, "pi5": 2.5}
+
+
+def mixed_cluster(spec: str, *, name: str | None = None, **overrides) -> Cluster:
+    """A Pi cluster of several boards from ``"BOARD:NODES,..."`` (boards of ``BOARDS``), nodes in that
+    order (the hostfile's: rank 0 on the first), 2 ranks a node, each node at its board's speed
+    (``Cluster.node_speeds``) over pi4b_cluster's rates; ``overrides`` as for ``pi4b_cluster``::
+
+        mixed_cluster("pi4b:12,pi5:12")          # 12 Pi 4B, then 12 Pi 5
+        mixed_cluster("pi4b:23,pi4b_1250:1")     # one 1.25 GHz board among the 1.5 GHz ones
+    """
+    speeds: list[float] = []
+    for part in spec.split(","):
+        board, _, count = part.strip().partition(":")
+        if board not in BOARDS or not count.strip().isdigit() or int(count) < 1:
+            raise ConfigError(f"cluster {spec!r}: {part.strip()!r} is not BOARD:NODES with BOARD one of "
+                              f"{', '.join(BOARDS)} (e.g. pi4b:12,pi5:12)")
+        speeds += [BOARDS[board]] * int(count)
+    return pi4b_cluster(**{"name": name or spec, "nodes": len(speeds), "node_speeds": tuple(speeds),
+                           "notes": "board speeds are estimates: see pilab/perfmodel/presets.py", **overrides})
+
+
+def is_board_spec(spec) -> bool:
+    """Whether ``spec`` is meant as a ``mixed_cluster`` spec ("pi4b:12,pi5:12"): BOARD:NODES parts, not a
+    file (``mixed_cluster`` says what is wrong with one)."""
+    return isinstance(spec, str) and ":" in spec and not os.path.isfile(spec)
+
+
+def is_pi_cluster(spec) -> bool:
+    """Whether ``spec`` names a Pi cluster: a preset name or a mixed cluster's boards."""
+    return isinstance(spec, str) and (spec in PRESETS or is_board_spec(spec))
+
+
+PRESETS = {"pi4b_cluster": pi4b_cluster,
+           "pi5_cluster": lambda: mixed_cluster(f"pi5:{PI_NODES}", name="pi5_cluster"),
+           "pi4b_1250_cluster": lambda: mixed_cluster(f"pi4b_1250:{PI_NODES}", name="pi4b_1250_cluster")}
 
 
 def resolve_cluster(spec) -> Cluster:
@@ -108,11 +158,14 @@ def resolve_cluster(spec) -> Cluster:
     if isinstance(spec, str):
         if spec in PRESETS:
             return PRESETS[spec]()
+        if is_board_spec(spec):
+            return mixed_cluster(spec)
         if spec == "this_box":
             raise ConfigError("preset this_box needs a calibration: pass a Calibration or its JSON path")
         if not os.path.isfile(spec):
-            raise ConfigError(f"unknown preset {spec!r}; choose one of {', '.join(PRESETS)}, "
-                              "this_box (with a calibration), or a JSON file")
+            raise ConfigError(f"unknown preset {spec!r}; choose one of {', '.join(PRESETS)}, boards "
+                              f"BOARD:NODES,... of {', '.join(BOARDS)} (e.g. pi4b:12,pi5:12), this_box (with a "
+                              "calibration), or a JSON file")
         try:
             path, spec = spec, load_json(spec)
         except ValueError as e:  # not JSON

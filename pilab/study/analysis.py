@@ -21,6 +21,7 @@ from ..config import Config, ConfigError
 from ..launch import LaunchError
 from ..perfmodel import efficiency, karp_flatt, speedup
 from . import energy
+from .points import mode_ran
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ def _row(p, r, here, there, machine, p0, t0, ttt0, target_acc) -> dict:
     ttt = time_to_target(r, target_acc, there["train"], there["eval"]) if there else None
     return {
         "np": p, "simulated": bool(r.get("simulated")),
+        "simulate_mode": mode_ran(r),  # the simulator's mode that ran it: exact or fast (None: measured)
         "machine": machine, "time_source": there["source"] if there else None,
         "per_rank_batch": r["per_rank_batch"], "global_batch": r["global_batch"],
         "steps_per_epoch": r["steps_per_epoch"], "peak_lr": r["peak_lr"],
@@ -224,27 +226,31 @@ def target_name(target) -> str | None:
     """The machine a study's times are for: None for this machine, else a preset name or JSON path."""
     if target in (None, "", "this"):
         return None
-    if isinstance(target, str) and target not in perfmodel.PRESETS and not os.path.isfile(target):
-        raise ConfigError(f"target={target!r}: use this, {', '.join(perfmodel.PRESETS)} or the path of a "
+    if perfmodel.is_board_spec(target):
+        perfmodel.resolve_cluster(target)  # a mixed cluster's boards: ConfigError naming what is wrong
+    elif isinstance(target, str) and not perfmodel.is_pi_cluster(target) and not os.path.isfile(target):
+        raise ConfigError(f"target={target!r}: use this, {', '.join(perfmodel.PRESETS)}, a mixed Pi cluster "
+                          f"(BOARD:NODES,... of {', '.join(perfmodel.BOARDS)}, e.g. pi4b:12,pi5:12) or the path of a "
                           "calibration/cluster JSON (python -m pilab perfmodel calibrate writes one)")
     return target if isinstance(target, str) else getattr(target, "name", "target")
 
 
 def target_baseline(target) -> int:
-    """The speed baseline a target implies: one node of the Pi cluster (2 ranks); 0 = none."""
-    return perfmodel.PI_BASELINE_NP if target == "pi4b_cluster" else 0
+    """The speed baseline a target implies: one node of a Pi cluster (2 ranks; of a mixed one, its first
+    node's board); 0 = none."""
+    return perfmodel.PI_BASELINE_NP if perfmodel.is_pi_cluster(target) else 0
 
 
 def baseline_time_per_image(cfg: Config, p0: int, target) -> float:
     """The target's predicted training seconds per image at ``p0`` ranks (no run needed)."""
-    pr = perfmodel.predict(replace(cfg, threads=0) if target in perfmodel.PRESETS else cfg, p0, target)
+    pr = perfmodel.predict(replace(cfg, threads=0) if perfmodel.is_pi_cluster(target) else cfg, p0, target)
     return pr["time"] / pr["images"]
 
 
 def predict_target(cfg: Config, nps, target) -> dict[int, dict]:
     """Every np's times on the target machine, threads per rank as that machine gives them."""
     # This machine's thread count says nothing about the target's: let the model place the ranks.
-    return predict_points(replace(cfg, threads=0) if target in perfmodel.PRESETS else cfg, nps, target)
+    return predict_points(replace(cfg, threads=0) if perfmodel.is_pi_cluster(target) else cfg, nps, target)
 
 
 def sized_for_model(cfg: Config, runs: dict) -> Config:

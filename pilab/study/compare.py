@@ -37,15 +37,16 @@ from .. import perfmodel, verdict as judging
 from ..config import Config
 from ..plots import EXPERIMENTS
 from .analysis import final_value, sized_for_model
-from .points import NOT_TRAINING, read_json
+from .points import NOT_TRAINING, mode_ran, read_json
 
 
 # Settings that belong together when studies differ (one "what varies" in a comparison's title).
 SETTING_GROUPS = {
     "learning-rate rule": ("lr", "lr_scaling", "lr_ref_batch", "warmup_epochs", "optimizer", "schedule",
-                           "momentum", "nesterov", "lars_eta", "bn_lr_scale", "lookahead_steps"),
-    "model": ("model", "width", "timesteps", "zero_init_residual", "whiten_stem"),
-    "batch": ("batch_mode", "batch_size"),
+                           "momentum", "nesterov", "lars_eta", "bn_lr_scale", "lookahead_steps", "decay_epochs",
+                           "muon_lr", "muon_momentum", "muon_on"),
+    "model": ("model", "width", "timesteps", "zero_init_residual", "whiten_stem", "dirac_init", "freeze_bn_scale"),
+    "batch": ("batch_mode", "batch_size", "batch_aug"),
     "BatchNorm": ("bn", "bn_buffers", "ghost_batch", "bn_group"),
     "data": ("data", "train_subset", "test_subset", "augment", "sharding"),
 }
@@ -85,6 +86,7 @@ def compare(studies: dict[str, dict]) -> dict:
             curve = [e["test_acc"] for e in res["epochs"]]
             table_rows.append({
                 "label": label, "np": r["np"], "simulated": r["simulated"],
+                "simulate_mode": mode_ran(res),
                 "global_batch": r["global_batch"], "peak_lr": r["peak_lr"],
                 "steps": res["total_steps"], "final_test_acc": r["final_test_acc"],
                 "test_acc_curve": curve,
@@ -297,6 +299,7 @@ def beside_paper(studies: dict[str, dict], *, nps=PAPER_NPS, cluster="pi4b_clust
                 "epochs": len(curve) if r else None,
                 "steps": r["total_steps"] if r else None,
                 "simulated": bool(r.get("simulated")) if r else None,
+                "simulate_mode": mode_ran(r),
                 "wall_time_here": r.get("wall_time") if r else None,
                 "test_acc_curve": curve if r else None,
                 # the study's own row, predicted for its target machine (the Pi cluster): every point's
@@ -443,7 +446,8 @@ def points_cells(side: dict) -> tuple[list[str], list[list[str]], str]:
             else:
                 ttt = num(a["pi_time_to_target"] / 60, ".0f", " min") \
                     + (f" ({a['pi_speedup_to_target']:.1f}×)" if a["pi_speedup_to_target"] else "")
-            out.append([label, str(r["np"]), "sim" if a["simulated"] else "real", str(a["steps"]),
+            kind = "real" if not a["simulated"] else f"sim {a['simulate_mode']}" if a.get("simulate_mode") else "sim"
+            out.append([label, str(r["np"]), kind, str(a["steps"]),
                         " ".join(f"{x:.3f}" for x in a["test_acc_curve"] if x is not None),
                         num(a["pi_time_per_epoch"], ".0f", " s"),
                         num(a["pi_energy_j"] and a["pi_energy_j"] / 1e3, ".1f", " kJ"), ttt,

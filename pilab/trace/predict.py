@@ -26,7 +26,7 @@ A measured trace beside the performance model's prediction of the same run: per 
 step, predicted against measured and the error, in the manner of ASTRA-sim's validation tables::
 
     from pilab.trace import format as tf
-    from pilab.trace.validate import validate, table
+    from pilab.trace.predict import validate, table
     v = validate(tf.read("runs/x/trace.json"), "runs/perfmodel/calibration.json")
     print(table(v, step_goal=0.10, tail_goal=0.20))     # goals are the caller's (experiments/perfmodel)
 
