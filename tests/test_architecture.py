@@ -65,8 +65,8 @@ def test_the_checker_fences_mpi4py_and_bokeh(tmp_path, monkeypatch):
 # benchmarks measure pilab against (a bare PyTorch loop, DDP, bare mpi4py), which are not a way to train.
 BACKWARD_ALLOWED = {
     "pilab/bench/local.py": "bare-loop and model-only contenders of the one-rank benchmarks",
-    "pilab/bench/mpijobs.py": "DDP-gloo and bare-mpi4py contenders of the rank benchmarks",
-    "pilab/bench/mpijobs.py": "per-tensor and fused blocking-Allreduce contenders of the sync section",
+    "pilab/bench/mpijobs.py": "DDP-gloo and bare-mpi4py contenders of the rank benchmarks; per-tensor and fused "
+                              "blocking-Allreduce contenders of the sync section",
     "pilab/perfmodel/check.py": "compute-only step timing that the performance model is checked against",
     "pilab/bench/wire.py": "the no-exchange ceiling and DDP-gloo contenders of one step on the wire (issue 23)",
     "pilab/engine/memory.py": "a few steps of your own model in a child process, its memory measured (issue 37)",

@@ -1,5 +1,5 @@
 """Issue 54's few-step settings on a real model and real images, each against its own arithmetic: Muon
-(``optimizer="muon"``, pilab/engine/muon.py), the warmup-stable-decay schedule and its extension from a
+(``optimizer="muon"``, pilab/engine/optim.py), the warmup-stable-decay schedule and its extension from a
 stable-phase checkpoint (``schedule="wsd"``), BatchNorm scales fixed at 1 (``freeze_bn_scale``), identity
 convolutions (``dirac_init``), flip + translate test-time augmentation (``tta_translate``), batch
 augmentation (``batch_aug``), and the weights' EMA whose decay follows the batch (``ema_epochs``).
@@ -35,8 +35,8 @@ def _real_grads(model, n=16):
 
 def test_muon_orthogonalises_nesterov_momentum_and_sgd_steps_the_rest_as_torch_does():
     from pilab.config import Config
-    from pilab.engine.muon import NS_STEPS, orthogonalise
-    from pilab.models.weights import muon_weights
+    from pilab.engine.optim import NS_STEPS, orthogonalise
+    from pilab.models.counts import muon_weights
     from pilab.perfmodel.layout import MUON_NS_STEPS
     from pilab.engine.optim import SGD, build_optimizer, param_groups, set_lr
     from pilab.models.zoo import build_model
@@ -133,7 +133,7 @@ def test_frozen_scales_stay_1_dirac_convolutions_pass_their_input_and_the_shifts
 def test_translate_tta_is_airbenchs_six_views_and_costs_three_times_flip_tta():
     from pilab import data
     from pilab.config import Config
-    from pilab.engine.tta import tta_logits
+    from pilab.engine.backend import tta_logits
     from pilab.models.zoo import build_model
     from pilab.perfmodel import predict
     torch.manual_seed(0)

@@ -269,7 +269,7 @@ def test_live_lane_events_of_two_ranks(tmp_path):
     spans and bucket flights, rank 1's estimated compute and wait inside the same step; none without
     trace. The notebook's live swim-lane (plots.LivePlot) builds from them: the last steps, both ranks."""
     from pilab import plots
-    from pilab.plots import lanes as tp
+    from pilab.plots import run as tp
 
     p = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", LANE_RUN, str(tmp_path / "ev.json")],
                        capture_output=True, text=True, timeout=180, env=mpi_env(), cwd=tmp_path)
@@ -311,7 +311,7 @@ def test_panel_draws_the_lanes_of_a_traced_run():
     pytest.importorskip("ipywidgets")
     from pilab.config import Config
     from pilab.lab import widgets
-    from pilab.plots import lanes as tp
+    from pilab.plots import run as tp
 
     panel = widgets.ControlPanel(None, Config(width=0.25, train_subset=96, test_subset=50, batch_size=16,
                                               epochs=2, threads=1))

@@ -21,7 +21,7 @@ Sources for :func:`load` (decoded once, then cached as an ``.npz`` in :func:`def
 - a path to the official ``cifar-10-batches-py`` directory (or its ``.tar.gz``), or to an ImageFolder
   directory / ``.tar.gz`` with ``train/<class>/*.jpg|png`` and ``test/<class>/*`` (any classes, any size:
   ``image_size=N`` resizes mixed sizes);
-- a ``.npz`` written by :func:`save` from numpy arrays or torch Datasets (:mod:`~pilab.data.arrays`).
+- a ``.npz`` written by :func:`save` from numpy arrays or torch Datasets (:mod:`~pilab.data.sources`).
 
 Where things live (everything below is importable from ``pilab.data`` itself):
 
@@ -34,7 +34,7 @@ Where things live (everything below is importable from ``pilab.data`` itself):
 """
 from __future__ import annotations
 
-from .arrays import from_arrays, from_dataset, save
+from .sources import from_arrays, from_dataset, save
 from .cache import cache_entries, clear_cache, default_cache_dir, resolve_cache_dir
 from .dataset import CIFAR10, CIFAR10_MEAN as MEAN, CIFAR10_STD as STD, CLASSES, DataError
 from .loader import PAD, ShardLoader, augment, pad_for, ranks_batch, to_input

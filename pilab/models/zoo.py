@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from . import custom
-from .counts import counted_train_flops, forward_macs
+from .counts import counted_train_flops, forward_macs, hooked_forward, output_numel
 from .mobilenet import MobileNetV2
 from .names import MODEL_NAMES, SPIKING_MODELS, check_width, is_builder_spec
 from .spiking import DEFAULT_TIMESTEPS, SpikingCNN

@@ -112,7 +112,7 @@ def optimizer_work(cfg) -> float:
     return _muon_flops(cfg.model, cfg.width, cfg.muon_on) if cfg.optimizer == "muon" else 0.0
 
 
-MUON_NS_STEPS = 3  # pilab.engine.muon.NS_STEPS (tests/test_fewstep.py checks they agree)
+MUON_NS_STEPS = 3  # pilab.engine.optim.NS_STEPS (tests/test_fewstep.py checks they agree)
 
 
 def ns_flops(shapes: list[tuple[int, int]], steps: int = MUON_NS_STEPS) -> float:

@@ -235,7 +235,7 @@ def _local_share(cfg: Config, p: int) -> float:
 def _eval_time(cfg: Config, p: int, n_test: int, per_image: float, evaluation: str,
                ar: Callable[[float], float], metric: float) -> float:
     """Seconds of one evaluation of the test set."""
-    per_image *= (6 if cfg.tta_translate else 2) if cfg.tta else 1  # TTA: a forward per view (pilab.engine.tta)
+    per_image *= (6 if cfg.tta_translate else 2) if cfg.tta else 1  # TTA: a forward per view (pilab.engine.backend)
     if evaluation == "full":
         return n_test * per_image
     t = math.ceil(n_test / p) * per_image

@@ -18,7 +18,7 @@ from bokeh.plotting import figure
 STEP_SOURCE = "pilab_steps"
 EPOCH_SOURCE = "pilab_epochs"
 RANK_SOURCE = "pilab_ranks"
-LANE_SOURCE = "pilab_lanes"  # the live swim-lane (pilab.plots.lanes.LiveLanes)
+LANE_SOURCE = "pilab_lanes"  # the live swim-lane (pilab.plots.run.LiveLanes)
 
 W, H = 430, 260  # one panel, pixels
 # How a rank's wall time splits: these parts add up to it (the last two known once the run ended).

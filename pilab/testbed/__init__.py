@@ -49,7 +49,7 @@ from .cgroups import cpu_quota, limit_memory, link, processes, ps, quota, shape,
 from .lock import LOCK_PATH, exclusive, holder
 from .make import down, status, up
 from .nodes import (DEFAULT_NAME, DEFAULT_RATE, DEFAULT_SUBNET, FIRST_HOST, NODE_IFACE, Testbed, TestbedError,
-                    available, burst_bytes, check_range, links, load, netns_list, parse_rate, routes_and_addresses,
+                    available, burst_bytes, check_range, link_names, load, netns_list, parse_rate, routes_and_addresses,
                     state_dir)
 from .shim import clear_overlays, overlay
 
@@ -58,4 +58,4 @@ __all__ = ["Testbed", "TestbedError", "up", "down", "load", "status", "available
            "link", "shape", "throttle", "quota", "cpu_quota", "limit_memory", "overlay", "clear_overlays",
            "traffic", "traffic_delta",
            "processes", "ps", "burst_bytes", "check_range", "state_dir", "FIRST_HOST", "NODE_IFACE",
-           "DEFAULT_SUBNET", "DEFAULT_RATE", "DEFAULT_NAME", "links", "netns_list", "routes_and_addresses"]
+           "DEFAULT_SUBNET", "DEFAULT_RATE", "DEFAULT_NAME", "link_names", "netns_list", "routes_and_addresses"]

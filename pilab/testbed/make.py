@@ -11,7 +11,7 @@ import subprocess
 import time
 
 from .cgroups import processes, quota
-from .nodes import (DEFAULT_NAME, NAME_RE, NODE_IFACE, Testbed, TestbedError, check_range, links, load, netns_list,
+from .nodes import (DEFAULT_NAME, NAME_RE, NODE_IFACE, Testbed, TestbedError, check_range, link_names, load, netns_list,
                     require_root, run_cmd, state_dir, tc_shape)
 from .shim import write_files
 from .slurmd import stop as _stop_slurm
@@ -28,7 +28,7 @@ def up(tb: Testbed = Testbed()) -> Testbed:
         raise TestbedError(f"testbed {tb.name} is up with {old.nodes} nodes on {old.subnet}; "
                            f"`python -m pilab testbed down --name {tb.name}` first")
     check_range(tb)
-    links, spaces = set(links()), set(netns_list())
+    links, spaces = set(link_names()), set(netns_list())
     br = tb.bridge
     if br not in links:
         run_cmd("ip", "link", "add", br, "type", "bridge")
@@ -74,7 +74,7 @@ def down(name: str = DEFAULT_NAME) -> list[str]:
                 break
         run_cmd("ip", "netns", "del", ns, check=False)
         removed.append(f"netns {ns}")
-    for link in links():
+    for link in link_names():
         # veths die with their namespace; the bridge (and a veth left by a half-made `up`) here
         if link.split("@")[0] == f"{name}-br" or re.fullmatch(rf"{re.escape(name)}-n\d\d", link.split("@")[0]):
             run_cmd("ip", "link", "del", link.split("@")[0], check=False)
@@ -98,7 +98,7 @@ def status(name: str = DEFAULT_NAME) -> dict:
     require_root()
     tb = load(name, missing_ok=True)
     spaces = sorted(ns for ns in netns_list() if ns.startswith(f"{name}-node"))
-    links = [link_.split("@")[0] for link_ in links() if link_.startswith(f"{name}-")]
+    links = [link_.split("@")[0] for link_ in link_names() if link_.startswith(f"{name}-")]
     out = {"name": name, "up": tb is not None, "namespaces": spaces, "links": links}
     if tb is not None:
         out.update(testbed=tb.to_dict(), hostfile=tb.hostfile, shim=tb.shim,

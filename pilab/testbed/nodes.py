@@ -246,7 +246,7 @@ def netns_list() -> list[str]:
     return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
 
 
-def links() -> list[str]:
+def link_names() -> list[str]:
     p = run_cmd("ip", "-j", "link", check=False)
     return [link["ifname"] for link in json.loads(p.stdout or "[]")]
 

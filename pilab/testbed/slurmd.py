@@ -46,7 +46,7 @@ import subprocess
 import time
 
 from ..files import atomic_write_text
-from .nodes import NODE_IFACE, Testbed, TestbedError, links, netns_list, run_cmd, slurm_conf, state_dir
+from .nodes import NODE_IFACE, Testbed, TestbedError, link_names, netns_list, run_cmd, slurm_conf, state_dir
 from .shim import write_files
 
 __all__ = ["available", "start", "stop", "is_up", "conf_path", "head_address", "write_conf", "wait_idle",
@@ -150,7 +150,7 @@ def _head_up(tb: Testbed) -> None:
     ns, veth = head_netns(tb.name), f"{tb.name}-nh"
     if ns not in netns_list():
         run_cmd("ip", "netns", "add", ns)
-    if veth not in links():
+    if veth not in link_names():
         run_cmd("ip", "link", "add", veth, "type", "veth", "peer", "name", NODE_IFACE, "netns", ns)
     run_cmd("ip", "link", "set", veth, "master", tb.bridge)
     run_cmd("ip", "link", "set", veth, "up")
@@ -234,7 +234,7 @@ def stop(name: str) -> list[str]:
                 os.kill(int(pid), signal.SIGKILL)
         run_cmd("ip", "netns", "del", ns, check=False)
         removed.append(f"netns {ns}")
-    if f"{name}-nh" in links():
+    if f"{name}-nh" in link_names():
         run_cmd("ip", "link", "del", f"{name}-nh", check=False)
         removed.append(f"link {name}-nh")
     if _kill_pidfile(os.path.join(d, "munge", "munged.pid"), os.path.join(d, "munge")):

@@ -147,7 +147,7 @@ class Trace(Component):
         return [self._lane(g, epoch + 1, spans, flights, every)] if self.rank == 0 else []
 
     def _lane(self, g: int, epoch: int, spans, flights, every) -> dict:
-        """Rank 0's ``lane`` event of step ``g`` (the notebook's live swim-lane, ``pilab.plots.lanes``):
+        """Rank 0's ``lane`` event of step ``g`` (the notebook's live swim-lane, ``pilab.plots.run``):
         seconds on rank 0's clock from the trace's zero. Rank 0's own spans and flights are measured
         (the simulator's: every virtual rank's); another MPI rank's are estimated from what rank 0 has
         each step without a message: the step started together on every rank, its data, forward and
