@@ -95,7 +95,7 @@ def test_up_is_idempotent_and_refuses_a_range_in_use(tb):
         lines = [x for x in f.read().splitlines() if not x.startswith("#")]
     assert lines == ["10.79.0.11:2", "10.79.0.12:2"]  # addresses: no name lookup leaves the machine
     # the machine's own routes are off limits: take the range of its default interface
-    ours = [str(n) for n, dev in testbed._routes_and_addresses() if not n.is_loopback and dev != tb.bridge]
+    ours = [str(n) for n, dev in testbed.routes_and_addresses() if not n.is_loopback and dev != tb.bridge]
     if ours:
         with pytest.raises(testbed.TestbedError, match="overlaps"):
             testbed.check_range(testbed.Testbed(nodes=1, subnet=ours[0], name="pilabx"))
@@ -144,8 +144,8 @@ def test_down_removes_everything_after_a_crash(testbed_lock):
     subprocess.run(["rm", "-rf", bed.state_dir], check=True)  # the process that made it is gone
     removed = testbed.down("pilabz")
     assert any("netns pilabz-node01" in r for r in removed)
-    assert not [ns for ns in testbed._netns_list() if ns.startswith("pilabz-")]
-    assert not [link for link in testbed._links() if link.startswith("pilabz-")]
+    assert not [ns for ns in testbed.netns_list() if ns.startswith("pilabz-")]
+    assert not [link for link in testbed.link_names() if link.startswith("pilabz-")]
 
 
 def test_shared_memory_inside_a_node_tcp_between_nodes(tb, tmp_path):

@@ -150,7 +150,7 @@ def data_path(batch: int, rounds: int, batches: int) -> dict:
             "speedup_pilab_over_dataloader": summary(ratios(s, "dataloader", "pilab")), "raw": s}
 
 
-SIM_GOALS = {"fast": 1.10, "exact": 1.30}  # issue 42: each mode's step against one process on the global batch
+SIM_GOALS = {"fast": 1.10, "exact": 1.30}  # each mode's step against one process on the global batch
 
 
 def stepper(session):

@@ -3,7 +3,7 @@
     mpiexec -n 2 python -m pilab.bench.mpijobs OUT.json [--quick] [--sections memory,comm,e2e,sync]
 
 ``pilab.bench.suite.run`` launches it. Sections, all in one job so that every ratio is between contenders
-measured in the same sitting, alternated round by round:
+measured in the same run, alternated round by round:
 
 * memory: the default training run for a few steps (first, so the peak RSS is that run's), and that a
   static-sharded rank's loader holds only its shard;

@@ -24,7 +24,7 @@ taken down after an error or Ctrl-C too. On the nodes' namespaces:
    gradients are one 1 MB bucket, ready at the end of backward, so none of it is hidden) and the
    training time of the epoch.
 
-5. one synchronous step on the wire (``pilab.bench.wire``, issue 23): pilab (default buckets, fp16, one
+5. one synchronous step on the wire (``pilab.bench.wire``): pilab (default buckets, fp16, one
    bucket) against DDP-gloo (its defaults and 1 MiB buckets) and the no-exchange ceiling, alternated round
    by round, on 2 nodes x 1 rank and 4 nodes x 2 ranks at WIRE_RATES, beside the bound (``wire_rows``).
 
@@ -59,7 +59,7 @@ SIZES = (4, 1024, 16 * 1024, 128 * 1024, 2 ** 20, 4 * 2 ** 20)
 POINTS = [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)]
 RATES, QUICK_RATES = ("100mbit", "1gbit"), ("100mbit",)
 LOCAL_POINTS = [(2, 2), (4, 2), (8, 4)]
-# One synchronous step on the wire (issue 23; pilab.bench.wire): the contenders on 2 nodes x 1 rank and on
+# One synchronous step on the wire (pilab.bench.wire): the contenders on 2 nodes x 1 rank and on
 # 4 nodes x 2 ranks (the Pi layout), at each WIRE_RATES rate, beside the physical bound.
 WIRE_RATES, QUICK_WIRE_RATES = ("200mbit", "1gbit"), ("200mbit",)
 WIRE_LAYOUTS = [(2, 2), (8, 4)]  # (np, nodes)

@@ -176,11 +176,7 @@ def markdown_report(res: dict) -> str:
     out = [
         "# pilab benchmarks",
         "",
-        "Written by `python -m pilab bench` (`pilab/bench/`); do not edit by hand — rerun it. Every figure "
-        "is a ratio against a baseline measured in the same run: the contenders alternate round by round "
-        "(order rotated), one ratio per round, shown as **median (p10–p90, n = rounds)**. Timings on a "
-        "shared machine swing by tens of percent between sittings; only the ratios mean anything, and a "
-        "wide p10–p90 says the load dominated.",
+        "Written by `python -m pilab bench` (`pilab/bench/`); do not edit by hand — rerun it. " + _RATIOS,
         "",
         f"- machine: {m['cpu']}, {m['cpu_count']} cores ({m['usable_cores']} usable); {m['platform']}",
         f"- software: python {m['python']}, torch {m['torch']}"

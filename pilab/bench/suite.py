@@ -130,7 +130,7 @@ SIMULATOR_MODELS = (("mobilenetv2_cifar", 0.25), ("mobilenetv2_cifar", 1.0), ("s
 
 
 def _simulator_cases(quick: bool, models=None) -> list[tuple]:
-    """(model, width, per-rank batch, np) of the simulator section (issue 42's grid; quick: its corners
+    """(model, width, per-rank batch, np) of the simulator section (its grid; quick: its corners
     of the first model)."""
     models = list(models or SIMULATOR_MODELS)
     if quick:

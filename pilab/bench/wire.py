@@ -1,4 +1,4 @@
-"""One synchronous step on the wire (issue 23): every rank of a job on a testbed node runs this module,
+"""One synchronous step on the wire: every rank of a job on a testbed node runs this module,
 and the contenders take turns, round by round, each on its own copy of the model, the same batches::
 
     mpiexec -hosts 10.84.0.11:1,10.84.0.12:1 ... python -m pilab.bench.wire OUT.json --master 10.84.0.11

@@ -26,11 +26,10 @@ Sources for :func:`load` (decoded once, then cached as an ``.npz`` in :func:`def
 Where things live (everything below is importable from ``pilab.data`` itself):
 
 - :mod:`~pilab.data.dataset`: the :class:`CIFAR10` arrays and :class:`DataError`;
-- :mod:`~pilab.data.sources`: :func:`load` and :func:`fetch`; :mod:`~pilab.data.sources` reads each layout,
-  :mod:`~pilab.data.cache` keeps the decoded arrays;
+- :mod:`~pilab.data.sources`: :func:`load`, :func:`fetch`, each layout decoded, your arrays saved
+  (:func:`from_arrays`, :func:`save`); :mod:`~pilab.data.cache` keeps the decoded arrays;
 - :mod:`~pilab.data.shards`: subsets, shards, per-epoch batch indices, test slices (numpy only);
-- :mod:`~pilab.data.loader`: normalisation and batched crop/flip (torch);
-- :mod:`~pilab.data.loader`: :class:`ShardLoader`, one rank's batches.
+- :mod:`~pilab.data.loader`: :class:`ShardLoader`, one rank's batches, normalised and augmented (torch).
 """
 from __future__ import annotations
 

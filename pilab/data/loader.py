@@ -303,7 +303,7 @@ def ranks_batch(loaders: list, epoch: int, step: int) -> tuple[torch.Tensor, tor
         x, y = ranks_batch(loaders[0:48], epoch, step)     # == cat of loaders[r].batch(epoch, step)
 
     Why not cat: per rank it cost an index_select, a float conversion and a normalisation of a few
-    images, then a copy of the float batch, ~5-10% of a step at np=48 (issue 42's profile)."""
+    images, then a copy of the float batch, ~5-10% of a step at np=48 (the simulator's profile)."""
     first = loaders[0]
     if len(loaders) == 1:
         return first.batch(epoch, step)

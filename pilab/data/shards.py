@@ -18,10 +18,11 @@ POLICIES = ("static", "reshuffle")
 
 # Domain tags keep the random streams for different purposes independent under the same seed
 # (all of them here, augmentation's included, so that no two can collide).
-_TAG_SUBSET, _TAG_SHARDS, _TAG_STATIC, _TAG_RESHUFFLE, TAG_AUG = 1, 2, 3, 4, 5
+_TAG_SUBSET, _TAG_SHARDS, _TAG_STATIC, TAG_RESHUFFLE, TAG_AUG = 1, 2, 3, 4, 5
 
 
-def _rng(*key: int) -> np.random.Generator:
+def stream(*key: int) -> np.random.Generator:
+    """The random stream of ``key`` (seed, a domain tag above, epoch, ...): the same numbers on every rank."""
     return np.random.default_rng([int(k) for k in key])
 
 
@@ -43,7 +44,7 @@ def stratified_subset(labels: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
     if not 0 <= n <= len(labels):
         raise DataError(f"subset of {n} is outside 0..{len(labels)} (the samples available); "
                         f"use at most {len(labels)}")
-    rng = _rng(seed, _TAG_SUBSET)
+    rng = stream(seed, _TAG_SUBSET)
     order, cls = _class_order(labels, rng)
     n_cls = int(cls.max()) + 1 if len(cls) else 0
     starts = np.searchsorted(cls, np.arange(n_cls))
@@ -61,7 +62,7 @@ def static_shards(labels: np.ndarray, np_: int, seed: int = 0) -> list[np.ndarra
     """
     labels = np.asarray(labels)
     check_np(len(labels), np_)
-    order, _ = _class_order(labels, _rng(seed, _TAG_SHARDS))
+    order, _ = _class_order(labels, stream(seed, _TAG_SHARDS))
     # Deal the class-grouped sequence round robin: each class is spread evenly over the shards.
     return [np.sort(order[r::np_]).astype(np.int64) for r in range(np_)]
 
@@ -102,14 +103,14 @@ def epoch_accounting(n_or_labels, np_: int, batch: int, policy: str, seed: int =
 
 def static_local(shard_size: int, steps: int, batch: int, epoch: int, seed: int, rank: int) -> np.ndarray:
     """(steps, batch) positions inside this rank's shard: a fresh shuffle each epoch."""
-    perm = _rng(seed, _TAG_STATIC, epoch, rank).permutation(shard_size)
+    perm = stream(seed, _TAG_STATIC, epoch, rank).permutation(shard_size)
     return perm[:steps * batch].reshape(steps, batch).astype(np.int64)
 
 
 def reshuffle_global(n: int, np_: int, rank: int, steps: int, batch: int, epoch: int,
                       seed: int) -> np.ndarray:
     """One permutation of all n per epoch (same on every rank); rank r takes positions r, r+np, ..."""
-    perm = _rng(seed, _TAG_RESHUFFLE, epoch).permutation(n)
+    perm = stream(seed, TAG_RESHUFFLE, epoch).permutation(n)
     return perm[:steps * batch * np_][rank::np_].reshape(steps, batch).astype(np.int64)
 
 

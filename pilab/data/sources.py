@@ -404,7 +404,7 @@ def resolve_source(source: str, cache: str) -> tuple[str, str]:
         raise DataError(f"data source {source!r} is not a string; pass 'embedded', 'cifar10' or a path")
     source = os.fspath(source)
     if source == "embedded":
-        path = _embedded_path()
+        path = embedded_path()
         if not os.path.isfile(path):
             raise DataError(f"the embedded subset {path} is missing; reinstall pilab or run "
                             "scripts/make_embedded.py")
@@ -434,7 +434,7 @@ def resolve_source(source: str, cache: str) -> tuple[str, str]:
     return "archive", path
 
 
-def _embedded_path() -> str:
+def embedded_path() -> str:
     """The shipped subset's file: package data of ``pilab`` (found from any working directory)."""
     try:
         return str(files("pilab") / "embedded" / _EMBEDDED_FILE)

@@ -77,7 +77,7 @@ class GradSync:
     alternative, measured by ``python -m pilab bench --sections sync``). Every gradient: between two
     nodes at 1 Gbit/s each phase of a 1 MiB Allreduce waits for
     the next poll, and polling every 8th gradient left 9-13% more on the step than every one (MobileNetV2
-    1.0, 2 nodes, 15 alternated rounds, 2026-12-03; the same at 200 Mbit/s, where the link bounds it),
+    1.0, 2 nodes, 15 alternated rounds; the same at 200 Mbit/s, where the link bounds it),
     while a Testall costs about a microsecond.
 
     ``finish()`` polls with Testall for ``SPIN_S`` and then naps between polls, instead of MPI's busy

@@ -2,8 +2,8 @@
 
     python -m pilab doctor --hostfile profiles/profile_pi/hosts --ranks-per-node 2 --data ~/cifar10-jpeg.tar.gz
 
-    from pilab import doctor
-    report = doctor.run(doctor.read_hostfile("hosts"), cfg=Config(data=...), ranks_per_node=2)
+    from pilab import doctor, launch
+    report = doctor.run(launch.read_hostfile("hosts"), cfg=Config(data=...), ranks_per_node=2)
     print(doctor.format_table(report)); report["ok"]
 
 Every host gets one job of its own (``mpiexec -f <that host> -n 1 python -m pilab.doctor.probe host``,
@@ -15,11 +15,9 @@ micro-benchmark: the report holds it as ``runs``/``fit``, the format ``perfmodel
 """
 from __future__ import annotations
 
-from ..launch import HostsError, mpiexec_library, parse_hosts, read_hostfile, same_family
 from .checks import CHECKS, DoctorError
 from .preflight import controller_address, data_path, format_table, predicted_peak, run
 
-# the parts: common (error, markers, limits), launcher (the MPI behind mpiexec), jobs (the probes and the
-# listener), checks, placement (where ranks land; Slurm's node states), preflight (run), table, probe
-__all__ = ["DoctorError", "HostsError", "CHECKS", "run", "read_hostfile", "parse_hosts", "format_table",
-           "mpiexec_library", "same_family", "controller_address", "data_path", "predicted_peak"]
+# the parts: checks (the error, the probe's markers, the checks and their limits), preflight (run: the
+# probes, the listener, the job across the hosts, the table), probe (what runs on each host)
+__all__ = ["DoctorError", "CHECKS", "run", "format_table", "controller_address", "data_path", "predicted_peak"]

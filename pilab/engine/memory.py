@@ -207,7 +207,7 @@ def predict_peak_bytes(cfg: Config, *, np_: int | None = None, allocator: str = 
     return breakdown(cfg, np_=np_, allocator=allocator, probe=probe)["peak"]
 
 
-# Your own model's quick prediction (the registered networks' factor) is off by up to ~25% (issue 37): where
+# Your own model's quick prediction (the registered networks' factor) is off by up to ~25%: where
 # even this margin over it fits, the measured one is not needed (no probe at every rank's start).
 QUICK_MARGIN = 1.5
 

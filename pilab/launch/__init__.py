@@ -1,6 +1,6 @@
 """Launching: finding ``mpiexec`` and starting a job of pilab's ranks (``mpiexec``), the hosts and slots a
-cluster gives (``hosts``), Slurm's commands (``slurm``), which MPI library a launcher belongs to
-(``library``) and where the ranks will land (``placement``). Nothing here imports torch or MPI::
+cluster gives and where the ranks will land (``hosts``), Slurm's commands (``slurm``), which MPI library a
+launcher belongs to (``mpiexec``). Nothing here imports torch or MPI::
 
     from pilab.launch import find_mpiexec, run_job
     res = run_job(2, "pilab.engine.harness", {"config": cfg.to_dict()})   # rank 0's answer

@@ -27,7 +27,7 @@ The ``network`` section's analysis: the performance model against what :mod:`pil
 on the testbed, from the stored measurements only (no root, no runs)::
 
     from pilab.perfmodel import check
-    print(check.report("benchmarks/results/bench_network-2026-12-02-1419.json"))
+    print(check.report("benchmarks/results/bench_network.json"))
 
 It says how far the model is from each point (median and worst |predicted / measured - 1|); a tolerance to
 count the points within (a study's goal, e.g. experiments/network-model/goal.py) is the caller's.
@@ -165,7 +165,7 @@ def section(quick: bool = False, mpiexec: str | None = None, *, repeat: int = 1,
 # What the section runs (pilab.bench.network runs it; the analysis below reads its settings)
 TRAIN = dict(width=0.25, batch_size=8, train_subset=512, test_subset=100, epochs=1, threads=1)
 COMM_BOUND = 0.30  # communication-bound: measured network time >= this share of the step
-# Local SGD (issue 20): each rank steps alone and the parameters are averaged every LOCAL_H steps (and at
+# Local SGD: each rank steps alone and the parameters are averaged every LOCAL_H steps (and at
 # the epoch's end), so a step's exposed network time is the metrics' tiny Allreduce, and every H-th step
 # the parameters': measured as the mean over the steps after the first (the median is a local step's).
 # Twice the images of TRAIN, so that np=8 still averages twice. At LOCAL_RATE, the slowest link.

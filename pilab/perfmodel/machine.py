@@ -88,7 +88,7 @@ class Cluster:
     overlap: float = 1.0  # fraction of the remaining backward that can hide posted buckets
     # share of its own rate that an Allreduce across nodes keeps while the ranks compute backward (the
     # CPU the kernel's TCP and the MPI progress get then; measured by pilab.bench.wire's probe: 0.4-1.0
-    # on the testbed, 2026-12-03); 1: full rate, as the model assumed before
+    # on the testbed); 1: full rate, as the model assumed before
     overlap_rate: float = 1.0
     gamma_fp16: float = 0.0  # seconds per byte of an fp16 Allreduce beyond moving it (MPICH's software sum)
     oversub_alpha: float = 0.0  # extra s per Allreduce round when a node has more ranks than cores

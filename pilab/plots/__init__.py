@@ -13,8 +13,9 @@ returns a Bokeh figure or layout, so notebooks and the HTML report draw the same
     html = bokeh.embed.file_html(plots.report_layout(study), INLINE, "scaling")   # the report
 
 One module per kind of picture: ``base`` (what they all share, the notebook's Table and Paragraph),
-``run`` (one run, live or afterwards), ``study`` (a scaling study and its report page), ``remedies`` (a
-remedies search, a study over seeds) and ``compare`` (studies side by side, the paper).
+``run`` (one run, live or afterwards, and its trace's swim lanes), ``study`` (a scaling study and its
+report page, a remedies search, a study over seeds, studies side by side and the paper), ``static``
+(PNG and SVG with matplotlib).
 """
 from .base import (EPOCH_SOURCE, EXPERIMENTS, PARTS, PART_COLORS, PART_LABELS, RANK_SOURCE, STEP_SOURCE, Paragraph,
                    Table, html_table, setup_notebook, show, show_committed)

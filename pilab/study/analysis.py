@@ -40,7 +40,7 @@ class Criteria:
             raise ConfigError("wrong_gap must be >= 0 and wrong_floor in [0, 1)")
 
 
-def _karp_flatt(s: float, p: int, p0: int) -> float | None:
+def serial_fraction(s: float, p: int, p0: int) -> float | None:
     """Karp–Flatt serial fraction, None (not NaN: JSON has none) at the baseline itself."""
     e = karp_flatt(s, p, p0)
     return None if math.isnan(e) else e
@@ -165,7 +165,7 @@ def _row(p, r, here, there, machine, p0, t0, ttt0, target_acc) -> dict:
         "time_per_epoch": tpe,
         "here_time_per_epoch": mean(here), "here_time_source": here["source"] if here else None,
         "speedup": s, "efficiency": efficiency(s, p, p0) if s else None,
-        "karp_flatt": _karp_flatt(s, p, p0) if s else None,
+        "karp_flatt": serial_fraction(s, p, p0) if s else None,
         "images_per_s": (r["per_rank_batch"] * p * r["steps_per_epoch"] / tpe) if tpe else None,
         "comm_share": there.get("comm_share") if there else None,
         "comm_exposed_share": there.get("comm_exposed_share") if there else None,

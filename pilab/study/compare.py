@@ -11,7 +11,7 @@ The tables and pages made of them: :mod:`pilab.study.tables`, :mod:`pilab.study.
 The study beside the paper it reproduces: the published speedups on the 24-node Raspberry Pi 4B cluster,
 what pilab's performance model predicts for the same points (the naive code the paper likely ran, and
 pilab's own), and the accuracy each study measured — one table, one figure and a paragraph generated
-from the numbers (issue 21); the page is :func:`pilab.study.report.paper_html`'s::
+from the numbers; the page is :func:`pilab.study.report.paper_html`'s::
 
     from pilab.study import paper, scaling
     studies = {"50k naive": scaling.load_study("experiments/paper-size/naive", planned=paper.PAPER_NPS),
@@ -303,7 +303,7 @@ def beside_paper(studies: dict[str, dict], *, nps=PAPER_NPS, cluster="pi4b_clust
                 "wall_time_here": r.get("wall_time") if r else None,
                 "test_acc_curve": curve if r else None,
                 # the study's own row, predicted for its target machine (the Pi cluster): every point's
-                # Pi time, energy and time to the study's target accuracy (90% of its np=1), as issue 21 asks
+                # Pi time, energy and time to the study's target accuracy (90% of its np=1)
                 "pi_time_per_epoch": sr.get("time_per_epoch"), "pi_energy_j": sr.get("energy_j"),
                 "pi_time_to_target": sr.get("time_to_target"), "pi_speedup_to_target": sr.get("speedup_to_target"),
                 "target_acc": st.get("target_accuracy") if r else None,

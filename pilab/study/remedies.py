@@ -15,7 +15,7 @@ combined (Goyal et al.'s linear scaling + warmup; LARS + warmup; a fixed global 
     python -m pilab remedies --np 48 --out runs/remedies
 
 Each candidate's run is kept as ``out/<label>/result.json`` the moment it finishes; ``resume=True`` keeps
-those finished runs (same training) and runs only the others, so a long search spans sittings and its
+those finished runs (same training) and runs only the others, so a long search can be stopped and resumed and its
 candidates can run as separate processes (``only=[...]``) and be put together by one last search with
 ``resume``. ``reuse`` takes a candidate's run from a scaling study where it is the same training (the
 baseline at np=48 is the naive rule's np=48 point).
@@ -337,7 +337,7 @@ def _candidate_run(c: Config, np_: int, ds, out, name: str, resume: bool, reuse,
         r = finished_run(os.path.join(d, "result.json"), np_, c, True)
         if r is not None:
             return r, "kept from the earlier search"
-        part = _part_way(d, c, np_)
+        part = resumable_checkpoint(d, c, np_)
     r = reused_run(reuse, np_, c, True, os.path.join(d, "result.json") if d else None)
     if r is not None:
         return r, f"reused from {r['reused_from']}"
@@ -348,7 +348,7 @@ def _candidate_run(c: Config, np_: int, ds, out, name: str, resume: bool, reuse,
     return res, f"continued from {os.path.basename(part)}" if part else ""
 
 
-def _part_way(d: str, c: Config, np_: int) -> str:
+def resumable_checkpoint(d: str, c: Config, np_: int) -> str:
     """The newest checkpoint in ``d`` that ``c``'s run at ``np_`` can go on from, or "" (none, or another
     run's): a search interrupted part-way through a candidate (a session that ended, Ctrl-C) continues it
     with ``resume`` when its runs checkpoint (``--checkpoint-every``, ``--checkpoint-minutes``)."""

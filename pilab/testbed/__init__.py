@@ -32,10 +32,10 @@ machine, so nothing would cross the shaped link. ``env()`` therefore sets ``UCX_
 Slurm on the testbed (``up --slurm``: munged, slurmctld on a head namespace, a slurmd per node) is
 :mod:`pilab.testbed.slurmd`.
 
-The package by concern: ``nodes`` (what a testbed is, up/down/status), ``shim`` (the files Hydra uses),
-``make`` (up, down, status), ``links`` (a node's link: down, shaped, its traffic), ``cgroups`` (a node's
-processes, CPU quota and memory limit), ``mounts`` (cgroup file systems and overlays inside a node),
-``slurm``, ``lock`` (one job that makes testbeds at a time on the machine: ``exclusive``).
+The package by concern: ``nodes`` (what a testbed is, its namespaces, veths and bridge), ``make`` (up,
+down, status), ``shim`` (the files Hydra uses; cgroup file systems and overlays inside a node),
+``cgroups`` (a node's processes, CPU quota and memory limit; its link: down, shaped, its traffic),
+``slurmd``, ``lock`` (one job that makes testbeds at a time on the machine: ``exclusive``).
 
 Everything the testbed makes carries its name as a prefix (namespaces ``<name>-node01…``, links
 ``<name>-br`` and ``<name>-n01…``, the state directory ``/run/<name>-testbed``), so ``down`` finds and

@@ -22,12 +22,12 @@ all ranks leave after the same step. A ``%%px`` cell interrupted from the notebo
 Where things live (everything below is importable from ``pilab.lab.cluster`` itself):
 
 - :mod:`~pilab.lab.cluster.profiles`: profiles, hostfiles, the LAN address; :func:`start` and :func:`connect`;
-- :mod:`~pilab.lab.cluster.client`: :class:`Engines` (the notebook side);
-- :mod:`~pilab.lab.cluster.client`: :class:`Run`, :class:`LocalRun` (a run on them or in this kernel, its failures);
+- :mod:`~pilab.lab.cluster.client`: :class:`Engines` (the notebook side), :class:`Run`, :class:`LocalRun`
+  (a run on them or in this kernel, its failures);
 - :mod:`~pilab.lab.cluster.rank`: what runs inside each engine (:func:`whoami`, :func:`stop_flag`,
-  :func:`engine_train`, :func:`rank_state`);
-- :mod:`~pilab.lab.cluster.events`: rank 0's events to the notebook, both halves (:func:`publish` and its reader);
-- :mod:`~pilab.lab.cluster.rank`: rank 0 sends each rank its data shard (:func:`scatter_shards`).
+  :func:`engine_train`, :func:`rank_state`), and rank 0 sending each rank its data shard
+  (:func:`scatter_shards`);
+- :mod:`~pilab.lab.cluster.events`: rank 0's events to the notebook, both halves (:func:`publish` and its reader).
 
 The launcher (``mpiexec``) is found by :func:`pilab.launch.find_mpiexec`.
 """
