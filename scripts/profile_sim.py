@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 
@@ -72,12 +73,13 @@ from pilab.config import Config
 from pilab import engine
 from pilab.engine.backend import peak_mem_mb
 mode, np_, b, model, width, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5]), int(sys.argv[6])
+sys.path.insert(0, sys.argv[7])
+from profile_sim import mode_config  # MODE:COMPILE read in one place
 cfg = Config(model=model, width=width, batch_size=b, threads=threads, epochs=10, test_subset=10)
 if mode == "global":
     s = engine.Session(replace(cfg, batch_size=np_ * b), engine.MPIRanks(None))
 else:
-    m, _, compile_bn = mode.partition(":")
-    s = engine.Session(replace(cfg, simulate_mode=m, compile_bn=compile_bn or "auto"), engine.VirtualRanks(np_))
+    s = engine.Session(mode_config(cfg, mode), engine.VirtualRanks(np_))
 for k in range(2):
     s.step(0, k % s.steps_per_epoch)
 # the fast mode takes fewer ranks per forward by itself where the global batch would not fit: say so
@@ -92,8 +94,8 @@ def peaks(a, modes) -> dict:
     b = int(a.b.split(",")[0])
     out = {}
     for m in ["global", *modes]:
-        p = subprocess.run([sys.executable, "-c", _PEAK, m, str(a.np), str(b), a.model, str(a.width), str(a.threads)],
-                           capture_output=True, text=True, check=True)
+        p = subprocess.run([sys.executable, "-c", _PEAK, m, str(a.np), str(b), a.model, str(a.width), str(a.threads),
+                            os.path.dirname(os.path.abspath(__file__))], capture_output=True, text=True, check=True)
         got = json.loads(p.stdout.strip().splitlines()[-1])
         out[m] = got["peak_mem_mb"]
         if got["ranks_per_chunk"] is not None:
