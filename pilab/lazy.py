@@ -8,18 +8,29 @@ in the few lines pilab needs rather than a dependency): ``import pilab.engine`` 
 from __future__ import annotations
 
 import importlib
+import sys
 
 
 def face(package: str, names: dict[str, list[str]], defined=()) -> tuple:
     """``(__getattr__, __dir__, __all__)`` for ``package``: each name of ``names[module]`` is taken from
-    ``package.module`` when first asked for. ``defined``: names the package's ``__init__`` defines itself
-    (listed in ``__all__`` too)."""
-    where = {name: module for module, those in names.items() for name in those}
+    ``package.module`` when first asked for (``"attr as name"`` renames it), and kept; a module named as a
+    key is an attribute too. ``defined``: names the package's ``__init__`` defines itself."""
+    where = {}
+    for module, those in names.items():
+        for entry in those:
+            attr, _, name = entry.partition(" as ")
+            where[name or attr] = (module, attr)
 
     def __getattr__(name: str):
         if name in where:
-            return getattr(importlib.import_module(f"{package}.{where[name]}"), name)
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+            module, attr = where[name]
+            value = getattr(importlib.import_module(f"{package}.{module}"), attr)
+        elif name in names:
+            value = importlib.import_module(f"{package}.{name}")
+        else:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        setattr(sys.modules[package], name, value)  # the next use is a plain attribute
+        return value
 
     everything = sorted([*where, *defined])
     return __getattr__, lambda: everything, everything

@@ -24,7 +24,7 @@ LAYERS = {
     "envvars": 0,  # the registry of the environment variables pilab reads (no pilab imports)
     "component": 0,  # what a loop feature is: the moments the loop calls (no pilab imports)
     "lazy": 0,  # a package's face loaded on first use (PEP 562)
-    "launch": 0,  # finding mpiexec, starting a job, hostfiles, Slurm, where the ranks land (no torch)
+    "launch": 1,  # finding mpiexec, starting a job, hostfiles, Slurm, where the ranks land (no torch)
     "models": 1,  # the networks, by name (torch only)
     "plots": 1, "testbed": 1,  # the view (Bokeh, matplotlib); network namespaces playing a cluster
     "config": 2,  # the frozen Config (checks model names against models/)

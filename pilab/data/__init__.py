@@ -31,18 +31,14 @@ Where things live (everything below is importable from ``pilab.data`` itself):
 - :mod:`~pilab.data.shards`: subsets, shards, per-epoch batch indices, test slices (numpy only);
 - :mod:`~pilab.data.loader`: :class:`ShardLoader`, one rank's batches, normalised and augmented (torch).
 """
-from __future__ import annotations
+from .. import lazy
 
-from .sources import from_arrays, from_dataset, save
-from .cache import cache_entries, clear_cache, default_cache_dir, resolve_cache_dir
-from .dataset import CIFAR10, CIFAR10_MEAN as MEAN, CIFAR10_STD as STD, CLASSES, DataError
-from .loader import PAD, ShardLoader, augment, pad_for, ranks_batch, to_input
-from .shards import (POLICIES, batch_shares, epoch_accounting, epoch_batches, static_shards, stratified_subset,
-                     test_shard)
-from .sources import BATCHES_DIR, OFFICIAL_URL, cached_counts, describe, fetch, load, resolve_source, train_size
-
-__all__ = ["CIFAR10", "CLASSES", "DataError", "load", "train_size", "describe", "from_arrays", "from_dataset", "save",
-    "fetch", "default_cache_dir", "cache_entries", "clear_cache", "BATCHES_DIR", "OFFICIAL_URL", "POLICIES",
-    "stratified_subset", "static_shards", "epoch_accounting", "epoch_batches", "test_shard", "batch_shares", "MEAN",
-    "STD", "PAD", "pad_for", "to_input", "augment", "ShardLoader", "ranks_batch", "resolve_cache_dir",
-    "cached_counts", "resolve_source"]
+__getattr__, __dir__, __all__ = lazy.face(__name__, {
+    "sources": ["load", "train_size", "describe", "from_arrays", "from_dataset", "save", "fetch", "BATCHES_DIR",
+               "OFFICIAL_URL", "cached_counts", "resolve_source"],
+    "cache": ["default_cache_dir", "cache_entries", "clear_cache", "resolve_cache_dir"],
+    "dataset": ["CIFAR10", "CLASSES", "DataError", "CIFAR10_MEAN as MEAN", "CIFAR10_STD as STD"],
+    "loader": ["PAD", "pad_for", "to_input", "augment", "ShardLoader", "ranks_batch"],
+    "shards": ["POLICIES", "stratified_subset", "static_shards", "epoch_accounting", "epoch_batches", "test_shard",
+              "batch_shares"],
+})

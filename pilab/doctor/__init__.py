@@ -13,11 +13,9 @@ per answering host runs an Allreduce, measures each host's link to rank 0 both w
 micro-benchmark: the report holds it as ``runs``/``fit``, the format ``perfmodel calibrate
 --inter-bench`` reads. Each check is ✔ or ✗ per host, with a one-line fix for each ✗ (``CHECKS``).
 """
-from __future__ import annotations
+from .. import lazy
 
-from .checks import CHECKS, DoctorError
-from .preflight import controller_address, data_path, format_table, predicted_peak, run
-
-# the parts: checks (the error, the probe's markers, the checks and their limits), preflight (run: the
-# probes, the listener, the job across the hosts, the table), probe (what runs on each host)
-__all__ = ["DoctorError", "CHECKS", "run", "format_table", "controller_address", "data_path", "predicted_peak"]
+__getattr__, __dir__, __all__ = lazy.face(__name__, {
+    "checks": ["DoctorError", "CHECKS"],
+    "preflight": ["run", "format_table", "controller_address", "data_path", "predicted_peak"],
+})

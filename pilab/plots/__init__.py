@@ -17,17 +17,14 @@ One module per kind of picture: ``base`` (what they all share, the notebook's Ta
 report page, a remedies search, a study over seeds, studies side by side and the paper), ``static``
 (PNG and SVG with matplotlib).
 """
-from .base import (EPOCH_SOURCE, EXPERIMENTS, PARTS, PART_COLORS, PART_LABELS, RANK_SOURCE, STEP_SOURCE, Paragraph,
-                   Table, html_table, setup_notebook, show, show_committed)
-from .run import (LivePlot, accuracy_figure, loss_figure, rank_label, result_layout, run_summary, throughput_figure,
-                  timeline_figure)
-from .study import (MODE_NOTE, compare_figures, curves_by_np, efficiency_figure, energy_figure, models_figure,
-                    paper_figures, remedies_figure, report_layout, row_kind, scaling_dashboard, seeds_figure,
-                    speedup_figure, study_accuracy_figure, study_cells, table_notes)
+from .. import lazy
 
-__all__ = ["setup_notebook", "show", "show_committed", "LivePlot", "loss_figure", "accuracy_figure",
-           "throughput_figure", "timeline_figure", "rank_label", "result_layout", "run_summary", "speedup_figure",
-           "efficiency_figure", "study_accuracy_figure", "curves_by_np", "energy_figure", "scaling_dashboard",
-           "report_layout", "study_cells", "row_kind", "table_notes", "MODE_NOTE", "remedies_figure", "seeds_figure", "models_figure", "compare_figures",
-           "paper_figures", "Table", "Paragraph", "html_table", "EXPERIMENTS", "STEP_SOURCE", "EPOCH_SOURCE",
-           "RANK_SOURCE", "PARTS", "PART_LABELS", "PART_COLORS"]
+__getattr__, __dir__, __all__ = lazy.face(__name__, {
+    "base": ["setup_notebook", "show", "show_committed", "Table", "Paragraph", "html_table", "EXPERIMENTS",
+            "STEP_SOURCE", "EPOCH_SOURCE", "RANK_SOURCE", "PARTS", "PART_LABELS", "PART_COLORS"],
+    "run": ["LivePlot", "loss_figure", "accuracy_figure", "throughput_figure", "timeline_figure", "rank_label",
+           "result_layout", "run_summary"],
+    "study": ["speedup_figure", "efficiency_figure", "study_accuracy_figure", "curves_by_np", "energy_figure",
+             "scaling_dashboard", "report_layout", "study_cells", "row_kind", "table_notes", "MODE_NOTE",
+             "remedies_figure", "seeds_figure", "models_figure", "compare_figures", "paper_figures"],
+})

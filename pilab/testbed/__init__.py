@@ -43,19 +43,15 @@ removes all of it even when the process that made it crashed. Traffic never leav
 namespaces have no default route and no NAT, and ``up`` refuses a range that overlaps any route or
 address already configured here.
 """
-from __future__ import annotations
+from .. import lazy
 
-from .cgroups import cpu_quota, limit_memory, link, processes, ps, quota, shape, throttle, traffic, traffic_delta
-from .lock import LOCK_PATH, exclusive, holder
-from .make import down, status, up
-from .nodes import (DEFAULT_NAME, DEFAULT_RATE, DEFAULT_SUBNET, FIRST_HOST, NODE_IFACE, Testbed, TestbedError,
-                    available, burst_bytes, check_range, link_names, load, netns_list, parse_rate, routes_and_addresses,
-                    state_dir)
-from .shim import clear_overlays, overlay
-
-__all__ = ["Testbed", "TestbedError", "up", "down", "load", "status", "available", "parse_rate",
-           "exclusive", "holder", "LOCK_PATH",
-           "link", "shape", "throttle", "quota", "cpu_quota", "limit_memory", "overlay", "clear_overlays",
-           "traffic", "traffic_delta",
-           "processes", "ps", "burst_bytes", "check_range", "state_dir", "FIRST_HOST", "NODE_IFACE",
-           "DEFAULT_SUBNET", "DEFAULT_RATE", "DEFAULT_NAME", "link_names", "netns_list", "routes_and_addresses"]
+__getattr__, __dir__, __all__ = lazy.face(__name__, {
+    "cgroups": ["link", "shape", "throttle", "quota", "cpu_quota", "limit_memory", "traffic", "traffic_delta",
+               "processes", "ps"],
+    "lock": ["exclusive", "holder", "LOCK_PATH"],
+    "make": ["up", "down", "status"],
+    "nodes": ["Testbed", "TestbedError", "load", "available", "parse_rate", "burst_bytes", "check_range", "state_dir",
+             "FIRST_HOST", "NODE_IFACE", "DEFAULT_SUBNET", "DEFAULT_RATE", "DEFAULT_NAME", "link_names", "netns_list",
+             "routes_and_addresses"],
+    "shim": ["overlay", "clear_overlays"],
+})

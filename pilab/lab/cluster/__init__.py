@@ -31,17 +31,14 @@ Where things live (everything below is importable from ``pilab.lab.cluster`` its
 
 The launcher (``mpiexec``) is found by :func:`pilab.launch.find_mpiexec`.
 """
-from __future__ import annotations
+from ... import lazy
 
-from .client import Engines, LocalRun, Run
-from .errors import ClusterError
-from .events import publish
-from .profiles import (connect, hostfile_slots, lan_address, non_loopback_addresses, profile_dir, running_clusters,
-                       start, stop_stale)
-from .rank import RankTable, StopFlag, engine_train, last, load_scattered, rank_state, scatter_shards, stop_flag, whoami
-
-__all__ = [
-    "ClusterError", "Engines", "Run", "LocalRun", "start", "connect", "profile_dir", "hostfile_slots",
-    "lan_address", "non_loopback_addresses", "whoami", "stop_flag", "StopFlag", "publish", "engine_train",
-    "rank_state", "RankTable", "last", "scatter_shards", "load_scattered", "running_clusters", "stop_stale",
-]
+__getattr__, __dir__, __all__ = lazy.face(__name__, {
+    "client": ["Engines", "Run", "LocalRun"],
+    "errors": ["ClusterError"],
+    "events": ["publish"],
+    "profiles": ["start", "connect", "profile_dir", "hostfile_slots", "lan_address", "non_loopback_addresses",
+                "running_clusters", "stop_stale"],
+    "rank": ["whoami", "stop_flag", "StopFlag", "engine_train", "rank_state", "RankTable", "last", "scatter_shards",
+            "load_scattered"],
+})
