@@ -8,13 +8,14 @@ in the few lines pilab needs rather than a dependency): ``import pilab.engine`` 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 
 
 def face(package: str, names: dict[str, list[str]], defined=()) -> tuple:
     """``(__getattr__, __dir__, __all__)`` for ``package``: each name of ``names[module]`` is taken from
-    ``package.module`` when first asked for (``"attr as name"`` renames it), and kept; a module named as a
-    key is an attribute too. ``defined``: names the package's ``__init__`` defines itself."""
+    ``package.module`` when first asked for (``"attr as name"`` renames it), and kept; each of the package's
+    modules is an attribute too. ``defined``: names the package's ``__init__`` defines itself."""
     where = {}
     for module, those in names.items():
         for entry in those:
@@ -25,7 +26,7 @@ def face(package: str, names: dict[str, list[str]], defined=()) -> tuple:
         if name in where:
             module, attr = where[name]
             value = getattr(importlib.import_module(f"{package}.{module}"), attr)
-        elif name in names:
+        elif importlib.util.find_spec(f"{package}.{name}") is not None:  # one of the package's modules
             value = importlib.import_module(f"{package}.{name}")
         else:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
