@@ -24,7 +24,7 @@ alpha and beta.
 
 The micro-benchmark's rank side: every rank of the job runs this module, rank 0 writes the timings::
 
-    mpiexec -n 2 python -m pilab.perfmodel.microbench OUT.json --sizes 4 1024 65536
+    mpiexec -n 2 python -m pilab.perfmodel.calibrate OUT.json --sizes 4 1024 65536
 
 ``run_comm_bench`` launches it once per np (``pilab.launch.run_job``); :func:`comm_bench` does the
 timing. A module of its own so that ``pilab perfmodel bench`` has no hidden rank-side flags.
