@@ -105,12 +105,8 @@ def status(name: str = DEFAULT_NAME) -> dict:
                    bridge_address=tb.bridge_address,
                    nodes={h: {"address": tb.address(h), "rate": tb.rate_of(h),
                               "link": _link_state(tb.veth(h)), "cpus": quota(tb, h)} for h in tb.hosts},
-                   processes=_processes(tb) if spaces else {})
+                   processes=processes(tb) if spaces else {})
     return out
-
-
-def _processes(tb: Testbed) -> dict:
-    return processes(tb)
 
 
 def _link_state(dev: str) -> str:
