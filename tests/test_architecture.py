@@ -217,3 +217,21 @@ def test_the_backends_name_no_feature_and_a_step_result_is_the_loops_own():
             {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         assert not used & {"trace", "gns_max", "batch_ramp", "local_steps", "norms", "Timeline", "localsgd",
                            "noise", "straggler_threshold"}, (path, used & {"trace", "gns_max", "local_steps"})
+
+
+def test_every_face_gives_what_its_modules_define_whatever_was_imported_first():
+    # A package's face (its __init__) names what the package offers; importing one of its modules must not
+    # shadow a name of the face (Python sets pilab.perfmodel.predict to the module on its first import:
+    # where a name is also a module's, the face is eager, as perfmodel's is)
+    import importlib
+    import pkgutil
+    from types import ModuleType
+    for init in sorted((REPO / "pilab").rglob("__init__.py")):
+        package = ".".join(init.relative_to(REPO).parent.parts)
+        face = importlib.import_module(package)
+        for sub in pkgutil.iter_modules([str(init.parent)]):
+            if not sub.ispkg and sub.name != "__main__":
+                importlib.import_module(f"{package}.{sub.name}")
+        shadowed = [n for n in getattr(face, "__all__", ())
+                    if isinstance(getattr(face, n), ModuleType) and getattr(face, n).__name__ == f"{package}.{n}"]
+        assert not shadowed, (package, shadowed)

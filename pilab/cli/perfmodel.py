@@ -395,7 +395,7 @@ def run_trace(args, argv) -> int:
 def run_validate(args, argv) -> int:
     from ..trace import format as tf
     from ..trace import load
-    from ..trace import table, predict as validate
+    from ..trace import table, validate
 
     _check_range(args, "step_goal", 0, strict=True)
     _check_range(args, "tail_goal", 0, strict=True)
