@@ -85,7 +85,8 @@ def _simulate(np_: int, over: dict) -> dict:
 def _resume(np_: int, over: dict) -> dict:
     with tempfile.TemporaryDirectory() as d:
         first, _ = engine.fit(_config(over, out=d, max_steps=5), engine.VirtualRanks(np_))
-        second, model = engine.fit(_config(over, out=d, resume=os.path.join(d, "checkpoint.pt")), engine.VirtualRanks(np_ // 2))
+        second, model = engine.fit(_config(over, out=d, resume=os.path.join(d, "checkpoint.pt")),
+                                   engine.VirtualRanks(np_ // 2))
     a, b = _summary(first, ""), _summary(second, _weights_sha(model))
     return {"first": a, "resumed": b}
 

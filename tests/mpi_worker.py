@@ -349,7 +349,8 @@ def case_local(out):
     d = COMM.bcast(tempfile.mkdtemp(prefix="pilab-local-") if RANK == 0 else None, root=0)
     k = first_local + 1
     engine.fit(replace(cfg, out=d, checkpoint_every_steps=k, max_steps=k), engine.MPIRanks(COMM), data=ds)
-    resumed, model_b = engine.fit(replace(cfg, out=d, resume=os.path.join(d, "checkpoint.pt")), engine.MPIRanks(COMM), data=ds)
+    resumed, model_b = engine.fit(replace(cfg, out=d, resume=os.path.join(d, "checkpoint.pt")),
+                                  engine.MPIRanks(COMM), data=ds)
     states_b = gathered_states(model_b)
     if RANK == 0:
         res["resume_diff_per_rank"] = [max_diff(states_b[r], states[r]) for r in range(SIZE)]

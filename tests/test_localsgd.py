@@ -72,7 +72,8 @@ def test_a_simulated_run_resumes_between_two_averages_bitwise(whole, tmp_path):
     k = round(TINY.local_after * spe) + 1  # a local step that is not an average
     assert not localsgd.phase(TINY, spe, *divmod(k - 1, spe)).average
     engine.fit(replace(TINY, out=str(tmp_path), checkpoint_every_steps=k, max_steps=k), engine.VirtualRanks(4))
-    again, model = engine.fit(replace(TINY, out=str(tmp_path), resume=str(tmp_path / "checkpoint.pt")), engine.VirtualRanks(4))
+    again, model = engine.fit(replace(TINY, out=str(tmp_path), resume=str(tmp_path / "checkpoint.pt")),
+                              engine.VirtualRanks(4))
     assert again["resumed_from_step"] == k
     assert max(float((model.state_dict()[n] - v).abs().max()) for n, v in state.items()
                if v.is_floating_point()) == 0.0

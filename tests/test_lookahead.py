@@ -26,14 +26,17 @@ def test_every_k_steps_the_weights_are_the_midpoint_and_a_resume_mid_cycle_is_bi
     _, la = engine.fit(replace(cfg, max_steps=4), engine.VirtualRanks(2))
     for s, f, w in zip(start, plain.parameters(), la.parameters()):  # slow + 0.5 (fast - slow)
         torch.testing.assert_close(w.detach(), 0.5 * (s + f.detach()), rtol=1e-6, atol=1e-7)
-    _, three = engine.fit(replace(cfg, max_steps=3), engine.VirtualRanks(2))  # before the cycle ends: the optimizer's own
+    _, three = engine.fit(replace(cfg, max_steps=3),
+                          engine.VirtualRanks(2))  # before the cycle ends: the optimizer's own
     _, plain3 = engine.fit(replace(cfg, lookahead_steps=0, max_steps=3), engine.VirtualRanks(2))
     assert all(torch.equal(a, b) for a, b in zip(three.parameters(), plain3.parameters()))
 
     whole, whole_model = engine.fit(cfg, engine.VirtualRanks(2))
     part = str(tmp_path / "part")
-    engine.fit(replace(cfg, out=part, max_steps=10, checkpoint_every_steps=10), engine.VirtualRanks(2))  # 2 cycles + 2 steps
-    rest, rest_model = engine.fit(replace(cfg, out=part, resume=os.path.join(part, "checkpoint.pt")), engine.VirtualRanks(2))
+    engine.fit(replace(cfg, out=part, max_steps=10, checkpoint_every_steps=10),
+               engine.VirtualRanks(2))  # 2 cycles + 2 steps
+    rest, rest_model = engine.fit(replace(cfg, out=part, resume=os.path.join(part, "checkpoint.pt")),
+                                  engine.VirtualRanks(2))
     assert rest["steps"]["loss"] == whole["steps"]["loss"][10:]
     assert all(torch.equal(a, b) for a, b in zip(rest_model.parameters(), whole_model.parameters()))
     unresumed, _ = engine.fit(replace(cfg, lookahead_steps=0), engine.VirtualRanks(2))

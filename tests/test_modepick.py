@@ -65,7 +65,8 @@ def test_a_resumed_auto_run_keeps_its_mode_and_a_short_one_is_not_timed(timed, t
     monkeypatch.setattr(modepick, "MIN_STEPS", 0)
     k = auto["steps_per_epoch"] + 2
     cut, _ = engine.fit(replace(TINY, out=str(tmp_path), checkpoint_every_steps=k, max_steps=k), engine.VirtualRanks(4))
-    again, model = engine.fit(replace(TINY, out=str(tmp_path), resume=str(tmp_path / "checkpoint.pt")), engine.VirtualRanks(4))
+    again, model = engine.fit(replace(TINY, out=str(tmp_path), resume=str(tmp_path / "checkpoint.pt")),
+                              engine.VirtualRanks(4))
     assert again["resumed_from_step"] == k
     assert again["simulate_mode_trial"]["resumed"] is True
     assert again["simulate_mode_used"] == again["simulate_mode_trial"]["chosen"] == cut["simulate_mode_used"]
