@@ -40,5 +40,5 @@ __getattr__, __dir__, __all__ = lazy.face(__name__, {
     "dataset": ["CIFAR10", "CLASSES", "DataError", "CIFAR10_MEAN as MEAN", "CIFAR10_STD as STD"],
     "loader": ["PAD", "pad_for", "to_input", "augment", "ShardLoader", "ranks_batch"],
     "shards": ["POLICIES", "stratified_subset", "static_shards", "epoch_accounting", "epoch_batches", "test_shard",
-              "batch_shares"],
+              "batch_shares", "epoch_permutation"],
 })

@@ -193,12 +193,21 @@ def _launcher_words(env: dict) -> str:
         (f", -iface {env['HYDRA_IFACE']}" if env.get("HYDRA_IFACE") else "")
 
 
-def _net_job(tmp, answered, mpx, env, answer_s, timeout_s, links) -> dict:
+def speed_spec(cfg, ranks_per_node: int, np_: int) -> str:
+    """What the probe's ``step_speed`` times, for the run ``cfg`` at ``np_`` ranks: its model and per-rank
+    batch, as one base64 word for the probe's command line."""
+    import base64
+    spec = {"model": cfg.model, "width": cfg.width, "timesteps": cfg.timesteps, "image_size": cfg.image_size,
+            "batch": cfg.per_rank_batch(np_), "threads": cfg.threads, "ranks_per_node": ranks_per_node}
+    return base64.b64encode(json.dumps(spec).encode()).decode()
+
+
+def _net_job(tmp, answered, mpx, env, answer_s, timeout_s, links, speed: str = "") -> dict:
     """One rank per answering host (two on the one host when there is only one: a size to check)."""
     hosts = [(h, 1) for h in answered] if len(answered) > 1 else [(answered[0], 2)]
     n = sum(s for _, s in hosts)
-    cmd = mpiexec_command(n, _probe_cmd("net", *(["--links"] if links and len(answered) > 1 else [])),
-                          mpiexec=mpx, hostfile=_hostfile(tmp, "net", hosts))
+    opts = (["--links"] if links and len(answered) > 1 else []) + (["--speed", speed] if speed else [])
+    cmd = mpiexec_command(n, _probe_cmd("net", *opts), mpiexec=mpx, hostfile=_hostfile(tmp, "net", hosts))
     job = _Job(cmd, env)
     why = job.wait(answer_s, timeout_s)
     res = {"np": n, "hosts": answered, "exit": job.proc.returncode, "stopped": why,
@@ -213,12 +222,13 @@ def _net_job(tmp, answered, mpx, env, answer_s, timeout_s, links) -> dict:
 
 def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpiexec: str | None = None,
         env: dict | None = None, answer_s: float = 30.0, timeout_s: float = 300.0,
-        hostfile: str | None = None, links: bool = True) -> dict:
+        hostfile: str | None = None, links: bool = True, speed: bool = True) -> dict:
     """Check every host; returns the report (``format_table`` prints it, ``report["ok"]``).
 
     ``hosts``: [(host, slots)] in hostfile order; ``cfg``: the run's Config (data, model, threads,
     batch: what memory and data are checked against); ``answer_s``: how long a host may take to
-    start the probe through the launcher; ``timeout_s``: how long a whole probe may take."""
+    start the probe through the launcher; ``timeout_s``: how long a whole probe may take; ``speed``: time
+    the run's training step on every host (the ``speed`` check)."""
     from ..config import Config
     cfg = cfg or Config()
     mpx, launcher = _launcher(hosts, ranks_per_node, mpiexec)
@@ -247,7 +257,9 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
               "predicted_peak_bytes": peak, "controller": head_arg, "launcher": _launcher_words(env),
               "ucx_net_devices": env.get("UCX_NET_DEVICES", "")}
     try:
-        probes, jobs, why, answered, net = _probe(report, hosts, opts, tmp, mpx, env, answer_s, timeout_s, links)
+        spec = speed_spec(cfg, ranks_per_node, ranks_per_node * len(hosts)) if speed else ""
+        probes, jobs, why, answered, net = _probe(report, hosts, opts, tmp, mpx, env, answer_s, timeout_s, links,
+                                                  spec)
     finally:
         listener.close()
         tmp_dir.cleanup()
@@ -289,7 +301,7 @@ def _launcher(hosts, ranks_per_node, mpiexec) -> tuple[str, str]:
     return mpx, launcher
 
 
-def _probe(report, hosts, opts, tmp, mpx, env, answer_s, timeout_s, links):
+def _probe(report, hosts, opts, tmp, mpx, env, answer_s, timeout_s, links, spec=""):
     """The head's probe (the reference), one probe job per host, then the job across the answering hosts."""
     head = _Job(_probe_cmd("host", *opts), env)  # the head itself, without a launcher
     jobs = {h: _Job(mpiexec_command(1, _probe_cmd("host", *opts), mpiexec=mpx,
@@ -305,7 +317,7 @@ def _probe(report, hosts, opts, tmp, mpx, env, answer_s, timeout_s, links):
     why = {h: j.wait(answer_s, timeout_s) for h, j in jobs.items()}
     probes = {h: (j.results[0] if j.results else None) for h, j in jobs.items()}
     answered = [h for h, _ in hosts if probes[h] is not None]
-    net = _net_job(tmp, answered, mpx, env, answer_s, timeout_s, links) if answered else None
+    net = _net_job(tmp, answered, mpx, env, answer_s, timeout_s, links, spec) if answered else None
     return probes, jobs, why, answered, net
 
 

@@ -38,6 +38,7 @@ import math
 
 import torch
 from torch import nn
+from torch.optim import sgd as torch_sgd
 
 from ..models import muon_weights
 
@@ -45,6 +46,9 @@ from ..models import muon_weights
 def eager_method(method):
     """``method`` without the wrappers torch puts around it (``functools.wraps`` chains)."""
     return inspect.unwrap(method)
+
+
+_sgd_step = eager_method(torch_sgd.sgd)  # torch's SGD arithmetic, without its torch._dynamo guard
 
 
 class Eager:
@@ -122,23 +126,23 @@ class Muon(Eager, torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is not None:
-                    (self._muon if g["muon"] else self._sgd)(p, g)
+            params = [p for p in g["params"] if p.grad is not None]
+            if g["muon"]:
+                for p in params:
+                    self._muon(p, g)
+            elif params:
+                self._sgd(params, g)
         return loss
 
-    def _sgd(self, p: torch.Tensor, g: dict) -> None:
-        """torch.optim.SGD's update of one tensor (its first step sets the buffer to the gradient)."""
-        d = p.grad if not g["weight_decay"] else p.grad.add(p, alpha=g["weight_decay"])
+    def _sgd(self, params: list, g: dict) -> None:
+        """torch.optim.SGD's update of these tensors, by torch's own function (one tensor at a time, as
+        torch.optim.SGD on a CPU), its momentum buffers kept in this optimizer's state as SGD keeps them."""
+        bufs = [self.state[p].get("momentum_buffer") for p in params]
+        _sgd_step(params, [p.grad for p in params], bufs, foreach=False, weight_decay=g["weight_decay"],
+                  momentum=g["momentum"], lr=g["lr"], dampening=0.0, nesterov=g["nesterov"], maximize=False)
         if g["momentum"]:
-            state = self.state[p]
-            buf = state.get("momentum_buffer")
-            if buf is None:
-                buf = state["momentum_buffer"] = d.clone()
-            else:
-                buf.mul_(g["momentum"]).add_(d)
-            d = d.add(buf, alpha=g["momentum"]) if g["nesterov"] else buf
-        p.add_(d, alpha=-g["lr"])
+            for p, buf in zip(params, bufs):
+                self.state[p]["momentum_buffer"] = buf
 
     def _muon(self, p: torch.Tensor, g: dict) -> None:
         mu, state = g["muon_momentum"], self.state[p]
