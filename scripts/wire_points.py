@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pilab import testbed  # noqa: E402
 from pilab.bench import network as net  # noqa: E402
-from pilab.perfmodel import network as nm  # noqa: E402
+from pilab.perfmodel import check as nm  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -28,7 +28,7 @@ import sys
 import time
 
 from ..files import sha256_tree
-from .common import HELLO, MARK  # the head reads the lines that start with these from the job's stdout
+from .checks import HELLO, MARK  # the head reads the lines that start with these from the job's stdout
 
 
 def say(kind: str, obj) -> None:
@@ -246,7 +246,7 @@ def step_speed(spec: dict, min_s: float = 1.0) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from ..models.zoo import build_model
+    from ..models import build_model
     here = cpu()
     threads = int(spec.get("threads") or 0) or max(1, int(here["cores"] // max(1, spec.get("ranks_per_node", 1))))
     torch.set_num_threads(threads)
@@ -368,7 +368,7 @@ def net_probe(args) -> dict | None:
 
     from ..launch import launcher_size, mpi
     from ..launch import mpi_library as library_name
-    from ..perfmodel.microbench import comm_bench
+    from ..perfmodel import comm_bench
     MPI = mpi()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

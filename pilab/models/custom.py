@@ -34,7 +34,7 @@ from .names import BUILDER_HINT, ModelError, check_builder_spec
 
 # builders given as Python functions that no other process could import (defined in __main__, a
 # notebook cell, a closure): this process only, by the string model_spec gave them
-_LOCAL: dict[str, Callable[..., nn.Module]] = {}
+LOCAL_BUILDERS: dict[str, Callable[..., nn.Module]] = {}
 
 
 def model_spec(fn: Callable[..., nn.Module]) -> str:
@@ -55,19 +55,19 @@ def model_spec(fn: Callable[..., nn.Module]) -> str:
     except ModelError:
         found = False
     if not found:
-        _LOCAL[spec] = fn
+        LOCAL_BUILDERS[spec] = fn
     return spec
 
 
 def is_local(spec: str) -> bool:
     """True when ``spec`` names a function only this process holds (MPI ranks could not import it)."""
-    return spec in _LOCAL
+    return spec in LOCAL_BUILDERS
 
 
 def load_builder(spec: str) -> Callable[..., nn.Module]:
     """The builder function ``spec`` names ("package.module:function" or "path/to/file.py:function")."""
-    if spec in _LOCAL:
-        return _LOCAL[spec]
+    if spec in LOCAL_BUILDERS:
+        return LOCAL_BUILDERS[spec]
     try:
         check_builder_spec(spec)
     except ValueError as e:

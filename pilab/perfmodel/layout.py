@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from ..dist.buckets import bucket_assignment
+from ..dist import bucket_assignment
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,8 +26,8 @@ def gradient_layout(model: str, width: float) -> tuple[tuple[int, float], ...]:
     import torch  # here, not at the top: see the module docstring
     from torch import nn
 
-    from ..models.custom import input_channels
-    from ..models.zoo import probe_model
+    from ..models import input_channels
+    from ..models import probe_model
 
     net = probe_model(model, width=width)
     order: list[nn.Module] = []
@@ -80,7 +80,7 @@ def work_per_image(model: str, width: float, flops_per_activation: float = 0.0,
 
         work_per_image("mobilenetv2_cifar", 0.5, FLOPS_PER_ACTIVATION_CPU) / 1e9   # ~0.78
     """
-    from ..models.zoo import activation_elements, train_flops_per_image  # torch: see the module docstring
+    from ..models import activation_elements, train_flops_per_image  # torch: see the module docstring
 
     work = train_flops_per_image(model, width, timesteps=timesteps)
     if flops_per_activation:
@@ -95,7 +95,7 @@ def bn_channels(model: str, width: float) -> tuple[int, ...]:
     # here, not at the top: see the module docstring
     from torch.nn.modules.batchnorm import _BatchNorm  # every BatchNorm: your own model's 1d and 3d too
 
-    from ..models.zoo import probe_model
+    from ..models import probe_model
 
     return tuple(m.num_features for m in probe_model(model, width=width).modules() if isinstance(m, _BatchNorm))
 
@@ -112,7 +112,7 @@ def optimizer_work(cfg) -> float:
     return _muon_flops(cfg.model, cfg.width, cfg.muon_on) if cfg.optimizer == "muon" else 0.0
 
 
-MUON_NS_STEPS = 3  # pilab.engine.muon.NS_STEPS (tests/test_fewstep.py checks they agree)
+MUON_NS_STEPS = 3  # pilab.engine.optim.NS_STEPS (tests/test_fewstep.py checks they agree)
 
 
 def ns_flops(shapes: list[tuple[int, int]], steps: int = MUON_NS_STEPS) -> float:
@@ -128,7 +128,7 @@ def ns_flops(shapes: list[tuple[int, int]], steps: int = MUON_NS_STEPS) -> float
 
 @functools.lru_cache(maxsize=None)
 def _muon_flops(model: str, width: float, on: str) -> float:
-    from ..models.weights import muon_weights  # torch: see the module docstring
-    from ..models.zoo import probe_model
+    from ..models import muon_weights  # torch: see the module docstring
+    from ..models import probe_model
 
     return ns_flops([(p.shape[0], p[0].numel()) for p in muon_weights(probe_model(model, width=width), on)])

@@ -14,12 +14,12 @@ import os
 import tempfile
 from dataclasses import replace
 
-from ..engine import checkpoint
 from ..config import Config, ConfigError
+from ..engine import checkpoint
 from ..files import dumps, save_json, sha256_file
 
 
-def _finished_point(out: str | None, p: int, point_cfg: Config, simulated: bool) -> dict | None:
+def finished_point(out: str | None, p: int, point_cfg: Config, simulated: bool) -> dict | None:
     """The result of np point ``p`` kept from an earlier run of this study in ``out``: the same
     settings, run to the end (not stopped early); None if there is none to keep."""
     return finished_run(os.path.join(out, f"np{p}", "result.json"), p, point_cfg, simulated) if out else None
@@ -29,7 +29,7 @@ def finished_run(path: str, p: int, cfg: Config, simulated: bool) -> dict | None
     """The result.json at ``path`` if it is ``cfg``'s training at ``p`` ranks (:func:`same_training`),
     simulated or measured as asked, and ran to the end; else None (missing, unreadable, other)."""
     try:
-        r = _load_json(path)
+        r = read_json(path)
         saved = Config.from_dict(r["config"]).to_dict()
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -42,7 +42,7 @@ _LR_RULE = ("lr", "lr_scaling", "lr_ref_batch")
 
 
 # how a run is kept and watched, not what it computes (compile_bn: the same mathematics, compiled)
-_NOT_TRAINING = ("out", "resume", "checkpoint_every", "keep", "checkpoint_minutes", "checkpoint_every_steps",
+NOT_TRAINING = ("out", "resume", "checkpoint_every", "keep", "checkpoint_minutes", "checkpoint_every_steps",
                  "straggler_threshold", "straggler_steps", "trace", "trace_window", "compile_bn")
 
 
@@ -58,7 +58,7 @@ def same_training(saved: dict, cfg: Config, p: int) -> bool:
     mine = cfg.to_dict()
     # Where a run writes and how often it checkpoints do not change what it trains (the simulator cannot
     # checkpoint, so a study's real np=1 point with checkpoints is still its simulated points' kin).
-    keys = [k for k in mine if k not in _NOT_TRAINING]
+    keys = [k for k in mine if k not in NOT_TRAINING]
     try:
         theirs = Config.from_dict(saved)  # the one reader of a saved config
     except (ConfigError, TypeError, ValueError):
@@ -91,7 +91,7 @@ def reused_run(dirs, p: int, cfg: Config, simulated: bool, dest: str | None) -> 
     ``reused_from`` and copied to ``dest`` (a result.json path, None: no copy) so the study or search
     that takes it stays self-contained; None if no study has it."""
     for d in dirs:
-        r = _finished_point(d, p, cfg, simulated)
+        r = finished_point(d, p, cfg, simulated)
         if r is not None:
             r = {**r, "reused_from": os.path.join(d, f"np{p}")}
             if dest:
@@ -100,7 +100,7 @@ def reused_run(dirs, p: int, cfg: Config, simulated: bool, dest: str | None) -> 
     return None
 
 
-def _load_json(path: str):
+def read_json(path: str):
     with open(path) as f:
         return json.load(f)
 
@@ -127,7 +127,7 @@ def stored(study_: dict, out: str) -> dict:
         if not os.path.exists(path):
             save_json(plain, path)
         try:
-            saved = _load_json(path)
+            saved = read_json(path)
         except (OSError, ValueError):
             saved = None
         if not (isinstance(saved, dict) and all(k in plain and plain[k] == v for k, v in saved.items())):
@@ -165,14 +165,14 @@ def resolved(study_: dict, where: str) -> dict:
         if not same:
             raise ConfigError(f"{path} changed after the study in {where} was written (its SHA-256 "
                               "differs); run `pilab scale` with --resume there to make the study again")
-        out[p] = {**_load_json(path), **run.get("also", {})}
+        out[p] = {**read_json(path), **run.get("also", {})}
     # rows of studies made before rows said which simulator mode ran: from their runs
     rows = [r if "simulate_mode" in r else {**r, "simulate_mode": mode_ran(out.get(str(r["np"])))}
             for r in study_.get("rows") or []]
     return {**study_, "runs": out, **({"rows": rows} if "rows" in study_ else {})}
 
 
-def _clear_point(d: str) -> None:
+def clear_point(d: str) -> None:
     """Remove an earlier run's files from a point's directory before the point is run again."""
     for path in [os.path.join(d, "result.json"), os.path.join(d, "checkpoint.pt")] + \
             [p for _, p in checkpoint.epoch_files(d)]:
@@ -180,7 +180,7 @@ def _clear_point(d: str) -> None:
             os.remove(path)
 
 
-def _tmpdir() -> str:
+def temp_dir() -> str:
     return tempfile.mkdtemp(prefix="pilab-run-")
 
 
