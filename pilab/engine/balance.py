@@ -5,9 +5,14 @@ ones idle. With ``balance`` on, rank r trains b_r images a step, Σ b_r = B (the
 in proportion to its speed (``pilab.data.batch_shares``); its loss is weighted by b_r / B, so the average
 gradient is Σ_r gradient-sum_r / B: the mathematics of one global batch of B images, whoever trains which::
 
-    python -m pilab train --np 2 --balance static ...        # measured over the first WINDOW steps
-    python -m pilab train --np 2 --balance dynamic ...       # ... and again every WINDOW steps
-    python -m pilab simulate --np 3 --balance static:2,1,1   # given speeds (the simulator has none of its own)
+    python -m pilab train --np 2 --sharding reshuffle --balance static       # measured over the first WINDOW steps
+    python -m pilab train --np 2 --sharding reshuffle --balance dynamic      # ... and again every WINDOW steps
+    python -m pilab simulate --np 3 --sharding reshuffle --balance static:2,1,1   # given speeds
+
+Uneven shares need ``sharding=reshuffle`` (every rank holds the whole training set; each step takes the next
+B images of the epoch's one permutation, rank r the b_r after the ranks before it, so every image is used
+once an epoch however the shares change). BatchNorm stays per rank, on its own b_r images: a rank with a
+smaller share normalises with noisier statistics (``bn=local``'s usual trade, now per rank).
 
 ``Shares`` is the policy, on every rank alike (the per-rank times it reads are the same numbers everywhere):
 
@@ -26,42 +31,16 @@ gradient is Σ_r gradient-sum_r / B: the mathematics of one global batch of B im
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
-from ..config import ConfigError
+from ..component import Component, Stage
+from ..data import batch_shares
 
-__all__ = ["Shares", "parse", "WINDOW", "THRESHOLD", "MODES"]
+__all__ = ["Balance", "Shares", "WINDOW", "THRESHOLD"]
 
-MODES = ("off", "static", "dynamic")
 WINDOW = 8  # steps each speed is the median of; dynamic: steps between looks at the speeds
-THRESHOLD = 0.15  # dynamic: a rank's speed moved by this fraction from the one behind its share
-
-
-def parse(value: str, np_: int | None = None) -> tuple[str, list[float] | None]:
-    """``Config.balance`` as (mode, given speeds or None); ConfigError naming the fix::
-
-        parse("static:1x2,0.5")       # ("static", [1.0, 1.0, 0.5])
-    """
-    mode, _, given = str(value).partition(":")
-    if mode not in MODES or (given and mode != "static"):
-        raise ConfigError(f"balance={value!r}: use off, static, dynamic or static:SPEED,... (one speed per rank, "
-                          "e.g. static:2,1 or static:1x24,2.5x24)")
-    if not given:
-        return mode, None
-    speeds: list[float] = []
-    for part in given.split(","):
-        speed, _, count = part.strip().partition("x")
-        try:
-            s, n = float(speed), int(count) if count else 1
-        except ValueError:
-            s, n = -1.0, 0
-        if not (s > 0 and s != float("inf") and n >= 1):
-            raise ConfigError(f"balance={value!r}: {part.strip()!r} is not SPEED or SPEEDxCOUNT with SPEED > 0 "
-                              "(e.g. static:2,1 or static:1x24,2.5x24)")
-        speeds += [s] * n
-    if np_ is not None and len(speeds) != np_:
-        raise ConfigError(f"balance={value!r} gives {len(speeds)} speeds for {np_} ranks; give one per rank")
-    return mode, speeds
+THRESHOLD = 0.15  # a rank's speed this fraction away from the one behind its share: re-split
 
 
 class Shares:
@@ -75,8 +54,7 @@ class Shares:
     """
 
     def __init__(self, mode: str, np_: int, total: int, given: list[float] | None = None):
-        from ..data import batch_shares
-        self.mode, self.np_, self.total, self._split = mode, np_, total, batch_shares
+        self.mode, self.np_, self.total = mode, np_, total
         self.speeds = list(given) if given else None  # the speeds behind the current shares
         self.shares = batch_shares(total, given) if given else [total // np_ + (r < total % np_) for r in range(np_)]
         self._window: list[list[float]] = []
@@ -101,7 +79,7 @@ class Shares:
         if max(abs(s / p - 1) for s, p in zip(speeds, behind)) <= THRESHOLD:
             self.speeds = self.speeds or speeds
             return None
-        new = self._split(self.total, speeds)
+        new = batch_shares(self.total, speeds)
         self.speeds = speeds
         if new == self.shares:
             return None
@@ -117,3 +95,70 @@ class Shares:
         """A checkpoint's shares, at the same np and global batch; at another they are measured again."""
         if state.get("np") == self.np_ and state.get("total") == self.total:
             self.speeds, self.shares, self.changes = state["speeds"], state["shares"], list(state["changes"])
+
+
+def busy_seconds(rank) -> list[float] | None:
+    """Every rank's busy seconds of the step just taken (data, forward, backward up to its last gradient),
+    from a ``pilab.component.RankStep``: MPI ranks' ``ready`` slot (each rank's, summed over the ranks with
+    the gradients, so every rank reads the same numbers); None in the simulator, whose virtual ranks share
+    one process and have no speed of their own."""
+    ready = rank.sums.get("ready")
+    return None if ready is None else [float(t) for t in ready]
+
+
+class Balance(Component):
+    """The loop's feature (``Config.balance`` other than ``off``, np >= 2): before each step it sets the
+    step's shares (``session.phase``'s ``Phase.shares``), which both rank backends follow (the data:
+    ``ShardLoader.batch(share=)``; the loss weight b_r / B: ``GradSync.backward(weight=)``); after each
+    it hands every rank's busy time to ``Shares``. result.json's ``balance``: mode, the shares at the
+    end, the speeds behind them and every change (the step it took effect from)::
+
+        pilab.train(pilab.Config(sharding="reshuffle", balance="static"), comm)
+        pilab.simulate(pilab.Config(sharding="reshuffle", balance="static:2,1", simulate_mode="exact"), 2)
+
+    In the simulator the measured modes keep equal shares (its virtual ranks have no speed of their own);
+    given speeds (``static:2,1``) run there as under ``mpiexec``, bit for bit.
+    """
+
+    name = "balance"
+    stage = Stage.PLAN
+    per_rank = True  # one rank per forward in the simulator: each rank's BatchNorm on its own b_r images
+
+    @classmethod
+    def wanted(cls, cfg, ranks) -> bool:
+        return cfg.balance_plan()[0] != "off" and ranks.np_ > 1
+
+    def setup(self, cfg, ranks) -> None:
+        super().setup(cfg, ranks)
+        self.mode, self.given = cfg.balance_plan(ranks.np_)
+        self.measure = not ranks.simulated
+        self.policy = None
+
+    def start(self, session) -> None:
+        self.policy = Shares(self.mode, session.np_, session.batch * session.np_, self.given)
+        self.first = list(self.policy.shares)
+        self._busy = None
+
+    def before_step(self, session, epoch: int, step: int) -> None:
+        session.phase = dataclasses.replace(session.phase, shares=tuple(self.policy.shares))
+
+    def on_step(self, rank) -> None:
+        self._busy = busy_seconds(rank) if self.measure else None
+
+    def after_step(self, session, epoch: int, step: int, st) -> list:
+        if self._busy is not None:
+            self.policy.observe(session.epoch_start[epoch] + step, self._busy)
+        return []
+
+    def state_dict(self):
+        return {**self.policy.state_dict(), "first": self.first}
+
+    def load_state_dict(self, state) -> None:
+        self.policy.load_state_dict(state)
+        if state.get("np") == self.policy.np_ and state.get("total") == self.policy.total:
+            self.first = state.get("first", self.first)
+
+    def result(self) -> dict:
+        p = self.policy
+        return {"balance": {"mode": self.mode, "given": self.given, "first": self.first, "shares": p.shares,
+                            "speeds": p.speeds, "changes": p.changes, "window": WINDOW, "threshold": THRESHOLD}}
