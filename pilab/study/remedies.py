@@ -247,6 +247,15 @@ def _candidate(label: str, changes: dict, sim_cfg: Config, np_: int, ds, plan: l
     return row
 
 
+def check_only(cfg: Config, np_: int, only, candidates=None) -> None:
+    """ConfigError naming each label of ``only`` that is not a candidate at these settings and ``np_``
+    (the np whose recipes run): what :func:`search` refuses, asked before anything runs::
+
+        check_only(cfg, 48, ["sqrt lr + warmup", "lars"])
+    """
+    _chosen((candidates or default_candidates)(cfg, np_), only, np_)
+
+
 def _chosen(cands: list, only, np_: int) -> list:
     """The candidates named in ``only`` (all without it); ConfigError naming the ones that are not."""
     if only:
