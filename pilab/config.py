@@ -72,13 +72,15 @@ class Config:
     batch_size: int = setting(32, "images per rank (per_rank) or in the global batch (global)", above=0)
     batch_ramp: str = setting("", "batch-size ramp: 'EPOCH:BATCH,...' -- from each of those epochs (0-based) on, that batch (in batch_size's sense), e.g. batch_size=8 with '3:16,6:32'; or 'gns:MAX' -- at each epoch's end the batch becomes the largest of batch_size x 2^k (up to MAX, never smaller than before) whose global batch is within the gradient noise scale measured over that epoch (McCandlish et al. 2018; needs np >= 2); '' = batch_size throughout")
     max_steps: int = setting(0, "stop after this many optimizer steps in total; 0 = no limit", at_least=0)
+    batch_aug: int = setting(1, "batch augmentation (Hoffer et al. 2019): each image of a rank's batch goes into the step this many times, each copy with its own crop and flip; the loss is the mean over the copies, so a step computes this many times the images (the speed counts it); 1 = off", at_least=1, hint="1: off")
     # --- optimizer ---
-    optimizer: str = setting("sgd", "sgd | lars | lamb (Adam's moments with a layer-wise trust ratio, You et al. 2020: beta1 = momentum, beta2 0.999; its lr is Adam's scale, ~1e-3 per 256 images, not SGD's)", choices=('sgd', 'lars', 'lamb'))
+    optimizer: str = setting("sgd", "sgd | lars | lamb (Adam's moments with a layer-wise trust ratio, You et al. 2020: beta1 = momentum, beta2 0.999; its lr is Adam's scale, ~1e-3 per 256 images, not SGD's) | muon (the weights muon_on names step by Muon at muon_lr, every other parameter by SGD at lr)", choices=('sgd', 'lars', 'lamb', 'muon'))
     lr: float = setting(0.05, "learning rate per `lr_ref_batch` examples of the global batch", above=0, finite=True)
     lr_ref_batch: int = setting(64, "reference batch size the lr is quoted for", above=0)
     lr_scaling: str = setting("none", "rule from reference to global batch: none | linear | sqrt", choices=('none', 'linear', 'sqrt'))
     warmup_epochs: float = setting(0.0, "per-step linear warmup from ~0 to the peak lr, in epochs", at_least=0)
-    schedule: str = setting("cosine", "after warmup, per step: cosine | step (x0.1 at 50%, 75%) | constant | linear (to 0: with warmup, the triangular schedule of few-step recipes)", choices=('cosine', 'step', 'constant', 'linear'))
+    schedule: str = setting("cosine", "after warmup, per step: cosine | step (x0.1 at 50%, 75%) | constant | linear (to 0: with warmup, the triangular schedule of few-step recipes; without, airbench's linear decay) | wsd (warmup-stable-decay: the peak until the last decay_epochs, then linear to 0; a checkpoint of the stable phase resumes with more epochs)", choices=('cosine', 'step', 'constant', 'linear', 'wsd'))
+    decay_epochs: float = setting(2.0, "schedule=wsd: the last this many epochs decay linearly to 0 (the rest after warmup stays at the peak); other schedules ignore it", above=0, finite=True)
     momentum: float = setting(0.9, "SGD/LARS momentum coefficient (LAMB's beta1)", at_least=0, below=1)
     nesterov: bool = setting(False, "Nesterov momentum")
     label_smoothing: float = setting(0.0, "training loss: cross-entropy with this label smoothing (0 = none)", at_least=0, below=1)
@@ -86,11 +88,17 @@ class Config:
     ema_epochs: float = setting(0.0, "evaluate an exponential moving average of the weights whose time constant is this many epochs (e.g. 0.5: the same horizon at every np; 0 = the weights themselves)", at_least=0)
     clip_grad_norm: float = setting(0.0, "before each optimizer step, scale the averaged gradient down to this global L2 norm if it is longer (0 = never)", at_least=0)
     tta: bool = setting(False, "evaluation averages the logits of each test image and of its mirror image")
+    tta_translate: bool = setting(False, "with tta: also the image moved one pixel up-left and one down-right (reflect padding), each with its mirror: six views, weighted as airbench's (half the plain pair, a quarter each moved pair); 3x tta's evaluation cost", allowed="only with tta")
     weight_decay: float = setting(5e-4, "L2 penalty coefficient", at_least=0)
     weight_decay_on: str = setting("weights", "weights: conv/linear weights only | all parameters", choices=('weights', 'all'))
     bn_lr_scale: float = setting(1.0, "learning rate of BatchNorm scales/shifts and of biases, as a multiple of the weights' (fast-CIFAR recipes raise it); 1 = the same", above=0, finite=True, hint="1: the weights' lr")
     lars_eta: float = setting(0.001, "LARS trust coefficient")
+    muon_lr: float = setting(0.008, "optimizer=muon: the learning rate of the weights Muon steps, per `lr_ref_batch` examples, scaled by lr_scaling and the schedule like lr (0.008 per 64 images: airbench's 0.24 at a batch of 2,000 by the linear rule); each step moves a weight by muon_lr times its orthogonalised momentum, the weight held at norm sqrt(its output channels); other optimizers ignore it", above=0, finite=True)
+    muon_momentum: float = setting(0.6, "optimizer=muon: Muon's Nesterov momentum (airbench: 0.6 at a batch of 2,000); `momentum` is the SGD parameters'", at_least=0, below=1)
+    muon_on: str = setting("conv", "optimizer=muon: the weights Muon steps: conv (every convolution's filters but depthwise ones) | conv+depthwise | conv+head (and the classifier's weight) | conv+depthwise+head; the rest (BatchNorm, biases, the head unless named) steps by SGD", choices=("conv", "conv+depthwise", "conv+head", "conv+depthwise+head"))
     # --- BatchNorm ---
+    freeze_bn_scale: bool = setting(False, "every BatchNorm scale fixed at 1 and not trained (airbench's; pair it with a large bn_lr_scale for the shifts, airbench: 64)", allowed="not with zero_init_residual")
+    dirac_init: bool = setting(False, "every dense convolution with at least as many output as input channels starts as the identity on its first input-many filters (torch.nn.init.dirac_; the others keep their random start), as airbench's convolutions; depthwise and narrowing convolutions keep theirs")
     zero_init_residual: bool = setting(False, "the last BatchNorm scale of every residual block starts at 0, so each block starts as the identity (Goyal et al. 2017); MobileNetV2's blocks with a shortcut, torchvision-style ResNet blocks")
     whiten_stem: bool = setting(False, "the first convolution over the images starts as a whitening of the training images' patches (their principal directions at unit variance, in +/- pairs; fast-CIFAR recipes), from 5,000 images drawn by the seed; it trains as any other layer")
     bn: str = setting("local", "local: per-rank statistics (the original study) | sync: across ranks over MPI | renorm: per-rank, Batch Renormalization (Ioffe 2017: corrected towards the running statistics, for small per-rank batches)", choices=('local', 'sync', 'renorm'))
@@ -191,9 +199,31 @@ class Config:
         if self.local_steps > 1 and self.compression != "none":
             raise ConfigError("local_steps > 1 averages parameters, which compression=fp16 would round; "
                               "use compression=none")
+        self._validate_fewstep()
         if self.warmup_epochs > self.epochs:
             raise ConfigError(
                 f"warmup_epochs={self.warmup_epochs} exceeds epochs={self.epochs}; shorten it")
+
+    def _validate_fewstep(self) -> None:
+        """Muon, the warmup-stable-decay schedule and the few-step tricks (issue 54) with the rest."""
+        if self.schedule == "wsd":
+            if self.warmup_epochs + self.decay_epochs > self.epochs:
+                raise ConfigError(f"warmup_epochs={self.warmup_epochs} + decay_epochs={self.decay_epochs} exceed "
+                                  f"epochs={self.epochs}; shorten them")
+            if self.batch_ramp:
+                raise ConfigError("schedule=wsd counts its decay in the first epoch's steps, which a batch_ramp "
+                                  "changes; use one or the other")
+        if self.freeze_bn_scale and self.zero_init_residual:
+            raise ConfigError("freeze_bn_scale fixes every BatchNorm scale at 1, zero_init_residual starts some at 0; "
+                              "use one or the other")
+        if self.tta_translate and not self.tta:
+            raise ConfigError("tta_translate adds moved views to tta's mirror pair; set tta too")
+        if self.batch_aug > 1 and self.ghost_batch:
+            raise ConfigError(f"batch_aug={self.batch_aug} puts each image's copies into the rank's batch, whose "
+                              "ghost_batch groups would then split copies of one image; use one or the other")
+        if self.batch_aug > 1 and not self.augment:
+            raise ConfigError(f"batch_aug={self.batch_aug} makes differently augmented copies, and augment is off; "
+                              "turn augment on, or use batch_aug=1")
 
     # ------------------------------------------------------------------
     def ramp(self) -> list[tuple[int, int]]:

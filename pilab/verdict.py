@@ -141,9 +141,11 @@ def _pct_list(nps) -> str:
     return ", ".join(str(p) for p in nps)
 
 
-def summary(study: Mapping, *, within: float = 0.05) -> str:
+def summary(study: Mapping) -> str:
     """One plain-language paragraph from a study (its rows judged when it was made): how fast, up to which
-    np it stays right, where it turns fast-but-wrong, who reaches the target."""
+    np it stays right, where it turns fast-but-wrong, who reaches the target. "Right" is the rows' own
+    verdict (within ``wrong_gap`` of the reference and above the floor): one threshold for the table and
+    the words."""
     st = study
     rows = st.get("rows")
     if not rows:
@@ -165,14 +167,15 @@ def summary(study: Mapping, *, within: float = 0.05) -> str:
                      "does to accuracy, so no run is called fast-but-wrong and no target accuracy is set; "
                      "train it longer (more epochs or images) or tune its learning rate first.")
         return " ".join(parts)
-    right = [r for r in rows if r.get("final_test_acc") is not None and r["final_test_acc"] >= base - within]
+    gap = f"{crit['wrong_gap'] * 100:.0f} points"
+    right = [r for r in rows if r["verdict"] in ("reference", "ok")]
     k = max(right, key=lambda r: r["np"])
     if k["np"] != pa:
-        parts.append(f"np={k['np']} is the largest count that keeps test accuracy within {within * 100:.0f} "
-                     f"points of np={pa} ({k['final_test_acc']:.1%} vs {base:.1%}).")
+        parts.append(f"np={k['np']} is the largest count that keeps test accuracy within {gap} of np={pa} "
+                     f"({k['final_test_acc']:.1%} vs {base:.1%}); further below, a faster run is fast-but-wrong.")
     else:
-        parts.append(f"No larger count keeps test accuracy within {within * 100:.0f} points of np={pa} "
-                     f"({base:.1%}).")
+        parts.append(f"No larger count keeps test accuracy within {gap} of np={pa} ({base:.1%}), the line below "
+                     "which a faster run is fast-but-wrong.")
     wrong = [r for r in rows if r["verdict"] in ("fast-but-wrong", "wrong")]
     beyond = [r for r in wrong if r["np"] > k["np"]]
     if beyond:

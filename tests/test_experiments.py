@@ -108,3 +108,26 @@ def test_the_committed_paper_batch_table_is_what_its_points_make(tmp_path):
     # the fitting section: warmup 8's last-epoch training accuracy, 0.748/0.744/0.746 at np=1 and
     # 0.654/0.602/0.653 at np=48 (cpu/results.jsonl), 11.0 points apart
     assert "| linear + warmup 8 | 0.746 | 0.636 | -11.0 | 0.784 | 0.678 | -10.6 |" in text
+
+
+def test_the_time_to_accuracy_driver_extends_a_run_from_its_stable_phase_and_tables_it(tmp_path):
+    """Two lengths of one seed (4 and 5 epochs, 3 of decay): the trunk trains 1 then 2 stable epochs, each
+    branch goes on from the trunk's checkpoint at its length minus the decay; np=1 beside it; a rerun trains
+    nothing again; the table has steps and images beside each accuracy."""
+    args = ["--data", "embedded", "--train-subset", "192", "--test-subset", "100", "--nps", "4", "--candidate",
+            "muon 0.004 wsd 3", "--ladder", "4,5", "--seeds", "0", "--np1-seeds", "0", "--epochs-np1", "4",
+            "--workers", "1", "--target", "0.99", "--out", str(tmp_path)]
+    rows = _driver("paper-batch", "to_accuracy.py").main(args)
+    assert sorted((r["np"], sorted(r["reached"]), r["error"]) for r in rows) == [(1, [4], None), (4, [4, 5], None)]
+    home = tmp_path / "muon-0-004-wsd-3" / "np4-seed0"
+    four, five = (json.loads((home / f"e00{e}" / "result.json").read_text()) for e in (4, 5))
+    assert four["resumed_from_step"] == 1 * four["steps_per_epoch"] and five["resumed_from_step"] == 2 * five["steps_per_epoch"]
+    assert five["config"]["epochs"] == 5 and five["config"]["schedule"] == "wsd" and len(five["epochs"]) == 5
+    assert five["epochs"][:2] == json.loads((home / "trunk" / "result.json").read_text())["epochs"][:2]
+    stamps = sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*.json"))
+    _driver("paper-batch", "to_accuracy.py").main(args)  # all finished: nothing trains again
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*.json")) == stamps
+    text = (tmp_path / "table.md").read_text()
+    steps = 5 * five["steps_per_epoch"]
+    assert f"| 4 | 5 | {steps} | {steps * five['global_batch']:,} | 0: {five['epochs'][-1]['test_acc']:.4f} |" in text
+    assert (tmp_path / "to_accuracy.png").read_bytes()[:4] == b"\x89PNG"

@@ -163,3 +163,17 @@ def test_every_remedy_label_can_be_named_to_only():
     labels = remedies.candidate_labels(cfg, 48, cands)
     assert len(labels) == len(set(labels)) == 46
     assert not [label for label in labels if "," in label]  # --only splits on commas
+    # an installed pilab has the same list by name (--candidates toolbox), the study's file imports it
+    assert remedies.candidate_labels(cfg, 48, remedies.load_candidates("toolbox")) == labels
+    # --only takes a label or the folder its run is kept in; one that is neither is refused, naming both
+    only = ["sqrt-lr-warmup", "fixed global batch 192 + few-step recipe + SyncBatchNorm", "lars"]
+    picked = remedies.chosen(cands(cfg, 48), only, 48)
+    assert [label for label, _ in picked] == ["lars", "sqrt lr + warmup",
+                                              "fixed global batch 192 + few-step recipe + SyncBatchNorm"]
+    with pytest.raises(ConfigError, match=r"'sqrt-lr-warm' is not a candidate at np=48; .*sqrt lr \+ warmup \(sqrt-lr-warmup\)"):
+        remedies.chosen(cands(cfg, 48), ["sqrt-lr-warm"], 48)
+    # the folders of the committed fast-and-right points are candidates' folder names
+    committed = Path(__file__).resolve().parents[1] / "experiments" / "fast-but-wrong" / "remedies" / "full-test"
+    folders = {d.name for d in (committed / "np48" / "seed0").iterdir() if d.is_dir()}
+    assert len(folders) > 30 and folders <= {remedies.slug(label) for label in labels}, \
+        folders - {remedies.slug(label) for label in labels}

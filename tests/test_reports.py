@@ -93,12 +93,13 @@ def test_remedies_name_their_candidates_and_default_to_the_pi_like_scale(tmp_pat
                        timeout=120)
     assert p.returncode == 0
     labels = remedies.candidate_labels(DEMO, 48)
-    assert all(f"  {lab}\n" in p.stdout for lab in labels) and "fixed global batch 384 + sqrt lr" in p.stdout
+    assert all(f"  {lab}  ({remedies.slug(lab)})\n" in p.stdout for lab in labels)  # each with its folder name
+    assert "fixed global batch 384 + sqrt lr" in p.stdout
     out = tmp_path / "rem"
     bad = subprocess.run([sys.executable, "-m", "pilab", "remedies", "--only", "baseline,sqrt lr warmup",
                           "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
-    assert "'sqrt lr warmup' is not a candidate at np=48" in bad.stderr and "sqrt lr + warmup;" in bad.stderr
+    assert "'sqrt lr warmup' is not a candidate at np=48" in bad.stderr and "sqrt lr + warmup (sqrt-lr-warmup);" in bad.stderr
     assert not out.exists()
     bad = subprocess.run([sys.executable, "-m", "pilab", "remedies", "--np", "1", "--recipes-of", "0",
                           "--out", str(out)], capture_output=True, text=True, timeout=120)

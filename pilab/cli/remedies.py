@@ -31,11 +31,13 @@ def add_parser(sub) -> None:
     p.add_argument("--np", type=int, default=None,
                    help=f"process count to find remedies for (default: {DEFAULT_NP}, or the most your data can "
                         "hold: a batch for each rank)")
-    p.add_argument("--candidates", default="", metavar="FILE",
-                   help="a Python file whose candidates(cfg, np_) gives the candidates (a study's own list, e.g. "
-                        "experiments/fast-but-wrong/remedies/candidates.py; default: pilab's, listed below)")
-    p.add_argument("--only", default="", help="comma-separated candidate labels to run (default: all; "
-                                              "the labels at these settings are listed below)")
+    p.add_argument("--candidates", default="default", metavar="SET|FILE",
+                   help="the candidates: default (pilab's, listed below), toolbox (those, then local SGD, the few-step "
+                        "recipe, SyncBatchNorm and the other BatchNorm variants at small global batches, batch-size "
+                        "ramps), or a Python file whose candidates(cfg, np_) gives them (a study's own list)")
+    p.add_argument("--only", default="", help="comma-separated candidates to run, each by its label or its folder "
+                                              "name (sqrt-lr-warmup); default: all (the labels at these settings "
+                                              "are listed below)")
     p.add_argument("--recipes-of", type=int, default=None, metavar="NP",
                    help="run the candidates as they are at NP ranks (their global batch, their labels) at --np: "
                         "--np 1 --recipes-of 48 is np=48's recipes on one process, the same-recipe comparison")
@@ -64,10 +66,11 @@ def add_parser(sub) -> None:
     def format_help():
         if p.epilog is None:
             from ..study.remedies import candidate_labels
-            p.epilog = ("candidates (--only) without --candidates, at the default settings and --np 48; their labels "
-                        "follow --np "
-                        "and the settings (the batch sizes and epochs in them):\n  "
-                        + "\n  ".join(candidate_labels(_defaults(), 48)))
+            from ..study.remedies import slug
+            p.epilog = ("the default candidates (--only), at the default settings and --np 48, by label and folder "
+                        "name; they follow --np and the settings (the batch sizes and epochs in them); "
+                        "--candidates toolbox adds its own:\n  "
+                        + "\n  ".join(f"{label}  ({slug(label)})" for label in candidate_labels(_defaults(), 48)))
             p.formatter_class = argparse.RawDescriptionHelpFormatter  # one label a line
         return plain_help()
     p.format_help = format_help
@@ -112,14 +115,14 @@ def _as_jobs(cfg, args, opts, cands, only, target, log):
 
 
 def check(args, np_: int | None = None) -> None:
-    """What can be refused before anything runs, and without the data: --only's labels at these settings
+    """What can be refused before anything runs, and without the data: --only's candidates at these settings
     (the manual's command checker asks it too)."""
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     if only:
         from ..study import remedies
-        cands = remedies.load_candidates(args.candidates) if args.candidates else None
-        remedies.check_only(config_from_args(args, _defaults(args)), args.recipes_of or np_ or args.np or DEFAULT_NP,
-                            only, cands)
+        at = args.recipes_of or np_ or args.np or DEFAULT_NP
+        cands = remedies.load_candidates(args.candidates or "default")
+        remedies.chosen(cands(config_from_args(args, _defaults(args)), at), only, at)
 
 
 def run(args, argv) -> int:
@@ -152,7 +155,7 @@ def run(args, argv) -> int:
     opts, cfg = batch_options(args, cfg, [1], resume=args.resume_search)  # one process a job (simulated)
     from ..engine import ownmodel as preflight
     preflight.check_model(cfg, mpi=True)  # your own model on your data, before any candidate runs
-    cands = remedies.load_candidates(args.candidates) if args.candidates else None
+    cands = remedies.load_candidates(args.candidates or "default")
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     known = []
     if opts is not None:

@@ -31,10 +31,15 @@ class ShardLoader:
     and augmentation draws are made on the CPU at the epoch's first batch and moved in one copy each, so
     a step issues no host-to-device transfer and no host synchronisation. The batches are the same as
     without ``device`` (``device="cpu"`` runs that path on the CPU, for tests).
+
+    ``copies`` (batch augmentation, ``Config.batch_aug``): each image of the batch comes ``copies`` times,
+    each copy augmented with its own draws, the copies of an image next to each other (so that several
+    ranks' batches side by side still hold each image's copies together); the labels come once per image
+    (``pilab.engine.backend.forward_loss`` repeats them).
     """
 
     def __init__(self, ds: CIFAR10, np_: int, rank: int, batch: int, *, seed: int = 0,
-                 policy: str = "static", augment: bool = True, device=None):
+                 policy: str = "static", augment: bool = True, device=None, copies: int = 1):
         n = len(ds.y_train)
         _check_np(n, np_, rank, batch, policy)
         acc = epoch_accounting(n, np_, batch, policy, seed)
@@ -42,7 +47,7 @@ class ShardLoader:
             raise DataError(f"each of {np_} ranks holds at most {max(acc['shard_sizes'])} images, fewer than "
                             f"its batch of {batch}; use fewer processes or a smaller batch")
         self.np_, self.rank, self.batch_size, self.seed = np_, rank, batch, seed
-        self.policy, self.augment, self._n = policy, augment, n
+        self.policy, self.augment, self._n, self.copies = policy, augment, n, copies
         self.mean, self.std = ds.mean, ds.std  # the data set's normalisation
         self.pad = pad_for(*ds.x_train.shape[1:3])  # crop padding scaled to the image size
         self.steps_per_epoch: int = acc["steps"]
@@ -125,6 +130,8 @@ class ShardLoader:
         else:
             rows = self._rows(epoch)[step]
             xb, yb = self._x.index_select(0, rows), self._y.index_select(0, rows)
+        if self.copies > 1:
+            xb = xb.repeat_interleave(self.copies, dim=0)
         if self.augment:
             return augment(xb, seed=self.seed, epoch=epoch, step=step, rank=self.rank, mean=self.mean,
                            std=self.std), yb
@@ -133,7 +140,7 @@ class ShardLoader:
     def _device_batch(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._draws_epoch != epoch:  # once per epoch: positions and draws for every step, one copy each
             rows = self._rows(epoch)
-            draws = [augment_draws(self.batch_size, seed=self.seed, epoch=epoch, step=s, rank=self.rank,
+            draws = [augment_draws(self.batch_size * self.copies, seed=self.seed, epoch=epoch, step=s, rank=self.rank,
                                    pad=self.pad)
                      for s in range(self.steps_per_epoch)] if self.augment else []
             self._draws = (rows.to(self.device),
@@ -143,6 +150,8 @@ class ShardLoader:
         rows, shifts, flips = self._draws
         r = rows[step]
         xb, yb = self._x.index_select(0, r), self._y.index_select(0, r)
+        if self.copies > 1:
+            xb = xb.repeat_interleave(self.copies, dim=0)
         if self.augment:
             return augment_with(xb, shifts[step], flips[step], self.mean, self.std), yb
         return to_input(xb, self.mean, self.std), yb
@@ -181,9 +190,10 @@ def ranks_batch(loaders: list, epoch: int, step: int) -> tuple[torch.Tensor, tor
     first = loaders[0]
     if len(loaders) == 1:
         return first.batch(epoch, step)
-    if any(ld.device is not None or (ld._carried is not None and ld._carried[0] == epoch)
-                                for ld in loaders):
-        parts = [ld.batch(epoch, step) for ld in loaders]  # a device-resident or carried epoch: as each has it
+    if first.copies > 1 or any(ld.device is not None or (ld._carried is not None and ld._carried[0] == epoch)
+                               for ld in loaders):
+        # a device-resident or carried epoch: as each has it; batch augmentation's copies: each rank's own
+        parts = [ld.batch(epoch, step) for ld in loaders]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     b = first.batch_size
     if not 0 <= step < first.steps_per_epoch:

@@ -32,7 +32,10 @@ from ..launch import launcher_local_size, mpi_versions
 from ..dist.helpers import reduce_sums, world
 from .exactness import check_custom_model
 from .layers import use_batch_renorm, use_ghost_batchnorm, use_rank_dropout
+from .tta import tta_logits
 from ..models.names import is_builder_spec
+from ..models.bnscale import freeze_bn_scale
+from ..models.dirac import dirac_convs
 from ..models.residual import zero_residual_bn
 from ..models import whiten
 from ..models.zoo import build_model
@@ -93,6 +96,10 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
             zero_residual_bn(model, cfg.model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if cfg.dirac_init:  # before the whitening, which then sets the stem itself
+        dirac_convs(model)
+    if cfg.freeze_bn_scale:
+        freeze_bn_scale(model)
     if cfg.whiten_stem:
         if data is None:
             raise ConfigError("whiten_stem: the first convolution is made from the training images, and none "
@@ -115,12 +122,14 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH, *, tta: bool = False) -> tuple[float, float]:
+def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH, *, tta: bool = False,
+             translate: bool = False) -> tuple[float, float]:
     """Test loss and accuracy; each test image is evaluated exactly once over the ranks and the
     sums (not per-rank averages) are reduced, so uneven shards weigh correctly. The loss is summed per
     ``batch`` images (``cfg.eval_batch``); the model sees at most ``EVAL_CHUNK`` of them per forward,
     so the evaluation's memory does not grow with ``batch`` (the logits are the same: see
-    ``pilab.config.EVAL_CHUNK``). ``tta``: the logits of each image and of its mirror image averaged."""
+    ``pilab.config.EVAL_CHUNK``). ``tta``: the logits of each image and of its mirror image averaged;
+    ``translate``: and of both moved a pixel each way (``pilab.engine.tta``)."""
     rank, size = world(comm)
     sl = data_mod.test_shard(len(ds.y_test), size, rank)
     held = ds.test_rows
@@ -136,7 +145,7 @@ def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH, *, tta
         x = data_mod.to_input(x_all[i:i + batch], ds.mean, ds.std).to(device)
         y = y_all[i:i + batch].to(device)
         pieces = torch.tensor_split(x, -(-len(x) // EVAL_CHUNK))
-        out = torch.cat([(model(piece) + model(piece.flip(3))) / 2 if tta else model(piece) for piece in pieces])
+        out = torch.cat([tta_logits(model, piece, flip=tta, translate=translate) for piece in pieces])
         loss_sum += F.cross_entropy(out, y, reduction="sum").item()
         correct += (out.argmax(1) == y).sum().item()
     model.train()
@@ -151,10 +160,18 @@ def forward_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: Config
 
         out, loss = forward_loss(model, x, y, cfg, device)
         loss.backward()
+
+    With batch augmentation ``x`` holds each image's ``copies`` augmented copies side by side (``y`` one
+    label per image): the loss is the mean over every copy, the logits returned one row per image (the
+    mean of its copies'), so the backends count images, not copies.
     """
+    copies = x.shape[0] // y.shape[0]  # batch augmentation: each image's copies side by side (ShardLoader)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         out = model(x)
-        loss = F.cross_entropy(out.float(), y, label_smoothing=cfg.label_smoothing)
+        loss = F.cross_entropy(out.float(), y if copies == 1 else y.repeat_interleave(copies),
+                               label_smoothing=cfg.label_smoothing)
+    if copies > 1:  # one row per image, as the backends count images: its copies' mean logits
+        out = out.detach().view(y.shape[0], copies, -1).mean(1)
     return out, loss
 
 

@@ -202,6 +202,22 @@ def _flag(name: str, value) -> str:
     return f"{flag} {value}"
 
 
+def stable_phase(ck: dict, saved: Config, cfg: Config) -> bool:
+    """Whether ``ck`` (made under ``saved``) lies in the stable phase of a warmup-stable-decay schedule
+    that ``cfg`` shares but for its length: then ``cfg`` may have other ``epochs``. Up to the decay, such a
+    run's learning rates, data order and every feature's state do not depend on its length (warmup and EMA
+    are counted in epochs of steps from the start), so the run with more epochs goes on from the checkpoint
+    exactly as if it had been started with them -- how a run is extended (12, 15, 20 epochs ...) from the
+    trunk of its stable phase::
+
+        stable_phase(read("trunk/checkpoint-e0008.pt"), saved, replace(saved, epochs=15))   # True (decay 3)
+    """
+    if saved.schedule != "wsd" or cfg.schedule != "wsd" or saved.decay_epochs != cfg.decay_epochs:
+        return False
+    done = int(ck["epoch"]) + (1 if ck.get("step_in_epoch") else 0)  # epochs begun
+    return done <= min(saved.epochs, cfg.epochs) - cfg.decay_epochs
+
+
 def verify(ck: dict, cfg: Config, np_: int, path: str = "checkpoint") -> Config:
     """Refuse (CheckpointError) a checkpoint made with other settings or another process count;
     the message names each difference and the flags that resume it correctly."""
@@ -210,7 +226,8 @@ def verify(ck: dict, cfg: Config, np_: int, path: str = "checkpoint") -> Config:
     except ConfigError as e:
         raise CheckpointError(f"{path} holds a configuration this pilab cannot read ({e})") from None
     mine, theirs = cfg.to_dict(), saved.to_dict()
-    diff = sorted(k for k in mine if k not in RESUMABLE and mine[k] != theirs[k])
+    diff = sorted(k for k in mine if k not in RESUMABLE and mine[k] != theirs[k]
+                  and not (k == "epochs" and stable_phase(ck, saved, cfg)))
     problems = [f"{k}={theirs[k]!r} (this run: {mine[k]!r})" for k in diff]
     fix = [_flag(k, theirs[k]) for k in diff]
     ck_np = ck.get("np")

@@ -90,8 +90,9 @@ class GhostBatchNorm2d(nn.Module):
         self.rank_group = rank_group
         self.context = context
         if bn.affine:
-            self.weight = nn.Parameter(bn.weight.detach().clone())
-            self.bias = nn.Parameter(bn.bias.detach().clone())
+            # a scale kept out of training (Config.freeze_bn_scale) stays out
+            self.weight = nn.Parameter(bn.weight.detach().clone(), requires_grad=bn.weight.requires_grad)
+            self.bias = nn.Parameter(bn.bias.detach().clone(), requires_grad=bn.bias.requires_grad)
         else:
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)

@@ -215,7 +215,8 @@ class Session:
             peak = self.bcfg.peak_lr(self.np_, epoch)
         if not self.schedule_in_epochs:
             return lr_at(global_step, peak_lr=peak, total_steps=self.schedule_steps,
-                         warmup_steps=self.warmup_steps, schedule=cfg.schedule)
+                         warmup_steps=self.warmup_steps, schedule=cfg.schedule,
+                         decay_steps=round(cfg.decay_epochs * self.steps_per_epoch))
         # A ramp chosen as it goes (a noise-driven one) has later epochs whose steps are not yet known: its
         # schedule runs in epochs, counted in the first epoch's steps (so that epoch's learning rates are
         # those of a run without the ramp)

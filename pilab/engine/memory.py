@@ -140,7 +140,8 @@ def breakdown(cfg: Config, *, np_: int | None = None, allocator: str = "fast", p
     ranks = np_ or 1
     shard = -(-n_train // ranks) if cfg.sharding == "static" else n_train
     params, act, largest = _model_facts(cfg.model, cfg.width, cfg.timesteps, side)
-    batch = cfg.per_rank_batch(ranks) if np_ else cfg.batch_size
+    # the images a rank's forward holds activations for: batch augmentation's copies count
+    batch = (cfg.per_rank_batch(ranks) if np_ else cfg.batch_size) * cfg.batch_aug
     # parameters, their gradients (GradSync's flat buckets), the optimizer's state (SGD/LARS: the momentum
     # buffer; LAMB: Adam's two moments), Lookahead's slow copy; fp16's wire copy
     state = 2 if cfg.optimizer == "lamb" else (1 if cfg.momentum else 0)

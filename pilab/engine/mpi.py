@@ -75,9 +75,11 @@ class MPIRanks:
 
     def build(self, cfg: Config, device, ds, batch: int) -> nn.Module:
         self.loader = data_mod.ShardLoader(ds, self.np_, self.rank, batch, seed=cfg.seed,
-                                           policy=cfg.sharding, augment=cfg.augment)
+                                           policy=cfg.sharding, augment=cfg.augment,
+                                           copies=cfg.batch_aug)
         self.steps_per_epoch = self.loader.steps_per_epoch
         self.batch, self.device, self.eval_batch, self.tta = batch, device, cfg.eval_batch, cfg.tta
+        self.tta_translate = cfg.tta_translate
         model = base_model(cfg, device, steps_per_epoch=self.steps_per_epoch, data=ds)
         if cfg.bn == "sync":
             convert_sync_batchnorm(model, self.comm, cfg.sync_group(self.np_))
@@ -232,7 +234,8 @@ class MPIRanks:
         self.loader.carry(epoch, plan[:, self.rank * b:(self.rank + 1) * b], ds)
 
     def evaluate(self, model, ds) -> tuple[float, float]:
-        return evaluate(model, ds, self.comm, self.device, self.eval_batch, tta=self.tta)
+        return evaluate(model, ds, self.comm, self.device, self.eval_batch, tta=self.tta,
+                        translate=self.tta_translate)
 
     def per_rank(self, values: list[float]):
         """``values`` of every rank in rank order (rows), on rank 0; None elsewhere."""

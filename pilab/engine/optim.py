@@ -12,11 +12,13 @@ them their own learning-rate scale where ``Config.bn_lr_scale`` asks.
 """
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
 from torch import nn
+
+from .eager import Eager, eager_method
+from .muon import build_muon
 
 
 def param_groups(model: nn.Module, weight_decay: float, on: str = "weights", *,
@@ -47,35 +49,12 @@ def param_groups(model: nn.Module, weight_decay: float, on: str = "weights", *,
     return [{"params": decay, "weight_decay": weight_decay, "lars": True}, rest]
 
 
-def _eager(method):
-    """``method`` without the wrappers torch puts around it (``functools.wraps`` chains)."""
-    return inspect.unwrap(method)
-
-
-class Eager:
-    """Mixin for a ``torch.optim`` optimizer that never imports ``torch._dynamo``::
-
-        class SGD(Eager, torch.optim.SGD): ...
-
-    torch wraps ``add_param_group``, ``zero_grad``, ``state_dict``, ``load_state_dict`` and SGD's
-    ``step`` in guards that import ``torch._dynamo`` on their first call, and with it sympy and
-    torch._inductor: ~70 MB of resident modules per rank (BENCHMARKS.md, "Memory per rank"), 8% of
-    the 900 MB a rank aims at on a Pi 4B 4 GB. The guards matter only under ``torch.compile``, which
-    pilab never uses; the methods inside them are the same code, so the numbers are the same
-    (tests/test_memory.py checks both). Where a torch has no such wrapper, the method is used as is."""
-
-    add_param_group = _eager(torch.optim.Optimizer.add_param_group)
-    zero_grad = _eager(torch.optim.Optimizer.zero_grad)
-    state_dict = _eager(torch.optim.Optimizer.state_dict)
-    load_state_dict = _eager(torch.optim.Optimizer.load_state_dict)
-
-
 class SGD(Eager, torch.optim.SGD):
     """``torch.optim.SGD`` (the same update, state and state_dict) that never imports ``torch._dynamo``."""
 
     # torch's guard runs the step with autograd set to defaults["differentiable"], False unless asked
     # for; pilab never asks (a differentiable optimizer step is for meta-learning).
-    _step = staticmethod(_eager(torch.optim.SGD.step))
+    _step = staticmethod(eager_method(torch.optim.SGD.step))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -214,6 +193,8 @@ class SubsetStep:
 
 def build_optimizer(model: nn.Module, cfg, peak_lr: float) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay, cfg.weight_decay_on, bn_lr_scale=cfg.bn_lr_scale)
+    if cfg.optimizer == "muon":
+        return build_muon(model, cfg, peak_lr, groups)
     for g in groups:
         g["lr"] = peak_lr * g.get("lr_scale", 1.0)
     if cfg.optimizer == "lars":
@@ -228,12 +209,20 @@ def build_optimizer(model: nn.Module, cfg, peak_lr: float) -> torch.optim.Optimi
 
 
 def lr_at(step: int, *, peak_lr: float, total_steps: int, warmup_steps: int,
-          schedule: str) -> float:
+          schedule: str, decay_steps: int = 0) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup from peak/warmup_steps to
-    the peak over ``warmup_steps``, then cosine to 0, step decay (x0.1 at 50% and 75%), constant, or linear
-    to 0 (with a short warmup: the triangular schedule of few-step recipes such as airbench's)."""
+    the peak over ``warmup_steps``, then cosine to 0, step decay (x0.1 at 50% and 75%), constant, linear
+    to 0 (with a short warmup: the triangular schedule of few-step recipes such as airbench's), or wsd:
+    the peak until the last ``decay_steps``, then linear to 0 -- before its decay the lr does not depend on
+    ``total_steps``, so a run of more steps may go on from a checkpoint of the stable phase::
+
+        lr_at(90, peak_lr=1.0, total_steps=100, warmup_steps=0, schedule="wsd", decay_steps=20)   # 0.5
+    """
     if warmup_steps and step < warmup_steps:
         return peak_lr * (step + 1) / warmup_steps
+    if schedule == "wsd":
+        start = total_steps - decay_steps
+        return peak_lr if step < start else peak_lr * (1 - (step - start) / max(1, decay_steps))
     rest = max(1, total_steps - warmup_steps)
     t = min(1.0, (step - warmup_steps) / rest)
     if schedule == "cosine":

@@ -119,11 +119,12 @@ class VirtualRanks:
         np_ = self.np_
         # On a GPU the images live and are augmented there (no per-step host-to-device copy).
         self.loaders = [data_mod.ShardLoader(ds, np_, r, batch, seed=cfg.seed, policy=cfg.sharding,
-                                             augment=cfg.augment,
+                                             augment=cfg.augment, copies=cfg.batch_aug,
                                              device=device if device.type == "cuda" else None)
                         for r in range(np_)]
         self.steps_per_epoch = self.loaders[0].steps_per_epoch
         self.batch, self.device, self.eval_batch, self.tta = batch, device, cfg.eval_batch, cfg.tta
+        self.tta_translate = cfg.tta_translate
         # One rank per forward on CPU reproduces an MPI rank's arithmetic exactly (same conv kernels on
         # the same batch). Several ranks per forward are faster on a GPU but sum weight gradients in
         # another order, and BatchNorm's shift invariance amplifies that float noise (~1e-3 after a step).
@@ -318,7 +319,8 @@ class VirtualRanks:
             loader.carry(epoch, plan[:, r * b:(r + 1) * b], ds)
 
     def evaluate(self, model, ds) -> tuple[float, float]:
-        return evaluate(model, ds, None, self.device, self.eval_batch, tta=self.tta)
+        return evaluate(model, ds, None, self.device, self.eval_batch, tta=self.tta,
+                        translate=self.tta_translate)
 
     def per_rank(self, values: list[float]):
         return None  # one process: there is no per-rank timeline to show

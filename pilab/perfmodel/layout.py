@@ -103,3 +103,32 @@ def bn_channels(model: str, width: float) -> tuple[int, ...]:
 def bn_bytes(model: str, width: float) -> int:
     """Bytes of BatchNorm running mean + var (what sync_buffers_ broadcasts before evaluation)."""
     return sum(2 * c * 4 for c in bn_channels(model, width))
+
+
+def optimizer_work(cfg) -> float:
+    """FLOPs an optimizer step adds beyond the per-image work: Muon's orthogonalisations
+    (``Config.optimizer="muon"``: 0.16 GFLOP a step at MobileNetV2-CIFAR 0.25, about three images' training
+    FLOPs, which every rank computes on the same averaged gradient), 0 for the element-wise optimizers."""
+    return _muon_flops(cfg.model, cfg.width, cfg.muon_on) if cfg.optimizer == "muon" else 0.0
+
+
+MUON_NS_STEPS = 3  # pilab.engine.muon.NS_STEPS (tests/test_fewstep.py checks they agree)
+
+
+def ns_flops(shapes: list[tuple[int, int]], steps: int = MUON_NS_STEPS) -> float:
+    """Floating-point operations of one Muon step's orthogonalisations for matrices of these (rows, cols):
+    per Newton-Schulz iteration on the short side s of an s x l matrix, X X^T (2 s^2 l), the quintic's
+    A A (2 s^3) and its product with X (2 s^2 l)."""
+    total = 0.0
+    for r, c in shapes:
+        s, l_ = min(r, c), max(r, c)
+        total += steps * (4 * s * s * l_ + 2 * s ** 3)
+    return total
+
+
+@functools.lru_cache(maxsize=None)
+def _muon_flops(model: str, width: float, on: str) -> float:
+    from ..models.weights import muon_weights  # torch: see the module docstring
+    from ..models.zoo import probe_model
+
+    return ns_flops([(p.shape[0], p[0].numel()) for p in muon_weights(probe_model(model, width=width), on)])

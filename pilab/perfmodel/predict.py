@@ -17,7 +17,7 @@ from typing import Callable
 from ..config import Config, ConfigError
 from .allreduce import allreduce_phases, allreduce_time
 from .assumptions import ELEMENT_BYTES, METRIC_BYTES, THREAD_EXPONENT
-from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, work_per_image
+from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, optimizer_work, work_per_image
 from .machine import Cluster
 from .metrics import efficiency, karp_flatt, speedup
 from .presets import resolve_cluster
@@ -81,9 +81,10 @@ def _rank_costs(cfg: Config, p: int, b: int, cl: Cluster, place: dict, n_tensors
     threads, oversub = place["threads"], place["oversubscription"]
     thread_factor = (cl.ref_threads / threads) ** THREAD_EXPONENT
     work = work_per_image(cfg.model, cfg.width, cl.flops_per_activation, timesteps=cfg.timesteps)
-    step_work = b * work + cl.step_work_per_tensor * n_tensors
+    views = b * cfg.batch_aug  # batch augmentation: every copy is trained on (and augmented)
+    step_work = views * work + cl.step_work_per_tensor * n_tensors + optimizer_work(cfg)
     compute = step_work / (cl.train_gflops * 1e9) * thread_factor * oversub
-    return {"compute": compute, "data": b * (cl.data_s_per_image * oversub),
+    return {"compute": compute, "data": views * (cl.data_s_per_image * oversub),
             "straggler": compute * cl.compute_cv * _expected_max_normal(p),
             "eval_s_per_image": (work / 3) / (cl.eval_gflops * 1e9) * thread_factor * oversub}
 
@@ -229,7 +230,7 @@ def _local_share(cfg: Config, p: int) -> float:
 def _eval_time(cfg: Config, p: int, n_test: int, per_image: float, evaluation: str,
                ar: Callable[[float], float], metric: float) -> float:
     """Seconds of one evaluation of the test set."""
-    per_image *= 2 if cfg.tta else 1  # flip TTA: two forwards per test image
+    per_image *= (6 if cfg.tta_translate else 2) if cfg.tta else 1  # TTA: a forward per view (pilab.engine.tta)
     if evaluation == "full":
         return n_test * per_image
     t = math.ceil(n_test / p) * per_image

@@ -23,11 +23,11 @@ from .remedies import remedies_figure, seeds_figure
 from .run import (LivePlot, accuracy_figure, loss_figure, rank_label, result_layout, run_summary,
                   throughput_figure, timeline_figure)
 from .study import (curves_by_np, efficiency_figure, energy_figure, report_layout, scaling_dashboard,
-                    speedup_figure, study_accuracy_figure, study_cells)
+                    speedup_figure, study_accuracy_figure, study_cells, row_kind, table_notes, MODE_NOTE)
 
 __all__ = ["setup_notebook", "show", "show_committed", "LivePlot", "loss_figure", "accuracy_figure",
            "throughput_figure", "timeline_figure", "rank_label", "result_layout", "run_summary", "speedup_figure",
            "efficiency_figure", "study_accuracy_figure", "curves_by_np", "energy_figure", "scaling_dashboard",
-           "report_layout", "study_cells", "remedies_figure", "seeds_figure", "models_figure", "compare_figures",
+           "report_layout", "study_cells", "row_kind", "table_notes", "MODE_NOTE", "remedies_figure", "seeds_figure", "models_figure", "compare_figures",
            "paper_figures", "Table", "Paragraph", "html_table", "EXPERIMENTS", "STEP_SOURCE", "EPOCH_SOURCE",
            "RANK_SOURCE", "PARTS", "PART_LABELS", "PART_COLORS"]

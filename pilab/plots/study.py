@@ -27,6 +27,32 @@ def _rows(study: Mapping) -> list[Mapping]:
     return study.get("rows") or []
 
 
+# What "sim exact" and "sim fast" mean, under any table that shows them.
+MODE_NOTE = ("sim exact: the simulator's exact mode, MPI's arithmetic bit for bit; sim fast: its fast mode, the same "
+             "mathematics to float rounding (--simulate-mode; auto, the default, runs fast unless the run needs exact "
+             "or is long enough to time both)")
+
+
+def row_kind(study: Mapping, row: Mapping) -> str:
+    """How a row's run was made: ``measured`` (real MPI ranks), ``sim exact`` or ``sim fast`` (the
+    simulator's mode that ran: the row's ``simulate_mode``), ``sim`` where nothing says::
+
+        [plots.row_kind(study, r) for r in study["rows"]]     # ['measured', 'measured', 'sim fast', 'sim fast']
+    """
+    if not row.get("simulated"):
+        return "measured"
+    return f"sim {row['simulate_mode']}" if row.get("simulate_mode") else "sim"
+
+
+def table_notes(study: Mapping) -> list[str]:
+    """The notes under a table of the study: the verdicts' (pilab.verdict) and, where a row was simulated,
+    what its mode means."""
+    notes = judging.footnotes(study)
+    if any(r.get("simulated") for r in _rows(study)):
+        notes.append(MODE_NOTE)
+    return notes
+
+
 def _row_source(study: Mapping) -> ColumnDataSource:
     rows = _rows(study)
     keys = ("np", "speedup", "efficiency", "karp_flatt", "images_per_s", "comm_share",
@@ -39,7 +65,7 @@ def _row_source(study: Mapping) -> ColumnDataSource:
     base_here = next((r.get("here_time_per_epoch") for r in rows if r["np"] == p0), None)
     cols["here_speedup"] = [base_here / r["here_time_per_epoch"] if base_here and r.get("here_time_per_epoch")
                             else None for r in rows]
-    cols["kind"] = ["simulated" if r.get("simulated") else "measured" for r in rows]
+    cols["kind"] = [row_kind(study, r) for r in rows]
     cols["verdict"] = [judging.cell(r) for r in rows]
     cols["color"] = [judging.color(r) for r in rows]
     return ColumnDataSource(cols)
@@ -190,7 +216,7 @@ def study_cells(study: Mapping, *, steps: bool = False) -> tuple[tuple, list[tup
         n = (runs.get(str(r["np"])) or {}).get("total_steps")
         cells = {
             "np": str(r["np"]),
-            "kind": "simulated" if r.get("simulated") else "measured",
+            "kind": row_kind(study, r),
             "global batch": f("global_batch", "d"),
             "steps": str(n) if n is not None else "–",
             f"s/epoch ({machine})": f("time_per_epoch", ".1f"),
@@ -215,7 +241,7 @@ def study_cells(study: Mapping, *, steps: bool = False) -> tuple[tuple, list[tup
     else:
         head = ["np", *speed, "speedup", "efficiency", "images/s", "comm waited", "test acc", "time to target",
                 "energy/epoch kJ", "energy to target kJ", "verdict"]
-    return tuple(head), [tuple(c[h] for h in head) for c in rows], judging.footnotes(study)
+    return tuple(head), [tuple(c[h] for h in head) for c in rows], table_notes(study)
 
 
 def energy_figure(study: Mapping) -> figure | None:

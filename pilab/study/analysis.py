@@ -22,6 +22,7 @@ from .. import verdict as judging
 from ..config import Config, ConfigError
 from ..launch import LaunchError
 from ..perfmodel import efficiency, karp_flatt, speedup
+from .points import mode_ran
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ def _row(p, r, here, there, machine, p0, t0, ttt0, target_acc) -> dict:
     ttt = time_to_target(r, target_acc, there["train"], there["eval"]) if there else None
     return {
         "np": p, "simulated": bool(r.get("simulated")),
+        "simulate_mode": mode_ran(r),  # the simulator's mode that ran it: exact or fast (None: measured)
         "machine": machine, "time_source": there["source"] if there else None,
         "per_rank_batch": r["per_rank_batch"], "global_batch": r["global_batch"],
         "steps_per_epoch": r["steps_per_epoch"], "peak_lr": r["peak_lr"],

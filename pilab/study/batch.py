@@ -178,7 +178,7 @@ def remedies_points(cfg: Config, np_: int, candidates, only, recipes_of, opts: O
     job (the simulator runs its np ranks in one process)."""
     from . import remedies
     defined_at = recipes_of or np_
-    cands = remedies._chosen((candidates or remedies.default_candidates)(cfg, defined_at), only, defined_at)
+    cands = remedies.chosen((candidates or remedies.default_candidates)(cfg, defined_at), only, defined_at)
     sim_cfg = replace(cfg, out="")
 
     def point(pid: str, name: str, c: Config, p: int) -> Point:

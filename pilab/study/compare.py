@@ -16,15 +16,16 @@ import os
 from .. import verdict as judging
 from ..plots import EXPERIMENTS
 from ..config import Config
-from .points import _NOT_TRAINING, _load_json
+from .points import _NOT_TRAINING, _load_json, mode_ran
 
 
 # Settings that belong together when studies differ (one "what varies" in a comparison's title).
 SETTING_GROUPS = {
     "learning-rate rule": ("lr", "lr_scaling", "lr_ref_batch", "warmup_epochs", "optimizer", "schedule",
-                           "momentum", "nesterov", "lars_eta", "bn_lr_scale", "lookahead_steps"),
-    "model": ("model", "width", "timesteps", "zero_init_residual", "whiten_stem"),
-    "batch": ("batch_mode", "batch_size"),
+                           "momentum", "nesterov", "lars_eta", "bn_lr_scale", "lookahead_steps", "decay_epochs",
+                           "muon_lr", "muon_momentum", "muon_on"),
+    "model": ("model", "width", "timesteps", "zero_init_residual", "whiten_stem", "dirac_init", "freeze_bn_scale"),
+    "batch": ("batch_mode", "batch_size", "batch_aug"),
     "BatchNorm": ("bn", "bn_buffers", "ghost_batch", "bn_group"),
     "data": ("data", "train_subset", "test_subset", "augment", "sharding"),
 }
@@ -64,6 +65,7 @@ def compare(studies: dict[str, dict]) -> dict:
             curve = [e["test_acc"] for e in res["epochs"]]
             table_rows.append({
                 "label": label, "np": r["np"], "simulated": r["simulated"],
+                "simulate_mode": mode_ran(res),
                 "global_batch": r["global_batch"], "peak_lr": r["peak_lr"],
                 "steps": res["total_steps"], "final_test_acc": r["final_test_acc"],
                 "test_acc_curve": curve,

@@ -24,6 +24,7 @@ from dataclasses import replace
 from .. import perfmodel
 from ..config import Config
 from .analysis import final_value, sized_for_model
+from .points import mode_ran
 
 PAPER_NPS = (1, 2, 4, 8, 16, 24, 32, 48)  # the paper's process counts (2..48), and np=1 as the reference
 CHANCE = 0.10  # ten classes
@@ -81,6 +82,7 @@ def beside_paper(studies: dict[str, dict], *, nps=PAPER_NPS, cluster="pi4b_clust
                 "epochs": len(curve) if r else None,
                 "steps": r["total_steps"] if r else None,
                 "simulated": bool(r.get("simulated")) if r else None,
+                "simulate_mode": mode_ran(r),
                 "wall_time_here": r.get("wall_time") if r else None,
                 "test_acc_curve": curve if r else None,
                 # the study's own row, predicted for its target machine (the Pi cluster): every point's
@@ -227,7 +229,8 @@ def points_cells(side: dict) -> tuple[list[str], list[list[str]], str]:
             else:
                 ttt = num(a["pi_time_to_target"] / 60, ".0f", " min") \
                     + (f" ({a['pi_speedup_to_target']:.1f}×)" if a["pi_speedup_to_target"] else "")
-            out.append([label, str(r["np"]), "sim" if a["simulated"] else "real", str(a["steps"]),
+            kind = "real" if not a["simulated"] else f"sim {a['simulate_mode']}" if a.get("simulate_mode") else "sim"
+            out.append([label, str(r["np"]), kind, str(a["steps"]),
                         " ".join(f"{x:.3f}" for x in a["test_acc_curve"] if x is not None),
                         num(a["pi_time_per_epoch"], ".0f", " s"),
                         num(a["pi_energy_j"] and a["pi_energy_j"] / 1e3, ".1f", " kJ"), ttt,

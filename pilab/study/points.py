@@ -138,6 +138,17 @@ def stored(study_: dict, out: str) -> dict:
     return {**study_, "runs": runs}
 
 
+def mode_ran(run: Mapping | None) -> str | None:
+    """The simulator's mode a simulated run ran in (``exact`` or ``fast``): its ``simulate_mode_used``, or
+    for runs made before results said it, the mode its config named (they could not choose); None for a
+    measured run or where nothing says."""
+    if not run or not run.get("simulated"):
+        return None
+    named = (run.get("config") or {}).get("simulate_mode")
+    return run.get("simulate_mode_used") or (named if named in ("exact", "fast") else None)
+
+
+
 def resolved(study_: dict, where: str) -> dict:
     """A study.json's content with its runs read back from the files it refers to (relative to the
     directory ``where``); ConfigError if a file is missing or is not the one the study recorded."""
@@ -155,7 +166,10 @@ def resolved(study_: dict, where: str) -> dict:
             raise ConfigError(f"{path} changed after the study in {where} was written (its SHA-256 "
                               "differs); run `pilab scale` with --resume there to make the study again")
         out[p] = {**_load_json(path), **run.get("also", {})}
-    return {**study_, "runs": out}
+    # rows of studies made before rows said which simulator mode ran: from their runs
+    rows = [r if "simulate_mode" in r else {**r, "simulate_mode": mode_ran(out.get(str(r["np"])))}
+            for r in study_.get("rows") or []]
+    return {**study_, "runs": out, **({"rows": rows} if "rows" in study_ else {})}
 
 
 def _clear_point(d: str) -> None:

@@ -33,12 +33,7 @@ from ..config import Config, ConfigError, small_mode
 from ..engine.loop import load_data
 from .analysis import POWER_MODELS, calibrate_from, run_energy, target_baseline, time_to_target
 from .points import finished_run, reused_run, same_training, step_events, trained_config
-
-
-def fixed_per_rank(cfg: Config, np_: int) -> int:
-    """Images per rank of "fixed global batch": the size a single rank used, rounded to a multiple of np
-    (>= 2 per rank)."""
-    return max(2, round(cfg.batch_size / np_))
+from .toolbox import fast_and_right, fixed_per_rank
 
 
 def _fixed_global(cfg: Config, np_: int) -> dict:
@@ -81,24 +76,39 @@ def default_candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
     return [(label, ch) for label, ch in out if ch is not None]
 
 
+def toolbox_candidates(cfg: Config, np_: int) -> list[tuple[str, dict]]:
+    """(label, changes) pairs: :func:`default_candidates`, then the large-batch toolbox's
+    (:func:`pilab.study.toolbox.fast_and_right`; ``--candidates toolbox``)."""
+    return default_candidates(cfg, np_) + [(label, ch) for label, ch in fast_and_right(cfg, np_) if ch is not None]
+
+
 def candidate_labels(cfg: Config, np_: int, candidates=None) -> list[str]:
     """The labels ``only=`` (``--only``) accepts at these settings and ``np_``, in search order, of
     ``candidates`` (a function like :func:`default_candidates`; None: that one)."""
     return [label for label, _ in (candidates or default_candidates)(cfg, np_)]
 
 
-def load_candidates(path: str):
-    """The ``candidates(cfg, np_)`` function of the Python file ``path`` (a study's own list, kept beside
-    its results), for :func:`search` or ``pilab remedies --candidates``; ConfigError where the file is
-    missing or defines no such function::
+# The candidate lists pilab has, by the name ``--candidates`` takes.
+CANDIDATE_SETS = ("default", "toolbox")
 
-        cands = remedies.load_candidates("experiments/fast-but-wrong/remedies/candidates.py")
+
+def load_candidates(path: str):
+    """A ``candidates(cfg, np_)`` function for :func:`search` or ``pilab remedies --candidates``: pilab's
+    own by name (``"default"``: :func:`default_candidates`; ``"toolbox"``: :func:`toolbox_candidates`), or the one the Python file ``path`` defines (a
+    study's own list, kept beside its results); ConfigError where the file is missing or defines none::
+
+        cands = remedies.load_candidates("toolbox")
         remedies.search(cfg, 48, candidates=cands, only=["local SGD H=8"])
     """
     import importlib.util
     import sys
+    if path == "default":
+        return default_candidates
+    if path == "toolbox":
+        return toolbox_candidates
     if not os.path.isfile(path):
-        raise ConfigError(f"--candidates {path}: no such file; give a Python file that defines candidates(cfg, np_)")
+        raise ConfigError(f"--candidates {path}: no such file; give {' or '.join(CANDIDATE_SETS)} (pilab's lists) "
+                          "or a Python file that defines candidates(cfg, np_)")
     name = "pilab_candidates_" + re.sub(r"\W", "_", os.path.abspath(path))
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -208,7 +218,7 @@ def search(cfg: Config, np_: int, *, candidates=None, only: list[str] | None = N
     {"kind": "step"} events (``widgets.Progress`` shows them).
     """
     defined_at = recipes_of or np_  # the np whose recipes (global batch, labels) are run at np_
-    cands = _chosen((candidates or default_candidates)(cfg, defined_at), only, defined_at)
+    cands = chosen((candidates or default_candidates)(cfg, defined_at), only, defined_at)
     ds = data if data is not None else load_data(cfg)  # after the checks: a bad label costs no loading
     sim_cfg = replace(cfg, out="", threads=cfg.threads)
     known = list(known)
@@ -247,23 +257,18 @@ def _candidate(label: str, changes: dict, sim_cfg: Config, np_: int, ds, plan: l
     return row
 
 
-def check_only(cfg: Config, np_: int, only, candidates=None) -> None:
-    """ConfigError naming each label of ``only`` that is not a candidate at these settings and ``np_``
-    (the np whose recipes run): what :func:`search` refuses, asked before anything runs::
-
-        check_only(cfg, 48, ["sqrt lr + warmup", "lars"])
-    """
-    _chosen((candidates or default_candidates)(cfg, np_), only, np_)
-
-
-def _chosen(cands: list, only, np_: int) -> list:
-    """The candidates named in ``only`` (all without it); ConfigError naming the ones that are not."""
+def chosen(cands: list, only, np_: int) -> list:
+    """The candidates named in ``only`` by label (``"sqrt lr + warmup"``) or by the folder their run is
+    kept in (:func:`slug`: ``sqrt-lr-warmup``), all without it; ConfigError naming the ones that are not."""
     if only:
-        unknown = [o for o in only if o not in {c[0] for c in cands}]
+        names = {name: c[0] for c in cands for name in (c[0], slug(c[0]))}
+        unknown = [o for o in only if o not in names]
         if unknown:
             raise ConfigError(f"{', '.join(map(repr, unknown))} {'is not a candidate' if len(unknown) == 1 else 'are not candidates'}"
-                              f" at np={np_}; the candidates are: {'; '.join(c[0] for c in cands)}")
-        cands = [c for c in cands if c[0] in only]
+                              f" at np={np_}; the candidates (label, or its folder name) are: "
+                              f"{'; '.join(f'{c[0]} ({slug(c[0])})' for c in cands)}")
+        wanted = {names[o] for o in only}
+        cands = [c for c in cands if c[0] in wanted]
     return cands
 
 

@@ -31,7 +31,7 @@ from .points import stored
 from .tables import _target_text, remedies_table
 
 
-ROW_KEYS = ("np", "simulated", "machine", "time_source", "per_rank_batch", "global_batch", "steps_per_epoch",
+ROW_KEYS = ("np", "simulated", "simulate_mode", "machine", "time_source", "per_rank_batch", "global_batch", "steps_per_epoch",
             "peak_lr", "threads", "time_per_epoch", "here_time_per_epoch", "here_time_source", "speedup",
             "efficiency", "karp_flatt", "images_per_s", "comm_share", "comm_exposed_share", "peak_mem_mb",
             "final_train_acc", "final_test_acc", "final_train_loss", "final_test_loss", "time_to_target",
@@ -124,7 +124,8 @@ def _compare_head(cmp: dict) -> tuple:
 
 def _compare_cells(r: dict) -> list[str]:
     """One row of the comparison table, as text (shared by the markdown and HTML forms)."""
-    return [r["label"], str(r["np"]), "simulated" if r["simulated"] else "measured",
+    kind = "measured" if not r["simulated"] else f"sim {r['simulate_mode']}" if r.get("simulate_mode") else "sim"
+    return [r["label"], str(r["np"]), kind,
             str(r["global_batch"]), f"{r['peak_lr']:.3g}", str(r["steps"]), f"{r['final_test_acc']:.3f}",
             f"{r['epochs_near_chance']}/{len(r['test_acc_curve'])}", judging.cell(r)]
 
