@@ -37,7 +37,8 @@ VARS = (
         "the mpiexec that starts ranks (`train --np`, `scale`, `doctor`, `perfmodel bench`, the ipyparallel "
         "profiles); `--mpiexec` overrides it"),
     Var("PILAB_HOSTFILE", "yours", "profiles/profile_pi/hosts",
-        "the hostfile (`host:slots` lines) of the Pi profile and of `doctor` without `--hostfile`"),
+        "the hostfile (`host:slots` lines) of the Pi profile, of `doctor` without `--hostfile`, and of the "
+        "notebooks' studies: set on a cluster's head node, their process counts run on its hosts"),
     Var("PILAB_LAUNCHER", "yours", "slurm inside a Slurm allocation",
         "`hostfile`: inside a Slurm allocation, start ranks with mpiexec and a hostfile instead of "
         "through Slurm (srun)"),

@@ -241,3 +241,96 @@ def test_reference_pages_list_every_option_setting_variable_and_exit_code(site):
     assert all(f">{v.name}<" in env for v in VARS)
     codes = _text(site / "reference" / "exit-codes.html")
     assert all(f">{c}<" in codes for c, _ in EXIT_CODES if isinstance(c, int))
+
+
+# ---- a manual a newcomer can read (issue 51 §4) --------------------------------------------------
+def _manual_pages() -> list[str]:
+    """README.md and every page under docs/ (not the build, not the tutorial copies sphinx makes)."""
+    pages = [os.path.join(REPO, "README.md")]
+    pages += sorted(p for p in glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True)
+                    if f"{os.sep}_build{os.sep}" not in p)
+    return pages
+
+
+def _paragraphs(text: str) -> list[tuple[int, str]]:
+    """(first line, text) of each paragraph of prose: blank-line separated, outside fenced blocks; a table,
+    a heading or a list item's marker ends one (each list item is a paragraph of its own)."""
+    out, cur, start, fenced = [], [], 0, False
+    item = re.compile(r"^([-*+]|\d+\.)\s")
+    for i, line in enumerate(text.splitlines(), 1):
+        s = line.strip()
+        if s.startswith(("```", ":::")):
+            fenced = not fenced
+            if cur:
+                out.append((start, " ".join(cur)))
+                cur = []
+            continue
+        if fenced:
+            continue
+        if not s or s.startswith(("|", "#")) or item.match(s):
+            if cur:
+                out.append((start, " ".join(cur)))
+                cur = []
+            if item.match(s):
+                start, cur = i, [s]
+            continue
+        if not cur:
+            start = i
+        cur.append(s)
+    if cur:
+        out.append((start, " ".join(cur)))
+    return out
+
+
+PAGE_LINES, PARAGRAPH_WORDS = 300, 150
+
+
+def test_no_page_over_300_lines_and_no_paragraph_over_150_words():
+    long = []
+    for page in _manual_pages():
+        text = _text(page)
+        name = os.path.relpath(page, REPO)
+        if len(text.splitlines()) > PAGE_LINES:
+            long.append(f"{name}: {len(text.splitlines())} lines (split it by what the reader wants)")
+        for line, p in _paragraphs(text):
+            if len(p.split()) > PARAGRAPH_WORDS:
+                long.append(f"{name}:{line}: a paragraph of {len(p.split())} words")
+    assert not long, "\n".join(long)
+    # and the check sees a long paragraph where there is one
+    assert [w for _, w in _paragraphs("intro\n\n" + "word " * 151 + "\n\n- an item\n")][1].count("word") == 151
+
+
+def test_the_study_pilab_reproduces_is_cited_and_pilab_has_a_citation_file():
+    import yaml
+    cff = yaml.safe_load(_text(os.path.join(REPO, "CITATION.cff")))
+    assert cff["cff-version"] == "1.2.0" and cff["title"].startswith("pilab") and cff["authors"]
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        import tomllib
+        assert cff["version"] == tomllib.load(f)["project"]["version"]
+    study = cff["references"][0]
+    assert study["doi"] == "10.5120/ijca2025925727" and study["year"] == 2025
+    for page in ("README.md", os.path.join("docs", "index.md")):
+        text = " ".join(_text(os.path.join(REPO, page)).split())  # as read, not as wrapped
+        for fact in ("Papakyriakou", "Barbounakis", study["title"], "International Journal of Computer Applications",
+                     "187(41)", "2025", study["doi"], "9.99", "41.6%", "90.9%", "52.3%"):
+            assert fact in text, (page, fact)
+
+
+def test_the_pages_show_one_demo_table_and_its_reuse_example_reuses():
+    """README and getting-started show the same table for `./lab.sh demo`; the --reuse example in both reuses
+    the first study's np=1 point (the same training: the sqrt rule leaves np=1's lr as it is)."""
+    def table(page):
+        text = _text(os.path.join(REPO, page))
+        start = text.index("  np      kind")
+        return text[start:text.index("```", start)]
+    assert table("README.md") == table(os.path.join("docs", "getting-started.md"))
+    from pilab.cli import build_parser
+    from pilab.cli.common import config_from_args
+    from pilab.cli.scale import _defaults
+    from pilab.study.points import same_training
+    for page in ("README.md", os.path.join("docs", "getting-started.md")):
+        text = _text(os.path.join(REPO, page)).replace("\\\n", " ")
+        first, second = re.findall(r"python -m pilab (scale --nps 1,2 --simulate-nps 8,48 [^\n#]*)", text)[:2]
+        assert "--reuse runs/s" in second, (page, second)
+        a, b = (config_from_args(build_parser().parse_args(c.split()), _defaults()) for c in (first, second))
+        assert same_training(a.to_dict(), b, 1) and not same_training(a.to_dict(), b, 2), page

@@ -1,5 +1,7 @@
 """What a new user sees of the reports and the CLI (issue 24, item 5): figures that fit their data,
 `compare` that says what it compares, `remedies` that names its candidates, `--help` for every command."""
+import json
+import os
 import re
 import shlex
 import subprocess
@@ -13,7 +15,7 @@ from bokeh.plotting import figure
 from pilab import plots
 from pilab.cli import COMMANDS, build_parser
 from pilab.config import DEMO, Config
-from pilab.study import ablation, analysis, compare, remedies, report, tables
+from pilab.study import ablation, analysis, compare, remedies, report, scaling, tables
 
 from test_verdict import _run, _study
 
@@ -178,6 +180,39 @@ def test_ablation_words_name_the_cause_the_rows_show():
     assert re.search(r"data-col='change' style='[^']*'>-14.0 points<", html)
     # a reference that has not learned separates nothing
     assert "cannot tell one cause from another" in ablation.ablation_summary(_ablations([0.12, 0.1, 0.1, 0.1, 0.1]))
+
+
+def _committed_output(notebook: str, startswith: str) -> str:
+    """The committed text of the first output of ``notebook`` that starts with ``startswith``."""
+    nb = json.load(open(os.path.join(os.path.dirname(__file__), "..", "notebooks", notebook)))
+    texts = ["".join(o.get("data", {}).get("text/plain", o.get("text", ""))) for c in nb["cells"]
+             for o in c.get("outputs", [])]
+    return next(t for t in texts if t.startswith(startswith))
+
+
+def test_ablation_words_on_notebook_03s_committed_rows():
+    """issue 51: notebook 03's words called the batch statistics "does not matter" right after the table
+    showed them 8 points better. The rows as committed (its ablation table), read back into the generator:
+    a gain is said as a gain, a loss as a loss."""
+    table = _committed_output("03_fast_but_wrong.ipynb", "run ")
+    accs = [float(line.split()[-1]) for line in table.splitlines()[1:]]
+    assert len(accs) == 4, table
+    words = ablation.ablation_summary({**_ablations(accs + [accs[-1]]), "rows": _ablations(accs + [accs[-1]])["rows"][:4]})
+    assert "lost mainly to the step count (15 points), and also to the shards (7 points)" in words, words
+    assert "the batch statistics give 8 points back" in words, words
+    assert "not matter" not in words and "costs some" not in words
+
+
+def test_models_words_compare_speed_at_an_np_every_study_ran():
+    """issue 51: notebooks 04 and 05 set this run's np=8 speedup beside the committed studies' np=48 one.
+    This run's np 1, 2, 8 beside the committed three-model studies (np up to 48): speed and accuracy are
+    compared at np=8, which they all ran."""
+    here = scaling.load_study(os.path.join(os.path.dirname(__file__), "..", "experiments", "three-models", "spiking"))
+    small = {**here, "rows": [r for r in here["rows"] if r["np"] <= 8]}
+    words = tables.models_interpretation({"spiking CNN (this run)": small}, committed="three-models")
+    first = str(words).split("\n\n")[0]
+    assert "at np=8" in first and "at np=48" not in first, first
+    assert compare.common_np({"a": small, "b": here}) == 8 and compare.common_np({"a": here}) == 48
 
 
 def test_search_words_never_call_a_missed_target_right():

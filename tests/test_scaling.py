@@ -606,3 +606,21 @@ def test_the_table_says_which_simulator_mode_made_each_row():
                                                 for ln in text.splitlines()) if m}
     assert kinds == {1: "measured", 2: "measured", 8: "sim exact", 48: "sim exact"}
     assert "sim exact: the simulator's exact mode, MPI's arithmetic bit for bit" in text
+
+
+def test_the_notebooks_sweeps_run_on_a_clusters_hosts_where_pilab_hostfile_names_them(tmp_path, monkeypatch):
+    """issue 51 §4 (notebooks against a real Pi cluster): with the Pi profile's hostfile in PILAB_HOSTFILE
+    the notebooks' simulated counts that its slots hold become real jobs on those hosts."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("".join(f"pi{i:02d}:2\n" for i in range(1, 25)))  # 24 boards, 48 slots
+    sweep = {"nps": (1, 2), "simulate_nps": (8, 48)}
+    assert scaling.on_cluster(sweep, {}) == sweep
+    assert scaling.on_cluster(sweep, {"PILAB_HOSTFILE": str(hosts)}) == \
+        {"nps": (1, 2, 8, 48), "simulate_nps": (), "hostfile": str(hosts)}
+    hosts.write_text("pi01:2\npi02:2\n")  # 4 slots: np 8 and 48 stay simulated
+    monkeypatch.setenv("PILAB_HOSTFILE", str(hosts))
+    monkeypatch.setenv("PILAB_NB_SMALL", "0")  # a laptop's sweep, not small mode's
+    assert scaling.notebook_sweep() == {"nps": (1, 2), "simulate_nps": (8, 48), "hostfile": str(hosts)}
+    monkeypatch.setenv("PILAB_HOSTFILE", str(tmp_path / "nope"))
+    with pytest.raises(ConfigError, match="PILAB_HOSTFILE=.*nope: no such file"):
+        scaling.models_sweep()

@@ -15,7 +15,7 @@
 
 Bad input gets one line on stderr naming the problem and the fix, and exit code 2. A file that cannot
 be written (disk full, no permission) gets one line and exit code 74; an interrupted command exits 130
-(SIGINT) or 143 (SIGTERM) after writing what it did (see the README's "Failure behaviour").
+(SIGINT) or 143 (SIGTERM) after writing what it did (see the manual's docs/failures.md).
 
 This package is the only place with argparse: one module per subcommand, each with ``add_parser(sub)``;
 nothing below the front-ends imports it. The command modules import the library inside their

@@ -141,6 +141,15 @@ def committed_studies(name: str) -> dict[str, dict]:
     return found
 
 
+def common_np(studies: dict[str, dict]) -> int | None:
+    """The largest np that every study has a row at (None where they share none but the reference's)::
+
+        common_np({"this run": small, "committed": full})     # 8 where one ran 1, 2, 8 and the other 1, 2, 8, 48
+    """
+    shared = set.intersection(*[{r["np"] for r in st["rows"]} for st in studies.values()]) if studies else set()
+    return max(shared) if len(shared) > 1 else None
+
+
 # A speedup within this fraction of another model's is "about the same" (the performance model's
 # predictions are not finer than that).
 SAME_SPEED = 0.1
@@ -156,6 +165,8 @@ def models_interpretation(studies: dict[str, dict], *, committed: str | None = N
         compare.models_interpretation({"MobileNetV2": a, "SqueezeNet 1.1": b}, committed="three-models")
     """
     studies = _with_committed(studies, committed) if committed else studies
+    if at_np is None:  # compare like with like: the largest np every study ran (this run's 8, a committed 48)
+        at_np = common_np(studies)
     rows = models_summary(studies, at_np=at_np)
     parts = []
     timed = [r for r in rows if r.get("speedup_at_largest")]

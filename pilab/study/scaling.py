@@ -53,11 +53,34 @@ def notebook_config(**overrides) -> Config:
 
 def notebook_sweep(simulate_nps=(8, 48), small_simulate_nps=(8,)) -> dict:
     """Process counts for the notebooks: the demo's, or in small mode (PILAB_NB_SMALL: CI, Binder) one
-    simulated np, where the small run turns fast-but-wrong (np=8: 31 steps of 256 images)::
+    simulated np, where the small run turns fast-but-wrong (np=8: 31 steps of 256 images); on a cluster's
+    head node (``PILAB_HOSTFILE``, the Pi profile's hostfile) every np the hostfile's slots hold is a real
+    job on its hosts (:func:`on_cluster`)::
 
         study = scaling.study(cfg, **scaling.notebook_sweep(), out="runs/nb")
     """
-    return {"nps": (1, 2), "simulate_nps": small_simulate_nps if small_mode() else simulate_nps}
+    return on_cluster({"nps": (1, 2), "simulate_nps": small_simulate_nps if small_mode() else simulate_nps})
+
+
+def on_cluster(sweep: dict, env=None) -> dict:
+    """``sweep`` as it runs where ``PILAB_HOSTFILE`` names a hostfile (a notebook on a cluster's head node,
+    the Pi profile's ``profiles/profile_pi/hosts``): the simulated counts the hostfile's slots hold become
+    real jobs there (``hostfile=``), the others stay simulated; unchanged without it::
+
+        on_cluster({"nps": (1, 2), "simulate_nps": (8, 48)}, {"PILAB_HOSTFILE": "hosts"})   # 48 slots:
+        # {"nps": (1, 2, 8, 48), "simulate_nps": (), "hostfile": "hosts"}
+    """
+    from ..launch.hosts import read_hostfile, total_slots
+    path = (os.environ if env is None else env).get("PILAB_HOSTFILE")
+    if not path:
+        return sweep
+    if not os.path.isfile(path):
+        raise ConfigError(f"PILAB_HOSTFILE={path}: no such file; give the cluster's hostfile "
+                          "(profiles/profile_pi/hosts, host:slots lines) or unset it to run here")
+    slots = total_slots(read_hostfile(path))
+    every = sorted(set(sweep["nps"]) | set(sweep["simulate_nps"]))
+    return {"nps": tuple(p for p in every if p <= slots), "simulate_nps": tuple(p for p in every if p > slots),
+            "hostfile": path}
 
 
 # Each model's learning rate for the three-model protocol (experiments/three-models/run.sh; the spiking CNN's
@@ -84,8 +107,10 @@ def models_sweep() -> dict:
     in small mode np=1 real and np=8 simulated -- the np where the committed MobileNetV2 turns wrong::
 
         study = scaling.study(scaling.model_config("squeezenet1_1"), **scaling.models_sweep())
+
+    On a cluster's head node (``PILAB_HOSTFILE``) the counts its slots hold run there (:func:`on_cluster`).
     """
-    return {"nps": (1,), "simulate_nps": (8,)} if small_mode() else {"nps": (1, 2), "simulate_nps": (8, 48)}
+    return on_cluster({"nps": (1,), "simulate_nps": (8,)} if small_mode() else {"nps": (1, 2), "simulate_nps": (8, 48)})
 
 
 def run_measured(cfg: Config, np_: int, out: str, *, mpiexec: str | None = None,
