@@ -71,12 +71,30 @@ def _command_text(line: str, block: bool) -> str | None:
                 rest = rest.split(q, 1)[0]
         words = rest.split()
         # a bare `pilab` is a command when a sub-command or an option follows it (not "cd pilab")
-        if m.group(0) == "pilab" and not (words and (re.fullmatch(r"[a-z]+", words[0]) or words[0].startswith("-"))):
+        if m.group(0) == "pilab" and not (words and (words[0] in _commands() or words[0].startswith("-"))):
             continue
         if not block and m.start() > 0:
             continue  # inline: only a span that starts with the command
         return "pilab" + rest
     return None
+
+
+def _commands() -> set:
+    from pilab.cli import COMMANDS
+    return {c.__name__.rsplit(".", 1)[-1] for c in COMMANDS}
+
+
+def _without_comment(line: str) -> str:
+    """A shell line without its comment: from the first ``#`` that starts a word outside quotes."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
 
 
 def _from_markdown(text: str, page: str, where=lambda n: None) -> list[Command]:
@@ -102,7 +120,7 @@ def _from_markdown(text: str, page: str, where=lambda n: None) -> list[Command]:
                 while line.rstrip().endswith("\\") and i + 1 < len(lines):  # a continued command
                     i += 1
                     line = line.rstrip()[:-1] + " " + lines[i].strip()
-                cmd = _command_text(re.sub(r"^\s*\$\s+", "", line), block=True)
+                cmd = _command_text(_without_comment(re.sub(r"^\s*\$\s+", "", line)), block=True)
                 if cmd:
                     out.append(Command(page, first, cmd, mark, where(first) or f"{page}:{first}"))
             i += 1
