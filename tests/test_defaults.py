@@ -1,7 +1,7 @@
 """The commands' defaults fit a user's own data: `scale`, `remedies`, `simulate` and `train` on a data set
 far smaller than the embedded demo's subsets run with nothing else given -- an ImageFolder of 500 images
 (a slice of the real CIFAR-10 archive), arrays through ``data.from_arrays``, and sklearn's digits (1,797
-8x8 grey images).
+8x8 grey images: the registered models' first layer takes the data's channels).
 
 The demo's subsets (2,000 training and 1,000 test images) apply to the embedded data only; on any other
 data every image is used (``config.demo``), and the default process counts that the data cannot hold (a
@@ -123,7 +123,7 @@ def test_train_simulate_and_remedies_defaults_fit_each_kind_of_data(kind, reques
     remedies runs one candidate against a given reference accuracy (no np=1 reference run, no price)."""
     data = str(request.getfixturevalue(kind))
     n_train = {"folder": 400, "arrays": 240, "digits": 1500}[kind]
-    for args in (["train", "--max-steps", "1"], ["simulate", "--np", "8", "--max-steps", "1"]):
+    for args in (["train", "--max-steps", "1"], ["simulate", "--np", "4", "--max-steps", "1"]):
         p = _pilab(*args, "--data", data, cwd=tmp_path)
         assert p.returncode == 0, (args, p.stderr[-3000:])
         result = json.loads((tmp_path / "runs" / args[0] / "result.json").read_text())
