@@ -70,6 +70,7 @@ BACKWARD_ALLOWED = {
     "pilab/perfmodel/check.py": "compute-only step timing that the performance model is checked against",
     "pilab/bench/wire.py": "the no-exchange ceiling and DDP-gloo contenders of one step on the wire (issue 23)",
     "pilab/engine/memprobe.py": "a few steps of your own model in a child process, its memory measured (issue 37)",
+    "pilab/doctor/probe.py": "a few steps of the run's model on each host, timed: the doctor's speed check",
     "scripts/grouped_bn_forms.py": "one BatchNorm layer's forms timed alone, no training (issue 42)",
     "pilab/engine/compilebn.py": "its probe: one small BatchNorm layer compiled forward and backward, no training",
 }

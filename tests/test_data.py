@@ -518,6 +518,46 @@ def test_batch_shares_refuses_what_cannot_be_split():
             data.batch_shares(10, bad)
 
 
+def test_uneven_shares_use_every_image_once_an_epoch_however_they_change(embedded):
+    # two ranks of different speeds: each step the next global batch of the epoch's shared permutation,
+    # rank r its b_r images after the ranks before it; the shares change between steps (dynamic balance)
+    np_, total = 3, 48
+    loaders = [data.ShardLoader(embedded, np_, r, total // np_, policy="reshuffle", seed=5) for r in range(np_)]
+    steps = loaders[0].steps_per_epoch
+    assert steps == len(embedded.y_train) // total
+    plans = [[16, 16, 16], [30, 12, 6], [1, 1, 46], [20, 20, 8]]
+    for epoch in (0, 1):
+        seen = []
+        for step in range(steps):
+            shares = plans[step % len(plans)]
+            start = 0
+            for r, ld in enumerate(loaders):
+                x, y = ld.batch(epoch, step, share=(start, shares[r]))
+                idx = ld.share_indices(epoch, step, start, shares[r])
+                assert x.shape[0] == shares[r] and torch.equal(y, torch.from_numpy(embedded.y_train[idx]).long())
+                seen += list(idx)
+                start += shares[r]
+            # the step's images are the reshuffle policy's step, whoever trains which
+            equal = np.concatenate([data.epoch_batches(embedded.y_train, np_, r, total // np_, epoch, seed=5,
+                                                       policy="reshuffle")[step] for r in range(np_)])
+            assert sorted(seen[-total:]) == sorted(equal)
+        assert len(seen) == len(set(seen)) == steps * total  # every image once, none twice
+        assert list(data.epoch_permutation(len(embedded.y_train), epoch, 5)[:steps * total]) == seen
+    # the same share again is the same batch (a replay, the simulator's virtual rank)
+    a, b = loaders[1].batch(1, 2, share=(7, 9)), loaders[1].batch(1, 2, share=(7, 9))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_shares_need_the_reshuffle_policy_and_fit_the_global_batch(embedded):
+    static = data.ShardLoader(embedded, 2, 0, 16)
+    with pytest.raises(DataError, match="reshuffle policy"):
+        static.batch(0, 0, share=(0, 8))
+    ld = data.ShardLoader(embedded, 2, 0, 16, policy="reshuffle")
+    for share in ((20, 13), (-1, 4), (0, 0)):
+        with pytest.raises(DataError, match="outside the global batch of 32"):
+            ld.batch(0, 0, share=share)
+
+
 def test_test_shard_coverage():
     for n in (0, 5, 1000, 10_001):
         for np_ in (1, 2, 3, 7, 24):

@@ -131,3 +131,11 @@ def test_the_time_to_accuracy_driver_extends_a_run_from_its_stable_phase_and_tab
     steps = 5 * five["steps_per_epoch"]
     assert f"| 4 | 5 | {steps} | {steps * five['global_batch']:,} | 0: {five['epochs'][-1]['test_acc']:.4f} |" in text
     assert (tmp_path / "to_accuracy.png").read_bytes()[:4] == b"\x89PNG"
+    # the fixed-budget points (np=1 and the 4-epoch run here) into a screen table folder, beside its recipes
+    dest = tmp_path / "table"
+    dest.mkdir()
+    written = _driver("paper-batch", "to_accuracy.py").export(str(tmp_path), str(dest), epochs=4)
+    assert sorted(os.path.relpath(w, dest) for w in written) == ["muon-0-004-wsd-3/np1-seed0", "muon-0-004-wsd-3/np4-seed0"]
+    assert not list(dest.rglob("*.pt"))
+    text = _driver("paper-batch", "screen.py").table(str(dest))
+    assert "| muon 0.004 wsd 3 | 4 | 0 |" in text and "| muon 0.004 wsd 3 | 1 | 0 |" in text

@@ -22,7 +22,7 @@ from mpi_vs_sim import assert_same, launch, worker
 CFG = dict(width=0.25, train_subset=240, test_subset=100, batch_size=8, epochs=2, lr=0.02, lr_ref_batch=8,
            threads=1, seed=3, simulate_mode="exact", optimizer="muon", muon_lr=0.01, muon_on="conv+depthwise+head",
            freeze_bn_scale=True, bn_lr_scale=16.0, dirac_init=True, tta=True, tta_translate=True, schedule="wsd",
-           decay_epochs=1.0, batch_aug=2, ema_epochs=0.5, label_smoothing=0.2, nesterov=True)
+           decay_epochs=1.0, batch_aug=2, ema_epochs=0.5, label_smoothing=0.2, nesterov=True, bn_momentum=0.4)
 
 
 def _real_grads(model, n=16):
@@ -122,6 +122,8 @@ def test_frozen_scales_stay_1_dirac_convolutions_pass_their_input_and_the_shifts
     _, trained = simulate.train(cfg, 3)
     bns = [m for m in trained.modules() if hasattr(m, "running_mean") and getattr(m, "weight", None) is not None]
     assert len(bns) == 52 and all(torch.equal(m.weight, torch.ones_like(m.weight)) for m in bns)
+    fast = base_model(replace(cfg, bn_momentum=0.4), torch.device("cpu"), ranks=3)  # the per-rank layers too
+    assert {m.momentum for m in fast.modules() if hasattr(m, "running_mean")} == {0.4}
     assert all(not m.weight.requires_grad for m in bns)
     moved = [float((a.detach() - b.detach()).abs().max()) for a, b in zip((m.bias for m in bns), (
         m.bias for m in plain.modules() if hasattr(m, "running_mean")))]
@@ -217,7 +219,7 @@ def _plain(cfg, comm, ds):
     if comm.Get_rank():
         return {}
     base = replace(cfg, optimizer="sgd", freeze_bn_scale=False, dirac_init=False, tta_translate=False,
-                   schedule="cosine", batch_aug=1, bn_lr_scale=1.0)
+                   schedule="cosine", batch_aug=1, bn_lr_scale=1.0, bn_momentum=0.1)
     return {"plain_loss": simulate.train(base, comm.Get_size(), data=ds)[0]["steps"]["loss"]}
 
 

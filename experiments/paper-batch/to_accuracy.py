@@ -19,6 +19,8 @@ Folders (all resumable: run the same command again after an interruption)::
     OUT/<candidate>/np48-seed<S>/e012/result.json  the 12-epoch run (the trunk's epochs, then the decay)
     OUT/<candidate>/np1-seed<S>/result.json      the recipe's np=1, 10 epochs (the target if higher)
     OUT/table.md, OUT/to_accuracy.png            python experiments/paper-batch/to_accuracy.py --table OUT
+    the fixed-budget points (np=1, 10 epochs at the large np) into the screen's table:
+                                                 python experiments/paper-batch/to_accuracy.py --export OUT DEST
 
 A tiny run of the code path (seconds)::
 
@@ -255,6 +257,39 @@ def figure(out: str, target: float = TARGET) -> str | None:
     return path
 
 
+def export(out: str, dest: str, epochs: int = 10) -> list[str]:
+    """The fixed-budget points among ``out``'s (each seed's np=1 and its ``epochs``-epoch branch at the large
+    np) copied into the screen's table folder ``dest`` as ``dest/<candidate>/np<N>-seed<S>/result.json``, each
+    also a line of ``dest/results.jsonl`` (unless there), so that ``screen.py --table dest`` shows them beside
+    the other recipes; the paths written::
+
+        python experiments/paper-batch/to_accuracy.py --export ../paper-runs/tta experiments/paper-batch/cpu
+    """
+    found = [(cand, np_, seed, by[epochs]) for cand, by_np in branches(out).items() for np_, by_seed in by_np.items()
+             for seed, by in by_seed.items() if epochs in by]
+    for cand in sorted(os.listdir(out)):
+        name = next((n for n in screen.CANDIDATES if screen.slug(n) == cand), None)
+        found += [(cand, 1, r["config"]["seed"], r) for r in (_np1_points(out, name) if name else [])
+                  if len(r["epochs"]) == epochs]
+    path = os.path.join(dest, "results.jsonl")
+    have = {(r["candidate"], r["np"], r["seed"]) for r in map(json.loads, open(path)) if r} if os.path.exists(path) else set()
+    written = []
+    with open(path, "a") as rows:
+        for cand, np_, seed, r in found:
+            name = next(n for n in screen.CANDIDATES if screen.slug(n) == cand)
+            target = screen.point_dir(dest, name, np_, seed)
+            os.makedirs(target, exist_ok=True)
+            src = os.path.join(out, cand, f"np{np_}-seed{seed}", *(["e%03d" % epochs] if np_ != 1 else []))
+            for f in os.listdir(src):  # result.json and its sidecars, never a checkpoint
+                if f.startswith("result."):
+                    shutil.copyfile(os.path.join(src, f), os.path.join(target, f))
+            if (name, np_, seed) not in have:
+                rows.write(json.dumps(screen._row({"candidate": name, "np": np_, "seed": seed}, r,
+                                                  r.get("wall_time", 0.0), skipped=False)) + "\n")
+            written.append(target)
+    return written
+
+
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=None)
@@ -287,8 +322,12 @@ def parse(argv):
 
 
 def main(argv=None) -> list[dict]:
-    if argv is None and sys.argv[1:2] == ["--table"] or argv and argv[:1] == ["--table"]:
-        print(table((argv or sys.argv[1:])[1]), end="")
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--table"]:
+        print(table(args[1]), end="")
+        return []
+    if args[:1] == ["--export"]:
+        print("\n".join(export(args[1], args[2])))
         return []
     a = parse(argv)
     global _DS

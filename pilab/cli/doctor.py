@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
                     "Python/torch/mpi4py/pilab versions as on the head; mpi4py's MPI vs mpiexec's; an "
                     "Allreduce across all hosts and each link's latency and bandwidth; the network "
                     "interface; the data file's SHA-256; memory for the ranks; CPU and throttling; "
-                    "the clock; the Pi profile's controller address. One table, one fix per failure.")
+                    "each host's speed on the run's own training step; the clock; the Pi profile's "
+                    "controller address. One table, one fix per failure.")
     g = d.add_mutually_exclusive_group()
     add_launch_arguments(d, what="the probes, as the run will", hostfile_group=g,
                          hostfile_default="$HYDRA_HOST_FILE, $PILAB_HOSTFILE, then profiles/profile_pi/hosts")
@@ -37,6 +38,9 @@ def add_parser(sub) -> None:
     d.add_argument("--timeout-s", dest="timeout_s", type=float, default=300.0,
                    help="seconds one host's whole probe may take (a Pi imports torch in 20-40 s) "
                         "(default: 300)")
+    d.add_argument("--no-speed", dest="speed", action="store_false",
+                   help="do not time the run's training step on every host (the speed check: a few "
+                        "steps of the model on each, seconds on a Pi)")
     add_config_arguments(d, DEFAULTS, skip=("out", "resume"))
     d.set_defaults(func=run)
 
@@ -67,7 +71,8 @@ def run(args, argv) -> int:
     try:
         hosts, hostfile = _hosts(args, doctor)
         report = doctor.run(hosts, cfg=cfg, ranks_per_node=args.ranks_per_node, mpiexec=args.mpiexec,
-                            answer_s=args.answer_s, timeout_s=args.timeout_s, hostfile=hostfile)
+                            answer_s=args.answer_s, timeout_s=args.timeout_s, hostfile=hostfile,
+                            speed=args.speed)
     except (doctor.DoctorError, doctor.HostsError) as e:
         raise UsageError(str(e)) from None
     print(doctor.format_table(report))

@@ -40,12 +40,12 @@ from .cache import cache_entries, clear_cache, default_cache_dir
 from .dataset import CIFAR10, CLASSES, DataError
 from .decode import BATCHES_DIR, OFFICIAL_URL
 from .loader import ShardLoader, ranks_batch
-from .shards import (POLICIES, batch_shares, epoch_accounting, epoch_batches, static_shards, stratified_subset,
-                     test_shard)
+from .shards import (POLICIES, batch_shares, epoch_accounting, epoch_batches, epoch_permutation, static_shards,
+                     stratified_subset, test_shard)
 from .sources import describe, fetch, load, train_size
 
 __all__ = [
     "CIFAR10", "CLASSES", "DataError", "load", "train_size", "describe", "from_arrays", "from_dataset", "save", "fetch", "default_cache_dir", "cache_entries", "clear_cache",
     "BATCHES_DIR", "OFFICIAL_URL", "POLICIES", "stratified_subset", "static_shards", "epoch_accounting",
-    "epoch_batches", "test_shard", "batch_shares", "MEAN", "STD", "PAD", "pad_for", "to_input", "augment", "ShardLoader", "ranks_batch",
+    "epoch_batches", "test_shard", "batch_shares", "epoch_permutation", "MEAN", "STD", "PAD", "pad_for", "to_input", "augment", "ShardLoader", "ranks_batch",
 ]

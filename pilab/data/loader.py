@@ -13,7 +13,7 @@ import torch
 
 from .augmentation import augment, augment_draws, augment_with, pad_for, to_input
 from .dataset import CIFAR10, DataError
-from .shards import _check_np, _reshuffle_global, _static_local, epoch_accounting, static_shards
+from .shards import _check_np, _reshuffle_global, _static_local, epoch_accounting, epoch_permutation, static_shards
 
 
 class ShardLoader:
@@ -62,6 +62,7 @@ class ShardLoader:
             self._x = torch.from_numpy(ds.x_train)  # shares memory with ds
             self._y = torch.from_numpy(ds.y_train)
         self._cached_epoch, self._cached_rows = None, None
+        self._perm = None  # (epoch, the epoch's shared permutation): uneven shares (batch(share=))
         self._carried = None  # (epoch, (steps, batch) global indices, x, y): see carry()
         self.device = torch.device(device) if device is not None else None
         if self.device is not None:
@@ -116,11 +117,22 @@ class ShardLoader:
         rows = self._rows(epoch).numpy()
         return self.indices[rows] if self.indices is not None else rows.copy()
 
-    def batch(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch ``step`` of ``epoch``: x float32 (B,C,H,W) channels_last, y int64 (B,)."""
+    def batch(self, epoch: int, step: int, share: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``step`` of ``epoch``: x float32 (B,C,H,W) channels_last, y int64 (B,).
+
+        ``share=(start, count)``: ranks of different speeds training different shares of one global batch
+        (``pilab.data.batch_shares``): this rank's ``count`` images are the step's global-batch positions
+        ``start..start+count-1`` in the epoch's shared permutation (the ``reshuffle`` policy's, whose
+        ranks hold the whole set). Every step takes the next global batch of it whatever the shares, so
+        each image is used once an epoch even when the shares change between steps::
+
+            x, y = loader.batch(epoch, step, share=(43, 21))   # rank 1 of shares [43, 21]
+        """
         if not 0 <= step < self.steps_per_epoch:
             raise DataError(f"step={step} is outside 0..{self.steps_per_epoch - 1} of an epoch")
-        if self._carried is not None and self._carried[0] == epoch:
+        if share is not None:
+            xb, yb = self._shared(epoch, step, *share)
+        elif self._carried is not None and self._carried[0] == epoch:
             _, idx, x_all, y_all = self._carried
             xb, yb = x_all.index_select(0, idx[step]), y_all.index_select(0, idx[step])
             if self.device is not None:
@@ -136,6 +148,24 @@ class ShardLoader:
             return augment(xb, seed=self.seed, epoch=epoch, step=step, rank=self.rank, mean=self.mean,
                            std=self.std), yb
         return to_input(xb, self.mean, self.std), yb
+
+    def share_indices(self, epoch: int, step: int, start: int, count: int) -> np.ndarray:
+        """The training-set indices of ``batch(epoch, step, share=(start, count))``."""
+        total = self.batch_size * self.np_
+        if self.policy != "reshuffle" or self.device is not None:
+            raise DataError("shares of a global batch need the reshuffle policy on the CPU (sharding="
+                            f"reshuffle: every rank holds the whole set); this loader is {self.policy}"
+                            + (f" on {self.device}" if self.device is not None else ""))
+        if not (0 <= start and 1 <= count and start + count <= total):
+            raise DataError(f"share ({start}, {count}) is outside the global batch of {total}")
+        if self._perm is None or self._perm[0] != epoch:  # once an epoch
+            self._perm = (epoch, epoch_permutation(self._n, epoch, self.seed).astype(np.int64))
+        first = step * total + start
+        return self._perm[1][first:first + count].copy()
+
+    def _shared(self, epoch: int, step: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.from_numpy(self.share_indices(epoch, step, start, count))
+        return self._x.index_select(0, rows), self._y.index_select(0, rows)
 
     def _device_batch(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._draws_epoch != epoch:  # once per epoch: positions and draws for every step, one copy each

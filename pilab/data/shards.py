@@ -106,10 +106,17 @@ def _static_local(shard_size: int, steps: int, batch: int, epoch: int, seed: int
     return perm[:steps * batch].reshape(steps, batch).astype(np.int64)
 
 
+def epoch_permutation(n: int, epoch: int, seed: int = 0) -> np.ndarray:
+    """The ``reshuffle`` policy's order of all ``n`` training images in ``epoch``, the same on every rank:
+    its ranks take positions r, r+np, ... of it; ranks with uneven shares take each step's next global
+    batch of it (``ShardLoader.batch(..., share=)``)."""
+    return _rng(seed, _TAG_RESHUFFLE, epoch).permutation(n)
+
+
 def _reshuffle_global(n: int, np_: int, rank: int, steps: int, batch: int, epoch: int,
                       seed: int) -> np.ndarray:
     """One permutation of all n per epoch (same on every rank); rank r takes positions r, r+np, ..."""
-    perm = _rng(seed, _TAG_RESHUFFLE, epoch).permutation(n)
+    perm = epoch_permutation(n, epoch, seed)
     return perm[:steps * batch * np_][rank::np_].reshape(steps, batch).astype(np.int64)
 
 

@@ -5,7 +5,7 @@ import os
 import shlex
 import sys
 
-from .common import CHECKS, CLOCK_LIMIT_S, HOT_C, SLOW_LINK
+from .common import CHECKS, CLOCK_LIMIT_S, HOT_C, SLOW_HOST, SLOW_LINK
 from ..launch.library import same_family
 
 
@@ -62,6 +62,7 @@ def _checks(host, job, why, p, report, answered, peak) -> dict:
     c["data"] = _data(host, p.get("data", {}), report["head"].get("data", {}), report["data_path"])
     c["memory"] = _memory(p.get("memory", {}), report["ranks_per_node"], peak)
     c["cpu"] = _cpu(p.get("cpu", {}), report["ranks_per_node"], report["config"].get("threads", 0))
+    c["speed"] = _speed(host, p, net, answered)
     c["controller"], c["clock"] = _talk(host, p, report)
     return c
 
@@ -194,6 +195,8 @@ def _cpu(cpu: dict, rpn: int, threads: int) -> dict:
     per = max(1, int(threads or 0))
     need = rpn * per
     freq = f"{cpu['freq_mhz']:.0f}/{cpu['max_mhz'] or 0:.0f} MHz" if cpu.get("freq_mhz") else "freq n/a"
+    if cpu.get("cap_mhz") and cpu.get("max_mhz") and cpu["cap_mhz"] < cpu["max_mhz"]:
+        freq += f" (capped at {cpu['cap_mhz']:.0f})"
     temp = f", {cpu['temp_c']:.0f} °C" if cpu.get("temp_c") is not None else ""
     text = f"{cores:g} cores{' (CPU quota)' if quota and quota <= cores else ''} for {rpn} ranks x " \
            f"{per} threads, {freq}{temp}"
@@ -208,3 +211,54 @@ def _cpu(cpu: dict, rpn: int, threads: int) -> dict:
     if cpu.get("temp_c") is not None and cpu["temp_c"] >= HOT_C:
         return _bad(text, "cool the board (heatsink, fan): it throttles at 80-85 °C")
     return _ok(text)
+
+
+def _speed(host, p, net, answered) -> dict:
+    """This host's speed on the run's training step (the net job's ``step_speed``, every host at once)
+    against the fastest host's: a host under ``SLOW_HOST`` of it holds every step of the run back."""
+    speeds = net.get("speeds")
+    if not speeds:
+        return _skip("not measured" + ("" if net.get("allreduce_ok") else ": no job across the hosts"))
+    by_host = dict(zip(answered, speeds)) if len(answered) > 1 else {answered[0]: speeds[0]}
+    mine = by_host.get(host) or {"error": "no measurement"}
+    if "images_per_s" not in mine:
+        return _bad(f"the run's training step did not run here: {mine.get('error')}",
+                    f"run `{sys.executable} -m pilab train --epochs 1 --max-steps 2` on {host} and read its error")
+    rates = {h: s["images_per_s"] for h, s in by_host.items() if "images_per_s" in s}
+    fastest = max(rates, key=rates.get)
+    rel = rates[host] / rates[fastest]
+    text = (f"{rates[host]:.1f} images/s a rank ({mine['batch']} a step on {mine['cores']:g} core(s); "
+            f"{mine['wall_images_per_s']:.1f} by the wall clock)"
+            + ("" if host == fastest else f", {100 * rel:.0f}% of {fastest}'s"))
+    if rel >= SLOW_HOST:
+        return _ok(text)
+    slow = [h for h, r in rates.items() if r < SLOW_HOST * rates[fastest]]
+    now, without = len(rates) * min(rates.values()), (len(rates) - len(slow)) * min(
+        r for h, r in rates.items() if h not in slow)
+    why, fix = _slow_why(host, p.get("hostname") or host, mine, p.get("cpu", {}))
+    return _bad(f"{text}: {why}; every step waits for it",
+                f"{fix}; or leave {', '.join(slow)} out of the hostfile: with one rank a host the others then "
+                f"train {without:.0f} images/s in all, not {now:.0f}")
+
+
+def _slow_why(host, name, mine: dict, cpu: dict) -> tuple[str, str]:
+    """Why a host trains slowly, from what it measured under load and said about its CPU, and the fix
+    (``name``: the host's own hostname)."""
+    quota = mine.get("quota_cores")
+    if quota and quota < mine["threads"]:
+        return (f"a CPU quota of {quota:g} cores for {mine['threads']} thread(s) (it held the timed steps back "
+                f"{mine.get('quota_held_s') or 0:.1f} s)",
+                f"lift the CPU quota of {host}'s cgroup (cpu.max or cpu.cfs_quota_us; a testbed node: "
+                f"`testbed throttle {name} none`) or run fewer threads there")
+    thr = cpu.get("throttled") or 0
+    if thr & 0xE or (cpu.get("temp_c") or 0) >= HOT_C:  # vcgencmd: arm capped, throttled, soft temp limit
+        return (f"throttled (vcgencmd get_throttled=0x{thr:x}, {cpu.get('temp_c') or 0:.0f} °C)",
+                f"cool {host} (heatsink, fan: a Pi throttles at 80-85 °C)")
+    if cpu.get("cap_mhz") and cpu.get("max_mhz") and cpu["cap_mhz"] < 0.9 * cpu["max_mhz"]:
+        return (f"its clock is capped at {cpu['cap_mhz']:.0f} of {cpu['max_mhz']:.0f} MHz (cpufreq scaling_max_freq)",
+                f"cool {host} or raise its cap (its cpufreq policy's scaling_max_freq)")
+    if mine.get("freq_mhz") and mine.get("max_mhz") and mine["freq_mhz"] < 0.9 * mine["max_mhz"]:
+        return (f"its CPU ran at {mine['freq_mhz']:.0f} of {mine['max_mhz']:.0f} MHz under load",
+                f"cool {host} and check its power supply and cpufreq governor (performance)")
+    return ("a slower board (each step takes more CPU time)",
+            f"keep {host} and every step goes at its pace")

@@ -8,7 +8,7 @@ MARK = "PILAB-DOCTOR"  # the probe's result lines on the job's stdout start with
 HELLO = MARK + "-HELLO"  # its first line, printed before any import: the host answered
 
 
-CHECKS = ("answers", "software", "mpi", "allreduce", "link", "iface", "data", "memory", "cpu",
+CHECKS = ("answers", "software", "mpi", "allreduce", "link", "iface", "data", "memory", "cpu", "speed",
           "clock", "controller", "placement")
 
 
@@ -18,7 +18,10 @@ CLOCK_LIMIT_S = 0.5  # event timestamps of different hosts are compared; NTP kee
 HOT_C = 80.0  # the Pi 4B's firmware starts throttling at 80-85 °C
 
 
-DETAILS = ("answers", "iface", "link", "memory", "cpu", "clock")  # the figures printed per host
+DETAILS = ("answers", "iface", "link", "memory", "cpu", "speed", "clock")  # the figures printed per host
+
+
+SLOW_HOST = 0.85  # a host under 85% of the fastest host's training speed: every step waits for it
 
 
 SLOW_LINK = 0.5  # a link under half the median host's bandwidth (a 100 Mbit/s port, a bad cable)

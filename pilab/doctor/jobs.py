@@ -160,12 +160,21 @@ def _launcher_words(env: dict) -> str:
         (f", -iface {env['HYDRA_IFACE']}" if env.get("HYDRA_IFACE") else "")
 
 
-def _net_job(tmp, answered, mpx, env, answer_s, timeout_s, links) -> dict:
+def speed_spec(cfg, ranks_per_node: int, np_: int) -> str:
+    """What the probe's ``step_speed`` times, for the run ``cfg`` at ``np_`` ranks: its model and per-rank
+    batch, as one base64 word for the probe's command line."""
+    import base64
+    spec = {"model": cfg.model, "width": cfg.width, "timesteps": cfg.timesteps, "image_size": cfg.image_size,
+            "batch": cfg.per_rank_batch(np_), "threads": cfg.threads, "ranks_per_node": ranks_per_node}
+    return base64.b64encode(json.dumps(spec).encode()).decode()
+
+
+def _net_job(tmp, answered, mpx, env, answer_s, timeout_s, links, speed: str = "") -> dict:
     """One rank per answering host (two on the one host when there is only one: a size to check)."""
     hosts = [(h, 1) for h in answered] if len(answered) > 1 else [(answered[0], 2)]
     n = sum(s for _, s in hosts)
-    cmd = mpiexec_command(n, _probe_cmd("net", *(["--links"] if links and len(answered) > 1 else [])),
-                          mpiexec=mpx, hostfile=_hostfile(tmp, "net", hosts))
+    opts = (["--links"] if links and len(answered) > 1 else []) + (["--speed", speed] if speed else [])
+    cmd = mpiexec_command(n, _probe_cmd("net", *opts), mpiexec=mpx, hostfile=_hostfile(tmp, "net", hosts))
     job = _Job(cmd, env)
     why = job.wait(answer_s, timeout_s)
     res = {"np": n, "hosts": answered, "exit": job.proc.returncode, "stopped": why,

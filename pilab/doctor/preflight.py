@@ -7,7 +7,7 @@ import tempfile
 from ..launch import LaunchError, find_mpiexec, mpiexec_command
 from .checks import _checks, _skip
 from .common import DoctorError
-from .jobs import (_Job, _Listener, _hostfile, _launcher_words, _needs_snn, _net_job, _probe_cmd,
+from .jobs import (_Job, _Listener, _hostfile, _launcher_words, _needs_snn, _net_job, _probe_cmd, speed_spec,
                    controller_address, data_path, predicted_peak)
 from ..launch.library import _family, mpiexec_library
 from ..launch.placement import placement_checks
@@ -15,12 +15,13 @@ from ..launch.placement import placement_checks
 
 def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpiexec: str | None = None,
         env: dict | None = None, answer_s: float = 30.0, timeout_s: float = 300.0,
-        hostfile: str | None = None, links: bool = True) -> dict:
+        hostfile: str | None = None, links: bool = True, speed: bool = True) -> dict:
     """Check every host; returns the report (``format_table`` prints it, ``report["ok"]``).
 
     ``hosts``: [(host, slots)] in hostfile order; ``cfg``: the run's Config (data, model, threads,
     batch: what memory and data are checked against); ``answer_s``: how long a host may take to
-    start the probe through the launcher; ``timeout_s``: how long a whole probe may take."""
+    start the probe through the launcher; ``timeout_s``: how long a whole probe may take; ``speed``: time
+    the run's training step on every host (the ``speed`` check)."""
     from ..config import Config
     cfg = cfg or Config()
     mpx, launcher = _launcher(hosts, ranks_per_node, mpiexec)
@@ -49,7 +50,9 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
               "predicted_peak_bytes": peak, "controller": head_arg, "launcher": _launcher_words(env),
               "ucx_net_devices": env.get("UCX_NET_DEVICES", "")}
     try:
-        probes, jobs, why, answered, net = _probe(report, hosts, opts, tmp, mpx, env, answer_s, timeout_s, links)
+        spec = speed_spec(cfg, ranks_per_node, ranks_per_node * len(hosts)) if speed else ""
+        probes, jobs, why, answered, net = _probe(report, hosts, opts, tmp, mpx, env, answer_s, timeout_s, links,
+                                                  spec)
     finally:
         listener.close()
         tmp_dir.cleanup()
@@ -91,7 +94,7 @@ def _launcher(hosts, ranks_per_node, mpiexec) -> tuple[str, str]:
     return mpx, launcher
 
 
-def _probe(report, hosts, opts, tmp, mpx, env, answer_s, timeout_s, links):
+def _probe(report, hosts, opts, tmp, mpx, env, answer_s, timeout_s, links, spec=""):
     """The head's probe (the reference), one probe job per host, then the job across the answering hosts."""
     head = _Job(_probe_cmd("host", *opts), env)  # the head itself, without a launcher
     jobs = {h: _Job(mpiexec_command(1, _probe_cmd("host", *opts), mpiexec=mpx,
@@ -107,7 +110,7 @@ def _probe(report, hosts, opts, tmp, mpx, env, answer_s, timeout_s, links):
     why = {h: j.wait(answer_s, timeout_s) for h, j in jobs.items()}
     probes = {h: (j.results[0] if j.results else None) for h, j in jobs.items()}
     answered = [h for h, _ in hosts if probes[h] is not None]
-    net = _net_job(tmp, answered, mpx, env, answer_s, timeout_s, links) if answered else None
+    net = _net_job(tmp, answered, mpx, env, answer_s, timeout_s, links, spec) if answered else None
     return probes, jobs, why, answered, net
 
 

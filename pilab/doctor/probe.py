@@ -10,8 +10,9 @@ run will use, and reads one JSON line from its stdout (no shared file system nee
 SHA-256, memory (``/proc/meminfo`` and the cgroup limit), CPU, and a few timestamped round trips to the
 head's listener (the address the Pi profile's controller advertises: reachable, and the clock offset).
 ``net``: an Allreduce across every rank (one per host), the link between rank 0 and each other rank
-(latency, bandwidth both ways) and ``perfmodel.comm_bench`` (the format ``perfmodel calibrate
---inter-bench`` reads). Each section that fails says why in its own field; the probe still answers.
+(latency, bandwidth both ways), ``perfmodel.comm_bench`` (the format ``perfmodel calibrate
+--inter-bench`` reads) and each host's speed on the run's own training step (``step_speed``: every host
+at once, hosts that are one machine one after the other). Each section that fails says why in its own field; the probe still answers.
 """
 from __future__ import annotations
 
@@ -193,14 +194,16 @@ def cpu() -> dict:
                 quota = int(q) / int(per)
         if quota:
             break
-    out = {"cores": cores, "quota_cores": quota, "freq_mhz": None, "max_mhz": None, "throttled": None,
-           "temp_c": None, "source": None}
+    out = {"cores": cores, "quota_cores": quota, "freq_mhz": None, "max_mhz": None, "cap_mhz": None,
+           "throttled": None, "temp_c": None, "source": None}
     cur = _read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq")
     top = _read("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq")
+    cap = _read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_max_freq")  # the policy's ceiling (thermal, user)
     if cur and cur.isdigit():
         out["freq_mhz"], out["source"] = int(cur) / 1000, "cpufreq"
     if top and top.isdigit():
         out["max_mhz"] = int(top) / 1000
+    out["cap_mhz"] = int(cap) / 1000 if cap and cap.isdigit() else None
     temp = _read("/sys/class/thermal/thermal_zone0/temp")
     if temp and temp.lstrip("-").isdigit():
         out["temp_c"] = int(temp) / 1000
@@ -210,6 +213,73 @@ def cpu() -> dict:
             out["throttled"] = int(p.stdout.strip().split("=")[1], 16)
             out["source"] = "vcgencmd"
     return out
+
+
+def _quota_throttled_s() -> float | None:
+    """Seconds the CFS quota of this process's innermost cpu cgroup with a quota has held it back so far
+    (cpu.stat: v1's throttled_time in ns, v2's throttled_usec); None without such a group."""
+    for d, v2 in _cgroup_dirs("cpu"):
+        stat = dict(ln.split() for ln in (_read(os.path.join(d, "cpu.stat")) or "").splitlines()
+                    if len(ln.split()) == 2)
+        if v2 and "throttled_usec" in stat and (_read(os.path.join(d, "cpu.max")) or "max").split()[0] != "max":
+            return int(stat["throttled_usec"]) / 1e6
+        if not v2 and "throttled_time" in stat and int(_read(os.path.join(d, "cpu.cfs_quota_us")) or -1) > 0:
+            return int(stat["throttled_time"]) / 1e9
+    return None
+
+
+def step_speed(spec: dict, min_s: float = 1.0) -> dict:
+    """Training steps of the run's own model on random images, timed: the images per second one rank of
+    this host can train.
+
+    ``spec``: model, width, timesteps, num_classes, image_size, batch (the run's per-rank batch) and
+    threads (0: the cores this process may use / ranks_per_node, as a run sets them). One step warms up
+    (kernels, allocations), then steps are timed until ``min_s`` has passed (at least 4). The speed is
+    judged from the CPU time a step takes, spread over the cores the rank may use (its threads, fewer
+    where a CPU quota allows less): what the host can give a rank, which other work on a shared machine
+    barely changes but a slower or hotter CPU (more CPU time a step) or a quota does. The wall-clock rate
+    (``wall_images_per_s``) is beside it, with the CPU frequency right after the timed steps (under
+    load) and the seconds the quota held the process back meanwhile::
+
+        step_speed({"model": "mobilenetv2_cifar", "width": 0.25, "batch": 16, "threads": 1})["images_per_s"]
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from ..models.zoo import build_model
+    here = cpu()
+    threads = int(spec.get("threads") or 0) or max(1, int(here["cores"] // max(1, spec.get("ranks_per_node", 1))))
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    classes, size, batch = int(spec.get("num_classes", 10)), int(spec.get("image_size") or 32), int(spec["batch"])
+    net = build_model(spec["model"], num_classes=classes, width=float(spec.get("width", 1.0)),
+                      timesteps=spec.get("timesteps")).train().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+    x = torch.randn(batch, 3, size, size).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, classes, (batch,))
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+    step()
+    held0, wall, used = _quota_throttled_s(), [], []
+    t_end = time.perf_counter() + min_s
+    while len(wall) < 4 or time.perf_counter() < t_end:
+        t, c = time.perf_counter(), time.process_time()
+        step()
+        wall.append(time.perf_counter() - t)
+        used.append(time.process_time() - c)
+    held1, load = _quota_throttled_s(), cpu()
+    cores = min(x for x in (threads, here["cores"], here["quota_cores"]) if x)  # what the rank may use at once
+    # the least CPU time a step took: other work on the machine only adds to it (caches, memory bandwidth),
+    # a slower clock does not leave it; the wall clock's median beside it, as the rank saw it
+    step_s = min(used) / cores
+    wall_s = sorted(wall)[len(wall) // 2]
+    return {"images_per_s": batch / step_s, "step_s": step_s, "wall_images_per_s": batch / wall_s,
+            "steps": len(wall), "batch": batch, "threads": threads, "cores": cores,
+            "freq_mhz": load["freq_mhz"], "max_mhz": load["max_mhz"], "quota_cores": here["quota_cores"],
+            "quota_held_s": None if held0 is None or held1 is None else held1 - held0}
 
 
 def talk_to_head(head: str, rounds: int = 5) -> dict:
@@ -320,22 +390,65 @@ def net_probe(args) -> dict | None:
             comm.Barrier()
     bench = comm_bench(comm, sizes=tuple(args.sizes), trials=3, min_time=0.01, max_reps=200) \
         if args.links else None
+    speeds = comm.gather(_timed_in_turn(comm, args.speed), root=0) if args.speed else None
     if rank != 0:
         return None
-    return {"ranks": ranks, "allreduce_ok": ok, "links": links, "bench": bench}
+    return {"ranks": ranks, "allreduce_ok": ok, "links": links, "bench": bench, "speeds": speeds}
+
+
+def _timed_in_turn(comm, encoded: str) -> dict:
+    """This rank's ``step_speed``: every host at once, as on a real cluster, except hosts that are one
+    machine (one kernel: a testbed's namespaces, containers): at once they would share its cores, so those
+    go one after the other."""
+    boot = _read("/proc/sys/kernel/random/boot_id") or socket.gethostname()
+    boots = comm.allgather(boot)
+    turn = boots[:comm.Get_rank()].count(boot)  # my place among the ranks on my machine
+    mine = {}
+    for k in range(max(boots.count(b) for b in boots)):
+        _idle_barrier(comm)
+        if k == turn:
+            mine = _speed_or_error(encoded)
+    _idle_barrier(comm)
+    return mine
+
+
+def _idle_barrier(comm) -> None:
+    """A barrier that sleeps while it waits: MPI's own spins on a core, which a host being timed on the
+    same machine would share."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.02)
+
+
+def _speed_or_error(encoded: str) -> dict:
+    """``step_speed`` of the spec the head sent (base64 JSON: one shell word through any launcher), on
+    every rank at once, as the run's ranks train. In a child process: a step that does not fit a small
+    node's memory (killed) or does not build costs this host its speed, not the job across the hosts."""
+    p = subprocess.run([sys.executable, "-m", "pilab.doctor.probe", "speed", "--speed", encoded],
+                       capture_output=True, text=True, timeout=600)
+    for line in p.stdout.splitlines():
+        if line.startswith(MARK + " "):
+            return json.loads(line[len(MARK) + 1:])
+    last = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1][:200]
+    return {"error": last + (" (killed: out of memory?)" if p.returncode in (-9, 137) else "")}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pilab.doctor.probe")
-    p.add_argument("mode", choices=("host", "net"))
+    p.add_argument("mode", choices=("host", "net", "speed"))
     p.add_argument("--data", default="")
     p.add_argument("--head", default="", help="ADDR:PORT of the head's listener")
     p.add_argument("--toward", default="", help="the head's address on the hosts' network (interface)")
     p.add_argument("--snn", action="store_true", help="also report snntorch")
     p.add_argument("--links", action="store_true", help="net: measure the links and run comm_bench")
     p.add_argument("--link-bytes", type=int, default=4 << 20)
+    p.add_argument("--speed", default="", help="net: time the run's training step (base64 JSON of step_speed's spec)")
     p.add_argument("--sizes", type=int, nargs="*", default=[4, 1024, 16384, 262144, 1 << 20, 4 << 20])
     args = p.parse_args(argv)
+    if args.mode == "speed":  # a child of a net rank (no launcher, no MPI): one JSON line
+        import base64
+        say(MARK, step_speed(json.loads(base64.b64decode(args.speed))))
+        return 0
     from ..launch import launcher_rank
     if launcher_rank() == 0:  # one per job: the job has started on its (first) host
         say(HELLO, {"hostname": socket.gethostname(), "time": time.time()})

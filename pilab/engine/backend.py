@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import __version__
 from ..component import SYNC, Phase  # noqa: F401 (a step's exchange, re-exported with the protocol)
@@ -102,6 +103,10 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
         dirac_convs(model)
     if cfg.freeze_bn_scale:
         freeze_bn_scale(model)
+    if cfg.bn_momentum != 0.1:  # before the per-rank copies, which take it from the layer
+        for m in model.modules():
+            if isinstance(m, _BatchNorm) and m.momentum is not None:
+                m.momentum = cfg.bn_momentum
     if cfg.whiten_stem:
         if data is None:
             raise ConfigError("whiten_stem: the first convolution is made from the training images, and none "

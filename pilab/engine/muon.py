@@ -24,10 +24,12 @@ import math
 
 import torch
 from torch import nn
+from torch.optim import sgd as torch_sgd
 
 from ..models.weights import muon_weights
-from .eager import Eager
+from .eager import Eager, eager_method
 
+_sgd_step = eager_method(torch_sgd.sgd)  # torch's SGD arithmetic, without its torch._dynamo guard
 NS_STEPS = 3  # airbench's (Keller Jordan's general Muon: 5)
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # the quintic's, chosen for the steepest slope at 0 (Jordan 2024)
 
@@ -85,23 +87,23 @@ class Muon(Eager, torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is not None:
-                    (self._muon if g["muon"] else self._sgd)(p, g)
+            params = [p for p in g["params"] if p.grad is not None]
+            if g["muon"]:
+                for p in params:
+                    self._muon(p, g)
+            elif params:
+                self._sgd(params, g)
         return loss
 
-    def _sgd(self, p: torch.Tensor, g: dict) -> None:
-        """torch.optim.SGD's update of one tensor (its first step sets the buffer to the gradient)."""
-        d = p.grad if not g["weight_decay"] else p.grad.add(p, alpha=g["weight_decay"])
+    def _sgd(self, params: list, g: dict) -> None:
+        """torch.optim.SGD's update of these tensors, by torch's own function (one tensor at a time, as
+        torch.optim.SGD on a CPU), its momentum buffers kept in this optimizer's state as SGD keeps them."""
+        bufs = [self.state[p].get("momentum_buffer") for p in params]
+        _sgd_step(params, [p.grad for p in params], bufs, foreach=False, weight_decay=g["weight_decay"],
+                  momentum=g["momentum"], lr=g["lr"], dampening=0.0, nesterov=g["nesterov"], maximize=False)
         if g["momentum"]:
-            state = self.state[p]
-            buf = state.get("momentum_buffer")
-            if buf is None:
-                buf = state["momentum_buffer"] = d.clone()
-            else:
-                buf.mul_(g["momentum"]).add_(d)
-            d = d.add(buf, alpha=g["momentum"]) if g["nesterov"] else buf
-        p.add_(d, alpha=-g["lr"])
+            for p, buf in zip(params, bufs):
+                self.state[p]["momentum_buffer"] = buf
 
     def _muon(self, p: torch.Tensor, g: dict) -> None:
         mu, state = g["muon_momentum"], self.state[p]
