@@ -24,6 +24,14 @@ from ..launch import under_mpi
 from .common import UsageError, add_config_arguments, add_int_list, add_launch_arguments, config_from_args
 
 
+# A result or trace names the model builder it was trained with; pilab reads the model's FLOPs, activations,
+# gradient layout and BatchNorm channels the run recorded, and builds the model (running its code) only
+# where you name it here (pilab.models.names.only_named).
+TRUST_MODEL = ("your model builder (module:function or file.py:function) the run was trained with, to build "
+               "it here, running its code: needed only for a run pilab recorded no model profile for (an "
+               "older pilab); a builder the file names is never imported otherwise")
+
+
 def add_parser(sub) -> None:
     """Register ``python -m pilab perfmodel {bench,calibrate,predict,table,trace,validate}``."""
     p = sub.add_parser("perfmodel", help="performance model: micro-benchmark, calibrate, predict",
@@ -70,6 +78,7 @@ def _add_validate(ps) -> None:
                                   "prints per bucket the predicted and measured Allreduce time and the "
                                   "error, and the same for the step time and the exposed tail.")
     v.add_argument("trace", metavar="MEASURED_TRACE", help="a run's trace.json (or its run directory)")
+    v.add_argument("--model", default=None, metavar="BUILDER", help=TRUST_MODEL)
     v.add_argument("--preset", "--cluster", default="pi4b_cluster",
                    help="a preset name or a Cluster/Calibration JSON (default: %(default)s)")
     v.add_argument("--calibration", default=None, help="the measuring machine's calibration JSON "
@@ -106,6 +115,7 @@ def _add_calibrate(ps) -> None:
                       description="Reads an np=1 result.json and a `perfmodel bench` JSON; writes "
                                   "the Calibration (the this_box preset) as JSON.")
     c.add_argument("--result", required=True, help="result.json of an np=1 `pilab train` run")
+    c.add_argument("--model", default=None, metavar="BUILDER", help=TRUST_MODEL)
     c.add_argument("--bench", required=True, help="JSON written by `pilab perfmodel bench`")
     c.add_argument("--out", default="runs/perfmodel/calibration.json",
                    help="where to write the calibration (default: %(default)s)")
