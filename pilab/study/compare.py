@@ -13,8 +13,8 @@ what pilab's performance model predicts for the same points (the naive code the 
 pilab's own), and the accuracy each study measured — one table, one figure and a paragraph generated
 from the numbers; the page is :func:`pilab.study.report.paper_html`'s::
 
-    from pilab.study import paper, scaling
-    studies = {"50k naive": scaling.load_study("experiments/paper-size/naive", planned=paper.PAPER_NPS),
+    from pilab.study import compare, scaling
+    studies = {"50k naive": scaling.load_study("experiments/paper-size/naive", planned=compare.PAPER_NPS),
                "15k naive": scaling.load_study("experiments/fast-but-wrong/naive")}
     side = compare.beside_paper(studies)
     print(compare.markdown(side)); print(side["verdict"])
