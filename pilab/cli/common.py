@@ -272,6 +272,14 @@ def progress_callbacks(quiet: bool):
     return [cb]
 
 
+# A result or trace names the model builder it was trained with; pilab reads the model's FLOPs, activations,
+# gradient layout and BatchNorm channels the run recorded, and builds the model (running its code) only
+# where you name it on the command line (pilab.models.names.only_named).
+TRUST_MODEL = ("your model builder (module:function or file.py:function) the run was trained with, to build "
+               "it here, running its code: needed only for a run pilab recorded no model profile for (an "
+               "older pilab); a builder the file names is never imported otherwise")
+
+
 # ----------------------------------------------------------------------------------------------
 # the output directory
 # ----------------------------------------------------------------------------------------------

@@ -21,15 +21,8 @@ from .. import perfmodel as pm
 from ..config import Config
 from ..files import load_json, save_json
 from ..launch import under_mpi
-from .common import UsageError, add_config_arguments, add_int_list, add_launch_arguments, config_from_args
-
-
-# A result or trace names the model builder it was trained with; pilab reads the model's FLOPs, activations,
-# gradient layout and BatchNorm channels the run recorded, and builds the model (running its code) only
-# where you name it here (pilab.models.names.only_named).
-TRUST_MODEL = ("your model builder (module:function or file.py:function) the run was trained with, to build "
-               "it here, running its code: needed only for a run pilab recorded no model profile for (an "
-               "older pilab); a builder the file names is never imported otherwise")
+from .common import (TRUST_MODEL, UsageError, add_config_arguments, add_int_list, add_launch_arguments,
+                     config_from_args)
 
 
 def add_parser(sub) -> None:
