@@ -506,7 +506,7 @@ def test_01_live_panel(jupyterlab):
     run_notebook(jupyterlab, "01_quickstart", body)
 
 
-# The live swim-lane (plots.lanes.LiveLanes): is its figure shown, and how many quads its source holds.
+# The live swim-lane (plots.run.LiveLanes): is its figure shown, and how many quads its source holds.
 LANE_JS = """() => {
     const B = window.Bokeh;
     if (!B || !B.documents || !B.index) return null;

@@ -86,7 +86,7 @@ def run_row(name: str, out: str, paths: dict) -> str:
 
 
 def row(name: str, study_dir: str) -> dict:
-    from pilab.config import Config
+    from pilab import Config
     from pilab.engine import memory
     from pilab.models import counted_train_flops, forward_macs, probe_model
 

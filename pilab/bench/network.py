@@ -153,14 +153,14 @@ def section(quick: bool = False, *, work: str | None = None, mpiexec: str | None
         for rep in range(1, repeat + 1):
             order = rates if rep % 2 else rates[::-1]  # alternate: neither rate always runs first
             for rate in order:
-                tb = _shaped(tb, rate)
+                tb = shaped(tb, rate)
                 log(f"bench: network: rep {rep}, links {rate}; load {os.getloadavg()[0]:.1f}")
                 _train_points(tb, data, rate, rep, points + [(p, n, True) for p, n in LOCAL_POINTS
                                                              if rate == LOCAL_RATE and p in nps and n <= nodes_n],
                               work, log, mpiexec)
         data["wire"] = []
         for rate in (QUICK_WIRE_RATES if quick else WIRE_RATES):
-            tb = _shaped(tb, rate)
+            tb = shaped(tb, rate)
             log(f"bench: network: one step on the wire, links {rate}; load {os.getloadavg()[0]:.1f}")
             if not any(b["rate"] == rate and b["nodes"] == 2 and b["np"] == 2 for b in data["bench"]):
                 run = bench(tb, 2, 2, log, mpiexec)  # the link rate of the bound
@@ -178,7 +178,7 @@ def section(quick: bool = False, *, work: str | None = None, mpiexec: str | None
     return data
 
 
-def _shaped(tb, rate: str):
+def shaped(tb, rate: str):
     """The testbed with every node's link at ``rate``."""
     for h in tb.hosts:
         tb = testbed.shape(tb, h, rate)
@@ -191,7 +191,7 @@ def _links(tb, data: dict, rates, nps, nodes_n: int, log, mpiexec):
     for np_ in sorted(n for n in (2, 4) if n in nps):
         data["bench"].append(bench(tb, np_, 1, log, mpiexec))
     for rate in rates:
-        tb = _shaped(tb, rate)
+        tb = shaped(tb, rate)
         log(f"bench: network: links {rate}")
         for np_, nodes in ((2, 2), (4, 4), (4, 2), (8, 4)):
             if nodes <= nodes_n and (np_ in nps or (np_, nodes) == (2, 2)):

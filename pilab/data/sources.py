@@ -8,7 +8,7 @@ downloads the official set::
 
 Decoding CIFAR-10 from each layout :func:`pilab.data.load` accepts, into a :class:`CIFAR10`.
 
-    from pilab.data import decode
+    from pilab.data import sources
     ds = sources.decode_source("folder", "/data/cifar10-jpeg")     # kind as pilab.data.sources resolves it
     rgb = sources.decode_image(jpeg_bytes, "train/cat/0001.jpg")   # uint8 (H, W, 3), or (H, W, 1) if grey
 

@@ -7,8 +7,10 @@ The doctor's report as text: one row of marks per host, the figures, then each â
 """
 from __future__ import annotations
 
+import hmac
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -16,8 +18,12 @@ import tempfile
 import threading
 import time
 
-from ..launch import LaunchError, find_mpiexec, mpi_family, mpiexec_command, mpiexec_library, placement_checks
+from ..launch import (LaunchError, find_mpiexec, mpi_family, mpiexec_command, mpiexec_library, placement_checks,
+                     ranks_on)
 from .checks import CHECKS, DETAILS, MARK, DoctorError, host_checks, skipped
+
+
+SECRET_ENV = "PILAB_DOCTOR_SECRET"  # how the probes learn the listener's secret (mpiexec passes it on)
 
 
 def format_table(report: dict) -> str:
@@ -48,15 +54,20 @@ def format_table(report: dict) -> str:
 
 
 class _Listener:
-    """Answers every line with the head's clock, on the address the Pi profile's controller binds."""
+    """Answers every line with the head's clock, on the address the Pi profile's controller binds, to a
+    connection whose first line is this doctor run's secret (``secret``, in ``$PILAB_DOCTOR_SECRET`` of
+    the probe jobs); any other connection is closed unanswered, the first one logged."""
 
-    def __init__(self, bind: str):
+    def __init__(self, bind: str, *, out=None):
+        self.secret = secrets.token_hex(16)
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((bind, 0))
         self.sock.listen(64)
         self.port = self.sock.getsockname()[1]
         self.peers: list[str] = []
+        self.foreign: list[str] = []  # addresses of connections without the secret
+        self._out = out
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self):
@@ -65,12 +76,23 @@ class _Listener:
                 conn, addr = self.sock.accept()
             except OSError:
                 return
-            self.peers.append(addr[0])
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._answer, args=(conn, addr[0]), daemon=True).start()
 
-    @staticmethod
-    def _answer(conn):
+    def _answer(self, conn, peer: str):
         with conn, conn.makefile("rw") as f:
+            conn.settimeout(10)
+            try:
+                first = f.readline(256).strip()
+            except (OSError, UnicodeError):
+                first = ""
+            if not hmac.compare_digest(first.encode(), self.secret.encode()):
+                self.foreign.append(peer)
+                if len(self.foreign) == 1:
+                    print(f"pilab doctor: ignored a connection from {peer} to the head's listener without this "
+                          "run's secret (further ones are not logged)", file=self._out or sys.stderr, flush=True)
+                return
+            self.peers.append(peer)
+            conn.settimeout(None)
             for _ in f:
                 f.write(f"{time.time()!r}\n")
                 f.flush()
@@ -81,10 +103,11 @@ class _Listener:
 
 def controller_address(hostfile: str | None, env: dict | None = None) -> tuple[str, str]:
     """(bind, advertised) address of the Pi profile's controller: ``$PILAB_CONTROLLER_IP`` for both,
-    else all interfaces and the address that routes to the first host (profiles/profile_pi)."""
+    else the address that routes to the first host, for both (profiles/profile_pi): never every
+    interface."""
     from ..lab.cluster import lan_address
-    addr = (os.environ if env is None else env).get("PILAB_CONTROLLER_IP", "")
-    return (addr or "0.0.0.0"), (addr or lan_address(hostfile))
+    addr = (os.environ if env is None else env).get("PILAB_CONTROLLER_IP", "") or lan_address(hostfile)
+    return addr, addr
 
 
 def _hostfile(tmp: str, name: str, hosts: list[tuple[str, int]]) -> str:
@@ -251,8 +274,9 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
         raise DoctorError(f"the controller's address {bind} cannot be bound here ({e.strerror}); set "
                           "PILAB_CONTROLLER_IP to an address of this machine on the hosts' network") from None
     head_arg = f"{advertised}:{listener.port}"
+    env[SECRET_ENV] = listener.secret  # the probes' first line to the listener (mpiexec passes env on)
     opts = ["--data", data, "--head", head_arg, "--toward", toward] + (["--snn"] if _needs_snn(cfg) else [])
-    report = {"hosts": [h for h, _ in hosts], "mpiexec": mpx, "mpiexec_library": launcher,
+    report = {"hosts": list(dict.fromkeys(h for h, _ in hosts)), "mpiexec": mpx, "mpiexec_library": launcher,
               "config": cfg.to_dict(), "ranks_per_node": ranks_per_node, "data_path": data,
               "predicted_peak_bytes": peak, "controller": head_arg, "launcher": _launcher_words(env),
               "ucx_net_devices": env.get("UCX_NET_DEVICES", "")}
@@ -268,9 +292,12 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
     if net and net.get("bench"):
         report["runs"] = [net["bench"]]  # what `perfmodel calibrate --inter-bench` reads
         report["fit"] = _fit(report["runs"])
-    report["checks"] = {h: host_checks(h, jobs[h], why[h], probes[h], report, answered, peak)
-                        for h, _ in hosts}
-    for h, check in placement_checks(hosts, ranks_per_node, env=env).items():
+    # the ranks each machine really gets, however often (and under whatever names) the list names it:
+    # what its memory and CPU checks count (pilab.launch.ranks_on)
+    report["ranks_here"] = ranks_on(hosts, ranks_per_node, probes)
+    report["checks"] = {h: host_checks(h, jobs[h], why[h], probes[h], report, answered, peak, report["ranks_here"][h])
+                        for h in dict.fromkeys(h for h, _ in hosts)}
+    for h, check in placement_checks(hosts, ranks_per_node, env=env, probes=probes).items():
         # "as checked" needs the memory and CPU checks it refers to: a host that did not answer had none
         # (a wrong slot count or a drained node is still said: neither needs the host to answer)
         ok = check["ok"] and report["checks"][h]["answers"]["ok"]
@@ -306,7 +333,7 @@ def _probe(report, hosts, opts, tmp, mpx, env, answer_s, timeout_s, links, spec=
     head = _Job(_probe_cmd("host", *opts), env)  # the head itself, without a launcher
     jobs = {h: _Job(mpiexec_command(1, _probe_cmd("host", *opts), mpiexec=mpx,
                                     hostfile=_hostfile(tmp, f"h{i}", [(h, 1)])), env)
-            for i, (h, _) in enumerate(hosts)}
+            for i, h in enumerate(dict.fromkeys(h for h, _ in hosts))}  # a name listed twice: probed once
     head_why = head.wait(timeout_s, timeout_s)
     if head_why or not head.results:
         for j in jobs.values():
@@ -316,7 +343,7 @@ def _probe(report, hosts, opts, tmp, mpx, env, answer_s, timeout_s, links, spec=
     report["head"] = head.results[0]
     why = {h: j.wait(answer_s, timeout_s) for h, j in jobs.items()}
     probes = {h: (j.results[0] if j.results else None) for h, j in jobs.items()}
-    answered = [h for h, _ in hosts if probes[h] is not None]
+    answered = [h for h in jobs if probes[h] is not None]
     net = _net_job(tmp, answered, mpx, env, answer_s, timeout_s, links, spec) if answered else None
     return probes, jobs, why, answered, net
 

@@ -8,7 +8,8 @@ launcher belongs to (``mpiexec``). Nothing here imports torch or MPI::
 from .. import lazy
 
 __getattr__, __dir__, __all__ = lazy.face(__name__, {
-    "hosts": ["HostsError", "allocation", "parse_hosts", "placement_checks", "read_hostfile", "total_slots"],
+    "hosts": ["HostsError", "allocation", "check_host", "parse_hosts", "placement_checks", "ranks_on", "machines",
+              "read_hostfile", "total_slots"],
     "mpiexec": ["MPI_HINT", "JobError", "LaunchError", "find_mpiexec", "job_argv", "launcher_local_size",
                "launcher_rank", "launcher_size", "mpi", "mpi_library", "mpi_versions", "mpiexec_command",
                "pilab_command", "run_job", "srun_command", "under_mpi", "use_srun", "mpi_family", "mpiexec_library",

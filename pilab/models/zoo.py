@@ -1,6 +1,6 @@
 """The CNNs pilab trains, by registry name, plus parameter and FLOP counts for the performance model.
 
-    from pilab.models.zoo import build_model, count_parameters, train_flops_per_image
+    from pilab.models import build_model, count_parameters, train_flops_per_image
     model = build_model("mobilenetv2_cifar", num_classes=10, width=0.5)
     logits = model(images.to(memory_format=torch.channels_last))   # (N, 3, 32, 32) -> (N, 10)
     count_parameters(build_model("mobilenetv2"))                     # 2_236_682
@@ -53,25 +53,26 @@ def _register(name: str, timesteps: bool = False):
 
 
 @_register("mobilenetv2_cifar")
-def _mobilenetv2_cifar(num_classes: int, width: float) -> nn.Module:
-    return MobileNetV2(num_classes, width, cifar=True)
+def _mobilenetv2_cifar(num_classes: int, width: float, in_channels: int = 3) -> nn.Module:
+    return MobileNetV2(num_classes, width, cifar=True, in_channels=in_channels)
 
 
 @_register("mobilenetv2")
-def _mobilenetv2(num_classes: int, width: float) -> nn.Module:
-    return MobileNetV2(num_classes, width, cifar=False)
+def _mobilenetv2(num_classes: int, width: float, in_channels: int = 3) -> nn.Module:
+    return MobileNetV2(num_classes, width, cifar=False, in_channels=in_channels)
 
 
 
 @_register("squeezenet1_1")
-def _squeezenet1_1(num_classes: int, width: float) -> nn.Module:
-    return SqueezeNet11(num_classes)
+def _squeezenet1_1(num_classes: int, width: float, in_channels: int = 3) -> nn.Module:
+    return SqueezeNet11(num_classes, in_channels=in_channels)
 
 
 
 @_register("spiking_cnn", timesteps=True)
-def _spiking_cnn(num_classes: int, width: float, timesteps: int = DEFAULT_TIMESTEPS) -> nn.Module:
-    return SpikingCNN(num_classes, width, timesteps)
+def _spiking_cnn(num_classes: int, width: float, timesteps: int = DEFAULT_TIMESTEPS,
+                 in_channels: int = 3) -> nn.Module:
+    return SpikingCNN(num_classes, width, timesteps, in_channels=in_channels)
 
 
 # The names and widths are declared in pilab.models.names (torch-free, so that Config validation and `--help`
@@ -85,7 +86,7 @@ assert tuple(_REGISTRY) == MODEL_NAMES and tuple(sorted(TAKES_TIMESTEPS)) == tup
 # Public API
 # ----------------------------------------------------------------------------------------------
 def build_model(name: str, num_classes: int = 10, width: float = 1.0, *,
-                timesteps: Optional[int] = None) -> nn.Module:
+                timesteps: Optional[int] = None, in_channels: int = 3) -> nn.Module:
     """A freshly initialised model (train mode, CPU, contiguous weights).
 
         model = build_model("mobilenetv2_cifar", num_classes=10, width=0.5)
@@ -94,7 +95,9 @@ def build_model(name: str, num_classes: int = 10, width: float = 1.0, *,
         logits = model(x)                  # x: float (N, 3, 32, 32), any memory format -> (N, 10)
 
     ``timesteps`` (default ``DEFAULT_TIMESTEPS``) is for spiking models; the others ignore it, so the
-    engine can pass ``cfg.timesteps`` for every model. Seed torch (``torch.manual_seed``) first for
+    engine can pass ``cfg.timesteps`` for every model. ``in_channels``: the images' channels (1 for grey
+    images such as sklearn's digits), for the registered models' first layer; your own builder decides its
+    own. Seed torch (``torch.manual_seed``) first for
     reproducible weights.
     """
     check_width(name, width)
@@ -103,11 +106,11 @@ def build_model(name: str, num_classes: int = 10, width: float = 1.0, *,
     if is_builder_spec(name):  # your own model (pilab.models.custom)
         return custom.build(name, num_classes, float(width), timesteps=timesteps)
     if name not in TAKES_TIMESTEPS:
-        return _REGISTRY[name](num_classes, float(width))
+        return _REGISTRY[name](num_classes, float(width), in_channels=in_channels)
     timesteps = DEFAULT_TIMESTEPS if timesteps is None else timesteps
     if isinstance(timesteps, bool) or not isinstance(timesteps, int) or timesteps < 1:
         raise ValueError(f"timesteps={timesteps!r} must be an int >= 1")
-    return _REGISTRY[name](num_classes, float(width), timesteps)
+    return _REGISTRY[name](num_classes, float(width), timesteps, in_channels=in_channels)
 
 
 @functools.lru_cache(maxsize=8)

@@ -4,10 +4,10 @@ Calibrate on your machine, then predict (everything returns dicts / lists of dic
 
     python -m pilab train --width 0.25 --train-subset 960 --test-subset 200 --epochs 1 --threads 1 \\
         --out runs/np1                                                   # the np=1 run
-    python -m pilab perfmodel bench --np 2 3          # launches mpiexec; runs/perfmodel/comm_bench.json
+    python -m pilab perfmodel bench --np 2,3          # launches mpiexec; runs/perfmodel/comm_bench.json
     python -m pilab perfmodel calibrate --result runs/np1/result.json \\
         --bench runs/perfmodel/comm_bench.json        # -> runs/perfmodel/calibration.json
-    python -m pilab perfmodel table --calibration runs/perfmodel/calibration.json --nps 1 2 3 --width 0.25 ...
+    python -m pilab perfmodel table --calibration runs/perfmodel/calibration.json --nps 1,2,3 --width 0.25 ...
     python -m pilab perfmodel table --published       # the Pi table beside the published figures
 
     from pilab import perfmodel
@@ -53,7 +53,7 @@ from __future__ import annotations
 from .allreduce import allreduce_phases, allreduce_rounds, allreduce_time
 from .calibrate import (DEFAULT_SIZES, Calibration, calibrate, cluster_from_calibration, comm_bench, fit_alpha_beta,
                         run_comm_bench, this_box)
-from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, work_per_image
+from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, model_profile, remember, work_per_image
 from .machine import (ALGORITHMS, BACKWARD_FRACTION, ELEMENT_BYTES, FLOPS_PER_ACTIVATION_CPU, METRIC_BYTES,
                       STEP_WORK_PER_TENSOR_CPU, THREAD_EXPONENT, Cluster, Link)
 from .metrics import efficiency, karp_flatt, speedup
@@ -69,7 +69,7 @@ __all__ = ["speedup", "efficiency", "karp_flatt", "PUBLISHED", "published_table"
     "allreduce_rounds", "allreduce_time", "allreduce_phases", "ALGORITHMS", "comm_bench", "run_comm_bench",
     "DEFAULT_SIZES", "fit_alpha_beta", "calibrate", "this_box", "pi4b_cluster", "cluster_from_calibration", "PRESETS",
     "resolve_cluster", "relinked", "BOARDS", "mixed_cluster", "is_board_spec", "is_pi_cluster", "BALANCE",
-    "balance_rows", "BALANCE_COLUMNS", "gradient_layout", "buckets_for", "work_per_image", "bn_bytes", "bn_channels",
+    "balance_rows", "BALANCE_COLUMNS", "gradient_layout", "model_profile", "remember", "buckets_for", "work_per_image", "bn_bytes", "bn_channels",
     "PROFILES", "predict", "predict_table", "exchange", "bucket_schedule", "step_schedule", "pi_config", "pi_table",
     "markdown_table", "pi_table_markdown", "TABLE_COLUMNS", "PI_TABLE_COLUMNS", "FLOPS_PER_ACTIVATION_CPU",
     "STEP_WORK_PER_TENSOR_CPU", "BACKWARD_FRACTION", "THREAD_EXPONENT", "ELEMENT_BYTES", "METRIC_BYTES", "PI_NODES",

@@ -13,8 +13,8 @@ what pilab's performance model predicts for the same points (the naive code the 
 pilab's own), and the accuracy each study measured — one table, one figure and a paragraph generated
 from the numbers; the page is :func:`pilab.study.report.paper_html`'s::
 
-    from pilab.study import paper, scaling
-    studies = {"50k naive": scaling.load_study("experiments/paper-size/naive", planned=paper.PAPER_NPS),
+    from pilab.study import compare, scaling
+    studies = {"50k naive": scaling.load_study("experiments/paper-size/naive", planned=compare.PAPER_NPS),
                "15k naive": scaling.load_study("experiments/fast-but-wrong/naive")}
     side = compare.beside_paper(studies)
     print(compare.markdown(side)); print(side["verdict"])
@@ -33,7 +33,7 @@ import glob
 import os
 from dataclasses import replace
 
-from .. import perfmodel, verdict as judging
+from .. import perfmodel, plots, verdict as judging
 from ..config import Config
 from ..plots import EXPERIMENTS
 from .analysis import final_value, sized_for_model
@@ -457,8 +457,7 @@ def points_cells(side: dict) -> tuple[list[str], list[list[str]], str]:
             else:
                 ttt = num(a["pi_time_to_target"] / 60, ".0f", " min") \
                     + (f" ({a['pi_speedup_to_target']:.1f}×)" if a["pi_speedup_to_target"] else "")
-            kind = "real" if not a["simulated"] else f"sim {a['simulate_mode']}" if a.get("simulate_mode") else "sim"
-            out.append([label, str(r["np"]), kind, str(a["steps"]),
+            out.append([label, str(r["np"]), plots.row_kind(a), str(a["steps"]),
                         " ".join(f"{x:.3f}" for x in a["test_acc_curve"] if x is not None),
                         num(a["pi_time_per_epoch"], ".0f", " s"),
                         num(a["pi_energy_j"] and a["pi_energy_j"] / 1e3, ".1f", " kJ"), ttt,

@@ -89,10 +89,10 @@ def report_html(study_: dict) -> str:
         "<h2>pilab strong-scaling study</h2>"
         f"<p><b>Verdict.</b> {escape(judging.summary(study_))}</p>"
         f"<p><b>command:</b> <code>{escape(study_.get('command') or 'python API')}</code></p>"
-        f"<p>model {cfg['model']} width {cfg['width']}, {cfg['epochs']} epochs, batch {cfg['batch_size']} "
+        f"<p>model {escape(str(cfg['model']))} width {cfg['width']}, {cfg['epochs']} epochs, batch {cfg['batch_size']} "
         f"({cfg['batch_mode']}), lr {cfg['lr']} per {cfg['lr_ref_batch']} scaled {cfg['lr_scaling']}, "
         f"warmup {cfg['warmup_epochs']} epochs, sharding {cfg['sharding']}, BN {cfg['bn']}, "
-        f"threads/rank {cfg['threads']}, data {escape(cfg['data'])} "
+        f"threads/rank {cfg['threads']}, data {escape(str(cfg['data']))} "
         f"(train subset {cfg['train_subset'] or 'all'})</p>"
         f"<p>Speed baseline np={study_['baseline_np']}"
         f"{' (its time predicted; no accuracy run at that np)' if study_.get('baseline_predicted_only') else ''}"
@@ -124,8 +124,7 @@ def _compare_head(cmp: dict) -> tuple:
 
 def _compare_cells(r: dict) -> list[str]:
     """One row of the comparison table, as text (shared by the markdown and HTML forms)."""
-    kind = "measured" if not r["simulated"] else f"sim {r['simulate_mode']}" if r.get("simulate_mode") else "sim"
-    return [r["label"], str(r["np"]), kind,
+    return [r["label"], str(r["np"]), plots.row_kind(r),
             str(r["global_batch"]), f"{r['peak_lr']:.3g}", str(r["steps"]), f"{r['final_test_acc']:.3f}",
             f"{r['epochs_near_chance']}/{len(r['test_acc_curve'])}", judging.cell(r)]
 

@@ -51,7 +51,7 @@ __getattr__, __dir__, __all__ = lazy.face(__name__, {
     "lock": ["exclusive", "holder", "LOCK_PATH"],
     "make": ["up", "down", "status"],
     "nodes": ["Testbed", "TestbedError", "load", "available", "parse_rate", "burst_bytes", "check_range", "state_dir",
-             "FIRST_HOST", "NODE_IFACE", "DEFAULT_SUBNET", "DEFAULT_RATE", "DEFAULT_NAME", "link_names", "netns_list",
-             "routes_and_addresses"],
-    "shim": ["overlay", "clear_overlays"],
+             "state_problem", "check_state_dir", "FIRST_HOST", "NODE_IFACE", "DEFAULT_SUBNET", "DEFAULT_RATE",
+             "DEFAULT_NAME", "link_names", "netns_list", "routes_and_addresses"],
+    "shim": ["overlay", "clear_overlays", "job_access"],
 })

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..perfmodel import METRIC_BYTES, resolve_cluster, step_schedule
+from ..perfmodel import METRIC_BYTES, remember, resolve_cluster, step_schedule
 from . import format as tf
 from .read import analyse, figures, steps
 
@@ -162,6 +162,7 @@ def validate(measured: dict, cluster, profile: str = "pilab") -> dict:
     if not meta.get("config") or not meta.get("np"):
         raise tf.TraceError("the trace's otherData has no config and np (a trace written by "
                             "`python -m pilab train --trace` has both)")
+    remember(meta.get("model_profile"))  # the model as the run measured it: its builder is not imported
     events, pmeta = predicted_trace(meta["config"], int(meta["np"]), cluster, profile)
     predicted = {"traceEvents": events, "otherData": pmeta}
     out = compare(measured, predicted)
