@@ -110,6 +110,18 @@ def test_the_committed_paper_batch_table_is_what_its_points_make(tmp_path):
     assert "| linear + warmup 8 | 0.746 | 0.636 | -11.0 | 0.784 | 0.678 | -10.6 |" in text
 
 
+@pytest.mark.parametrize("folder", ["screen-cpu-2ep", "screen-cpu-fast-2ep"])
+def test_the_committed_few_step_screens_tables_are_what_their_points_make(folder, tmp_path):
+    """The 2-epoch screens' table.md is what `screen.py --table` makes of their committed points (so those
+    points stay readable through Config as settings change)."""
+    import shutil
+    committed = ROOT / "experiments" / "paper-batch" / folder
+    shutil.copytree(committed, tmp_path / folder, ignore=shutil.ignore_patterns("curves.png", "table.md"))
+    text = _driver("paper-batch", "screen.py").table(str(tmp_path / folder))
+    assert text == (committed / "table.md").read_text(), \
+        f"re-run: python experiments/paper-batch/screen.py --table experiments/paper-batch/{folder}"
+
+
 def test_the_time_to_accuracy_driver_extends_a_run_from_its_stable_phase_and_tables_it(tmp_path):
     """Two lengths of one seed (4 and 5 epochs, 3 of decay): the trunk trains 1 then 2 stable epochs, each
     branch goes on from the trunk's checkpoint at its length minus the decay; np=1 beside it; a rerun trains
