@@ -131,7 +131,7 @@ def _from_runs(bench, args, argv) -> int:
         raise UsageError(f"--from {args.from_runs}: no such directory; give one holding bench.json files")
     from ..bench.report import collected_report
     command = "python -m pilab bench " + " ".join(argv)
-    text, used = collected_report(args.from_runs, command=command)
+    text, used = collected_report(args.from_runs, command=command, sections=bench.SECTIONS)
     if not used:
         raise UsageError(f"--from {args.from_runs}: no bench.json of `pilab bench` there")
     from ..files import atomic_write_text

@@ -25,8 +25,8 @@ def _defaults():
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "scale", help="strong-scaling study: measured MPI runs + simulated accuracy sweep + report",
-        description="Run the same training at several process counts (real mpiexec jobs), add an "
-                    "exact simulated accuracy sweep at larger np, and write study.json/.csv and a "
+        description="Run the same training at several process counts (real mpiexec jobs), add a "
+                    "simulated accuracy sweep at larger np (each row says its mode), and write study.json/.csv and a "
                     "self-contained report.html. Defaults are a ~6-minute demo on the embedded data.")
     p.add_argument("--nps", default="1,2", help="measured process counts (default: 1,2)")
     p.add_argument("--simulate-nps", default="8,48",
