@@ -419,3 +419,16 @@ def small_mode() -> bool:
 # laptop, big enough to show the effect. Here, not in the study module, so that `--help` needs no torch.
 DEMO = Config(width=0.25, train_subset=2000, test_subset=1000, epochs=4, batch_size=32, lr=0.05,
               lr_ref_batch=32)
+
+
+def demo(data: str = "embedded") -> Config:
+    """The demo's settings for ``data``, which ``scale`` and ``remedies`` start from: ``DEMO`` on the
+    embedded data; on any other (your folder, your arrays, the full CIFAR-10) every image, since the
+    subsets of 2,000 and 1,000 images are the embedded set's, not yours::
+
+        demo("embedded").train_subset        # 2000
+        demo("/data/mine").train_subset      # 0: all of them
+    """
+    if data == "embedded":
+        return DEMO
+    return dataclasses.replace(DEMO, data=data, train_subset=0, test_subset=0)
