@@ -162,7 +162,9 @@ class Component:
 
 
 class RankStep:
-    """One rank's step as its backend runs it, the record the components' in-step moments share::
+    """One rank's step as its backend runs it.
+
+    The record the components' in-step moments share::
 
         rank.rank, rank.np_        # which rank (a virtual rank in the simulator), of how many
         rank.send["name"]          # before the exchange: this rank's values of a slot (zeroed each step)

@@ -95,7 +95,7 @@ class GradSync:
     Each rank's gradient is divided by the world size before it is sent (so the sum is the mean, and with
     ``compression="fp16"`` the sum of np halves cannot overflow): for free when the caller runs backward
     through ``sync.backward(loss)``, which scales the loss by 1/size; by a pass over each bucket
-    otherwise. With ``compression="fp16"`` the bucket is sent as half precision: half the bytes.
+    otherwise. With ``compression="fp16"`` the bucket is sent as half precision: half the bytes::
 
         sync = GradSync(model, comm, bucket_mb=1.0, meta=2)
         for x, y in batches:

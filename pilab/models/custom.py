@@ -90,7 +90,7 @@ def source_file(spec: str) -> str | None:
 
         source_file("nets/mine.py:build")   # "/home/me/nets/mine.py"
     """
-    if spec in _LOCAL or ":" not in spec:
+    if spec in LOCAL_BUILDERS or ":" not in spec:
         return None
     module = spec.rsplit(":", 1)[0]
     if module.endswith(".py"):
@@ -114,14 +114,14 @@ def source_digest(spec: str) -> dict | None:
     if not isinstance(spec, str) or ":" not in spec:
         return None
     path = source_file(spec)
-    if path is None and spec not in _LOCAL:
+    if path is None and spec not in LOCAL_BUILDERS:
         try:  # a package's module: where its import found it
             path = getattr(sys.modules.get(spec.rsplit(":", 1)[0]) or inspect.getmodule(load_builder(spec)),
                            "__file__", None)
         except ModelError:
             path = None
     if path is None:
-        fn = _LOCAL.get(spec)
+        fn = LOCAL_BUILDERS.get(spec)
         try:
             text = inspect.getsource(fn) if fn is not None else None
         except (OSError, TypeError):

@@ -25,5 +25,5 @@ from .. import lazy
 
 __getattr__, __dir__, __all__ = lazy.face(__name__, {
     "scaling": ["Interrupted", "load_study", "partial_study", "study"],
-    "remedies": ["candidate_labels"],
+    "remedies": ["candidate_labels", "slug"],
 })
