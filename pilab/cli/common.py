@@ -11,6 +11,7 @@ import os
 import sys
 from dataclasses import fields
 
+from .. import resultfile
 from ..config import CHOICES, Config, allowed
 from ..engine.harness import EXIT_WRITE, print_stragglers
 from ..engine.watchdog import EXIT_HANG
@@ -203,20 +204,21 @@ def progress_callbacks(quiet: bool):
 # ----------------------------------------------------------------------------------------------
 # the output directory
 # ----------------------------------------------------------------------------------------------
-# What a run leaves in its --out directory (and may replace when started again there).
-RUN_FILES = ("result.json", "checkpoint.pt")
+# What a run leaves in its --out directory (and may replace when started again there): its result's
+# files (result.json and its per-step series, pilab.resultfile) and its last checkpoint.
+RUN_FILES = (*resultfile.files("result.json"), "checkpoint.pt")
 
 
 def _saved_config(out: str) -> tuple[dict | None, dict | None, str | None]:
     """(config, result) of the run in ``out``: from result.json, else from its checkpoint; the third
     value names what could not be read."""
-    import json
     res_path = os.path.join(out, "result.json")
     if os.path.exists(res_path):
         try:
-            with open(res_path) as f:
-                res = json.load(f)
+            res = resultfile.load(res_path)
             return res["config"], res, None
+        except resultfile.OldFormError as e:
+            raise UsageError(f"--out {out}: {e}") from None
         except (OSError, ValueError, KeyError, TypeError):
             return None, None, res_path
     ck = os.path.join(out, "checkpoint.pt")

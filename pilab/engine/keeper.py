@@ -17,6 +17,7 @@ from .. import __version__
 from . import checkpoint
 from .checkpoint import CheckpointError
 from ..config import Config
+from .. import resultfile
 from ..files import temp_name
 
 
@@ -65,13 +66,15 @@ class Keeper:
                 last, since = now, time.monotonic()
 
     def cleanup(self) -> None:
-        """Remove a temporary file a write cut short left (a process about to ``os._exit``)."""
-        tmp = temp_name(self._path) if getattr(self, "_path", "") else ""
-        if tmp and os.path.exists(tmp):
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
+        """Remove the temporary files a write cut short left (a process about to ``os._exit``): the
+        result's and its per-step file's (``pilab.resultfile``)."""
+        path = getattr(self, "_path", "")
+        for tmp in [temp_name(p) for p in resultfile.files(path)] if path else []:
+            if os.path.exists(tmp):
+                try:
+                    os.remove(tmp)
+                except OSError:
+                    pass
 
     def __call__(self, reason: str) -> str | None:
         if self._write is not None and self.written is None:

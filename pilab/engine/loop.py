@@ -47,7 +47,7 @@ from . import checkpoint, features, records, resume
 from .. import data as data_mod
 from .checkpoint import CheckpointError
 from ..config import Config
-from ..files import save_json
+from .. import resultfile
 from . import memory
 from .optim import build_optimizer, lr_at, set_lr
 # the rank backends and the pieces they share, re-exported: ``loop`` is the engine's one public face
@@ -414,7 +414,7 @@ def _finish(run: _Run) -> dict:
         result["write_error"] = run.write_error
     if s.rank == 0 and cfg.out:
         try:
-            save_json(result, os.path.join(cfg.out, "result.json"))
+            resultfile.save(result, os.path.join(cfg.out, "result.json"))
         except OSError as e:  # rank 0 alone: report it, don't fail one rank of a finished job
             result["write_error"] = "; ".join(filter(None, [run.write_error, (
                 f"cannot write {os.path.join(cfg.out, 'result.json')}: {e.strerror or e} (an earlier "
@@ -434,7 +434,7 @@ def _keep(run: _Run, reason: str) -> str:
     for c in s.components:
         res.update(c.result())
     path = os.path.join(s.cfg.out, "result.json")
-    save_json(res, path)
+    resultfile.save(res, path)
     return path
 
 

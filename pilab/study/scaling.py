@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, replace
 
 from . import energy
+from .. import resultfile
 from ..engine import simulate
 from ..config import DEMO, Config, ConfigError, small_mode
 from ..launch import run_job
@@ -340,8 +341,10 @@ def _finished_points(out: str) -> dict[int, tuple[dict, Config]]:
         if not m:
             continue
         try:
-            r = _load_json(path)
+            r = resultfile.load(path)
             cfg = Config.from_dict({**r["config"], "out": out, "resume": ""})
+        except resultfile.OldFormError:
+            raise
         except (OSError, ValueError, KeyError, TypeError, ConfigError):
             continue
         if finished_run(path, int(m.group(1)), cfg, bool(r.get("simulated"))) is not None:
