@@ -118,7 +118,7 @@ class Config:
     threads: int = setting(0, "torch threads per rank; 0 = cores per node / ranks per node", at_least=0)
     device: str = setting("cpu", "cpu | cuda | auto", choices=('cpu', 'cuda', 'auto'))
     simulate_mode: str = setting("auto", "simulator only: exact (one forward per virtual rank, MPI's arithmetic bit for bit: to compare with mpiexec runs) | fast (one forward of the global batch, per-rank BatchNorm vectorised: the same mathematics to float rounding, ~the cost of one process training the global batch) | auto (exact where the run needs it; on a CPU run of 200+ steps the faster of the two, timed on its first batch; else fast; result.json says which: simulate_mode_used, simulate_mode_trial; see docs/simulator.md)", choices=('auto', 'exact', 'fast'))
-    compile_bn: str = setting("auto", "simulator's fast mode only: its per-rank BatchNorm on large layers (1M+ activations) as torch.compile's fused C++ kernels, 11-15% off a step at MobileNetV2-CIFAR 1.0 (BENCHMARKS.md); the same mathematics to float rounding; compiling takes 10-45 s and a C++ compiler (CXX, else g++) | auto (on for CPU runs of 200+ steps) | on | off; result.json: compile_bn_used (or why not)", choices=('auto', 'on', 'off'))
+    compile_bn: str = setting("auto", "simulator's fast mode only: its per-rank BatchNorm on large layers (1M+ activations) as torch.compile's fused C++ kernels, 11-15% off a step at MobileNetV2-CIFAR 1.0 (benchmarks/LOG.md); the same mathematics to float rounding; compiling takes 10-45 s and a C++ compiler (CXX, else g++) | auto (on for CPU runs of 200+ steps) | on | off; result.json: compile_bn_used (or why not)", choices=('auto', 'on', 'off'))
     eval_batch: int = setting(500, "test images per evaluation batch (its loss is summed in one piece; the forward runs EVAL_CHUNK images at a time, so memory does not grow with it); a stopped run's partial epoch is evaluated only when its test share fits one batch", above=0)
     eval_every: int = setting(1, "evaluate on the test set every N epochs (and always after the last)", above=0)
     checkpoint_every: int = setting(0, "write a checkpoint every K epochs; 0 = never", at_least=0)
@@ -419,3 +419,16 @@ def small_mode() -> bool:
 # laptop, big enough to show the effect. Here, not in the study module, so that `--help` needs no torch.
 DEMO = Config(width=0.25, train_subset=2000, test_subset=1000, epochs=4, batch_size=32, lr=0.05,
               lr_ref_batch=32)
+
+
+def demo(data: str = "embedded") -> Config:
+    """The demo's settings for ``data``, which ``scale`` and ``remedies`` start from: ``DEMO`` on the
+    embedded data; on any other (your folder, your arrays, the full CIFAR-10) every image, since the
+    subsets of 2,000 and 1,000 images are the embedded set's, not yours::
+
+        demo("embedded").train_subset        # 2000
+        demo("/data/mine").train_subset      # 0: all of them
+    """
+    if data == "embedded":
+        return DEMO
+    return dataclasses.replace(DEMO, data=data, train_subset=0, test_subset=0)

@@ -81,6 +81,17 @@ def run_on_testbed(tb, cmd, *, timeout, **kw):
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def no_processes_left(tb, within: float = 15.0) -> dict:
+    """The processes still on each of ``tb``'s nodes, once none is left or ``within`` seconds passed."""
+    import time
+
+    from pilab import testbed
+    deadline = time.monotonic() + within
+    while any(testbed.processes(tb).values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return testbed.processes(tb)
+
+
 @contextlib.contextmanager
 def holding_testbed(request):
     """Hold the machine's testbed lock (``pilab.testbed.exclusive``) for the block: every fixture or test

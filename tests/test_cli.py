@@ -45,8 +45,10 @@ def test_help_documents_every_option(tmp_path):
     (["--bucket-tail-mb", "-1"], "bucket_tail_mb=-1.0 must be >= 0"),
     (["--lr-scaling", "cubic"], "invalid choice"),
     (["--data", "/nonexistent/cifar"], "/nonexistent/cifar"),
+    (["--hostfile", "hosts"], "--hostfile goes with --np N"),
+    (["--np", "2", "--hostfile", "/nonexistent/hosts"], "--hostfile: hostfile /nonexistent/hosts does not exist"),
 ], ids=["np0", "batch0", "global-indivisible", "np-too-large", "unknown-option", "model", "width", "tail",
-        "choice", "missing-data"])
+        "choice", "missing-data", "hostfile-without-np", "hostfile-missing"])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, words):
     p = pilab("train", *TINY, *args, cwd=tmp_path, timeout=120)
     assert p.returncode == 2, p.stderr
@@ -76,13 +78,20 @@ def test_launcher_mismatch_is_refused(tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("how", ["--np", "mpiexec"])
+@pytest.mark.parametrize("how", ["--np", "--hostfile", "mpiexec"])
 def test_train_two_ranks_from_any_directory(tmp_path, how):
+    """Also ``--np 2 --hostfile FILE``, the launch options every command that starts ranks shares: the
+    hostfile goes to mpiexec (its -f), which places one rank on each of its two lines."""
     out = tmp_path / "run"
     args = ["train", *TINY, "--epochs", "1", "--out", str(out)]
+    (tmp_path / "hosts").write_text("localhost:1\n127.0.0.1:1\n")
     p = pilab(*args, "--np", "2", "--quiet", cwd=tmp_path) if how == "--np" \
+        else pilab(*args, "--np", "2", "--hostfile", "hosts", cwd=tmp_path) if how == "--hostfile" \
         else pilab(*args, cwd=tmp_path, launcher=2)
     assert p.returncode == 0, p.stderr[-3000:]
+    launched = [line for line in p.stderr.splitlines() if line.startswith("launching: ")]
+    assert ("-f hosts -n 2" in launched[0] and "--hostfile" not in launched[0]) if how == "--hostfile" else \
+        "-f " not in "".join(launched), launched
     r = json.loads((out / "result.json").read_text())
     assert r["np"] == 2 and r["per_rank_batch"] == 16 and r["global_batch"] == 32
     assert r["config"]["width"] == 0.25 and r["data"]["sharding"] == "static"

@@ -287,7 +287,7 @@ PAGE_LINES, PARAGRAPH_WORDS = 300, 150
 
 def test_no_page_over_300_lines_and_no_paragraph_over_150_words():
     long = []
-    for page in _manual_pages():
+    for page in _manual_pages() + [os.path.join(REPO, "BENCHMARKS.md")]:  # the generated report too
         text = _text(page)
         name = os.path.relpath(page, REPO)
         if len(text.splitlines()) > PAGE_LINES:
@@ -298,6 +298,55 @@ def test_no_page_over_300_lines_and_no_paragraph_over_150_words():
     assert not long, "\n".join(long)
     # and the check sees a long paragraph where there is one
     assert [w for _, w in _paragraphs("intro\n\n" + "word " * 151 + "\n\n- an item\n")][1].count("word") == 151
+
+
+# A lab notebook's marks in a page: an ISO date (not inside a file's name), a clock time (not a Slurm time
+# limit), UTC, an issue number, a "sitting", a load figure, "this machine/box/VM", a quiet or busy box,
+# "this session", CPU accounting of a run. Where they belong is an experiment's LOG.md.
+DATED = re.compile(r"""(?<![\w-])20\d\d-[01]\d-[0-3]\d\b(?![\w.-]*\.(?:json|md|log|png|csv))
+ | (?<!--time\ )(?<!--time=)(?<!MaxTime=)(?<!-t\ )(?<![\d:])\b[0-2]\d:[0-5]\d(?::[0-5]\d)?\b
+ | \bUTC\b
+ | \bissues?\ \#?\d+\b | \(\#\d+\)
+ | \bsittings?\b
+ | \bload(?:\ average)?s?\ (?:of\ |at\ |was\ |about\ |~)?\d | \bload\ average\b
+ | \bthis\ (?:session|bench\ machine)\b | \bon\ this\ (?:2-core|x86|shared)\b | \bnothing\ else\ running\b
+ | \btoday\b
+ | \bthis\ (?:machine|box|vm)\b | \bquiet(?:er)?\ machine\b | \b\d-core\ box\b
+ | \bs\ of\ CPU\b""", re.I | re.X)
+DATED_AT_MOST = 10
+
+
+def _dated_marks() -> list[str]:
+    texts = [(os.path.relpath(p, REPO), _text(p)) for p in _manual_pages() + [os.path.join(REPO, "BENCHMARKS.md")]]
+    for nb in sorted(glob.glob(os.path.join(REPO, "notebooks", "*.ipynb"))):
+        cells = json.loads(_text(nb))["cells"]
+        texts.append((os.path.relpath(nb, REPO),
+                      "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")))
+    return [f"{name}:{i}: {m.group(0)!r}" for name, text in texts for i, line in enumerate(text.splitlines(), 1)
+            for m in DATED.finditer(line)]
+
+
+def test_dated_lab_notebook_marks_stay_in_the_logs():
+    """README, docs/, BENCHMARKS.md and the notebooks' markdown say what to type and what it means; the dates,
+    loads and sittings of the runs are in the experiments' LOG.md (issue 51: 134 of them by this regex
+    before, at most 10 now). The regex finds what it is for: a planted line is counted."""
+    marks = _dated_marks()
+    assert len(marks) <= DATED_AT_MOST, f"{len(marks)} dated marks (at most {DATED_AT_MOST}):\n" + "\n".join(marks)
+    planted = "Measured 2026-12-05 at 08:16 UTC on this machine (load average 3.3), issue 39's sitting."
+    assert len(DATED.findall(planted)) == 7
+    assert not DATED.findall("--time 02:00:00, MaxTime=04:00:00, bench_network-2026-12-03.json, `--target this`")
+
+
+def test_benchmarks_md_is_generated_from_the_committed_runs(tmp_path):
+    """BENCHMARKS.md is made by one command from the runs committed under benchmarks/results/, never by
+    hand: the committed file is what that command makes of them."""
+    cmd = [sys.executable, "-m", "pilab", "bench", "--from", "benchmarks/results", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    made = (tmp_path / "BENCHMARKS.md").read_text(encoding="utf-8").replace(f"--out {tmp_path}", "--out .")
+    assert "Made by `python -m pilab bench --from benchmarks/results --out .`" in made
+    assert _text(os.path.join(REPO, "BENCHMARKS.md")) == made, "BENCHMARKS.md differs from what `python -m " \
+        "pilab bench --from benchmarks/results --out .` makes: rerun that command (or record the run you meant to)"
 
 
 def test_the_study_pilab_reproduces_is_cited_and_pilab_has_a_citation_file():

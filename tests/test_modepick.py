@@ -2,7 +2,7 @@
 the faster (pilab.engine.modepick): the run is then the chosen mode's run bit for bit (the trial puts
 back weights, BatchNorm rows, optimizer state, RNG and dropout's per-rank streams), a resumed run keeps
 the mode it began in, and a short run is not timed. Which mode is faster is the machine's business:
-these tests hold whichever the trial picks (BENCHMARKS.md's simulator section has the speeds)."""
+these tests hold whichever the trial picks (the simulator section of benchmarks/LOG.md has the speeds)."""
 from __future__ import annotations
 
 import statistics

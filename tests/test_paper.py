@@ -105,7 +105,7 @@ def test_compare_paper_sets_a_tiny_real_study_beside_the_published_figures(tiny_
               .split("|")[1:-1]]
     assert detail[4] == " ".join(f"{e['test_acc']:.3f}" for e in res[48]["epochs"])
     assert detail[5] == f"{own[48]['time_per_epoch']:.0f} s" and detail[6] == f"{own[48]['energy_j'] / 1e3:.1f} kJ"
-    assert sum(bool(re.match(r"\| 15k \| \d+ \| (real|sim exact) \| \d+ \| (\d\.\d{3} )+\d\.\d{3} \|", ln)) for ln in p.stdout.splitlines()) \
+    assert sum(bool(re.match(r"\| 15k \| \d+ \| (measured|sim exact) \| \d+ \| (\d\.\d{3} )+\d\.\d{3} \|", ln)) for ln in p.stdout.splitlines()) \
         == len(fbw["runs"])
     html = (out / "compare.html").read_text()
     assert "cdn.bokeh.org" not in html and "beside the paper" in html and "Every finished point" in html

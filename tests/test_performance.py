@@ -279,6 +279,8 @@ def test_bench_writes_into_out_and_leaves_the_trees_report_alone(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     text = (tmp_path / "report" / "BENCHMARKS.md").read_text()
     assert "From `runs/b/bench.json`" in text and "## Command line" in text
+    assert "`python -m pilab bench --sections one_rank,malloc,models,data,cache,simulator,checkpoint,ranks,sync," \
+           "trace,memory --out DIR` measures them" in text  # what no saved run has is named, not left out silently
     assert sorted(os.listdir(tmp_path / "runs" / "b")) == ["BENCHMARKS.md", "bench.json"]  # nothing ran
     p = subprocess.run([sys.executable, "-m", "pilab", "bench", "--from", "runs", "--sections", "cli"],
                        capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)))

@@ -1,7 +1,9 @@
-"""Multi-node runs over real TCP between network namespaces (pilab.testbed), and the faults a real
-cluster has: a node's link going down (CLI job and notebook run), a node's processes killed, a slow
-node (its CPU: waiting) and a slow link (network time). After every job no process is left on any
-node: the shim's pid namespace ends whatever mpiexec started there.
+"""Multi-node runs over real TCP between network namespaces (pilab.testbed): one testbed user at a time,
+shared memory inside a node and TCP between nodes, two nodes training exactly as one host, a host that
+does not answer, a node's CPU throttled while a job runs, the Pi profile's engines across the nodes, and
+a notebook run losing a node's link. After every job no process is left on any node: the shim's pid
+namespace ends whatever mpiexec started there. The faults of a CLI job (a lost link, a killed node, a
+slow node, a slow link) are tests/test_longruns_testbed.py's, on one run each.
 
 One testbed (2 nodes x 2 slots, 1 Gbit/s links) serves the module and is always torn down. Needs root,
 `ip` and `tc`: skipped with the reason elsewhere, a failure under CI=true. Measurements (seconds, bytes)
@@ -20,7 +22,7 @@ import time
 
 import pytest
 
-from conftest import holding_testbed, mpi_env, run_on_testbed, skip_or_fail
+from conftest import holding_testbed, mpi_env, no_processes_left, run_on_testbed, skip_or_fail
 
 from pilab import testbed
 
@@ -67,13 +69,6 @@ def _train(tb, out, *extra, np_=4, env=None, timeout=300, popen=False):
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 cwd=REPO)
     return run_on_testbed(tb, cmd, env=env, timeout=timeout, cwd=REPO)
-
-
-def _no_processes_left(tb, within=15.0):
-    deadline = time.monotonic() + within
-    while any(testbed.processes(tb).values()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return testbed.processes(tb)
 
 
 def _single_host_env():
@@ -220,119 +215,14 @@ def test_an_unreachable_host_in_the_hostfile_is_named(tb, tmp_path):
     assert "10.79.0.99" in text and "not a host of pilab testbed" in text
     # mpiexec ends within milliseconds of the failed launch, possibly before the reachable node's
     # shim has started its proxy: the shim's parent check and pid namespace leave nothing behind
-    left = _no_processes_left(tb, 5)
+    left = no_processes_left(tb, 5)
     RECORD["unreachable_host_left"] = {h: len(p) for h, p in left.items()}
     assert not any(left.values()), left
 
 
 # ----------------------------------------------------------------------------------------------
-# faults
+# faults (a lost link, a killed node, a slow node, a slow link on one CLI job: tests/test_longruns_testbed.py)
 # ----------------------------------------------------------------------------------------------
-def _wait_for(path, timeout=120):
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"{path} did not appear"
-        time.sleep(0.2)
-
-
-def test_a_node_losing_its_link_ends_the_job_naming_it(tb, tmp_path):
-    hang_s = 10
-    proc = _train(tb, tmp_path / "out", "--epochs", "200", "--checkpoint-every", "1", "--hang-s",
-                  str(hang_s), popen=True)
-    try:
-        _wait_for(tmp_path / "out" / "checkpoint.pt")  # mid-run: an epoch is done
-        testbed.link(tb, "node02", "down")
-        t = time.monotonic()
-        out, _ = proc.communicate(timeout=hang_s + 60)
-        took = time.monotonic() - t
-    finally:
-        testbed.link(tb, "node02", "up")
-        if proc.poll() is None:
-            proc.kill()
-    left = _no_processes_left(tb)
-    report = next((x for x in out.splitlines() if "pilab: watchdog:" in x), "")
-    RECORD["link_down"] = {"hang_s": hang_s, "reported_after_s": round(took, 1), "exit": proc.returncode,
-                           "report": report}
-    assert proc.returncode != 0
-    assert "unreachable" in report and "node02" in report and "ranks 2, 3" in report, out[-3000:]
-    assert took <= hang_s + 30, RECORD["link_down"]
-    assert not any(left.values()), left
-
-
-def test_a_killed_node_aborts_the_job_and_the_checkpoint_survives(tb, tmp_path):
-    import torch
-
-    proc = _train(tb, tmp_path / "out", "--epochs", "200", "--checkpoint-every", "1", "--hang-s", "20",
-                  popen=True)
-    try:
-        _wait_for(tmp_path / "out" / "checkpoint.pt")
-        time.sleep(1.0)
-        victims = testbed.processes(tb)["node02"]
-        for pid in victims:
-            with contextlib.suppress(ProcessLookupError):  # listed, then gone by itself
-                os.kill(pid, signal.SIGKILL)
-        t = time.monotonic()
-        out, _ = proc.communicate(timeout=90)
-        took = time.monotonic() - t
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    left = _no_processes_left(tb)
-    RECORD["node_killed"] = {"reported_after_s": round(took, 1), "exit": proc.returncode,
-                             "output": out[-800:]}
-    assert proc.returncode != 0
-    ck = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=False)
-    assert ck["epoch"] >= 1
-    # the surviving node too: its proxy dies with mpiexec, its ranks with the proxy (pid namespace)
-    RECORD["node_killed"]["left"] = {h: len(p) for h, p in left.items()}
-    assert not any(left.values()), left
-
-
-def test_a_slow_node_shows_as_waiting_not_network(tb, tmp_path):
-    # node02 gets 0.15 of a core: a compute straggler. The other rank waits for it, and comm_wait
-    # says so; the network part (comm_exposed - comm_wait) stays small.
-    from pilab.launch import find_mpiexec
-    testbed.throttle(tb, "node02", 0.15)
-    try:
-        rank = [sys.executable, "-m", "pilab", "train", *TINY, "--epochs", "1", "--hang-s", "0",
-                "--out", str(tmp_path / "slow")]
-        cmd = [find_mpiexec(), *tb.mpiexec_args(), "-hosts",
-               f"{tb.address('node01')}:1,{tb.address('node02')}:1",
-               "-n", "1", "taskset", "-c", "0", *rank, ":", "-n", "1", "taskset", "-c", "1", *rank]
-        p = run_on_testbed(tb, cmd, env=tb.env(mpi_env()), timeout=300)
-    finally:
-        testbed.throttle(tb, "node02", 0)
-    assert p.returncode == 0, p.stderr[-3000:]
-    r = json.loads((tmp_path / "slow" / "result.json").read_text())
-    pr = r["epochs"][-1]["per_rank"]
-    RECORD["slow_node"] = {k: [round(v, 3) for v in pr[k]] for k in pr}
-    # rank 1 (node02) computes longer (the machine's other load may slow rank 0 too: compare the two
-    # as they came out); the faster rank spends the difference waiting for the slower one
-    slow = 1 if pr["compute"][1] > pr["compute"][0] else 0
-    fast = 1 - slow
-    RECORD["slow_node"]["slow_rank"] = slow
-    assert slow == 1, pr
-    diff = pr["compute"][slow] - pr["compute"][fast]
-    assert diff > 0.1 * pr["compute"][fast], pr
-    assert pr["comm_wait"][fast] > 0.5 * diff, pr
-    assert pr["comm_wait"][fast] > 3 * pr["comm_wait"][slow], pr
-    assert pr["comm_wait"][fast] > 0.5 * pr["comm_exposed"][fast], pr
-
-
-def _per_rank_network(tmp_path, tb, out, hosts):
-    """Train np=2 (one rank per node) and return the epoch's per-rank network and waiting seconds."""
-    from pilab.launch import find_mpiexec
-    rank = [sys.executable, "-m", "pilab", "train", *TINY, "--epochs", "1", "--hang-s", "0",
-            "--out", str(tmp_path / out)]
-    p = run_on_testbed(tb, [find_mpiexec(), *tb.mpiexec_args(), "-hosts", hosts, "-n", "2", *rank],
-                       env=tb.env(mpi_env()), timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    pr = json.loads((tmp_path / out / "result.json").read_text())["epochs"][-1]["per_rank"]
-    net = [e - w for e, w in zip(pr["comm_exposed"], pr["comm_wait"])]
-    return {"network": net, "comm_wait": pr["comm_wait"], "comm_exposed": pr["comm_exposed"],
-            "compute": pr["compute"]}
-
-
 def _cpu_rate(pid: int, over_s: float = 1.5) -> float:
     """Cores a process used over ``over_s`` seconds of wall time (its /proc CPU ticks)."""
     def ticks():
@@ -376,7 +266,7 @@ def test_throttle_a_node_while_a_job_runs(tb):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(busy.pid, signal.SIGKILL)
         busy.wait()
-    assert not any(_no_processes_left(tb).values())
+    assert not any(no_processes_left(tb).values())
 
 
 def _cmdline(pid: int) -> str:
@@ -390,30 +280,6 @@ def _cmdline(pid: int) -> str:
 def _cgroups(pid: int) -> str:
     with open(f"/proc/{pid}/cgroup") as f:
         return f.read()
-
-
-def test_a_slow_link_shows_as_network_not_waiting(tb, tmp_path):
-    # node02's link at a tenth of the others' rate (100 Mbit/s): every Allreduce crosses it, so both
-    # ranks spend the extra time in the network; neither waits for the other to reach the Allreduce.
-    hosts = f"{tb.address('node01')}:1,{tb.address('node02')}:1"
-    fast = _per_rank_network(tmp_path, tb, "fast", hosts)
-    slowed = testbed.shape(tb, "node02", "100mbit")
-    try:
-        slow = _per_rank_network(tmp_path, slowed, "slow", hosts)
-    finally:
-        testbed.shape(slowed, "node02", tb.rate)
-    RECORD["slow_link"] = {"rate_node02": "100mbit", "others": tb.rate,
-                           "fast": {k: [round(v, 3) for v in vs] for k, vs in fast.items()},
-                           "slow": {k: [round(v, 3) for v in vs] for k, vs in slow.items()}}
-    for r in (0, 1):
-        # the slow link is network time on every rank, well above the same run at the full rate
-        assert slow["network"][r] > 2 * fast["network"][r], RECORD["slow_link"]
-        assert slow["network"][r] > slow["comm_wait"][r], RECORD["slow_link"]
-    # and it is not counted as waiting for a slower rank: what the 10x slower link added went to the
-    # network part, not to comm_wait
-    added_net = sum(slow["network"]) - sum(fast["network"])
-    added_wait = sum(slow["comm_wait"]) - sum(fast["comm_wait"])
-    assert added_net > 2 * max(0.0, added_wait), RECORD["slow_link"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -463,7 +329,7 @@ def test_pi_profile_engines_register_across_the_nodes(tb, monkeypatch):
         assert result["np"] == 4 and result["env"]["hostnames"][2] == "node02"
     finally:
         lab.stop()
-    assert not any(_no_processes_left(tb, 30).values())
+    assert not any(no_processes_left(tb, 30).values())
 
 
 def test_a_notebook_run_losing_a_link_names_the_node(tb, monkeypatch):
@@ -502,7 +368,7 @@ def test_a_notebook_run_losing_a_link_names_the_node(tb, monkeypatch):
         assert "unreachable" in message and "node02" in message and "ranks 2, 3" in message, message
     finally:
         _stop_within(lab, 20, RECORD.setdefault("notebook_link_down", {}))
-    assert not any(_no_processes_left(tb, 30).values())
+    assert not any(no_processes_left(tb, 30).values())
 
 
 def _stop_within(lab, timeout, record):

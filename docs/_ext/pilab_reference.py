@@ -71,11 +71,11 @@ def _value(action: argparse.Action) -> str:
     if action.nargs == 0:
         return "flag"
     t = action.type
-    kind = getattr(t, "words", None) or {int: "integer", float: "number", None: "text", str: "text"}.get(
-        t, getattr(t, "__name__", "text"))
+    words = getattr(action, "words", None)  # an action of pilab's that says what it takes (IntList)
+    kind = words or {int: "integer", float: "number", None: "text", str: "text"}.get(t, getattr(t, "__name__", "text"))
     if action.choices is not None:
         kind = "one of " + ", ".join(f"`{c}`" for c in action.choices)
-    if action.nargs in ("+", "*"):
+    if action.nargs in ("+", "*") and not words:
         kind += ", one or more"
     if isinstance(action, argparse._AppendAction):
         kind += ", repeatable"
@@ -88,7 +88,7 @@ def _default(action: argparse.Action) -> str:
                                                                         and not value):
         return ""
     if isinstance(value, (list, tuple)):
-        return "`" + " ".join(str(v) for v in value) + "`"
+        return "`" + ",".join(str(v) for v in value) + "`"  # the manual's one form of a list
     return _code(value)
 
 

@@ -20,13 +20,16 @@ _RATIOS = ("Every figure is a ratio against a baseline measured in the same run:
            "wide p10–p90 says the load dominated.")
 
 
-def collected_report(folder: str, *, command: str) -> tuple[str, list[str]]:
+def collected_report(folder: str, *, command: str, sections=()) -> tuple[str, list[str]]:
     """BENCHMARKS.md put together from the saved runs under ``folder`` (every ``*.json`` written by
     :func:`pilab.bench.suite.run`, at any depth): each section from the newest run that has it (by its
     machine's date), each naming the file it comes from; dates and loads stay in those files. Returns the
-    text and the files used (relative to the working directory)::
+    text and the files used (relative to the working directory). ``sections``: the ones a full run makes
+    (``pilab.bench.suite.SECTIONS``); those no saved run has are named at the end, with the command that
+    measures them::
 
-        text, used = collected_report("benchmarks/results", command="python -m pilab bench --from benchmarks/results --out .")
+        text, used = collected_report("benchmarks/results", command="python -m pilab bench --from benchmarks/results --out .",
+                                      sections=suite.SECTIONS)
     """
     import glob
     import json
@@ -63,6 +66,12 @@ def collected_report(folder: str, *, command: str) -> tuple[str, list[str]]:
     if "deviation" in newest and "simulator" not in newest:
         path, res = newest["deviation"]
         out += _simulator({**res, "_from": os.path.relpath(path)})
+    missing = [s for s in sections if s not in newest and not (s == "simulator" and "deviation" in newest)]
+    if missing:  # say what is not there, rather than let a reader take the report for the whole suite
+        out += ["## Not in these runs", "",
+                f"No run saved under `{folder}` has the section(s) {', '.join(f'`{s}`' for s in missing)}: "
+                f"`python -m pilab bench --sections {','.join(missing)} --out DIR` measures them, and its "
+                f"`DIR/bench.json` saved under `{folder}` puts them here.", ""]
     out += _gpu({})
     return "\n".join(out), used
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from .common import UsageError
+from .common import UsageError, add_launch_arguments
 
 
 def add_parser(sub) -> None:
@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
     p.add_argument("--from", dest="from_runs", default="", metavar="DIR",
                    help="run nothing: write <out>/BENCHMARKS.md from the bench.json files under DIR, each section "
                         "from the newest run that has it (pilab's own: --from benchmarks/results --out .)")
-    p.add_argument("--mpiexec", default=None, help="launcher for the rank jobs (default: pilab.launch's)")
+    add_launch_arguments(p, what="the benchmarks' rank jobs (on this machine)", hostfile=False)
     p.add_argument("--goals", default=None, metavar="JSON",
                    help="the goals to judge figures against, a JSON of {key: [op, value]} (default: "
                         "benchmarks/goals.json where it exists, as in pilab's source repository; else none, and the "
@@ -131,7 +131,7 @@ def _from_runs(bench, args, argv) -> int:
         raise UsageError(f"--from {args.from_runs}: no such directory; give one holding bench.json files")
     from ..bench.report import collected_report
     command = "python -m pilab bench " + " ".join(argv)
-    text, used = collected_report(args.from_runs, command=command)
+    text, used = collected_report(args.from_runs, command=command, sections=bench.SECTIONS)
     if not used:
         raise UsageError(f"--from {args.from_runs}: no bench.json of `pilab bench` there")
     from ..files import atomic_write_text

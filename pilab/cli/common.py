@@ -12,7 +12,7 @@ import sys
 from dataclasses import fields
 
 from .. import resultfile
-from ..config import CHOICES, Config, allowed
+from ..config import CHOICES, Config, ConfigError, allowed
 from ..engine.harness import EXIT_WRITE, print_stragglers
 from ..engine.watchdog import EXIT_HANG
 
@@ -57,16 +57,89 @@ def ints(text: str, what: str = "process counts") -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------
+# options that several commands share: one definition each
+# ----------------------------------------------------------------------------------------------
+class IntList(argparse.Action):
+    """A list of whole numbers, the same on every command: ``--nps 1,2,4`` (the form the manual writes)
+    or ``--nps 1 2 4``; ``''`` is the empty list. A word that is not a number is a one-line error."""
+    words = "integers, e.g. 1,2,4"  # the reference's "Value" column
+
+    def __init__(self, option_strings, dest, **kw):
+        kw.setdefault("nargs", "+")
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            out = [int(t) for v in values for t in v.split(",") if t.strip()]
+        except ValueError:
+            parser.error(f"argument {option_string}: {' '.join(values)!r} is not a list of whole numbers; "
+                         "write e.g. 1,2,4")
+        setattr(namespace, self.dest, out)
+
+
+def add_int_list(p, *flags: str, default: list[int] | None, help: str, shown: str = "", **kw) -> None:
+    """``--flag 1,2,4`` (or ``--flag 1 2 4``) as a list of ints; the help ends with ``default`` (or the
+    words ``shown``; a default of None lets the command tell an explicit list from none given)."""
+    p.add_argument(*flags, action=IntList, default=None if default is None else list(default), metavar="N",
+                   help=f"{help} (default: {shown or ','.join(map(str, default or [])) or 'none'})", **kw)
+
+
+def fit_nps(cfg: Config, wanted: list[int], n_train: int, *, flag: str, command: str) -> list[int]:
+    """The default process counts ``wanted`` that ``n_train`` training images can hold (each rank at
+    least one batch), with the largest count that can in place of those that cannot; one line on stderr
+    when a count changed. A user's small data set then runs with nothing else given::
+
+        fit_nps(cfg, [8, 48], 450, flag="--simulate-nps", command="scale")   # [8, 14] at 32 a rank
+    """
+    def fits(p: int) -> bool:
+        try:
+            cfg.check_world(p, n_train)
+            return True
+        except ConfigError:
+            return False
+    kept = [p for p in wanted if fits(p)]
+    if len(kept) == len(wanted):
+        return list(wanted)
+    top = next((p for p in range(max(wanted), 0, -1) if fits(p)), None)
+    if top is not None and top not in kept:
+        kept = sorted(kept + [top])
+    print(f"pilab {command}: {n_train} training images hold at most {top or 0} ranks of {cfg.batch_size} "
+          f"images: {flag} {','.join(map(str, kept)) or 'none'} instead of the default "
+          f"{','.join(map(str, wanted))} (give {flag} to choose; a smaller --batch-size fits more ranks)",
+          file=sys.stderr, flush=True)
+    return kept
+
+
+def add_launch_arguments(p, *, what: str = "the ranks", hostfile: bool = True, hostfile_group=None,
+                         hostfile_default: str = "none: mpiexec's own ($HYDRA_HOST_FILE), else this machine"):
+    """The options of every command that starts MPI ranks, defined once: ``--mpiexec`` and ``--hostfile``
+    (``train --np``, ``scale``, ``doctor``, ``perfmodel bench``). ``hostfile=False`` for a command whose
+    ranks are helpers that run here (``remedies``' and ``bench``'s micro-benchmarks);
+    ``hostfile_group``: where ``--hostfile`` goes (``doctor``: beside ``--hosts``, one or the other)."""
+    p.add_argument("--mpiexec", default=None, metavar="PATH",
+                   help=f"the mpiexec that starts {what} (default: $PILAB_MPIEXEC, the mpiexec beside this "
+                        "Python, then PATH)")
+    if hostfile:
+        (hostfile_group or p).add_argument(
+            "--hostfile", default=None, metavar="FILE",
+            help=f"MPICH hostfile (host:slots lines) placing {what} on a cluster's hosts (default: "
+                 f"{hostfile_default})")
+
+
+# ----------------------------------------------------------------------------------------------
 # Config <-> argparse, one source of truth: the dataclass and its comments
 # ----------------------------------------------------------------------------------------------
 def add_config_arguments(p: argparse.ArgumentParser, defaults: Config | None = None,
-                         skip: tuple = (), shown: dict | None = None) -> None:
+                         skip: tuple = (), shown: dict | None = None, of_args=None) -> None:
     """One ``--flag`` per Config field, typed, with the field's help, allowed values and this command's
     default (``shown``: words instead of a default's value, e.g. one that depends on ``--data``).
 
     The flags default to None, so that ``config_from_args`` knows which were given; the command's own
-    default is kept on the action as ``pilab_default`` for the manual's reference."""
+    default is kept on the action as ``pilab_default`` for the manual's reference, and the defaults as
+    ``args.config_defaults`` (what the manual's command checker builds the settings from; ``of_args``:
+    a function of the parsed arguments giving them, where they depend on one, e.g. ``--data``)."""
     defaults, shown = defaults or Config(), shown or {}
+    p.set_defaults(config_defaults=of_args or defaults)
     g = p.add_argument_group("training configuration (pilab.config.Config)")
     for f in fields(Config):
         if f.name in skip:

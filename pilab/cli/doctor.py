@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from ..config import Config
-from .common import UsageError, add_config_arguments, config_from_args
+from .common import UsageError, add_config_arguments, add_launch_arguments, config_from_args
 
 DEFAULTS = Config()
 
@@ -25,17 +25,14 @@ def add_parser(sub) -> None:
                     "each host's speed on the run's own training step; the clock; the Pi profile's "
                     "controller address. One table, one fix per failure.")
     g = d.add_mutually_exclusive_group()
-    g.add_argument("--hostfile", default=None,
-                   help="MPICH hostfile (host:slots lines) (default: $HYDRA_HOST_FILE, $PILAB_HOSTFILE, "
-                        "then profiles/profile_pi/hosts)")
+    add_launch_arguments(d, what="the probes, as the run will", hostfile_group=g,
+                         hostfile_default="$HYDRA_HOST_FILE, $PILAB_HOSTFILE, then profiles/profile_pi/hosts")
     g.add_argument("--hosts", default=None, help="comma-separated hosts instead of a hostfile, e.g. pi01,pi02")
     d.add_argument("--ranks-per-node", dest="ranks_per_node", type=int, default=2,
                    help="MPI ranks the run will put on each host (default: 2, the Pi 4B's)")
     d.add_argument("--json", dest="json_out", default=None,
                    help="also write the report as JSON (it holds `runs`/`fit`: give it to `perfmodel "
                         "calibrate --inter-bench`)")
-    d.add_argument("--mpiexec", default=None,
-                   help="the mpiexec the run will use (default: $PILAB_MPIEXEC, beside this Python, PATH)")
     d.add_argument("--answer-s", dest="answer_s", type=float, default=30.0,
                    help="seconds a host may take to start the probe through the launcher (default: 30)")
     d.add_argument("--timeout-s", dest="timeout_s", type=float, default=300.0,

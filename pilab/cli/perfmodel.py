@@ -1,6 +1,6 @@
 """``pilab perfmodel {bench,calibrate,predict,table,trace,validate}``: the performance model (``pilab.perfmodel``).
 
-    python -m pilab perfmodel bench --np 2 3          # launches mpiexec; runs/perfmodel/comm_bench.json
+    python -m pilab perfmodel bench --np 2,3          # launches mpiexec; runs/perfmodel/comm_bench.json
     python -m pilab perfmodel calibrate --result runs/np1/result.json --bench runs/perfmodel/comm_bench.json
     python -m pilab perfmodel predict --np 48 --profile both --baseline-np 2      # Pi preset, one np
     python -m pilab perfmodel table --published       # the Pi table beside the published figures
@@ -21,7 +21,7 @@ from .. import perfmodel as pm
 from ..config import Config
 from ..files import load_json, save_json
 from ..launch import under_mpi
-from .common import UsageError, add_config_arguments, config_from_args
+from .common import UsageError, add_config_arguments, add_int_list, add_launch_arguments, config_from_args
 
 
 def add_parser(sub) -> None:
@@ -43,8 +43,7 @@ def add_parser(sub) -> None:
                       description="Predictions at each --nps with speedup and efficiency against "
                                   "--baseline-np (default: the first). --published prints the Pi "
                                   "table beside the original study's figures.")
-    t.add_argument("--nps", type=int, nargs="+", default=list(pm.PI_TABLE_NPS),
-                   help="process counts (default: %(default)s)")
+    add_int_list(t, "--nps", default=list(pm.PI_TABLE_NPS), help="process counts")
     t.add_argument("--published", action="store_true",
                    help=f"both profiles beside the published Pi figures (baseline np={pm.PI_BASELINE_NP})")
     _add_machine_arguments(t)
@@ -90,15 +89,12 @@ def _add_bench(ps) -> None:
     b = ps.add_parser("bench", help="Allreduce micro-benchmark at several np; fits alpha and beta",
                       description="Launches mpiexec -n P for each --np, times in-place float32 "
                                   "Allreduce at each size, writes the timings and the alpha-beta fit.")
-    b.add_argument("--np", type=int, nargs="+", default=[2, 3],
-                   help="process counts to benchmark (default: 2 3)")
-    b.add_argument("--sizes", type=int, nargs="+", default=list(pm.DEFAULT_SIZES),
-                   help="message sizes in bytes (default: 4 B .. 16 MiB)")
+    add_int_list(b, "--np", default=[2, 3], help="process counts to benchmark")
+    add_int_list(b, "--sizes", default=list(pm.DEFAULT_SIZES), help="message sizes in bytes",
+                 shown="4 B .. 16 MiB")
     b.add_argument("--out", default="runs/perfmodel/comm_bench.json",
                    help="JSON file for the timings and the fit (default: %(default)s)")
-    b.add_argument("--mpiexec", default=None,
-                   help="launcher (default: $PILAB_MPIEXEC, the mpiexec next to this Python, then "
-                        "PATH)")
+    add_launch_arguments(b, what="the benchmark's ranks")
     b.add_argument("--launcher-args", default=None,
                    help='extra mpiexec arguments, e.g. "-ppn 1 -hosts pi01,pi02" to time the '
                         "inter-node link of a cluster")
@@ -254,7 +250,8 @@ def run_bench(args, argv) -> int:
     mpi_or_error()  # the benchmark's ranks need an MPI library: say how to get one, before launching
     try:
         res = pm.run_comm_bench(args.np, sizes=args.sizes, mpiexec=args.mpiexec,
-                                extra_args=shlex.split(args.launcher_args or ""))
+                                extra_args=(["-f", args.hostfile] if args.hostfile else [])
+                                + shlex.split(args.launcher_args or ""))
     except RuntimeError as e:  # a launched job failed: its stderr tail says why; no traceback of ours
         print(f"pilab: error: {e}", file=sys.stderr)
         return 1

@@ -11,19 +11,26 @@ import shlex
 import sys
 from dataclasses import replace
 
-from .common import UsageError, add_batch_arguments, add_config_arguments, batch_options, config_from_args
+from .common import (UsageError, add_batch_arguments, add_config_arguments, add_launch_arguments, batch_options,
+                     config_from_args, fit_nps)
 
 
-def _defaults():
-    from ..config import DEMO
-    return replace(DEMO, out="runs/remedies")
+def _defaults(args=None):
+    """The demo's settings, with its subsets on the embedded data only (config.demo)."""
+    from ..config import demo
+    return replace(demo(getattr(args, "data", None) or "embedded"), out="runs/remedies")
+
+
+DEFAULT_NP = 48  # the Pi cluster's ranks; fitted to the data where it holds fewer (fit_nps)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("remedies", help="search settings that stay accurate at large np (simulated)",
                        description="Simulate the baseline and candidate remedies at --np ranks and "
                                    "print accuracy, predicted time and the Pareto front.")
-    p.add_argument("--np", type=int, default=48, help="process count to find remedies for (default 48)")
+    p.add_argument("--np", type=int, default=None,
+                   help=f"process count to find remedies for (default: {DEFAULT_NP}, or the most your data can "
+                        "hold: a batch for each rank)")
     p.add_argument("--candidates", default="default", metavar="SET|FILE",
                    help="the candidates: default (pilab's, listed below), toolbox (those, then local SGD, the few-step "
                         "recipe, SyncBatchNorm and the other BatchNorm variants at small global batches, batch-size "
@@ -41,14 +48,16 @@ def add_parser(sub) -> None:
                         "another Pi preset (pi5_cluster, pi4b_1250_cluster) or a mixed Pi cluster "
                         "(BOARD:NODES,..., e.g. pi4b:12,pi5:12), this (calibrated here from the np=1 reference run and a short MPI "
                         "micro-benchmark), a calibration or cluster JSON file, or none")
-    p.add_argument("--mpiexec", default=None, help="launcher for the micro-benchmark")
+    add_launch_arguments(p, what="the micro-benchmark of --target this (on this machine)", hostfile=False)
     p.add_argument("--resume", dest="resume_search", action="store_true",
                    help="keep the candidates already finished in --out (same training), run the others")
     p.add_argument("--reuse", default="",
                    help="comma-separated study directories (pilab scale --out) whose np point is a "
                         "candidate's training: taken instead of run again")
     add_batch_arguments(p, "each candidate (and the np=1 reference)")
-    add_config_arguments(p, _defaults(), skip=("resume",))
+    from .scale import SUBSETS_SHOWN
+    add_config_arguments(p, _defaults(), skip=("resume",), shown=SUBSETS_SHOWN, of_args=_defaults)
+    p.set_defaults(precheck=check)
     p.set_defaults(func=run)
     # The candidate labels depend on the settings and np: worked out only when this command's help is
     # printed, so building the parsers (`pilab --help`) does not run the remedies module.
@@ -105,15 +114,32 @@ def _as_jobs(cfg, args, opts, cands, only, target, log):
     return None, [done["reference"]] if "reference" in done else []
 
 
+def check(args, np_: int | None = None) -> None:
+    """What can be refused before anything runs, and without the data: --only's candidates at these settings
+    (the manual's command checker asks it too)."""
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    if only:
+        from ..study import remedies
+        at = args.recipes_of or np_ or args.np or DEFAULT_NP
+        cands = remedies.load_candidates(args.candidates or "default")
+        remedies.chosen(cands(config_from_args(args, _defaults(args)), at), only, at)
+
+
 def run(args, argv) -> int:
     from ..study import remedies, report, tables
     from ..config import ConfigError
     from ..files import save_json
-    cfg = config_from_args(args, _defaults())
+    cfg = config_from_args(args, _defaults(args))
+    if args.np is None:  # the default, fitted to the data: your own may hold fewer than 48 ranks' batches
+        from .. import data
+        n_train = data.train_size(cfg.data, train_subset=cfg.train_subset, test_subset=cfg.test_subset,
+                                  seed=cfg.seed, image_size=cfg.image_size)
+        args.np = (fit_nps(cfg, [DEFAULT_NP], n_train, flag="--np", command="remedies") or [1])[-1]
     if args.np < 1:
         raise ConfigError(f"--np {args.np} must be >= 1")
     if args.recipes_of is not None and args.recipes_of < 1:
         raise ConfigError(f"--recipes-of {args.recipes_of} must be >= 1 (the np whose candidates to run)")
+    check(args)
     target = None if args.target == "none" else args.target
     from ..perfmodel import is_board_spec, is_pi_cluster, resolve_cluster
     if is_board_spec(target):

@@ -13,24 +13,33 @@ from dataclasses import replace
 
 from ..config import ConfigError
 from ..engine.signals import exit_code_for, sigterm_as_interrupt
-from .common import UsageError, add_batch_arguments, add_config_arguments, batch_options, config_from_args, ints
+from .common import (UsageError, add_batch_arguments, add_config_arguments, add_int_list, add_launch_arguments,
+                     batch_options, config_from_args, fit_nps)
 
 
 
-def _defaults():
-    from ..config import DEMO  # the study's own defaults
-    return replace(DEMO, out="runs/scale")
+def _defaults(args=None):
+    """The study's own defaults: the demo's, with its subsets on the embedded data only (config.demo)."""
+    from ..config import demo
+    return replace(demo(getattr(args, "data", None) or "embedded"), out="runs/scale")
+
+
+# what --help and the reference say of the defaults that follow --data
+SUBSETS_SHOWN = {"train_subset": "2000 on the embedded data; 0 (all) on any other --data",
+                 "test_subset": "1000 on the embedded data; 0 (all) on any other --data"}
+SIMULATED = [8, 48]  # the accuracy sweep's default, fitted to the data (fit_nps)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "scale", help="strong-scaling study: measured MPI runs + simulated accuracy sweep + report",
-        description="Run the same training at several process counts (real mpiexec jobs), add an "
-                    "exact simulated accuracy sweep at larger np, and write study.json/.csv and a "
+        description="Run the same training at several process counts (real mpiexec jobs), add a "
+                    "simulated accuracy sweep at larger np (each row says its mode), and write study.json/.csv and a "
                     "self-contained report.html. Defaults are a ~6-minute demo on the embedded data.")
-    p.add_argument("--nps", default="1,2", help="measured process counts (default: 1,2)")
-    p.add_argument("--simulate-nps", default="8,48",
-                   help="simulated process counts for the accuracy sweep ('' for none; default: 8,48)")
+    add_int_list(p, "--nps", default=[1, 2], help="measured process counts ('' for none)")
+    add_int_list(p, "--simulate-nps", default=None,
+                 help="simulated process counts for the accuracy sweep ('' for none)",
+                 shown="8,48, or those your data can hold: np=48 needs 48 batches of training images")
     p.add_argument("--baseline", type=int, default=0,
                    help="baseline np p0 for speedup/efficiency (default: smallest measured)")
     p.add_argument("--target-fraction", type=float, default=0.9,
@@ -48,8 +57,7 @@ def add_parser(sub) -> None:
                         "(BOARD:NODES,..., e.g. pi4b:12,pi5:12: its ranks wait for the slowest board), "
                         "this (this machine: measured, simulated points predicted here), or a calibration "
                         "/ cluster JSON (default: pi4b_cluster; this machine's times are shown beside it)")
-    p.add_argument("--hostfile", default=None, help="MPI hostfile for the measured runs (Pi cluster)")
-    p.add_argument("--mpiexec", default=None, help="launcher (default: next to this Python, then PATH)")
+    add_launch_arguments(p, what="the measured runs")
     add_batch_arguments(p, "each measured point")
     p.add_argument("--resume", dest="resume_study", action="store_true",
                    help="continue the interrupted study in --out: keep its finished np points, run only "
@@ -59,7 +67,7 @@ def add_parser(sub) -> None:
                         "they are the same training (e.g. the np=1 point every LR rule shares)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace another study's results in --out (default: refuse)")
-    add_config_arguments(p, _defaults(), skip=("resume",))
+    add_config_arguments(p, _defaults(), skip=("resume",), shown=SUBSETS_SHOWN, of_args=_defaults)
     p.set_defaults(func=run)
 
 
@@ -178,10 +186,11 @@ def _run_batch(cfg, args, opts, nps, sims, criteria, argv) -> int:
 
 def run(args, argv) -> int:
     from ..perfmodel import PI_BASELINE_NP, PI_STUDY_NPS, PI_THREADS_PER_RANK
-    cfg = config_from_args(args, _defaults())
-    nps, sims, baseline = ints(args.nps), ints(args.simulate_nps), args.baseline
+    cfg = config_from_args(args, _defaults(args))
+    nps, baseline = list(args.nps), args.baseline
+    sims = list(SIMULATED if args.simulate_nps is None else args.simulate_nps)
     if args.preset == "pi":
-        if args.nps == "1,2":  # the Pi cluster preset: 2..48 ranks (2 per node), baseline one node
+        if args.nps == [1, 2]:  # the Pi cluster preset: 2..48 ranks (2 per node), baseline one node
             nps = list(PI_STUDY_NPS)
         baseline = baseline or PI_BASELINE_NP
         if cfg.threads == 0:
@@ -195,6 +204,8 @@ def run(args, argv) -> int:
     # the count alone (the cache's labels): every point loads the images itself
     n_train = data.train_size(cfg.data, train_subset=cfg.train_subset, test_subset=cfg.test_subset,
                               seed=cfg.seed, image_size=cfg.image_size)
+    if args.simulate_nps is None:  # the default sweep, fitted to the data: your own may be small
+        sims = fit_nps(cfg, sims, n_train, flag="--simulate-nps", command="scale")
     for p in nps + sims:
         cfg.check_world(p, n_train)
     from ..engine import ownmodel as preflight
@@ -202,7 +213,7 @@ def run(args, argv) -> int:
     criteria = analysis.Criteria(baseline_np=baseline, target_fraction=args.target_fraction,
                                  wrong_gap=args.wrong_gap, wrong_floor=args.wrong_floor)
     if baseline and baseline not in nps:
-        raise ConfigError(f"--baseline {baseline} is not among --nps {args.nps}; add it")
+        raise ConfigError(f"--baseline {baseline} is not among --nps {','.join(map(str, nps))}; add it")
     check_study_dir(cfg, overwrite=args.overwrite, resume=args.resume_study)
     for d in (d for d in args.reuse.split(",") if d):
         if not glob.glob(os.path.join(glob.escape(d), "np*", "result.json")):

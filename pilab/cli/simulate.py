@@ -17,7 +17,7 @@ DEFAULTS = Config(out="runs/simulate")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("simulate", help="emulate np ranks exactly in one process",
+    p = sub.add_parser("simulate", help="np ranks' training in one process (its mode: --simulate-mode)",
                        description="Run the same training as `pilab train --np N` would, in one "
                                    "process, with virtual ranks (CPU, or CUDA with bf16 autocast).")
     p.add_argument("--np", type=int, required=True, help="number of virtual ranks")

@@ -19,8 +19,8 @@ import time
 from ..config import Config, ConfigError
 from ..launch import pilab_command, under_mpi
 from ..engine.signals import exit_code_for, handled, interruptible
-from .common import (EXIT_USAGE, UsageError, add_config_arguments, batch_text, check_out_dir, clear_out_dir,
-                     config_from_args, mpi_or_error, progress_callbacks, strip_flags)
+from .common import (EXIT_USAGE, UsageError, add_config_arguments, add_launch_arguments, batch_text, check_out_dir,
+                     clear_out_dir, config_from_args, mpi_or_error, progress_callbacks, strip_flags)
 
 DEFAULTS = Config(out="runs/train")
 
@@ -31,9 +31,7 @@ def add_parser(sub) -> None:
                                    "this command; with --np N it launches mpiexec itself.")
     t.add_argument("--np", type=int, default=None,
                    help="launch this many MPI ranks with mpiexec (omit under your own mpiexec)")
-    t.add_argument("--mpiexec", default=None,
-                   help="launcher to use with --np (default: $PILAB_MPIEXEC, the mpiexec next to this "
-                        "Python, then PATH)")
+    add_launch_arguments(t, what="the ranks of --np")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--overwrite", action="store_true",
                    help="replace another run's results in --out (default: refuse; the same settings "
@@ -72,6 +70,9 @@ def _memory_warning(cfg: Config, args, np_: int, ranks_per_node: int) -> None:
 
 
 def run(args, argv) -> int:
+    if args.hostfile and args.np is None:
+        raise UsageError("--hostfile goes with --np N (pilab then starts mpiexec); under your own mpiexec give "
+                         "the hostfile to it (mpiexec -f FILE) instead")
     cfg = config_from_args(args, DEFAULTS)
     if not under_mpi():
         _check_memory_flags(args)
@@ -118,8 +119,9 @@ def _launch(cfg: Config, args, argv) -> int:
     from ..engine import ownmodel as preflight
     preflight.check_model(cfg, mpi=True)  # your own model on your data: before any rank starts
     _check_output(cfg, args, args.np)
-    _memory_warning(cfg, args, args.np, args.ranks_per_node or args.np)
-    cmd = pilab_command(args.np, ["train", *strip_flags(argv, ("--np", "--mpiexec"))], mpiexec=args.mpiexec)
+    _memory_warning(cfg, args, args.np, args.ranks_per_node or _ranks_per_host(args))
+    cmd = pilab_command(args.np, ["train", *strip_flags(argv, ("--np", "--mpiexec", "--hostfile"))],
+                        mpiexec=args.mpiexec, hostfile=args.hostfile)
     print("launching: " + " ".join(cmd), file=sys.stderr, flush=True)
     # stdin from /dev/null: a launcher outside the terminal's foreground group must not read it
     # stdout/stderr through the watchdog's pump: it ends an mpiexec left waiting for a lost node
@@ -141,6 +143,21 @@ def _launch(cfg: Config, args, argv) -> int:
         # A second signal makes mpiexec end the ranks at once, and Hydra may then exit 0 although the
         # run did not finish: report the signal (128 + it), as a single process does.
         return exit_code_for(got[-1]) if len(got) >= 2 and rc == 0 else rc
+
+
+def _ranks_per_host(args) -> int:
+    """Ranks on the fullest host of ``--np`` ranks: all of them here, or as ``--hostfile`` places them --
+    in order up to each host's slots, and round again past the last (as Hydra does). A hostfile that cannot
+    be read is a UsageError, before anything starts."""
+    if not args.hostfile:
+        return args.np
+    from ..launch.hosts import HostsError, read_hostfile
+    try:
+        hosts = read_hostfile(args.hostfile)
+    except HostsError as e:
+        raise UsageError(f"--hostfile: {e}") from None
+    rounds = -(-args.np // sum(s for _, s in hosts))
+    return min(args.np, rounds * max(s for _, s in hosts))
 
 
 def _keep_after_launcher(cfg: Config, np_: int, rc: int, said: str, t_launch: float) -> None:
@@ -180,6 +197,7 @@ def _train_rank(cfg: Config, args) -> int:
         if args.np is not None and args.np != comm.Get_size():
             raise ConfigError(f"--np {args.np} but this job has {comm.Get_size()} ranks; "
                               "drop --np under mpiexec")
+
         _check_memory_flags(args)  # a bad --node-memory fails here, on every rank
         # only rank 0 writes: its view of --out and of the checkpoint counts
         return _check_output(cfg_, args, comm.Get_size()) if comm.Get_rank() == 0 else False

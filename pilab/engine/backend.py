@@ -89,7 +89,9 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
     while the running statistics settle, its limits widened over as many steps again."""
     torch.manual_seed(cfg.seed)
     classes = len(data.classes) if data is not None else NUM_CLASSES  # the data's (``data``: its CIFAR10)
-    model = build_model(cfg.model, num_classes=classes, width=cfg.width, timesteps=cfg.timesteps)
+    channels = data.image_shape[0] if data is not None else 3  # grey images: a first layer of one channel
+    model = build_model(cfg.model, num_classes=classes, width=cfg.width, timesteps=cfg.timesteps,
+                        in_channels=channels)
     if is_builder_spec(cfg.model):  # your own model: its output and its layers checked before training
         check_custom_model(model, cfg.model, data.image_shape if data is not None else (3, 32, 32), classes)
     if cfg.zero_init_residual:

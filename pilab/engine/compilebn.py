@@ -3,8 +3,8 @@
 The fast mode normalises every virtual rank's images in one vectorised pass (``layers._GroupedBN``): the
 same mathematics as one BatchNorm per rank, but four passes over the activations each way where native
 BatchNorm makes one or two, which is the whole of its excess over one process training the global batch
-at MobileNetV2-CIFAR 1.0 (BENCHMARKS.md's simulator section). Given to ``torch.compile`` as plain tensor
-operations (``layers.grouped_bn``), inductor fuses them into C++ kernels that take 11-15% off a step there;
+at MobileNetV2-CIFAR 1.0 (the simulator section of benchmarks/LOG.md). Given to ``torch.compile`` as plain
+tensor operations (``layers.grouped_bn``), inductor fuses them into C++ kernels that take 11-15% off a step there;
 on small layers (under ``MIN_ELEMENTS`` activations: 4-image batches at width 0.25) a compiled call costs
 more than it saves, so those stay eager. Compiling takes 10-45 s (one kernel per layer shape, in the
 first steps) and needs a C++ compiler, so ``compile_bn=auto`` turns it on only for CPU runs of

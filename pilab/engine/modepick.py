@@ -1,9 +1,10 @@
 """The simulator's ``auto`` mode, measured: before a long run's first step, time a few steps of the
 fast and the exact mode on this machine and run the faster one (both meet ``auto``'s need: the
 mathematics of MPI's ranks, to float rounding or better). Which one wins depends on the model and the
-per-rank batch (BENCHMARKS.md's simulator section: fast is 0.89x one process at MobileNetV2-CIFAR 0.25
-32 x 48 where exact is 1.16x, but 1.17x at MobileNetV2 1.0 32 x 8 where exact is 1.08x), so no rule
-written from one machine's table would pick right on the next one; a measurement costs a few steps.
+per-rank batch (the simulator section of benchmarks/LOG.md: fast is 0.89x one process at
+MobileNetV2-CIFAR 0.25 32 x 48 where exact is 1.16x, but 1.17x at MobileNetV2 1.0 32 x 8 where exact is
+1.08x), so no rule written from one machine's table would pick right on the next one; a measurement costs
+a few steps.
 It is the loop component ``ModePick`` (``pilab.component``), wanted by ``simulate_mode=auto`` on
 the simulator; result.json gets ``simulate_mode_trial`` (the times, or why there was no trial) beside
 the backend's ``simulate_mode_used``::

@@ -44,5 +44,6 @@ def check_model(cfg: Config, *, mpi: bool = False) -> None:
     if not is_builder_spec(cfg.model) and shape == (3, 32, 32) and classes == 10:
         return  # a built-in model on CIFAR-10-shaped data: what it was made for
     with torch.random.fork_rng(devices=[]):
-        model = build_model(cfg.model, num_classes=classes, width=cfg.width, timesteps=cfg.timesteps)
+        model = build_model(cfg.model, num_classes=classes, width=cfg.width, timesteps=cfg.timesteps,
+                            in_channels=shape[0])
     check_custom_model(model, cfg.model, shape, classes)

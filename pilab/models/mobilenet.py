@@ -108,12 +108,12 @@ class MobileNetV2(nn.Module):
     """
 
     def __init__(self, num_classes: int = 1000, width: float = 1.0, cifar: bool = False,
-                 dropout: float = 0.2):
+                 dropout: float = 0.2, in_channels: int = 3):
         super().__init__()
         input_channel = _make_divisible(32 * width)
         self.last_channel = _make_divisible(1280 * max(1.0, width))
         self.cifar = cifar
-        features: List[nn.Module] = [ConvBNReLU6(3, input_channel, stride=1 if cifar else 2)]
+        features: List[nn.Module] = [ConvBNReLU6(in_channels, input_channel, stride=1 if cifar else 2)]
         for stage, (t, c, n, s) in enumerate(_MOBILENETV2_SETTING):
             if cifar and stage == 1:
                 s = 1

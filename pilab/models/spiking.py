@@ -121,11 +121,11 @@ class SpikingCNN(nn.Module):
     """
 
     def __init__(self, num_classes: int = 10, width: float = 1.0, timesteps: int = DEFAULT_TIMESTEPS,
-                 beta: float = 0.5):
+                 beta: float = 0.5, in_channels: int = 3):
         super().__init__()
         c = _make_divisible(32 * width)
         self.timesteps = timesteps
-        self.encoder = SpikingEncoder(3, c, timesteps, beta)
+        self.encoder = SpikingEncoder(in_channels, c, timesteps, beta)
         self.blocks = nn.Sequential(
             nn.MaxPool2d(2),
             SpikingConv(c, 2 * c, timesteps, beta),

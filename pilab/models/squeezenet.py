@@ -40,10 +40,10 @@ class SqueezeNet11(nn.Module):
     normal(0, 0.01) for the final conv, zero biases.
     """
 
-    def __init__(self, num_classes: int = 1000, dropout: float = 0.5):
+    def __init__(self, num_classes: int = 1000, dropout: float = 0.5, in_channels: int = 3):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1),  # torchvision: stride 2, no padding
+            nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1),  # torchvision: stride 2, no padding
             nn.ReLU(inplace=True),
             nn.MaxPool2d(kernel_size=3, stride=2, ceil_mode=True),
             Fire(64, 16, 64, 64),

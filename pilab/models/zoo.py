@@ -57,25 +57,26 @@ def _register(name: str, timesteps: bool = False):
 
 
 @_register("mobilenetv2_cifar")
-def _mobilenetv2_cifar(num_classes: int, width: float) -> nn.Module:
-    return MobileNetV2(num_classes, width, cifar=True)
+def _mobilenetv2_cifar(num_classes: int, width: float, in_channels: int = 3) -> nn.Module:
+    return MobileNetV2(num_classes, width, cifar=True, in_channels=in_channels)
 
 
 @_register("mobilenetv2")
-def _mobilenetv2(num_classes: int, width: float) -> nn.Module:
-    return MobileNetV2(num_classes, width, cifar=False)
+def _mobilenetv2(num_classes: int, width: float, in_channels: int = 3) -> nn.Module:
+    return MobileNetV2(num_classes, width, cifar=False, in_channels=in_channels)
 
 
 
 @_register("squeezenet1_1")
-def _squeezenet1_1(num_classes: int, width: float) -> nn.Module:
-    return SqueezeNet11(num_classes)
+def _squeezenet1_1(num_classes: int, width: float, in_channels: int = 3) -> nn.Module:
+    return SqueezeNet11(num_classes, in_channels=in_channels)
 
 
 
 @_register("spiking_cnn", timesteps=True)
-def _spiking_cnn(num_classes: int, width: float, timesteps: int = DEFAULT_TIMESTEPS) -> nn.Module:
-    return SpikingCNN(num_classes, width, timesteps)
+def _spiking_cnn(num_classes: int, width: float, timesteps: int = DEFAULT_TIMESTEPS,
+                 in_channels: int = 3) -> nn.Module:
+    return SpikingCNN(num_classes, width, timesteps, in_channels=in_channels)
 
 
 # The names and widths are declared in pilab.models.names (torch-free, so that Config validation and `--help`
@@ -89,7 +90,7 @@ assert tuple(_REGISTRY) == MODEL_NAMES and tuple(sorted(_TAKES_TIMESTEPS)) == tu
 # Public API
 # ----------------------------------------------------------------------------------------------
 def build_model(name: str, num_classes: int = 10, width: float = 1.0, *,
-                timesteps: Optional[int] = None) -> nn.Module:
+                timesteps: Optional[int] = None, in_channels: int = 3) -> nn.Module:
     """A freshly initialised model (train mode, CPU, contiguous weights).
 
         model = build_model("mobilenetv2_cifar", num_classes=10, width=0.5)
@@ -98,7 +99,9 @@ def build_model(name: str, num_classes: int = 10, width: float = 1.0, *,
         logits = model(x)                  # x: float (N, 3, 32, 32), any memory format -> (N, 10)
 
     ``timesteps`` (default ``DEFAULT_TIMESTEPS``) is for spiking models; the others ignore it, so the
-    engine can pass ``cfg.timesteps`` for every model. Seed torch (``torch.manual_seed``) first for
+    engine can pass ``cfg.timesteps`` for every model. ``in_channels``: the images' channels (1 for grey
+    images such as sklearn's digits), for the registered models' first layer; your own builder decides its
+    own. Seed torch (``torch.manual_seed``) first for
     reproducible weights.
     """
     check_width(name, width)
@@ -107,11 +110,11 @@ def build_model(name: str, num_classes: int = 10, width: float = 1.0, *,
     if is_builder_spec(name):  # your own model (pilab.models.custom)
         return custom.build(name, num_classes, float(width), timesteps=timesteps)
     if name not in _TAKES_TIMESTEPS:
-        return _REGISTRY[name](num_classes, float(width))
+        return _REGISTRY[name](num_classes, float(width), in_channels=in_channels)
     timesteps = DEFAULT_TIMESTEPS if timesteps is None else timesteps
     if isinstance(timesteps, bool) or not isinstance(timesteps, int) or timesteps < 1:
         raise ValueError(f"timesteps={timesteps!r} must be an int >= 1")
-    return _REGISTRY[name](num_classes, float(width), timesteps)
+    return _REGISTRY[name](num_classes, float(width), timesteps, in_channels=in_channels)
 
 
 @functools.lru_cache(maxsize=8)

@@ -4,10 +4,10 @@ Calibrate on your machine, then predict (everything returns dicts / lists of dic
 
     python -m pilab train --width 0.25 --train-subset 960 --test-subset 200 --epochs 1 --threads 1 \\
         --out runs/np1                                                   # the np=1 run
-    python -m pilab perfmodel bench --np 2 3          # launches mpiexec; runs/perfmodel/comm_bench.json
+    python -m pilab perfmodel bench --np 2,3          # launches mpiexec; runs/perfmodel/comm_bench.json
     python -m pilab perfmodel calibrate --result runs/np1/result.json \\
         --bench runs/perfmodel/comm_bench.json        # -> runs/perfmodel/calibration.json
-    python -m pilab perfmodel table --calibration runs/perfmodel/calibration.json --nps 1 2 3 --width 0.25 ...
+    python -m pilab perfmodel table --calibration runs/perfmodel/calibration.json --nps 1,2,3 --width 0.25 ...
     python -m pilab perfmodel table --published       # the Pi table beside the published figures
 
     from pilab import perfmodel

@@ -2,7 +2,7 @@
 ``run_comm_bench`` launches such jobs (``pilab.perfmodel.ranks`` on every rank) at several np and fits
 alpha and beta.
 
-    python -m pilab perfmodel bench --np 2 3          # = run_comm_bench((2, 3)); writes the JSON
+    python -m pilab perfmodel bench --np 2,3          # = run_comm_bench((2, 3)); writes the JSON
 
     from pilab.perfmodel import run_comm_bench
     res = run_comm_bench((2, 3))                      # {"runs": [...], "fit": fit_alpha_beta(...)}

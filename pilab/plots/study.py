@@ -33,11 +33,12 @@ MODE_NOTE = ("sim exact: the simulator's exact mode, MPI's arithmetic bit for bi
              "or is long enough to time both)")
 
 
-def row_kind(study: Mapping, row: Mapping) -> str:
+def row_kind(row: Mapping) -> str:
     """How a row's run was made: ``measured`` (real MPI ranks), ``sim exact`` or ``sim fast`` (the
-    simulator's mode that ran: the row's ``simulate_mode``), ``sim`` where nothing says::
+    simulator's mode that ran: the row's ``simulate_mode``), ``sim`` where nothing says; a study's row, a
+    comparison's or the paper table's::
 
-        [plots.row_kind(study, r) for r in study["rows"]]     # ['measured', 'measured', 'sim fast', 'sim fast']
+        [plots.row_kind(r) for r in study["rows"]]     # ['measured', 'measured', 'sim fast', 'sim fast']
     """
     if not row.get("simulated"):
         return "measured"
@@ -65,7 +66,7 @@ def _row_source(study: Mapping) -> ColumnDataSource:
     base_here = next((r.get("here_time_per_epoch") for r in rows if r["np"] == p0), None)
     cols["here_speedup"] = [base_here / r["here_time_per_epoch"] if base_here and r.get("here_time_per_epoch")
                             else None for r in rows]
-    cols["kind"] = [row_kind(study, r) for r in rows]
+    cols["kind"] = [row_kind(r) for r in rows]
     cols["verdict"] = [judging.cell(r) for r in rows]
     cols["color"] = [judging.color(r) for r in rows]
     return ColumnDataSource(cols)
@@ -216,7 +217,7 @@ def study_cells(study: Mapping, *, steps: bool = False) -> tuple[tuple, list[tup
         n = (runs.get(str(r["np"])) or {}).get("total_steps")
         cells = {
             "np": str(r["np"]),
-            "kind": row_kind(study, r),
+            "kind": row_kind(r),
             "global batch": f("global_batch", "d"),
             "steps": str(n) if n is not None else "–",
             f"s/epoch ({machine})": f("time_per_epoch", ".1f"),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import perfmodel
+from .. import perfmodel, plots
 from ..config import Config
 from .analysis import final_value, sized_for_model
 from .points import mode_ran
@@ -229,8 +229,7 @@ def points_cells(side: dict) -> tuple[list[str], list[list[str]], str]:
             else:
                 ttt = num(a["pi_time_to_target"] / 60, ".0f", " min") \
                     + (f" ({a['pi_speedup_to_target']:.1f}×)" if a["pi_speedup_to_target"] else "")
-            kind = "real" if not a["simulated"] else f"sim {a['simulate_mode']}" if a.get("simulate_mode") else "sim"
-            out.append([label, str(r["np"]), kind, str(a["steps"]),
+            out.append([label, str(r["np"]), plots.row_kind(a), str(a["steps"]),
                         " ".join(f"{x:.3f}" for x in a["test_acc_curve"] if x is not None),
                         num(a["pi_time_per_epoch"], ".0f", " s"),
                         num(a["pi_energy_j"] and a["pi_energy_j"] / 1e3, ".1f", " kJ"), ttt,

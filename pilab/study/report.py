@@ -124,8 +124,7 @@ def _compare_head(cmp: dict) -> tuple:
 
 def _compare_cells(r: dict) -> list[str]:
     """One row of the comparison table, as text (shared by the markdown and HTML forms)."""
-    kind = "measured" if not r["simulated"] else f"sim {r['simulate_mode']}" if r.get("simulate_mode") else "sim"
-    return [r["label"], str(r["np"]), kind,
+    return [r["label"], str(r["np"]), plots.row_kind(r),
             str(r["global_batch"]), f"{r['peak_lr']:.3g}", str(r["steps"]), f"{r['final_test_acc']:.3f}",
             f"{r['epochs_near_chance']}/{len(r['test_acc_curve'])}", judging.cell(r)]
 

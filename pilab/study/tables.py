@@ -41,7 +41,7 @@ def table(study_: dict) -> str:
             if r["time_to_target"] is None else f"{r['time_to_target']:.1f}s"
         here = f"{n(r.get('here_time_per_epoch'), '8.1f'):>8} " if two else ""
         eff = n(r["efficiency"], ".0%") + ("*" if r.get("efficiency_note") else "")
-        lines.append(f"{r['np']:>4} {plots.row_kind(study_, r):>9} {r['global_batch']:>10} "
+        lines.append(f"{r['np']:>4} {plots.row_kind(r):>9} {r['global_batch']:>10} "
                      f"{n(r['time_per_epoch'], '8.1f'):>8} {here}{n(r['speedup'], '8.2f'):>8} "
                      f"{eff:>6} {n(r['final_test_acc'], '8.3f'):>8} {ttt:>12}  {judging.cell(r)}")
     lines += plots.table_notes(study_)
