@@ -131,6 +131,16 @@ slurm() {
     fi
 }
 
+sudo_for_tests() {
+    # The unprivileged testbed test (tests/test_testbed.py) has a user start jobs through the testbed's
+    # sudo rule for its shim, as `sudo pilab testbed up` sets it up for the user who ran it.
+    if ! command -v sudo >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        say "installing Debian's sudo for the unprivileged testbed test"
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq sudo >/dev/null) \
+            || say "could not install sudo; the unprivileged testbed test will say so"
+    fi
+}
+
 case "${1:-}" in
     setup)
         setup
@@ -145,6 +155,7 @@ case "${1:-}" in
         setup
         browser
         slurm
+        sudo_for_tests
         shift
         export PATH="$venv/bin:$PATH"
         export PILAB_NB_SMALL=1   # the notebooks' small mode (one core, as on Binder)

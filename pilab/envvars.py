@@ -49,9 +49,9 @@ VARS = (
         "where decoded data sets (and `pilab data fetch`'s download) are kept"),
     Var("PILAB_ALLOCATOR", "yours", "chosen per run: fast where the ranks fit the node's memory, else lean",
         "`fast` or `lean`: the glibc malloc setting of every rank (lean: the lowest peak memory)"),
-    Var("PILAB_CONTROLLER_IP", "yours", "listen on all interfaces, advertise the address that routes to "
-        "the first host", "the head node's address on the cluster's network, for the ipyparallel "
-        "controller and the doctor's probes"),
+    Var("PILAB_CONTROLLER_IP", "yours", "the address that routes to the first host (or this host's LAN "
+        "address)", "the head node's address on the cluster's network, the one the ipyparallel controller "
+        "and the doctor's listener bind and advertise"),
     Var("PILAB_PROFILES", "yours", "profiles/ of this repository, then of the working directory and above",
         "a directory searched first for the ipyparallel profiles (profile_<name>)"),
     Var("PILAB_SLURM_PARTITION", "yours", "Slurm's default partition",
@@ -60,8 +60,8 @@ VARS = (
     Var("PILAB_SLURM_PER_NODE", "yours", "2 (a Pi 4B's ranks)", "the Slurm profile's engines per node"),
     Var("PILAB_SLURM_OPTIONS", "yours", "none", "more #SBATCH options for the Slurm profile's job, e.g. "
         "`--account=myproject`"),
-    Var("PILAB_TESTBED_DIR", "yours", "/run (else /tmp)", "the directory under which `pilab testbed` keeps "
-        "its state (<dir>/<name>-testbed)"),
+    Var("PILAB_TESTBED_DIR", "yours", "/run", "the directory under which `pilab testbed` keeps its state "
+        "(<dir>/<name>-testbed; root's alone, checked on every use)"),
     Var("PILAB_NB_SMALL", "yours", "small under CI (CI=true) and in kernels pytest started, else full size",
         "1: the notebooks and their studies use tiny settings (minutes on one core); 0: full size"),
     Var("PILAB_NB_LIVE_EPOCHS", "yours", "the notebook's own (4 small, 5 full)",
@@ -85,6 +85,8 @@ VARS = (
     Var("MALLOC_TRIM_THRESHOLD_", "honoured", "unset", "as MALLOC_MMAP_THRESHOLD_"),
     Var("LOADEDMODULES", "honoured", "none", "environment modules loaded now: a Slurm job's script loads "
         "the same"),
+    Var("SUDO_USER", "honoured", "unset (root itself ran it)", "set by sudo: `sudo pilab testbed up` runs "
+        "every job on the nodes as that user (`--user` overrides it)"),
     Var("CI", "honoured", "unset", "`true`: the notebooks' small mode unless PILAB_NB_SMALL says otherwise"),
     Var("PYTEST_CURRENT_TEST", "honoured", "unset", "set by pytest: the notebooks' small mode in kernels "
         "it started"),
@@ -104,6 +106,8 @@ VARS = (
     # --- pilab's own ---
     Var("PILAB_MEMORY_CHECKED", "internal", "unset", "set by `train --np` for its ranks: the memory warning "
         "was given before launch"),
+    Var("PILAB_DOCTOR_SECRET", "internal", "unset", "set by `doctor` for its probes: the secret the head's "
+        "listener answers (docs/security.md)"),
     # --- developers ---
     Var("PILAB_CIFAR_ARCHIVE", "developer", "../shared/data/cifar10-jpeg.tar.gz beside the repository",
         "the real CIFAR-10 JPEG archive the benchmarks and developer scripts read"),

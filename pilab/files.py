@@ -116,15 +116,16 @@ def dumps(obj, *, indent: int | None = 1) -> str:
     return walk(obj, 0)
 
 
-def save_json(obj, path: str, *, indent: int | None = 1) -> None:
+def save_json(obj, path: str, *, indent: int | None = 1, durable: bool = True) -> None:
     """``obj`` as JSON at ``path`` (atomically; compactly, see :func:`dumps`; numpy values become plain
-    numbers and lists)."""
+    numbers and lists). ``durable`` (the default): on the disk before it replaces the old file, so a
+    result.json survives a power cut as a checkpoint does (two fsyncs, milliseconds)."""
     text = dumps(obj, indent=indent)
 
     def write(tmp):
         with open(tmp, "w") as f:
             f.write(text)
-    atomic_write(path, write)
+    atomic_write(path, write, durable=durable)
 
 
 def sha256_file(path: str) -> str:

@@ -6,11 +6,15 @@
 # step and `doctor` on localhost, all with small settings (emulation runs a step in minutes). Emulation is
 # slow (hours the first time); run it in the background and read the log:
 #
-#   sudo setsid nohup nice -n 10 scripts/arm64_node.sh > /var/tmp/arm64_node.out 2>&1 &
+#   sudo setsid nohup nice -n 10 scripts/arm64_node.sh > /var/lib/pilab-arm64.out 2>&1 &
 #   scripts/arm64_node.sh --help
 #
-# The root lives OUTSIDE any git tree (default /var/tmp/pilab-arm64/root) and is reused once finished;
-# the clone inside it is refreshed to this checkout's HEAD (commit first what you want tested). Bind
+# The root lives OUTSIDE any git tree (default /var/lib/pilab-arm64/root) and is reused once finished;
+# the clone inside it is refreshed to this checkout's HEAD (commit first what you want tested). Root
+# chroots into it and mounts inside it, so it must be root's: the script refuses a location that another
+# account owns or could write (every directory above it too: a world-writable one only with the sticky
+# bit), and runs git as the owner of the tree git works in (the clone inside: user pi), never as root in
+# another account's tree, where that tree's git config and hooks would run as root. Bind
 # mounts (/proc, /sys, /dev, /dev/pts) are always unmounted on exit, also on failure or Ctrl-C.
 # Every step is timed; the summary at the end of the log is what docs/arm64.md records.
 set -euo pipefail
@@ -24,8 +28,8 @@ usage: scripts/arm64_node.sh [--root DIR] [--log FILE] [--only STEPS] [--mirror 
 Build (or reuse) a Debian bookworm arm64 root with debootstrap + qemu-user-static and run pilab in it
 as a Raspberry Pi OS user would. Run as root.
 
-  --root DIR     where the arm64 root goes (default /var/tmp/pilab-arm64/root); must be outside any
-                 git work tree
+  --root DIR     where the arm64 root goes (default /var/lib/pilab-arm64/root); must be outside any
+                 git work tree, and it and every directory above it root's, writable by root alone
   --log FILE     the log (default DIR/../arm64_node-<UTC time>.log); the summary is at its end
   --only STEPS   comma-separated subset of: pip,system (default pip,system: both ways of ./lab.sh setup);
                  none: only the root (and --testbed, which uses the pip way's venv)
@@ -47,7 +51,7 @@ as a Raspberry Pi OS user would. Run as root.
 EOF
 }
 
-root=/var/tmp/pilab-arm64/root
+root=/var/lib/pilab-arm64/root
 log=""
 only=pip,system
 mirror=http://deb.debian.org/debian
@@ -61,9 +65,9 @@ die() { echo "arm64_node.sh: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
-        --root) [ $# -ge 2 ] || die "--root needs a directory, e.g. --root /var/tmp/pilab-arm64/root"
+        --root) [ $# -ge 2 ] || die "--root needs a directory, e.g. --root /var/lib/pilab-arm64/root"
                 root=$2; shift 2 ;;
-        --log) [ $# -ge 2 ] || die "--log needs a file name, e.g. --log /var/tmp/arm64.log"; log=$2; shift 2 ;;
+        --log) [ $# -ge 2 ] || die "--log needs a file name, e.g. --log /var/lib/pilab-arm64/run.log"; log=$2; shift 2 ;;
         --only) [ $# -ge 2 ] || die "--only needs a list, e.g. --only pip"; only=$2; shift 2 ;;
         --mirror) [ $# -ge 2 ] || die "--mirror needs a URL, e.g. --mirror http://deb.debian.org/debian"
                   mirror=$2; shift 2 ;;
@@ -92,6 +96,8 @@ case "$np_sim" in ''|*[!0-9]*|0) die "--np-sim must be a positive whole number, 
 case "$root" in /*) ;; *) die "--root must be an absolute path, not '$root'" ;; esac
 root=${root%/}
 [ "$root" != "" ] && [ "$root" != / ] || die "--root must not be /"
+# It goes into shell command lines (the node02 shim below): letters, digits and ./_- only.
+case "$root" in *[!A-Za-z0-9/._-]*) die "--root '$root': use letters, digits and ./_- only" ;; esac
 repo=$(cd "$(dirname "$0")/.." && pwd)
 torch_env=${torch:+PILAB_TORCH=$torch}
 if [ -n "$tb_name" ]; then
@@ -102,12 +108,40 @@ fi
 probe=$root
 while [ ! -e "$probe" ]; do probe=$(dirname "$probe"); done
 if git -C "$probe" rev-parse --show-toplevel >/dev/null 2>&1; then
-    die "--root $root is inside the git work tree $(git -C "$probe" rev-parse --show-toplevel); use e.g. --root /var/tmp/pilab-arm64/root"
+    die "--root $root is inside the git work tree $(git -C "$probe" rev-parse --show-toplevel); use e.g. --root /var/lib/pilab-arm64/root"
 fi
 [ "$(id -u)" = 0 ] || die "run as root (debootstrap, chroot and mounts need it): sudo $0 $*"
+# Root chroots into the root and mounts inside it: it must be root's, and nothing above it writable by
+# another account (one that could swap in a tree of its own), a world-writable directory only with the
+# sticky bit (as /tmp). Checked before anything is made.
+unsafe() {  # unsafe DIR [parent]: why another account could change DIR, or nothing
+    local owner mode
+    owner=$(stat -c %u "$1") mode=$(stat -c %a "$1")
+    [ "$owner" = 0 ] || { echo "$1 belongs to $(stat -c %U "$1"), not root"; return; }
+    if [ $((8#$mode & 8#022)) != 0 ] && { [ "${2:-}" != parent ] || [ $((8#$mode & 8#1000)) = 0 ]; }; then
+        echo "$1 is writable by others (mode $mode)"
+    fi
+}
+check_location() {  # the root and its directory: root's alone; the directories above: no other writer
+    local d=$root why
+    while [ ! -e "$d" ] && [ ! -L "$d" ]; do d=$(dirname "$d"); done
+    while :; do
+        case "$d" in
+            "$root"|"$(dirname "$root")")
+                [ ! -L "$d" ] || die "--root $root: $d is a symbolic link; give the real directory"
+                why=$(unsafe "$d") ;;
+            *) why=$(unsafe "$d" parent) ;;
+        esac
+        [ -z "$why" ] || die "--root $root: $why; choose a location of root's (default /var/lib/pilab-arm64/root) or fix its owner and mode"
+        [ "$d" != / ] || return 0
+        d=$(dirname "$d")
+    done
+}
+check_location
 
 base=$(dirname "$root")
 mkdir -p "$base"
+check_location  # again: made by us, or by someone else in the moment between
 [ -n "$log" ] || log=$base/arm64_node-$(date -u +%Y%m%dT%H%M%SZ).log
 exec > >(tee -a "$log") 2>&1
 summary=()
@@ -195,8 +229,16 @@ in_root() {
         DEBIAN_FRONTEND=noninteractive /bin/bash -c "$1"
 }
 
-# The clones inside belong to pi (uid 1000); git run from here as root would refuse them as "dubious".
-hgit() { git -c safe.directory='*' "$@"; }
+# git runs as the account that owns the tree it works in: the clone inside belongs to pi (uid 1000), this
+# checkout to whoever owns it. Never as root in another account's tree: its .git/config (core.fsmonitor,
+# core.pager, hooks...) would run as root.
+as_owner() {  # as_owner UID GID HOME command...
+    local uid=$1 gid=$2 home=$3; shift 3
+    setpriv --reuid="$uid" --regid="$gid" --clear-groups env HOME="$home" "$@"
+}
+repo_uid=$(stat -c %u "$repo") repo_gid=$(stat -c %g "$repo")
+rgit() { as_owner "$repo_uid" "$repo_gid" /nonexistent git -C "$repo" "$@"; }
+pgit() { as_owner 1000 1000 "$root/home/pi" git "$@"; }
 
 # ---- host tools ---------------------------------------------------------------------------------
 host_tools() {
@@ -285,16 +327,24 @@ user_and_clone() {
     in_root 'id pi >/dev/null 2>&1 || useradd -m -u 1000 -U -s /bin/bash pi'
     # A clone of this checkout's HEAD, made from outside (a worktree's .git points to a path the
     # chroot cannot see); a reused root gets the clone reset to HEAD.
-    local dest=$root/home/pi/pilab head
-    head=$(git -C "$repo" rev-parse HEAD)
+    # The commit travels as a bundle: written by the checkout's owner, read by pi (who may not be able to
+    # read the checkout itself, e.g. one under /root).
+    local dest=$root/home/pi/pilab head drop bundle
+    head=$(rgit rev-parse HEAD)
+    drop=$(mktemp -d)
+    chown "$repo_uid:$repo_gid" "$drop"
+    bundle=$drop/head.bundle
+    rgit bundle create -q "$bundle" HEAD
+    chmod 755 "$drop" && chmod 644 "$bundle"
+    chown -R 1000:1000 "$dest" 2>/dev/null || true  # what an earlier run made as root, now pi's (-R: links not followed)
     if [ ! -d "$dest/.git" ]; then
-        hgit clone -q --no-local "$repo" "$dest"
+        pgit -c advice.detachedHead=false clone -q "$bundle" "$dest"
     fi
-    hgit -C "$dest" fetch -q "$repo" "$head"
-    hgit -C "$dest" -c advice.detachedHead=false checkout -q --force "$head"
-    hgit -C "$dest" clean -qfdx -e .venv-pip -e .venv-system -e "*.egg-info"
-    chown -R 1000:1000 "$dest"
-    say "clone: $(hgit -C "$dest" log -1 --format='%h %s')"
+    pgit -C "$dest" fetch -q "$bundle" HEAD
+    pgit -C "$dest" -c advice.detachedHead=false checkout -q --force "$head"
+    pgit -C "$dest" clean -qfdx -e .venv-pip -e .venv-system -e "*.egg-info"
+    rm -rf "$drop"
+    say "clone: $(pgit -C "$dest" log -1 --format='%h %s')"
 }
 
 versions() {  # versions VENV
@@ -413,7 +463,7 @@ EOF_SHIM
     "$head_python" -c "$result_py" "$wd/train/result.json"
 }
 
-say "pilab arm64 node: root $root, repo $repo ($(git -C "$repo" log -1 --format=%h)), log $log"
+say "pilab arm64 node: root $root, repo $repo ($(rgit log -1 --format=%h)), log $log"
 # What binfmt_misc was before host_tools (run by step in a subshell, so it is noted here): cleanup
 # leaves it so.
 if [ ! -e /proc/sys/fs/binfmt_misc/register ]; then binfmt_was=unmounted

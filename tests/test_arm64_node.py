@@ -91,3 +91,27 @@ def test_mpi_library_drops_the_nul_of_debians_mpi4py():
     mpich = "MPICH Version:      5.0.2\nMPICH Release date: Fri Sep 25 20:45:26 UTC 2026\n"
     assert mpi_library(SimpleNamespace(Get_library_version=lambda: mpich)) == "MPICH Version:      5.0.2"
     assert mpi_library(SimpleNamespace(Get_library_version=lambda: "\x00")) == ""
+
+
+def test_a_root_location_another_account_could_change_is_refused(tmp_path):
+    # Root chroots into the arm64 root and mounts inside it: a location another account owns, or a
+    # directory above it that others can write (without the sticky bit), is refused in one line before
+    # anything is made. (/var/tmp, /tmp: sticky, so only a tree of root's own below them passes.)
+    import os
+    if os.geteuid() != 0:
+        pytest.skip("the location checks run as root (the script refuses any other user first)")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)  # nobody's
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)  # writable by all, no sticky bit
+    tmp_path.chmod(0o755)
+    for root, says in ((theirs / "root", f"{theirs} belongs to nobody, not root"),
+                       (theirs / "x" / "root", f"{theirs} belongs to nobody, not root"),
+                       (open_dir / "x" / "root", f"{open_dir} is writable by others (mode 777)"),
+                       (tmp_path / "a b" / "root", "use letters, digits and ./_- only")):
+        r = run("--root", str(root))
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r.stderr
+        assert not (theirs / "x").exists() and not (open_dir / "x").exists()

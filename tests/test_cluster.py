@@ -94,10 +94,10 @@ def test_pi_profile_settings(tmp_path, monkeypatch):
     assert cfg.Cluster.n == 4
     assert cfg.MPIEngineSetLauncher.mpi_args == ["-f", str(hosts)]
     assert os.path.isabs(cfg.MPIEngineSetLauncher.mpi_cmd[0])
-    # Listening on localhost would keep engines on other boards from ever registering.
-    assert cfg.Cluster.controller_ip == "0.0.0.0"
-    # ...and engines are told the address that routes to the boards of this hostfile.
-    assert cfg.Cluster.controller_location == "192.0.2.10" and asked == [str(hosts)]
+    # The address that routes to the boards of this hostfile: listened on (not localhost, which would keep
+    # engines on other boards from ever registering, nor every interface) and told to the engines.
+    assert cfg.Cluster.controller_ip == cfg.Cluster.controller_location == "192.0.2.10"
+    assert asked == [str(hosts)]
     assert cfg.Cluster.engine_timeout >= 120
 
 

@@ -180,6 +180,24 @@ def test_host_that_does_not_answer(tb, tmp_path):
     assert f"ssh {ghost} true" in rep["checks"][ghost]["answers"]["fix"]
 
 
+def test_a_node_named_twice_is_checked_for_the_ranks_it_really_gets(tb, tmp_path):
+    # node01 listed by its address and again by its name: Hydra puts 2 ranks on each line, so the one board
+    # gets 4. The doctor names it (under both names) with 4 ranks, and its memory and CPU checks count 4.
+    a, b = tb.address("node01"), tb.address("node02")
+    rc, out, rep = doctor(tb, tmp_path, "--hosts", f"{a},node01,{b}", "--ranks-per-node", "2")
+    assert rc == 1, out
+    assert rep["ranks_here"] == {a: 4, "node01": 4, b: 2}, rep["ranks_here"]
+    for name, other in ((a, "node01"), ("node01", a)):
+        pl = rep["checks"][name]["placement"]
+        assert pl["ok"] is False and "MPI puts 4 ranks on this machine, listed 2 times" in pl["detail"], pl
+        assert f"also as {other}" in pl["detail"] and "count 4" in pl["detail"] and "name each machine once" in pl["fix"]
+        assert "for 4 ranks x 1 threads" in rep["checks"][name]["cpu"]["detail"], rep["checks"][name]["cpu"]
+        assert "4 ranks x" in rep["checks"][name]["memory"]["detail"], rep["checks"][name]["memory"]
+    assert rep["checks"][b]["placement"]["ok"] and "2 ranks here" in rep["checks"][b]["placement"]["detail"]
+    assert "for 2 ranks x 1 threads" in rep["checks"][b]["cpu"]["detail"]
+    assert "node01" in out and "4 ranks" in out  # the table says it too
+
+
 def test_node_with_too_little_memory(tb, tmp_path):
     from pilab.config import Config
     from pilab.engine.memory import predict_peak_bytes

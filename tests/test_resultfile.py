@@ -149,13 +149,14 @@ def test_a_new_step_series_is_kept_exactly_unless_it_is_seconds(tmp_path):
 
 
 def test_a_runs_series_file_is_one_of_its_files(tmp_path):
-    """--overwrite and a re-run clear a run's files (pilab.cli.common.RUN_FILES): its series go with it."""
+    """--overwrite and a re-run clear a run's files (pilab.engine.records.RUN_FILES): its series go with it."""
     from pilab.cli import common
+    from pilab.engine import records
     from pilab.engine import simulate
     cfg = Config(data="embedded", width=0.25, train_subset=64, test_subset=20, batch_size=8, epochs=1,
                  threads=1, out=str(tmp_path / "run"))
     simulate.train(cfg, 2)
     assert sorted(os.listdir(cfg.out)) == ["result.json", "result.steps.npz"]
-    assert set(resultfile.files("result.json")) <= set(common.RUN_FILES)
+    assert set(resultfile.files("result.json")) <= set(records.RUN_FILES)
     common.clear_out_dir(cfg.out)
     assert os.listdir(cfg.out) == []

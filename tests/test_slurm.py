@@ -242,6 +242,30 @@ def test_scale_as_slurm_jobs_equals_the_mpiexec_study(tb, tmp_path):
     assert [r["final_test_acc"] for r in a["rows"]] == [r["final_test_acc"] for r in b["rows"]]
 
 
+def test_a_study_in_a_folder_with_a_space_and_a_percent_sign(tb, tmp_path):
+    """--out and the working directory with a space and a '%' (Slurm's file name patterns use %): the
+    #SBATCH lines quote them and keep '%' literal, the job runs there and its log lands where the study
+    looks; a path a batch script cannot carry (a line break) is refused in one line, nothing submitted."""
+    import shlex
+    here = tmp_path / "50% of my runs"
+    here.mkdir()
+    out = here / "a study"
+    p = _study(tb, [*STUDY, "--nps", "2", "--baseline", "2", *BATCH, "--out", str(out)], here)
+    assert p.returncode == 0, p.stderr[-3000:]
+    script = (out / "np2" / "job.sbatch").read_text()
+    log_pattern = os.path.join(str(out).replace("%", "%%"), "np2", "slurm-%j.log")
+    assert f"#SBATCH --output={shlex.quote(log_pattern)}\n#SBATCH --chdir={shlex.quote(str(here))}\n" in script
+    job = _jobs(out)["2"]
+    assert job["state"] == "COMPLETED" and (out / "np2" / f"slurm-{job['job']}.log").exists()
+    res = json.loads((out / "np2" / "result.json").read_text())
+    assert res["steps_done"] == res["total_steps"] and res["config"]["out"] == str(out / "np2")
+    bad = tmp_path / "line\nbreak"
+    p = _study(tb, [*STUDY, "--nps", "2", *BATCH, "--out", str(bad)], tmp_path)
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("pilab: error:")]
+    assert p.returncode == 2 and len(errors) == 1 and "control character" in errors[0], p.stderr
+    assert not bad.exists() and _squeue(tb).strip() == ""
+
+
 def test_a_point_cancelled_from_outside_is_reported_and_resume_reruns_only_it(tb, tmp_path):
     out = tmp_path / "s"
     cmd = [*STUDY, "--nps", "1,2", "--baseline", "1", *BATCH, "--out", str(out)]

@@ -1,8 +1,9 @@
 """Multi-node runs over real TCP between network namespaces (pilab.testbed): one testbed user at a time,
 shared memory inside a node and TCP between nodes, two nodes training exactly as one host, a host that
 does not answer, a node's CPU throttled while a job runs, the Pi profile's engines across the nodes, and
-a notebook run losing a node's link. After every job no process is left on any node: the shim's pid
-namespace ends whatever mpiexec started there. The faults of a CLI job (a lost link, a killed node, a
+a notebook run losing a node's link; on a shared cluster (docs/security.md), a stranger's forged failure
+line to a running job's watchdog, a user's testbed whose jobs run as that user, a planted state directory.
+After every job no process is left on any node: the shim's pid namespace ends whatever mpiexec started there. The faults of a CLI job (a lost link, a killed node, a
 slow node, a slow link) are tests/test_longruns_testbed.py's, on one run each.
 
 One testbed (2 nodes x 2 slots, 1 Gbit/s links) serves the module and is always torn down. Needs root,
@@ -392,3 +393,218 @@ def _stop_within(lab, timeout, record):
         lab.ipp_cluster.stop_cluster_sync()
     else:
         record["lab_stop_returned"] = True
+
+
+# ----------------------------------------------------------------------------------------------
+# a shared cluster: no open doors, nothing run as root that need not be (docs/security.md)
+# ----------------------------------------------------------------------------------------------
+def _listeners(tb) -> list[dict]:
+    """Every TCP listener in the nodes' namespaces now (``ss -tlnp``): node, address, port, backlog, process."""
+    out = []
+    for h in tb.hosts:
+        p = subprocess.run(["ip", "netns", "exec", tb.netns(h), "ss", "-Htlnp"], capture_output=True, text=True)
+        for line in p.stdout.splitlines():
+            f = line.split()
+            if len(f) >= 5 and f[0] == "LISTEN":
+                addr, _, port = f[3].rpartition(":")
+                out.append({"node": h, "addr": addr.strip("[]"), "port": int(port), "backlog": int(f[2]),
+                            "process": " ".join(f[5:])})
+    return out
+
+
+def test_a_stranger_on_the_network_cannot_end_a_job_or_mark_its_result(tb, tmp_path):
+    # A 2-node job; a TCP client on the testbed (in node02's namespace) sends a crafted failure line to
+    # every rank's watchdog (`ss`'s listeners of the watchdog's backlog), without the job's secret and with
+    # a guessed one. The job ends normally, its result says nothing of it, and at no moment does anything
+    # on the nodes listen on every address.
+    from pilab.engine import watchdog
+    out = tmp_path / "run"
+    proc = _train(tb, out, "--epochs", "3", "--train-subset", "1024", popen=True)
+    seen, wd = [], []
+    try:
+        while proc.poll() is None and len(wd) < 4:
+            now = _listeners(tb)
+            seen += now
+            wd = [x for x in now if x["backlog"] == watchdog.BACKLOG and "python" in x["process"]]
+            time.sleep(0.2)
+        assert len(wd) == 4, f"the job's 4 watchdog listeners did not all show (saw {wd}; the job ended: " \
+                             f"{proc.poll() is not None})"
+        forged = [json.dumps({"failed": "rank 3 (node02) failed: forged by a stranger"}),
+                  json.dumps({"secret": "0" * 32, "failed": "forged with a guess"})]
+        client = ("import socket, sys\nfor a in sys.argv[2:]:\n    h, p = a.rsplit(':', 1)\n"
+                  "    for line in sys.argv[1].split('\\n'):\n"
+                  "        with socket.create_connection((h, int(p)), timeout=5) as s:\n"
+                  "            s.sendall(line.encode() + b'\\n')\n"
+                  "            print(a, repr(s.recv(100)))\n")
+        sent = tb.run_on("node02", [sys.executable, "-c", client, "\n".join(forged),
+                                    *(f"{x['addr']}:{x['port']}" for x in wd)],
+                         capture_output=True, text=True, timeout=60)
+        assert sent.returncode == 0, sent.stderr
+        seen += _listeners(tb)
+        text, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    res = json.loads((out / "result.json").read_text())
+    RECORD["forged_failure"] = {"exit": proc.returncode, "answers": sent.stdout.splitlines(),
+                                "listeners": sorted({(x["node"], x["addr"], x["backlog"]) for x in seen}),
+                                "said": [ln for ln in text.splitlines() if watchdog.FOREIGN in ln]}
+    assert proc.returncode == 0, text[-3000:]
+    assert not res.get("stopped_early") and not res.get("aborted") and not res.get("stop_reason"), res
+    assert res["steps_done"] == res["total_steps"]
+    assert all(ans.endswith("b''") for ans in sent.stdout.splitlines()), sent.stdout  # no answer at all
+    # each rank logs the first stranger once (the guess is not logged again)
+    said = RECORD["forged_failure"]["said"]
+    assert said and all(f"from {tb.address('node02')}" in ln for ln in said), text[-3000:]
+    assert len(said) == 4, said
+    # every listener on the nodes is on the node's own address
+    assert seen and all(x["addr"] == tb.address(x["node"]) for x in seen), seen
+
+
+TEST_USER = "pilabtest"  # a real unprivileged account (tests/test_testbed.py makes it with useradd)
+
+
+def _unprivileged_user() -> tuple[int, int]:
+    """(uid, gid) of ``TEST_USER``, made now (a system account, no home, no login shell) if it does not exist."""
+    import pwd
+    try:
+        pw = pwd.getpwnam(TEST_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                        TEST_USER], check=True, capture_output=True, text=True)
+        pw = pwd.getpwnam(TEST_USER)
+    return pw.pw_uid, pw.pw_gid
+
+
+MARKING_MODEL = '''import os, socket
+import torch.nn as nn
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def build(num_classes):
+    # who runs your code: every process that builds the model leaves its real/effective/saved uids
+    with open(os.path.join(HERE, "ran", f"{socket.gethostname()}-{os.getpid()}"), "w") as f:
+        f.write(" ".join(map(str, os.getresuid())))
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, num_classes))
+'''
+
+
+def _python_for(as_user: list[str]) -> tuple[str, dict]:
+    """A Python the unprivileged user can run, with this one's packages: this interpreter where the user
+    can reach it, else the system's python3 of the same version over this venv's site-packages (a venv
+    made from a Python under /root, as pyenv's, is root's alone); the interpreter and the environment it
+    needs. Skips (fails under CI=true) where there is none."""
+    import site
+    import sysconfig
+
+    def runs(py, env):
+        return subprocess.run([*as_user, "sh", "-c", 'exec "$0" -c "import torch, pilab; from mpi4py import MPI"', py],
+                              env=env, capture_output=True, timeout=120, cwd=REPO).returncode == 0
+    base = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin"}
+    if runs(sys.executable, base):
+        return sys.executable, {}
+    system = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+    extra = {"PYTHONPATH": os.pathsep.join([REPO, *site.getsitepackages(), sysconfig.get_paths()["purelib"]]),
+             "LD_LIBRARY_PATH": os.path.join(sys.prefix, "lib")}  # pip's MPICH: libmpi beside the venv's Python
+    if os.path.exists(system) and runs(system, {**base, **extra}):
+        return system, extra
+    skip_or_fail(f"no Python that {TEST_USER} can run has pilab's packages ({sys.executable} is not reachable "
+                 f"by other accounts, and {system} cannot import them)", "the unprivileged testbed test must run")
+
+
+def test_a_users_testbed_runs_every_job_as_that_user_never_as_root(tb, tmp_path):
+    # `sudo pilab testbed up` records the user who ran sudo; that user's own unprivileged `train` then
+    # reaches the nodes (a sudo rule for the shim alone), its model code runs under the user's uid on every
+    # node, the files in --out are the user's; another account cannot start jobs there.
+    import shutil
+    import tempfile
+    from pathlib import Path
+    if shutil.which("sudo") is None:
+        skip_or_fail("sudo is not installed (apt-get install sudo; ./lab.sh test installs it)",
+                     "CI installs sudo and must run the unprivileged testbed test")
+    uid, gid = _unprivileged_user()
+    name, subnet = "pilabu", "10.79.3.0/24"
+    work = Path(tempfile.mkdtemp(prefix="pilab-user-"))  # pytest's tmp_path is root's alone
+    try:
+        work.chmod(0o755)
+        (work / "ran").mkdir()
+        (work / "mine.py").write_text(MARKING_MODEL)
+        for p in (work, work / "ran"):
+            os.chown(p, uid, gid)
+        up = subprocess.run([sys.executable, "-m", "pilab", "testbed", "up", "--name", name, "--nodes", "2",
+                             "--slots", "1", "--subnet", subnet, "--rate", "none"],
+                            env=dict(mpi_env(), SUDO_USER=TEST_USER), cwd=REPO, capture_output=True, text=True,
+                            timeout=120)  # SUDO_USER: what `sudo` tells the command about who ran it
+        assert up.returncode == 0, up.stderr
+        assert f"run as {TEST_USER}, who starts them with its own mpiexec" in up.stdout, up.stdout
+        bed = testbed.load(name)
+        assert bed.user == TEST_USER
+        st = os.stat(bed.state_dir)
+        assert st.st_uid == 0 and not st.st_mode & 0o022
+        as_user = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--init-groups"]
+        python, extra = _python_for(as_user)
+        env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "HOME": str(work), "LANG": "C.UTF-8",
+               "PILAB_CACHE": str(work / "cache"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               **extra, **bed.env_vars()}
+        p = run_on_testbed(bed, [*as_user, python, "-m", "pilab", "train", "--np", "2", *TINY, "--epochs",
+                                 "1", "--model", f"{work / 'mine.py'}:build", "--out", str(work / "out")],
+                           env=env, cwd=REPO, timeout=300)
+        RECORD["user_train"] = {"exit": p.returncode, "tail": (p.stdout + p.stderr)[-600:]}
+        assert p.returncode == 0, p.stderr[-3000:]
+        res = json.loads((work / "out" / "result.json").read_text())
+        assert res["env"]["hostnames"] == ["node01", "node02"]
+        ran = {f.name: f.read_text() for f in (work / "ran").iterdir()}
+        RECORD["user_train"]["model_built_by"] = ran
+        assert {n.split("-")[0] for n in ran} >= {"node01", "node02"}, ran  # both nodes' ranks (and the head)
+        assert set(ran.values()) == {f"{uid} {uid} {uid}"}, ran  # never root, not even as the saved uid
+        owners = {str(f.relative_to(work)): f.stat().st_uid for f in (work / "out").rglob("*")}
+        assert owners and set(owners.values()) == {uid}, owners
+        # the user's mpiexec killed: sudo outlives it, the shim's watcher ends the nodes' processes
+        job = subprocess.Popen([*as_user, os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", "2", python,
+                                "-c", "import time; from mpi4py import MPI; MPI.COMM_WORLD.Barrier(); "
+                                "MPI.COMM_WORLD.rank or print('up', flush=True); time.sleep(600)"], env=env, cwd=REPO, stdout=subprocess.PIPE, text=True)
+        try:
+            assert job.stdout.readline().strip() == "up"
+            assert all(testbed.processes(bed).values())
+            job.kill()
+            job.wait()
+            left = no_processes_left(bed, 15)
+        finally:
+            if job.poll() is None:
+                job.kill()
+        assert not any(left.values()), left
+        # another account may not use the shim: one line naming who may
+        nobody = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                                 python, "-m", "pilab", "testbed", "exec", "--name", name, "node01", "--",
+                                 "id"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert nobody.returncode != 0 and "nobody cannot start jobs on its nodes" in nobody.stderr, nobody.stderr
+    finally:
+        removed = testbed.down(name)
+        shutil.rmtree(work, ignore_errors=True)
+    assert any("sudo rule" in r for r in removed) and not os.path.exists(f"/etc/sudoers.d/pilab-testbed-{name}")
+
+
+def test_a_planted_state_directory_is_refused_and_left_alone():
+    # Root runs the shim and sources mounts.sh from the state directory: one made first in /tmp by another
+    # account is refused (one line, exit 2) before anything is made, and `down` does not touch it.
+    _need_testbed()
+    name = "pilabq"
+    planted = f"/tmp/{name}-testbed"
+    subprocess.run(["rm", "-rf", planted], check=True)
+    os.mkdir(planted)
+    os.chown(planted, 65534, 65534)  # nobody's
+    env = dict(mpi_env(), PILAB_TESTBED_DIR="/tmp")
+    try:
+        for action in (["up", "--nodes", "1", "--subnet", "10.79.4.0/24", "--rate", "none"], ["env"]):
+            p = subprocess.run([sys.executable, "-m", "pilab", "testbed", action[0], "--name", name, *action[1:]],
+                               env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+            lines = p.stderr.strip().splitlines()
+            assert p.returncode == 2 and len(lines) == 1, p.stderr
+            assert f"{planted} belongs to nobody, not root" in lines[0] and "Traceback" not in p.stderr, lines
+        assert not [ns for ns in testbed._netns_list() if ns.startswith(f"{name}-")]
+        p = subprocess.run([sys.executable, "-m", "pilab", "testbed", "down", "--name", name], env=env, cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "NOT removed" in p.stdout and os.path.isdir(planted), p.stdout
+    finally:
+        subprocess.run(["rm", "-rf", planted], check=True)

@@ -69,8 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"pilab: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    # Your own model is built only where you named it here (--model): never from a builder string that a
+    # result, trace or study file names (pilab.models.names.only_named)
+    from ..models.names import only_named
     try:
-        return args.func(args, argv[1:])
+        with only_named([getattr(args, "model", None)]):  # for this command only (main may be called again)
+            return args.func(args, argv[1:])
     except _library_errors() as e:
         if launcher_rank() == 0:
             print(f"pilab: error: {e}", file=sys.stderr)

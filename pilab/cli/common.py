@@ -274,14 +274,17 @@ def progress_callbacks(quiet: bool):
     return [cb]
 
 
+# A result or trace names the model builder it was trained with; pilab reads the model's FLOPs, activations,
+# gradient layout and BatchNorm channels the run recorded, and builds the model (running its code) only
+# where you name it on the command line (pilab.models.names.only_named).
+TRUST_MODEL = ("your model builder (module:function or file.py:function) the run was trained with, to build "
+               "it here, running its code: needed only for a run pilab recorded no model profile for (an "
+               "older pilab); a builder the file names is never imported otherwise")
+
+
 # ----------------------------------------------------------------------------------------------
 # the output directory
 # ----------------------------------------------------------------------------------------------
-# What a run leaves in its --out directory (and may replace when started again there): its result's
-# files (result.json and its per-step series, pilab.resultfile) and its last checkpoint.
-RUN_FILES = (*resultfile.files("result.json"), "checkpoint.pt")
-
-
 def _saved_config(out: str) -> tuple[dict | None, dict | None, str | None]:
     """(config, result) of the run in ``out``: from result.json, else from its checkpoint; the third
     value names what could not be read."""
@@ -320,9 +323,8 @@ def check_out_dir(cfg, *, overwrite: bool, command: str = "train") -> bool:
     if not out or not os.path.isdir(out):
         return False
     from ..engine import checkpoint
-    present = [n for n in RUN_FILES if os.path.exists(os.path.join(out, n))] + \
-        [p for _, p in checkpoint.epoch_files(out)]
-    if not present:
+    from ..engine.records import run_files
+    if not run_files(out):
         return False
     if cfg.resume and os.path.dirname(os.path.abspath(cfg.resume)) == os.path.abspath(out):
         return False  # continuing the run that is there
@@ -348,10 +350,11 @@ def check_out_dir(cfg, *, overwrite: bool, command: str = "train") -> bool:
 
 
 def clear_out_dir(out: str) -> None:
-    """Remove the run files of an earlier run in ``out`` (result.json, checkpoints) before a new run
-    writes there, so nothing of the old run is mistaken for the new one's."""
-    from ..engine import checkpoint
-    for p in [os.path.join(out, n) for n in RUN_FILES] + [p for _, p in checkpoint.epoch_files(out)]:
+    """Remove the run files of an earlier run in ``out`` (``pilab.engine.records.RUN_FILES``: result.json,
+    trace.json, checkpoints) before a new run writes there, so nothing of the old run is mistaken for the
+    new one's."""
+    from ..engine.records import run_files
+    for p in run_files(out):
         with contextlib.suppress(FileNotFoundError):
             os.remove(p)
 

@@ -6,6 +6,7 @@ import os
 import sys
 
 from ..config import ConfigError
+from .common import TRUST_MODEL
 
 
 def add_parser(sub) -> None:
@@ -22,6 +23,7 @@ def add_parser(sub) -> None:
                    help="set the studies beside the published figures (np 1, 2, 4 ... 48; points not "
                         "finished are pending); the first study's settings are the ones predicted")
     c.add_argument("--out", required=True, help="output directory")
+    c.add_argument("--model", default=None, metavar="BUILDER", help=TRUST_MODEL)
     c.set_defaults(func=run)
 
 

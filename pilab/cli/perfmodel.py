@@ -21,7 +21,8 @@ from .. import perfmodel as pm
 from ..config import Config
 from ..files import load_json, save_json
 from ..launch import under_mpi
-from .common import UsageError, add_config_arguments, add_int_list, add_launch_arguments, config_from_args
+from .common import (TRUST_MODEL, UsageError, add_config_arguments, add_int_list, add_launch_arguments,
+                     config_from_args)
 
 
 def add_parser(sub) -> None:
@@ -70,6 +71,7 @@ def _add_validate(ps) -> None:
                                   "prints per bucket the predicted and measured Allreduce time and the "
                                   "error, and the same for the step time and the exposed tail.")
     v.add_argument("trace", metavar="MEASURED_TRACE", help="a run's trace.json (or its run directory)")
+    v.add_argument("--model", default=None, metavar="BUILDER", help=TRUST_MODEL)
     v.add_argument("--preset", "--cluster", default="pi4b_cluster",
                    help="a preset name or a Cluster/Calibration JSON (default: %(default)s)")
     v.add_argument("--calibration", default=None, help="the measuring machine's calibration JSON "
@@ -106,6 +108,7 @@ def _add_calibrate(ps) -> None:
                       description="Reads an np=1 result.json and a `perfmodel bench` JSON; writes "
                                   "the Calibration (the this_box preset) as JSON.")
     c.add_argument("--result", required=True, help="result.json of an np=1 `pilab train` run")
+    c.add_argument("--model", default=None, metavar="BUILDER", help=TRUST_MODEL)
     c.add_argument("--bench", required=True, help="JSON written by `pilab perfmodel bench`")
     c.add_argument("--out", default="runs/perfmodel/calibration.json",
                    help="where to write the calibration (default: %(default)s)")

@@ -123,6 +123,12 @@ def _batch_options(args, cfg, nps):
     """(batch.Options, the jobs' cfg) for --launcher slurm after Slurm's checks; (None, cfg) for mpiexec."""
     if args.launcher == "slurm" and args.hostfile:
         raise UsageError("--hostfile is for --launcher mpiexec; Slurm places a batch point's ranks itself")
+    if args.hostfile:  # every host a plain name or address, before anything is written (launch.hosts)
+        from ..launch.hosts import HostsError, read_hostfile
+        try:
+            read_hostfile(args.hostfile)
+        except HostsError as e:
+            raise UsageError(str(e)) from None
     if args.launcher == "slurm" and not nps:
         raise UsageError("--launcher slurm submits the measured points, and --nps is empty; give --nps")
     return batch_options(args, cfg, nps, resume=args.resume_study)

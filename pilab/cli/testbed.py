@@ -5,7 +5,7 @@
     eval "$(python -m pilab testbed env)"                                # HYDRA_*, UCX_*, PILAB_*
     python -m pilab scale --nps 2,4,8 --hostfile /run/pilab-testbed/hosts
     python -m pilab testbed exec node02 -- hostname                      # a shell "on" a node
-    python -m pilab testbed link node02 down                             # pull its cable
+    sudo python -m pilab testbed link node02 down                        # pull its cable
     sudo python -m pilab testbed throttle node02 0.5                     # half a core: a hot board
     sudo python -m pilab testbed down                                    # also after a crash
 
@@ -14,6 +14,7 @@ See ``pilab.testbed`` for what it builds and how traffic between nodes is kept o
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 
@@ -42,6 +43,10 @@ def add_parser(sub) -> None:
     u.add_argument("--subnet", default=DEFAULT_SUBNET,
                    help=f"private range the testbed owns; must not overlap a route here "
                         f"(default: {DEFAULT_SUBNET})")
+    u.add_argument("--user", default=None,
+                   help="the account every job, engine and shell on the nodes runs as (default: the user who ran "
+                        "`sudo`, $SUDO_USER; root only when root itself ran it); that user starts jobs with "
+                        "their own mpiexec (a sudo rule for the shim alone)")
     u.add_argument("--slurm", action="store_true",
                    help="also start a Slurm cluster on it: munged, slurmctld on a head node, a slurmd per "
                         "node, one partition 'pi' (needs Debian's slurmctld, slurmd and munge)")
@@ -91,10 +96,12 @@ def run(args, argv) -> int:
 
 def _run(tbm, args) -> int:
     if args.action == "up":
+        user = args.user if args.user is not None else os.environ.get("SUDO_USER", "")
         tb = tbm.up(tbm.Testbed(nodes=args.nodes, slots=args.slots, rate=args.rate,
-                                subnet=args.subnet, name=args.name))
+                                subnet=args.subnet, name=args.name, user="" if user == "root" else user))
         print(f"testbed {tb.name}: {tb.nodes} nodes x {tb.slots} slots, {tb.rate} links, head node "
               f"{tb.bridge_address} on {tb.bridge}")
+        print(tbm.job_access(tb))
         for h in tb.hosts:
             print(f"  {h}  {tb.address(h)}  (netns {tb.netns(h)}, link {tb.veth(h)})")
         if args.slurm:

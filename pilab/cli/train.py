@@ -87,6 +87,9 @@ def run(args, argv) -> int:
         _memory_warning(cfg, args, 1, args.ranks_per_node or 1)
         if _check_output(cfg, args, 1):
             clear_out_dir(cfg.out)
+        if cfg.resume:  # the data and model source the checkpoint was made with (exit 2 if they changed)
+            from ..engine.resume import check_unchanged
+            check_unchanged(cfg, ds)
         with interruptible(mpi=False) as stop:
             result = _train_alone(cfg, args.quiet, stop, ds)
         return _report(result, cfg, stop.signum)

@@ -50,8 +50,10 @@ def _pins(ref: dict) -> str:
                     if ref.get(k) and "cannot" not in str(ref[k]))
 
 
-def _checks(host, job, why, p, report, answered, peak) -> dict:
-    """Every check of ``CHECKS`` but ``placement`` for one host, from its probe ``p`` (None: it did not answer)."""
+def _checks(host, job, why, p, report, answered, peak, ranks=None) -> dict:
+    """Every check of ``CHECKS`` but ``placement`` for one host, from its probe ``p`` (None: it did not answer);
+    ``ranks``: the ranks its machine gets (``placement.ranks_on``; default ``ranks_per_node``)."""
+    ranks = report["ranks_per_node"] if ranks is None else ranks
     if p is None:
         return _unanswered(host, job, why, report["launcher"])
     net = report.get("net") or {}
@@ -60,8 +62,8 @@ def _checks(host, job, why, p, report, answered, peak) -> dict:
     c["allreduce"], c["link"] = _across(host, p, net, answered)
     c["iface"] = _iface(p, report, answered)
     c["data"] = _data(host, p.get("data", {}), report["head"].get("data", {}), report["data_path"])
-    c["memory"] = _memory(p.get("memory", {}), report["ranks_per_node"], peak)
-    c["cpu"] = _cpu(p.get("cpu", {}), report["ranks_per_node"], report["config"].get("threads", 0))
+    c["memory"] = _memory(p.get("memory", {}), ranks, peak)
+    c["cpu"] = _cpu(p.get("cpu", {}), ranks, report["config"].get("threads", 0))
     c["speed"] = _speed(host, p, net, answered)
     c["controller"], c["clock"] = _talk(host, p, report)
     return c

@@ -2,8 +2,10 @@
 host through the launcher, and the one job across the hosts (Allreduce, links)."""
 from __future__ import annotations
 
+import hmac
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -14,16 +16,24 @@ from ..launch import mpiexec_command
 from .common import MARK, DoctorError
 
 
-class _Listener:
-    """Answers every line with the head's clock, on the address the Pi profile's controller binds."""
+SECRET_ENV = "PILAB_DOCTOR_SECRET"  # how the probes learn the listener's secret (mpiexec passes it on)
 
-    def __init__(self, bind: str):
+
+class _Listener:
+    """Answers every line with the head's clock, on the address the Pi profile's controller binds, to a
+    connection whose first line is this doctor run's secret (``secret``, in ``$PILAB_DOCTOR_SECRET`` of
+    the probe jobs); any other connection is closed unanswered, the first one logged."""
+
+    def __init__(self, bind: str, *, out=None):
+        self.secret = secrets.token_hex(16)
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((bind, 0))
         self.sock.listen(64)
         self.port = self.sock.getsockname()[1]
         self.peers: list[str] = []
+        self.foreign: list[str] = []  # addresses of connections without the secret
+        self._out = out
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self):
@@ -32,12 +42,23 @@ class _Listener:
                 conn, addr = self.sock.accept()
             except OSError:
                 return
-            self.peers.append(addr[0])
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._answer, args=(conn, addr[0]), daemon=True).start()
 
-    @staticmethod
-    def _answer(conn):
+    def _answer(self, conn, peer: str):
         with conn, conn.makefile("rw") as f:
+            conn.settimeout(10)
+            try:
+                first = f.readline(256).strip()
+            except (OSError, UnicodeError):
+                first = ""
+            if not hmac.compare_digest(first.encode(), self.secret.encode()):
+                self.foreign.append(peer)
+                if len(self.foreign) == 1:
+                    print(f"pilab doctor: ignored a connection from {peer} to the head's listener without this "
+                          "run's secret (further ones are not logged)", file=self._out or sys.stderr, flush=True)
+                return
+            self.peers.append(peer)
+            conn.settimeout(None)
             for _ in f:
                 f.write(f"{time.time()!r}\n")
                 f.flush()
@@ -48,10 +69,11 @@ class _Listener:
 
 def controller_address(hostfile: str | None, env: dict | None = None) -> tuple[str, str]:
     """(bind, advertised) address of the Pi profile's controller: ``$PILAB_CONTROLLER_IP`` for both,
-    else all interfaces and the address that routes to the first host (profiles/profile_pi)."""
+    else the address that routes to the first host, for both (profiles/profile_pi): never every
+    interface."""
     from ..lab.cluster.profiles import lan_address
-    addr = (os.environ if env is None else env).get("PILAB_CONTROLLER_IP", "")
-    return (addr or "0.0.0.0"), (addr or lan_address(hostfile))
+    addr = (os.environ if env is None else env).get("PILAB_CONTROLLER_IP", "") or lan_address(hostfile)
+    return addr, addr
 
 
 def _hostfile(tmp: str, name: str, hosts: list[tuple[str, int]]) -> str:

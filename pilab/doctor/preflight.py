@@ -7,10 +7,10 @@ import tempfile
 from ..launch import LaunchError, find_mpiexec, mpiexec_command
 from .checks import _checks, _skip
 from .common import DoctorError
-from .jobs import (_Job, _Listener, _hostfile, _launcher_words, _needs_snn, _net_job, _probe_cmd, speed_spec,
+from .jobs import (SECRET_ENV, _Job, _Listener, _hostfile, _launcher_words, _needs_snn, _net_job, _probe_cmd, speed_spec,
                    controller_address, data_path, predicted_peak)
 from ..launch.library import _family, mpiexec_library
-from ..launch.placement import placement_checks
+from ..launch.placement import placement_checks, ranks_on
 
 
 def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpiexec: str | None = None,
@@ -44,8 +44,9 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
         raise DoctorError(f"the controller's address {bind} cannot be bound here ({e.strerror}); set "
                           "PILAB_CONTROLLER_IP to an address of this machine on the hosts' network") from None
     head_arg = f"{advertised}:{listener.port}"
+    env[SECRET_ENV] = listener.secret  # the probes' first line to the listener (mpiexec passes env on)
     opts = ["--data", data, "--head", head_arg, "--toward", toward] + (["--snn"] if _needs_snn(cfg) else [])
-    report = {"hosts": [h for h, _ in hosts], "mpiexec": mpx, "mpiexec_library": launcher,
+    report = {"hosts": list(dict.fromkeys(h for h, _ in hosts)), "mpiexec": mpx, "mpiexec_library": launcher,
               "config": cfg.to_dict(), "ranks_per_node": ranks_per_node, "data_path": data,
               "predicted_peak_bytes": peak, "controller": head_arg, "launcher": _launcher_words(env),
               "ucx_net_devices": env.get("UCX_NET_DEVICES", "")}
@@ -61,9 +62,12 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
     if net and net.get("bench"):
         report["runs"] = [net["bench"]]  # what `perfmodel calibrate --inter-bench` reads
         report["fit"] = _fit(report["runs"])
-    report["checks"] = {h: _checks(h, jobs[h], why[h], probes[h], report, answered, peak)
-                        for h, _ in hosts}
-    for h, check in placement_checks(hosts, ranks_per_node, env=env).items():
+    # the ranks each machine really gets, however often (and under whatever names) the list names it:
+    # what its memory and CPU checks count (pilab.launch.placement)
+    report["ranks_here"] = ranks_on(hosts, ranks_per_node, probes)
+    report["checks"] = {h: _checks(h, jobs[h], why[h], probes[h], report, answered, peak, report["ranks_here"][h])
+                        for h in dict.fromkeys(h for h, _ in hosts)}
+    for h, check in placement_checks(hosts, ranks_per_node, env=env, probes=probes).items():
         # "as checked" needs the memory and CPU checks it refers to: a host that did not answer had none
         # (a wrong slot count or a drained node is still said: neither needs the host to answer)
         ok = check["ok"] and report["checks"][h]["answers"]["ok"]
@@ -99,7 +103,7 @@ def _probe(report, hosts, opts, tmp, mpx, env, answer_s, timeout_s, links, spec=
     head = _Job(_probe_cmd("host", *opts), env)  # the head itself, without a launcher
     jobs = {h: _Job(mpiexec_command(1, _probe_cmd("host", *opts), mpiexec=mpx,
                                     hostfile=_hostfile(tmp, f"h{i}", [(h, 1)])), env)
-            for i, (h, _) in enumerate(hosts)}
+            for i, h in enumerate(dict.fromkeys(h for h, _ in hosts))}  # a name listed twice: probed once
     head_why = head.wait(timeout_s, timeout_s)
     if head_why or not head.results:
         for j in jobs.values():
@@ -109,7 +113,7 @@ def _probe(report, hosts, opts, tmp, mpx, env, answer_s, timeout_s, links, spec=
     report["head"] = head.results[0]
     why = {h: j.wait(answer_s, timeout_s) for h, j in jobs.items()}
     probes = {h: (j.results[0] if j.results else None) for h, j in jobs.items()}
-    answered = [h for h, _ in hosts if probes[h] is not None]
+    answered = [h for h in jobs if probes[h] is not None]
     net = _net_job(tmp, answered, mpx, env, answer_s, timeout_s, links, spec) if answered else None
     return probes, jobs, why, answered, net
 

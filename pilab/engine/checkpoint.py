@@ -33,7 +33,8 @@ import torch
 from ..config import Config, ConfigError
 from ..files import atomic_write
 
-__all__ = ["CheckpointError", "WriteError", "save", "load", "verify", "digest", "latest", "FORMAT"]
+__all__ = ["CheckpointError", "ReadError", "WriteError", "save", "load", "verify", "check_sources",
+           "changed_sources", "digest", "latest", "FORMAT"]
 
 # /2: every loop feature's state under its name in "components" (was "ema", "ema_pending", "gns" at the top)
 FORMAT = "pilab.checkpoint/2"
@@ -49,6 +50,11 @@ _EPOCH_FILE = re.compile(r"checkpoint-e(\d+)(?:-s(\d+))?\.pt$")
 class CheckpointError(ConfigError):
     """A checkpoint cannot be resumed from (missing, corrupt, truncated, another run's). One line, with
     the fix; a ConfigError, so the CLI reports it as bad input (exit 2)."""
+
+
+class ReadError(CheckpointError):
+    """A checkpoint that could not be read now for a reason other than damage (an I/O error, too little
+    memory): the file may be fine, so nothing may delete or replace it; retry where it can be read."""
 
 
 class WriteError(OSError):
@@ -173,12 +179,19 @@ def read(path: str) -> dict:
                               "(written with --checkpoint-every K)")
     if os.path.isdir(path):
         raise CheckpointError(f"resume={path!r} is a directory; give {os.path.join(path, NAME)}")
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head != _ZIP_MAGIC:
-        raise CheckpointError(f"{path} is not a pilab checkpoint (not a torch.save file){_others(path)}")
     try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if head != _ZIP_MAGIC:
+            raise CheckpointError(f"{path} is not a pilab checkpoint (not a torch.save file){_others(path)}")
         ck = torch.load(path, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
+    except (OSError, MemoryError) as e:  # the disk or the memory, not the file: it stays as it is
+        why = (f"[Errno {e.errno}] {e.strerror}" if isinstance(e, OSError) and e.strerror
+               else f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+        raise ReadError(f"{path} could not be read ({why[:160]}); it is not known to be damaged and was left "
+                        "as it is: resume again once the disk (or the memory) lets it be read") from None
     except Exception as e:  # a damaged zip, an unpicklable record: say so, no traceback
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path} is truncated or corrupt ({first[:120]}); resume from an "
@@ -243,10 +256,44 @@ def verify(ck: dict, cfg: Config, np_: int, path: str = "checkpoint") -> Config:
     return saved
 
 
-def load(path: str, cfg: Config, np_: int) -> dict:
-    """``read`` + ``verify``: the checkpoint, fit to resume ``cfg`` at ``np_`` ranks."""
+def changed_sources(then: dict, now: dict, data: str) -> str | None:
+    """What differs between the sources a run recorded (``then``: ``{"data_checksum", "model_source"}``, a
+    checkpoint's or a result's) and those of now (``engine.resume.sources``), as the end of "was made ...":
+    "on other data: the contents of 'x' changed since (...)" or "with another version of your model: ...";
+    None when neither differs, or a record predates them::
+
+        changed_sources(ck, resume.sources(cfg, ds), cfg.data)
+    """
+    a, b = then.get("data_checksum"), now.get("data_checksum")
+    if a and b and a != b:
+        return f"on other data: the contents of {data!r} changed since (data checksum {a[:12]} then, {b[:12]} now)"
+    a, b = then.get("model_source") or {}, now.get("model_source") or {}
+    if a.get("sha256") and b.get("sha256") and a["sha256"] != b["sha256"]:
+        return (f"with another version of your model: {b.get('file') or b.get('spec')} changed since "
+                f"(sha256 {a['sha256'][:12]} then, {b['sha256'][:12]} now)")
+    return None
+
+
+def check_sources(ck: dict, path: str = "checkpoint", *, data_checksum: str | None = None,
+                  model_source: dict | None = None) -> None:
+    """Refuse (CheckpointError) to resume a checkpoint whose run read other data (``data_checksum``: the
+    data set's as loaded now) or built its model from another source (``model_source``: your builder's
+    file as it is now, ``models.custom.source_digest``); a checkpoint that predates these records passes.
+    The same settings on changed data or code would carry on a run that mixes two."""
+    why = changed_sources(ck, {"data_checksum": data_checksum, "model_source": model_source},
+                          ck["config"].get("data"))
+    if why:
+        raise CheckpointError(f"{path} was made {why}; resume with the data and code it was made with, or start "
+                              "the run again (--overwrite; another --out keeps this one)")
+
+
+def load(path: str, cfg: Config, np_: int, *, data_checksum: str | None = None,
+         model_source: dict | None = None) -> dict:
+    """``read`` + ``verify`` (+ ``check_sources`` where the data's checksum or the model's source is
+    given): the checkpoint, fit to resume ``cfg`` at ``np_`` ranks."""
     ck = read(path)
     verify(ck, cfg, np_, path)
+    check_sources(ck, path, data_checksum=data_checksum, model_source=model_source)
     return ck
 
 

@@ -91,6 +91,9 @@ def prepare(comm, make_cfg: Callable[[], Config], hang_s: float | None, *, also=
         extra = also(cfg) if also is not None else None
         ds = load_data(cfg)
         cfg.check_world(comm.Get_size(), len(ds.y_train))
+        if cfg.resume and comm.Get_rank() == 0:  # rank 0 reads the checkpoint (as it will to resume)
+            from .resume import check_unchanged
+            check_unchanged(cfg, ds)
         seconds = hang_s if hang_s is not None else hang_s_from_env()
         if seconds < 0:
             raise ConfigError(f"--hang-s {hang_s} must be >= 0 (0: no watchdog)")

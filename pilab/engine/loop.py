@@ -48,6 +48,7 @@ from .. import data as data_mod
 from .checkpoint import CheckpointError
 from ..config import Config
 from .. import resultfile
+from ..perfmodel.layout import model_profile
 from . import memory
 from .optim import build_optimizer, lr_at, set_lr
 # the rank backends and the pieces they share, re-exported: ``loop`` is the engine's one public face
@@ -101,6 +102,10 @@ class Session:
         torch.set_num_threads(self.threads)
         self._set_data(data.take() if isinstance(data, Handoff) else data, owned)
         self.model = ranks.build(cfg, self.device, self.ds, self.batch)
+        # data and builder digests (a resume on other ones is refused); what analysis needs of the model,
+        # measured here where its code runs anyway (reading the result never builds it again)
+        self.sources = resume.sources(cfg, self.ds)
+        self.model_profile = model_profile(cfg.model, cfg.width, cfg.timesteps) if self.rank == 0 else None
         self.first_batch = self.batch
         self.steps_per_epoch = ranks.steps_per_epoch  # the first epoch's (a batch ramp changes it)
         self.schedule_in_epochs = False  # a feature that chooses the batches as it goes sets it (see lr)
@@ -136,7 +141,7 @@ class Session:
         """The position ``cfg.resume`` holds (``{}`` without one): model and optimizer loaded, the
         interrupted epoch's data order regrouped over these ranks where the np changed."""
         cfg, ranks, spe = self.cfg, self.ranks, self.steps_per_epoch
-        ck = resume.load(cfg, ranks, self.model, self.optimizer) if cfg.resume else {}
+        ck = resume.load(cfg, ranks, self.model, self.optimizer, sources=self.sources) if cfg.resume else {}
         self.start_epoch, self.history = ck.get("epoch", 0), ck.get("history", [])
         self.start_step = ck.get("step_in_epoch", 0)  # steps of start_epoch already done
         self.partial = ck.get("partial")  # that epoch's sums so far
@@ -267,7 +272,7 @@ class Session:
               "epoch": epoch, "step": global_step, "np": self.np_, "config": self.cfg.to_dict(),
               "history": history, "pilab_version": __version__, "step_in_epoch": step_in_epoch,
               "order_np": self.order_np if step_in_epoch else self.np_, "partial": partial,
-              "ranks": states}
+              "ranks": states, **self.sources}
         states = {c.name: c.state_dict() for c in self.components}
         ck["components"] = {k: v for k, v in states.items() if v is not None}
         return checkpoint.save(self.cfg.out, ck, keep=self.cfg.keep)

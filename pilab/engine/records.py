@@ -10,8 +10,22 @@ from __future__ import annotations
 
 import time
 
-from .. import __version__
+import os
+
+from .. import __version__, resultfile
 from .backend import EVAL_BATCH, StepResult, peak_mem_mb
+from .checkpoint import epoch_files
+
+# Every file a run writes in its --out (and its numbered checkpoints, checkpoint-e*.pt: run_files): what
+# --overwrite, and a study point run again, remove first, so that nothing of an old run (a trace.json
+# of a run with --trace) is taken for the new run's. A result is two files (``pilab.resultfile``).
+RUN_FILES = (*resultfile.files("result.json"), "trace.json", "checkpoint.pt")
+
+
+def run_files(out: str) -> list[str]:
+    """The paths of the run files in ``out`` that exist (``RUN_FILES``, then the numbered checkpoints)."""
+    return [p for p in (os.path.join(out, n) for n in RUN_FILES) if os.path.exists(p)] + \
+        [p for _, p in epoch_files(out)]
 
 # comm_wait is the part of comm_exposed spent waiting for a slower rank to reach the gradient Allreduce
 # (a straggler); comm_exposed - comm_wait is what the network itself cost (see MPIRanks.step).
@@ -104,6 +118,8 @@ def result(s: Session, epochs_log: list, steps_log: dict, bytes_per_step: int, s
         "total_steps": s.total_steps, "schedule_steps": s.schedule_steps,
         "data": {"source": ds.source, "checksum": ds.checksum, "n_train": int(len(ds.y_train)),
                  "n_test": int(len(ds.y_test)), "sharding": cfg.sharding, **s.accounting},
+        **({"model_source": s.sources["model_source"]} if s.sources.get("model_source") else {}),
+        **({"model_profile": s.model_profile} if s.model_profile else {}),
         "env": env, "epochs": epochs_log, "steps": steps_log, "bytes_per_step": bytes_per_step,
         "wall_time": wall, "train_time": train_total,
         "images_per_s": images_total / train_total if train_total else None,

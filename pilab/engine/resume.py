@@ -90,16 +90,34 @@ def _average_saved_buffers_(model: nn.Module, states: list) -> None:
             b.copy_(torch.stack([st["bn"][i] for st in states]).mean(0))
 
 
-def load(cfg: Config, ranks, model, optimizer) -> dict:
-    """Rank 0 reads and verifies ``cfg.resume`` (checksum, settings, np); every rank gets the position
-    (epoch, step in epoch, history, partial sums, np, order np), rank 0 also the per-rank states (key
-    ``ranks``), or every rank the same CheckpointError (never one rank failing while the others wait)."""
+def sources(cfg: Config, ds) -> dict:
+    """What a run reads and builds from, as a checkpoint records it: the data set's checksum (its contents
+    as loaded, subset included) and your model builder's file digest (``models.custom.source_digest``;
+    None for a registered model)::
+
+        resume.sources(cfg, ds)   # {"data_checksum": "5e1f...", "model_source": None}
+    """
+    from ..models.custom import source_digest
+    return {"data_checksum": ds.checksum, "model_source": source_digest(cfg.model)}
+
+
+def check_unchanged(cfg: Config, ds) -> None:
+    """CheckpointError when ``cfg.resume`` was made on other data than ``ds`` or with another version of
+    the model builder (``checkpoint.check_sources``); before any rank trains (``harness.prepare``)."""
+    checkpoint.check_sources(checkpoint.read(cfg.resume), cfg.resume, **sources(cfg, ds))
+
+
+def load(cfg: Config, ranks, model, optimizer, *, sources: dict | None = None) -> dict:
+    """Rank 0 reads and verifies ``cfg.resume`` (checksum, settings, np; with ``sources``, the data and
+    model source it was made with); every rank gets the position (epoch, step in epoch, history, partial
+    sums, np, order np), rank 0 also the per-rank states (key ``ranks``), or every rank the same
+    CheckpointError (never one rank failing while the others wait)."""
     comm, np_ = ranks.comm, ranks.np_
     rank, size = world(comm)
     meta = error = states = None
     if rank == 0:
         try:
-            ck = checkpoint.load(cfg.resume, cfg, np_)
+            ck = checkpoint.load(cfg.resume, cfg, np_, **(sources or {}))
             other_np = int(ck["np"]) != np_
             if other_np and ranks.simulated:
                 _regroup_(ck["model"], model, cfg.bn_buffers)

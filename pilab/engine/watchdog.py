@@ -17,18 +17,28 @@ node nobody can reach any more::
 checkpoint (on the Pi cluster at most ~20 s at the study's settings). Default: ``DEFAULT_HANG_S``
 (120 s, as the notebook's ``Engines.train(hang_s=...)``); the CLI takes ``--hang-s`` or
 ``$PILAB_HANG_S``, 0 switches the watchdog off.
+
+The side channel is the job's own: each listener binds the one address it advertises (the host's
+address on the network its peers share; loopback when every rank is on one host), and answers only a
+line that carries the job's secret -- 16 random bytes rank 0 draws and broadcasts over MPI at start,
+compared with ``hmac.compare_digest``. A connection without it (another user on the cluster network, a
+port scanner) gets nothing; the first is logged (``FOREIGN``), later ones are not (docs/security.md).
 """
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import os
+import secrets
 import socket
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["Watchdog", "DEFAULT_HANG_S", "EXIT_HANG", "hang_s_from_env", "diagnose"]
+__all__ = ["Watchdog", "DEFAULT_HANG_S", "EXIT_HANG", "hang_s_from_env", "diagnose", "cluster_address", "FOREIGN",
+           "BACKLOG"]
 
 DEFAULT_HANG_S = 120.0
 EXIT_HANG = 3  # exit status of a rank the watchdog ended
@@ -38,6 +48,10 @@ EXIT_HANG = 3  # exit status of a rank the watchdog ended
 VERDICTS = ("unreachable", "silent", "waiting")
 PROBE_S = 3.0  # seconds a peer has to answer (a reachable peer answers from its own thread at once)
 EXIT_GRACE_S = 1.0  # seconds a captured stderr (a notebook engine's) gets to send the report
+# The one line a connection without the job's secret earns (once per rank). Not MARK: the launcher ends
+# mpiexec when a rank prints MARK (watch_launcher), and a stranger's message must not end the job.
+FOREIGN = "pilab: side channel:"
+BACKLOG = 64  # connections a listener queues (its mark in `ss -tln`: MPI's own listeners queue 4096)
 
 
 def hang_s_from_env(default: float = DEFAULT_HANG_S) -> float:
@@ -54,14 +68,43 @@ def hang_s_from_env(default: float = DEFAULT_HANG_S) -> float:
     return value
 
 
-def _local_addresses() -> list[str]:
-    """This host's IPv4 addresses other than loopback (in a testbed node: its one link's address)."""
+def _local_networks() -> list[str]:
+    """This host's IPv4 interfaces other than loopback, as ``address/prefix`` (in a testbed node: its
+    one link's)."""
     import psutil  # an ipyparallel dependency; only multi-host jobs need it
 
     out = []
     for addrs in psutil.net_if_addrs().values():
-        out += [a.address for a in addrs if a.family == socket.AF_INET and not a.address.startswith("127.")]
+        for a in addrs:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                out.append(str(ipaddress.ip_interface(f"{a.address}/{a.netmask or '255.255.255.255'}")))
     return out
+
+
+def cluster_address(mine: list[str], others: list[list[str]]) -> str:
+    """The address of this host (``mine``: ``address/prefix`` strings) on the network the other hosts
+    share with it: the one whose network holds an address of the most other hosts (``others``: each
+    host's list), the first on a tie; where none shares a network, the address the kernel sends from
+    toward the first other host. What the side channel binds and advertises -- never every interface::
+
+        cluster_address(["192.168.1.5/24", "10.0.0.5/24"], [["10.0.0.6/24", "172.16.0.6/16"]])  # "10.0.0.5"
+    """
+    ifaces = [ipaddress.ip_interface(a) for a in mine]
+    if not ifaces:
+        raise OSError("this host has no IPv4 address other than loopback; the other hosts cannot reach it")
+
+    def reached(i):
+        return sum(any(ipaddress.ip_interface(a).ip in i.network for a in host) for host in others)
+    best = max(ifaces, key=reached)  # max keeps the first of equals
+    if reached(best) or not others or not others[0]:
+        return str(best.ip)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((str(ipaddress.ip_interface(others[0][0]).ip), 9))  # UDP connect: nothing is sent
+            src = s.getsockname()[0]
+        return src if any(str(i.ip) == src for i in ifaces) else str(best.ip)
+    except OSError:
+        return str(best.ip)
 
 
 class Watchdog:
@@ -86,22 +129,27 @@ class Watchdog:
         self.report: str | None = None
         self._stop = threading.Event()
         self._server = None
+        self._secret = b""
+        self.foreign = 0  # connections refused for want of the job's secret
         self.peers: list[dict] = []
         if self.size < 2 or self.hang_s <= 0:
             return
         host = socket.gethostname()
-        hosts = comm.allgather(host)
-        # One host: loopback is enough. Several: every address of this host (in a testbed node that is
-        # only its link's; on a cluster node its LAN addresses), since which one a peer can reach is
-        # what the watchdog is about to find out.
-        multi = len(set(hosts)) > 1
-        addrs = _local_addresses() if multi else ["127.0.0.1"]
+        # the job's secret: drawn by rank 0, sent to the others over MPI (never on the side channel)
+        self._secret = comm.bcast(secrets.token_hex(16) if self.rank == 0 else None, root=0).encode()
+        nets = _local_networks()
+        seen = comm.allgather((host, nets))
+        # One host: loopback is enough. Several: this host's address on the network the other hosts
+        # share (in a testbed node its one link's; on a cluster node its cluster LAN address).
+        multi = len({h for h, _ in seen}) > 1
+        others = [n for h, n in dict(seen).items() if h != host]
+        addr = cluster_address(nets, others) if multi else "127.0.0.1"
         self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._server.bind(("0.0.0.0" if multi else "127.0.0.1", 0))
-        self._server.listen(64)
+        self._server.bind((addr, 0))
+        self._server.listen(BACKLOG)
         self._server.settimeout(0.5)
-        me = {"rank": self.rank, "host": host, "addrs": addrs, "port": self._server.getsockname()[1],
+        me = {"rank": self.rank, "host": host, "addrs": [addr], "port": self._server.getsockname()[1],
               "pid": os.getpid()}
         self.peers = comm.allgather(me)
         self._threads = [threading.Thread(target=self._serve, name="pilab-watchdog-serve", daemon=True),
@@ -138,25 +186,49 @@ class Watchdog:
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self._server.accept()
+                conn, peer = self._server.accept()
             except (socket.timeout, OSError):
                 continue
-            with conn:
-                msg = {"rank": self.rank, "steps": self.steps,
-                       "quiet_s": round(time.monotonic() - self.last, 1)}
-                try:
-                    conn.sendall((json.dumps(msg) + "\n").encode())
-                    # a probe closes the connection now (EOF at once); a failing peer says why at
-                    # once too: wait briefly, so that probes queued behind this one are answered
+            try:  # the makefile closed with the socket: an open one would keep the connection up
+                with conn, conn.makefile("rwb") as f:
                     conn.settimeout(min(1.0, self.probe_s))
-                    line = conn.makefile().readline()
-                    if line.strip():
-                        reason = json.loads(line).get("failed", "")
-                        if self.on_peer_failure is not None and reason:
-                            self.on_peer_failure(reason)
-                        conn.sendall(b"ok\n")
-                except (OSError, ValueError):
-                    pass
+                    self._answer(f, peer)
+            except (OSError, ValueError):
+                pass
+
+    def _answer(self, f, peer) -> None:
+        # the caller speaks first, with the job's secret; a line without it gets nothing
+        ask = self._authentic(f.readline(4096), peer)
+        if ask is None:
+            return
+        msg = {"rank": self.rank, "steps": self.steps, "quiet_s": round(time.monotonic() - self.last, 1)}
+        f.write((json.dumps(msg) + "\n").encode())
+        f.flush()
+        reason = ask.get("failed", "")
+        if reason and isinstance(reason, str):
+            if self.on_peer_failure is not None:
+                self.on_peer_failure(reason)
+            f.write(b"ok\n")
+            f.flush()
+
+    def _authentic(self, line: bytes, peer) -> dict | None:
+        """The message in ``line`` if it carries the job's secret, else None (the first such one logged)."""
+        try:
+            msg = json.loads(line)
+            token = msg.get("secret", "") if isinstance(msg, dict) else ""
+            ok = isinstance(token, str) and hmac.compare_digest(token.encode(), self._secret)
+        except (ValueError, UnicodeError):
+            ok = False
+        if ok:
+            return msg
+        self.foreign += 1
+        if self.foreign == 1:
+            print(f"{FOREIGN} rank {self.rank} ignored a connection from {peer[0]} without this job's secret "
+                  "(further ones are not logged)", file=self._out or sys.stderr, flush=True)
+        return None
+
+    def _line(self, **msg) -> str:
+        return json.dumps({"secret": self._secret.decode(), **msg}) + "\n"
 
     def _watch(self) -> None:
         while not self._stop.wait(1.0):
@@ -204,9 +276,9 @@ class Watchdog:
                 with socket.create_connection((addr, peer["port"]), timeout=self.probe_s) as s:
                     s.settimeout(timeout)
                     f = s.makefile("rw")
-                    f.readline()  # its status line
-                    f.write(json.dumps({"failed": reason}) + "\n")
+                    f.write(self._line(failed=reason))
                     f.flush()
+                    f.readline()  # its status line
                     return f.readline().strip() == "ok"
             except OSError:
                 continue
@@ -232,6 +304,7 @@ class Watchdog:
             with s:
                 try:
                     s.settimeout(self.probe_s)
+                    s.sendall(self._line().encode())
                     line = s.makefile().readline()
                 except OSError:
                     line = ""

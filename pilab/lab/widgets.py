@@ -157,7 +157,7 @@ class ControlPanel:
         try:
             fn()
         except Exception as e:
-            self._say(f"<span style='color:#c00'>{type(e).__name__}: {e}</span>")
+            self._say(f"<span style='color:#c00'>{html.escape(f'{type(e).__name__}: {e}')}</span>")
 
     def _say(self, html: str) -> None:
         self.status.value = html
@@ -231,7 +231,7 @@ class ControlPanel:
             self._idle()
         elif kind == "error":
             self.progress.bar_style = "danger"
-            self._say(f"<span style='color:#c00'>{event.get('message')}</span>")
+            self._say(f"<span style='color:#c00'>{html.escape(str(event.get('message')))}</span>")
             self._idle()
 
     def _idle(self) -> None:

@@ -14,13 +14,30 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["HostsError", "read_hostfile", "parse_hosts", "expand_nodelist", "expand_tasks",
+__all__ = ["HostsError", "check_host", "read_hostfile", "parse_hosts", "expand_nodelist", "expand_tasks",
            "allocation", "in_allocation", "place", "total_slots"]
 
 
 class HostsError(ValueError):
     """A hostfile, host list or allocation that cannot be read, or too few slots; the message names the
     fix (the CLI exits 2)."""
+
+
+# A host name or IPv4 address, as Hydra hands it to `ssh HOST`: letters, digits, '.', '_' and '-', not
+# starting with '-' (ssh would take it for an option) and nothing a shell would read (';', '$', spaces...).
+_HOST = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def check_host(host: str, where: str) -> str:
+    """``host`` if it is a plain host name or address, else HostsError naming ``where`` it came from::
+
+        check_host("pi01", "--hosts")          # "pi01"
+        check_host("-oProxyCommand=x", "--hosts")   # HostsError
+    """
+    if not _HOST.match(host or "") or len(host) > 253:
+        raise HostsError(f"{where}: {host!r} is not a host name or address (letters, digits, '.', '_', '-'; "
+                         "not starting with '-'); give the node's name or IPv4 address")
+    return host
 
 
 def read_hostfile(path: str) -> list[tuple[str, int]]:
@@ -37,7 +54,7 @@ def read_hostfile(path: str) -> list[tuple[str, int]]:
             host, _, slots = line.partition(":")
             if not host.strip() or (slots.strip() and not slots.strip().isdigit()):
                 raise HostsError(f"hostfile {path} line {n}: {line!r} is not host or host:slots")
-            out.append((host.strip(), int(slots) if slots.strip() else 1))
+            out.append((check_host(host.strip(), f"hostfile {path} line {n}"), int(slots) if slots.strip() else 1))
     if not out:
         raise HostsError(f"hostfile {path} lists no hosts; add lines such as 'pi01:2'")
     return out
@@ -52,7 +69,7 @@ def parse_hosts(text: str, slots: int = 1) -> list[tuple[str, int]]:
         host, _, s = item.partition(":")
         if s and not s.isdigit():
             raise HostsError(f"--hosts {text!r}: {item!r} is not host or host:slots")
-        out.append((host, int(s) if s else slots))
+        out.append((check_host(host, f"--hosts {text!r}"), int(s) if s else slots))
     if not out:
         raise HostsError(f"--hosts {text!r} names no host; give e.g. --hosts pi01,pi02")
     return out
@@ -119,7 +136,7 @@ def allocation(env: dict | None = None) -> list[tuple[str, int]] | None:
     env = os.environ if env is None else env
     if not in_allocation(env):
         return None
-    nodes = expand_nodelist(env["SLURM_JOB_NODELIST"])
+    nodes = [check_host(n, "SLURM_JOB_NODELIST") for n in expand_nodelist(env["SLURM_JOB_NODELIST"])]
     per = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_JOB_CPUS_PER_NODE") or "1"
     counts = expand_tasks(per)
     if len(counts) != len(nodes):

@@ -66,6 +66,11 @@ def mpiexec_command(np_: int, program: Sequence[str], *, mpiexec: str | None = N
         return srun_command(np_, program, mpiexec=mpiexec)
     cmd = [find_mpiexec(mpiexec)]
     if hostfile:
+        from .hosts import HostsError, read_hostfile
+        try:  # every host a plain name or address before Hydra hands it to ssh (pilab.launch.hosts.check_host)
+            read_hostfile(hostfile)
+        except HostsError as e:
+            raise LaunchError(str(e)) from None
         cmd += ["-f", hostfile]
     return [*cmd, *extra, "-n", str(np_), *program]
 

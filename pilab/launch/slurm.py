@@ -26,7 +26,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-__all__ = ["SlurmError", "Job", "require_commands", "partition", "time_seconds", "job_script", "activation",
+__all__ = ["SlurmError", "Job", "require_commands", "partition", "time_seconds", "job_script", "check_path",
+           "literal", "activation",
            "submit", "states", "cancel", "ACTIVE", "ENDED_OK"]
 
 COMMANDS = ("sbatch", "squeue", "scancel", "sinfo", "scontrol")
@@ -115,16 +116,48 @@ def activation() -> list[str]:
     return lines
 
 
+def check_path(path: str, what: str) -> str:
+    """``path`` if a batch script can carry it (sbatch reads ``#SBATCH`` values with quotes and backslash
+    escapes of its own, a line break would end the line), else SlurmError naming ``what`` it is::
+
+        check_path("runs/a b%c", "--out")      # fine: quoted, and % kept literal (:func:`literal`)
+    """
+    bad = next((c for c in path if c in "\\" or not c.isprintable()), None)
+    if bad is not None:
+        raise SlurmError(f"{what} {path!r} has a {'backslash' if bad == chr(92) else 'control character'}, "
+                         "which a batch script cannot carry; use a path without it")
+    return path
+
+
+def literal(path: str) -> str:
+    """``path`` in an ``#SBATCH --output`` file name pattern, standing for itself: ``%`` doubled (Slurm reads
+    ``%j``, ``%x``, ... as the job id, name and so on)::
+
+        os.path.join(literal("runs/50%"), "slurm-%j.log")   # "runs/50%%/slurm-%j.log"
+    """
+    return path.replace("%", "%%")
+
+
+def _sbatch(option: str, value: str) -> str:
+    """One ``#SBATCH --option=value`` line, the value quoted as sbatch reads it (quotes, no shell)."""
+    return f"#SBATCH --{option}={shlex.quote(check_path(value, '--' + option))}"
+
+
 def job_script(command: list[str], *, name: str, partition: str, time: str, nodes: int, ntasks: int,
                ntasks_per_node: int, log: str, chdir: str | None = None, cpus_per_task: int = 1,
                options: list[str] = (), comment: str = "") -> str:
-    """A plain batch script: ``#SBATCH`` lines, the software (:func:`activation`), then ``command``."""
+    """A plain batch script: ``#SBATCH`` lines, the software (:func:`activation`), then ``command``.
+    Every path is quoted (``log`` is a file name pattern: :func:`literal` for a path with ``%``); one a
+    script cannot carry is a SlurmError."""
+    for text, what in ((comment, "the comment"), (name, "--job-name"), *((c, "the command") for c in command),
+                       *((o, "an #SBATCH option") for o in options)):
+        check_path(text, what)
     lines = ["#!/bin/bash", *([f"# {comment}"] if comment else []),
-             f"#SBATCH --job-name={name}", f"#SBATCH --partition={partition}", f"#SBATCH --time={time}",
+             _sbatch("job-name", name), _sbatch("partition", partition), _sbatch("time", time),
              f"#SBATCH --nodes={nodes}", f"#SBATCH --ntasks={ntasks}",
              f"#SBATCH --ntasks-per-node={ntasks_per_node}",
              *([f"#SBATCH --cpus-per-task={cpus_per_task}"] if cpus_per_task > 1 else []),
-             f"#SBATCH --output={log}", *([f"#SBATCH --chdir={chdir}"] if chdir else []),
+             _sbatch("output", log), *([_sbatch("chdir", chdir)] if chdir else []),
              *(f"#SBATCH {o}" for o in options), *activation(),
              # exec: the job's exit code is the training's, and scancel's signal reaches it directly
              "exec " + shlex.join(command)]

@@ -20,7 +20,9 @@ notebook's studies); MPI ranks import the builder by its string, so put it in a 
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import os
@@ -30,7 +32,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .names import BUILDER_HINT, ModelError, check_builder_spec
+from .names import BUILDER_HINT, ModelError, check_builder_spec, check_named
 
 # builders given as Python functions that no other process could import (defined in __main__, a
 # notebook cell, a closure): this process only, by the string model_spec gave them
@@ -72,12 +74,61 @@ def load_builder(spec: str) -> Callable[..., nn.Module]:
         check_builder_spec(spec)
     except ValueError as e:
         raise ModelError(str(e)) from None
+    check_named(spec)  # a builder named in a file pilab reads is not imported (names.only_named)
     module, attr = spec.rsplit(":", 1)
     fn = _import_attr(module, attr)
     if not callable(fn):
         raise ModelError(f"model={spec!r} names a {type(fn).__name__}, not a function; point it at a "
                          "function taking num_classes and returning a torch.nn.Module")
     return fn
+
+
+def source_file(spec: str) -> str | None:
+    """The file that defines builder ``spec``, found without running it: the ``.py`` path itself, or
+    where Python would import the module from (None where it cannot say: a package's module whose
+    parent has to run first, a builder held only in this process)::
+
+        source_file("nets/mine.py:build")   # "/home/me/nets/mine.py"
+    """
+    if spec in _LOCAL or ":" not in spec:
+        return None
+    module = spec.rsplit(":", 1)[0]
+    if module.endswith(".py"):
+        path = os.path.abspath(os.path.expanduser(module))
+        return path if os.path.isfile(path) else None
+    if "." in module:
+        return None  # finding a.b runs a/__init__.py: only an import says (source_digest imports)
+    where = [os.getcwd(), *sys.path]
+    found = importlib.machinery.PathFinder.find_spec(module, where)
+    return found.origin if found is not None and found.origin and os.path.isfile(found.origin) else None
+
+
+def source_digest(spec: str) -> dict | None:
+    """``{"spec", "file", "sha256"}`` of the file your builder ``spec`` is defined in, as it is now (what a
+    run records, so that a resume or a study's reuse notices an edited model; only that file: modules it
+    imports are not covered); None for a registered model (pilab's own code, its version recorded) or one
+    whose file cannot be found::
+
+        source_digest("nets/mine.py:build")   # {"spec": ..., "file": "/home/me/nets/mine.py", "sha256": "9f2c..."}
+    """
+    if not isinstance(spec, str) or ":" not in spec:
+        return None
+    path = source_file(spec)
+    if path is None and spec not in _LOCAL:
+        try:  # a package's module: where its import found it
+            path = getattr(sys.modules.get(spec.rsplit(":", 1)[0]) or inspect.getmodule(load_builder(spec)),
+                           "__file__", None)
+        except ModelError:
+            path = None
+    if path is None:
+        fn = _LOCAL.get(spec)
+        try:
+            text = inspect.getsource(fn) if fn is not None else None
+        except (OSError, TypeError):
+            text = None
+        return {"spec": spec, "file": None, "sha256": hashlib.sha256(text.encode()).hexdigest()} if text else None
+    with open(path, "rb") as f:
+        return {"spec": spec, "file": os.path.abspath(path), "sha256": hashlib.sha256(f.read()).hexdigest()}
 
 
 def _import_attr(module: str, attr: str):
@@ -175,4 +226,4 @@ def check_output(model: nn.Module, image_shape: tuple, num_classes: int, name: s
 
 
 __all__ = ["ModelError", "model_spec", "is_local", "load_builder", "build", "input_channels", "check_output",
-           "BUILDER_HINT"]
+           "source_file", "source_digest", "BUILDER_HINT"]

@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 import importlib.util
 import re
 
@@ -25,6 +27,40 @@ BUILDER_HINT = "give a registered name or your builder as package.module:functio
 
 class ModelError(ValueError):
     """A model cannot be built or trained as asked. The message is one line naming the problem and the fix."""
+
+
+# Your own builders this process may import: None (training, notebooks, the library) -- any the caller
+# names; a set -- only those. pilab's command line sets it to the --model you typed (only_named), so a
+# builder string found in a file it reads (a result, a trace, a study) is never imported: that would run
+# whatever code the file's author put in the builder's module (docs/security.md).
+_NAMED: frozenset | None = None
+
+
+@contextlib.contextmanager
+def only_named(specs):
+    """Within the ``with`` block, build your own model (a builder string, ``is_builder_spec``) only if it is
+    among ``specs``, the builders named on the command line; pilab's registered models are always built;
+    after it, what was allowed before::
+
+        with only_named([args.model]):      # pilab.cli.main, around every command
+            args.func(args, argv)
+    """
+    global _NAMED
+    before = _NAMED
+    _NAMED = frozenset(s for s in specs if isinstance(s, str) and is_builder_spec(s))
+    try:
+        yield
+    finally:
+        _NAMED = before
+
+
+def check_named(spec: str) -> None:
+    """ModelError unless builder ``spec`` may be imported here (:func:`only_named`)."""
+    if _NAMED is None or not is_builder_spec(spec) or spec in _NAMED:
+        return
+    raise ModelError(f"model={spec!r} comes from a file pilab is reading (a result, a trace, a study), not from "
+                     f"your command line, and building it would run that module's code; if you trust it, name it: "
+                     f"--model {spec}")
 
 
 def is_builder_spec(name: str) -> bool:

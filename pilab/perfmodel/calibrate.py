@@ -20,7 +20,7 @@ from ..config import ConfigError
 from ..files import load_json, save_json
 from .assumptions import FLOPS_PER_ACTIVATION_CPU, STEP_WORK_PER_TENSOR_CPU
 from .fit import _bench_runs, fit_alpha_beta
-from .layout import gradient_layout
+from .layout import activations_per_image, bn_channels, flops_per_image, gradient_layout, remember
 from .machine import Cluster, Link
 
 
@@ -51,16 +51,29 @@ class Calibration:
     activations_per_image: float = 0.0  # activation elements per image of (model, width)
     flops_per_activation: float = 0.0  # the model constant used (FLOPS_PER_ACTIVATION_CPU)
     step_work_per_tensor: float = 0.0  # the model constant used (STEP_WORK_PER_TENSOR_CPU)
+    # the model's gradient tensors ((numel, ready) each) and BatchNorm channels, as the np=1 run recorded
+    # them (layout.model_profile): predictions from this calibration never build the model again
+    gradient_layout: tuple = ()
+    bn_channels: tuple = ()
+
+    def __post_init__(self):
+        if self.gradient_layout:  # what predict and this_box read for (model, width)
+            remember({"model": self.model, "width": self.width, "gradient_layout": self.gradient_layout,
+                      "bn_channels": self.bn_channels or None})
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["bench_nps"] = list(self.bench_nps)
+        d["gradient_layout"] = [list(t) for t in self.gradient_layout]
+        d["bn_channels"] = list(self.bn_channels)
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Calibration":
         d = dict(d)
         d["bench_nps"] = tuple(d.get("bench_nps", ()))
+        d["gradient_layout"] = tuple(tuple(t) for t in d.get("gradient_layout", ()))
+        d["bn_channels"] = tuple(d.get("bn_channels", ()))
         return cls(**d)
 
     def save(self, path: str) -> None:
@@ -87,13 +100,13 @@ def calibrate(np1_result: Mapping[str, Any], comm_bench: Any, *, source: str = "
     see ``FLOPS_PER_ACTIVATION_CPU`` (0 makes compute time scale with FLOPs alone);
     ``step_work_per_tensor``: see ``STEP_WORK_PER_TENSOR_CPU`` (0: compute proportional to the batch).
     """
-    # torch-free import of this package: the model registry loads only when a calibration is made
-    from ..models.zoo import activation_elements, train_flops_per_image
-
     if int(np1_result.get("np", 0)) != 1:
         raise ConfigError(f"calibrate needs the result of an np=1 run; this one has "
                          f"np={np1_result.get('np')}")
     cfg = np1_result["config"]
+    # what the run recorded about its model: its builder's code is not run again to measure it
+    remember(np1_result.get("model_profile"))
+    model, width, ts = cfg["model"], float(cfg["width"]), cfg.get("timesteps")
     b = int(np1_result["per_rank_batch"])
     t = _run_times(np1_result)
     fit = fit_alpha_beta(comm_bench)
@@ -106,8 +119,7 @@ def calibrate(np1_result: Mapping[str, Any], comm_bench: Any, *, source: str = "
     return Calibration(
         model=cfg["model"], width=float(cfg["width"]), per_rank_batch=b,
         threads=threads, cores_per_node=cores,
-        flops_per_image=train_flops_per_image(cfg["model"], float(cfg["width"]),
-                                              timesteps=cfg.get("timesteps")),
+        flops_per_image=flops_per_image(model, width, ts),
         compute_s_per_image=idle * t["step"] / b, data_s_per_image=idle * t["data"] / (t["steps"] * b),
         eval_s_per_image=idle * t["eval"],
         step_overhead_s=idle * max(0.0, (t["time"] - t["compute"] - t["data"]) / t["steps"]),
@@ -119,8 +131,8 @@ def calibrate(np1_result: Mapping[str, Any], comm_bench: Any, *, source: str = "
         oversub_alpha=fit["oversub_alpha"], available_cores=float(available_cores or 0.0),
         bench_nps=tuple(int(r["np"]) for r in runs), mpi_library=str(runs[0].get("mpi_library", "")),
         host=",".join(env.get("hostnames", [])[:1]), source=source,
-        activations_per_image=float(activation_elements(cfg["model"], float(cfg["width"]),
-                                                        timesteps=cfg.get("timesteps"))),
+        activations_per_image=float(activations_per_image(model, width, ts)),
+        gradient_layout=tuple(gradient_layout(model, width)), bn_channels=tuple(bn_channels(model, width)),
         flops_per_activation=float(flops_per_activation),
         step_work_per_tensor=float(step_work_per_tensor))
 
@@ -148,7 +160,7 @@ def this_box(cal: Calibration) -> Cluster:
     link = Link(cal.alpha, cal.beta)
     work = cal.flops_per_image + cal.flops_per_activation * cal.activations_per_image
     # the calibration step did b images of work plus the per-step part, in b x compute_s_per_image
-    step_fixed = cal.step_work_per_tensor * len(gradient_layout(cal.model, cal.width))
+    step_fixed = cal.step_work_per_tensor * len(cal.gradient_layout or gradient_layout(cal.model, cal.width))
     return Cluster(
         name="this_box", nodes=1, ranks_per_node=0, cores_per_node=cal.cores_per_node,
         ref_threads=cal.threads,

@@ -15,14 +15,79 @@ import functools
 from ..dist.buckets import bucket_assignment
 
 
-@functools.lru_cache(maxsize=None)
+# ----------------------------------------------------------------------------------------------
+# what a run recorded: analysis reads it instead of building the model again
+# ----------------------------------------------------------------------------------------------
+_RECORDED: dict[tuple[str, float], dict] = {}  # (model, width) -> a run's model_profile
+
+
+def model_profile(model: str, width: float, timesteps: int | None = None) -> dict | None:
+    """What the performance model needs to know about ``model`` at ``width``, measured now on it (a run
+    records it in result.json and its trace at train time, where its code runs anyway)::
+
+        model_profile("mobilenetv2_cifar", 0.25)   # {"flops_per_image": ..., "activations_per_image": ...,
+                                                   #  "gradient_layout": [[numel, ready], ...], "bn_channels": [...]}
+
+    None where it cannot be measured (a model that does not take 32x32 probe images)."""
+    from ..models.zoo import activation_elements, train_flops_per_image  # torch: see the module docstring
+    try:
+        return {"model": model, "width": float(width), "timesteps": timesteps,
+                "flops_per_image": float(train_flops_per_image(model, width, timesteps=timesteps)),
+                "activations_per_image": float(activation_elements(model, width, timesteps=timesteps)),
+                "gradient_layout": [list(t) for t in _measured_layout(model, float(width))],
+                "bn_channels": list(_measured_bn_channels(model, float(width)))}
+    except Exception:  # noqa: BLE001 - a profile is a convenience for analysis, never a reason to fail a run
+        return None
+
+
+def remember(profile: dict | None) -> None:
+    """Use ``profile`` (a result's or trace's ``model_profile``) for its model and width from now on, in
+    place of building the model: reading a result never runs the code of the builder it names."""
+    if isinstance(profile, dict) and profile.get("model") and profile.get("gradient_layout") is not None:
+        _RECORDED[(profile["model"], float(profile["width"]))] = profile
+
+
+def _recorded(model: str, width: float, timesteps=None, key: str = "gradient_layout"):
+    rec = _RECORDED.get((model, float(width)))
+    if rec is None or rec.get(key) is None or (key.endswith("per_image") and rec.get("timesteps") != timesteps):
+        return None
+    return rec[key]
+
+
+def flops_per_image(model: str, width: float, timesteps: int | None = None) -> float:
+    """Training FLOPs of one image: recorded (``remember``), else ``models.zoo.train_flops_per_image``."""
+    rec = _recorded(model, width, timesteps, "flops_per_image")
+    if rec is not None:
+        return float(rec)
+    from ..models.zoo import train_flops_per_image
+    return train_flops_per_image(model, width, timesteps=timesteps)
+
+
+def activations_per_image(model: str, width: float, timesteps: int | None = None) -> float:
+    """Activation elements of one image: recorded (``remember``), else ``models.zoo.activation_elements``."""
+    rec = _recorded(model, width, timesteps, "activations_per_image")
+    if rec is not None:
+        return float(rec)
+    from ..models.zoo import activation_elements
+    return activation_elements(model, width, timesteps=timesteps)
+
+
 def gradient_layout(model: str, width: float) -> tuple[tuple[int, float], ...]:
     """(numel, ready) per parameter tensor, in the reversed definition order GradSync buckets in.
 
     ``ready`` is the fraction of backward compute done when that tensor's gradient is complete,
     taking each module's backward to cost in proportion to its forward multiply-accumulates.
-    Measured on ``models.probe_model`` (one real one-image forward).
+    What a run recorded (``remember``), else measured on ``models.probe_model`` (one real one-image
+    forward).
     """
+    rec = _recorded(model, width)
+    if rec is not None:
+        return tuple((int(n), float(r)) for n, r in rec)
+    return _measured_layout(model, float(width))
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_layout(model: str, width: float) -> tuple[tuple[int, float], ...]:
     import torch  # here, not at the top: see the module docstring
     from torch import nn
 
@@ -80,18 +145,21 @@ def work_per_image(model: str, width: float, flops_per_activation: float = 0.0,
 
         work_per_image("mobilenetv2_cifar", 0.5, FLOPS_PER_ACTIVATION_CPU) / 1e9   # ~0.78
     """
-    from ..models.zoo import activation_elements, train_flops_per_image  # torch: see the module docstring
-
-    work = train_flops_per_image(model, width, timesteps=timesteps)
+    work = flops_per_image(model, width, timesteps)
     if flops_per_activation:
-        work += flops_per_activation * activation_elements(model, width, timesteps=timesteps)
+        work += flops_per_activation * activations_per_image(model, width, timesteps)
     return work
 
 
-@functools.lru_cache(maxsize=None)
 def bn_channels(model: str, width: float) -> tuple[int, ...]:
     """Channels of each BatchNorm layer, in forward order: ``bn_channels("mobilenetv2_cifar", 0.25)``
-    has 52 layers, 5,328 channels."""
+    has 52 layers, 5,328 channels. What a run recorded (``remember``), else measured."""
+    rec = _recorded(model, width, key="bn_channels")
+    return tuple(int(c) for c in rec) if rec is not None else _measured_bn_channels(model, float(width))
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_bn_channels(model: str, width: float) -> tuple[int, ...]:
     # here, not at the top: see the module docstring
     from torch.nn.modules.batchnorm import _BatchNorm  # every BatchNorm: your own model's 1d and 3d too
 

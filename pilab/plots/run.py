@@ -208,7 +208,7 @@ def run_summary(result: Mapping) -> "Paragraph":
 
 def result_layout(result: Mapping):
     """One run at a glance: loss, accuracy, throughput and the per-rank time split."""
-    return column(Div(text=f"<b>{_summary(result)}</b>"),
+    return column(Div(text=f"<b>{html.escape(_summary(result))}</b>"),
                   row(loss_figure(result), accuracy_figure(result)),
                   row(throughput_figure(result), timeline_figure(result)))
 
@@ -281,11 +281,11 @@ class LivePlot:
             elif kind == "lane":
                 self.lanes(event)
             elif kind == "end":
-                self.title.text = f"<b>{_summary(event['result'])}</b>"
+                self.title.text = f"<b>{html.escape(_summary(event['result']))}</b>"
                 if self._per_rank:  # now the bars can show the whole wall time
                     self.ranks.data = _rank_columns(self._per_rank, self.marks, event["result"])
             elif kind == "error":
-                self.title.text = f"<b style='color:#c00'>{event.get('message', 'run failed')}</b>"
+                self.title.text = f"<b style='color:#c00'>{html.escape(str(event.get('message', 'run failed')))}</b>"
 
     def _reset(self, event: Mapping) -> None:
         self.steps.data = {k: [] for k in self.steps.data}
@@ -298,9 +298,9 @@ class LivePlot:
         self.marks, self.note.text = {}, ""
         self.lanes(event)
         cfg = event.get("config") or {}
-        self.title.text = (f"<b>running on {n} rank(s): {cfg.get('model', '')} width "
-                           f"{cfg.get('width', '')}, {event.get('epochs', '?')} epoch(s) of "
-                           f"{event.get('steps_per_epoch', '?')} steps</b>")
+        self.title.text = "<b>" + html.escape(f"running on {n} rank(s): {cfg.get('model', '')} width "
+                                              f"{cfg.get('width', '')}, {event.get('epochs', '?')} epoch(s) of "
+                                              f"{event.get('steps_per_epoch', '?')} steps") + "</b>"
 
     def _epoch(self, event: Mapping) -> None:
         self.epochs.stream({k: [event.get(k)] for k in self.epochs.data})

@@ -93,8 +93,11 @@ def check(opts: Options, cfg: Config, nps) -> dict:
 
 
 def check_out(out: str, resume: bool) -> None:
-    """SlurmError where ``out`` holds a batch study whose jobs still run and ``resume`` is not asked: a
-    new study there would write into the same point directories as they do."""
+    """SlurmError where ``out`` cannot go into a batch script (``slurm.check_path``), or holds a batch
+    study whose jobs still run and ``resume`` is not asked: a new study there would write into the same
+    point directories as they do."""
+    slurm.check_path(os.path.abspath(out or "."), "--out")
+    slurm.check_path(os.getcwd(), "the working directory")
     if resume or not out:
         return
     recorded = [r["job"] for r in _load_state(out)["points"].values() if r.get("job")]
@@ -161,7 +164,7 @@ def scale_points(cfg: Config, nps, out: str, opts: Options, rpn: int) -> list[Po
             return slurm.job_script(pilab_argv("train", cfg, p, d, resume), name=f"pilab-np{p}",
                                     partition=opts.partition, time=opts.time, nodes=math.ceil(p / per_node),
                                     ntasks=p, ntasks_per_node=per_node, cpus_per_task=_threads(cfg),
-                                    log=os.path.join(d, "slurm-%j.log"), chdir=os.getcwd(),
+                                    log=os.path.join(slurm.literal(d), "slurm-%j.log"), chdir=os.getcwd(),
                                     options=list(opts.options), comment=why)
 
         def finished():
@@ -189,7 +192,7 @@ def remedies_points(cfg: Config, np_: int, candidates, only, recipes_of, opts: O
             return slurm.job_script(pilab_argv("simulate", c, p, d, resume), name=f"pilab-{pid}"[:40],
                                     partition=opts.partition, time=opts.time, nodes=1, ntasks=1,
                                     ntasks_per_node=1, cpus_per_task=_threads(cfg),
-                                    log=os.path.join(d, "slurm-%j.log"), chdir=os.getcwd(),
+                                    log=os.path.join(slurm.literal(d), "slurm-%j.log"), chdir=os.getcwd(),
                                     options=list(opts.options), comment=why)
 
         def finished():

@@ -18,6 +18,7 @@ from .. import resultfile
 from ..engine import checkpoint
 from ..config import Config, ConfigError
 from ..files import dumps, sha256_file
+from ..perfmodel.layout import remember
 
 
 def _finished_point(out: str | None, p: int, point_cfg: Config, simulated: bool) -> dict | None:
@@ -28,7 +29,9 @@ def _finished_point(out: str | None, p: int, point_cfg: Config, simulated: bool)
 
 def finished_run(path: str, p: int, cfg: Config, simulated: bool) -> dict | None:
     """The result.json at ``path`` if it is ``cfg``'s training at ``p`` ranks (:func:`same_training`),
-    simulated or measured as asked, and ran to the end; else None (missing, unreadable, other). A result
+    simulated or measured as asked, and ran to the end; else None (missing, unreadable, other).
+    ConfigError where it is that training but on data whose contents, or with a model builder whose
+    source, changed since (:func:`check_sources`): keeping it would mix two runs in one study. A result
     in the form before result.steps.npz raises ``resultfile.OldFormError`` (convert it; it is not run
     again over it)."""
     try:
@@ -40,7 +43,36 @@ def finished_run(path: str, p: int, cfg: Config, simulated: bool) -> dict | None
         return None
     done = not r.get("stopped_early") and r.get("steps_done", r.get("total_steps")) == r.get("total_steps")
     ok = done and bool(r.get("simulated")) == simulated and r.get("np") == p
-    return r if ok and same_training(saved, cfg, p) else None
+    if not (ok and same_training(saved, cfg, p)):
+        return None
+    check_sources(r, path, cfg)
+    return r
+
+
+def current_sources(cfg: Config) -> dict:
+    """The data checksum and model source digest ``cfg``'s run would record now (``engine.resume.sources``),
+    the data loaded once per process for each data setting (the cache makes it a read)."""
+    key = (cfg.data, cfg.train_subset, cfg.test_subset, cfg.seed, cfg.image_size, cfg.model)
+    if key not in _SOURCES:
+        from ..engine.backend import load_data
+        from ..engine.resume import sources
+        _SOURCES[key] = sources(cfg, load_data(cfg))
+    return _SOURCES[key]
+
+
+_SOURCES: dict = {}
+
+
+def check_sources(r: dict, path: str, cfg: Config) -> None:
+    """ConfigError naming what changed (the data's contents, the model builder's file) and the fix, when
+    the finished run ``r`` (read from ``path``) did not read what ``cfg`` reads now; a result that predates
+    these records is taken as it is."""
+    why = checkpoint.changed_sources({"data_checksum": (r.get("data") or {}).get("checksum"),
+                                      "model_source": r.get("model_source")}, current_sources(cfg), cfg.data)
+    if why:
+        raise ConfigError(f"{path} was trained {why}; run the study again with --overwrite (or into another "
+                          "--out), or put back what changed: --resume and --reuse keep only runs of the same "
+                          "data and code")
 
 
 _LR_RULE = ("lr", "lr_scaling", "lr_ref_batch")
@@ -175,6 +207,7 @@ def resolved(study_: dict, where: str) -> dict:
             raise ConfigError(f"{path} changed after the study in {where} was written (its SHA-256 "
                               "differs); run `pilab scale` with --resume there to make the study again")
         out[p] = {**resultfile.load(path), **run.get("also", {})}
+        remember(out[p].get("model_profile"))  # analysis of the study reads the model as its runs measured it
     # rows of studies made before rows said which simulator mode ran: from their runs
     rows = [r if "simulate_mode" in r else {**r, "simulate_mode": mode_ran(out.get(str(r["np"])))}
             for r in study_.get("rows") or []]
@@ -182,9 +215,10 @@ def resolved(study_: dict, where: str) -> dict:
 
 
 def _clear_point(d: str) -> None:
-    """Remove an earlier run's files from a point's directory before the point is run again."""
-    for path in resultfile.files(os.path.join(d, "result.json")) + [os.path.join(d, "checkpoint.pt")] + \
-            [p for _, p in checkpoint.epoch_files(d)]:
+    """Remove an earlier run's files (``records.RUN_FILES``) from a point's directory before the point is
+    run again."""
+    from ..engine.records import run_files
+    for path in run_files(d):
         if os.path.exists(path):
             os.remove(path)
 

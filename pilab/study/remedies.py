@@ -359,6 +359,8 @@ def _part_way(d: str, c: Config, np_: int) -> str:
         return ""
     try:
         checkpoint.verify(checkpoint.read(path), c, np_, path)
+    except checkpoint.ReadError:
+        raise  # unreadable now, not damaged: starting over there would replace it
     except ConfigError:
         return ""
     return path

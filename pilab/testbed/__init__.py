@@ -52,11 +52,12 @@ from .make import down, status, up
 from .mounts import clear_overlays, overlay
 from .nodes import (DEFAULT_NAME, DEFAULT_RATE, DEFAULT_SUBNET, FIRST_HOST, NODE_IFACE, Testbed, TestbedError,
                     _links, _netns_list, _routes_and_addresses, available, burst_bytes, check_range, load,
-                    parse_rate, state_dir)
+                    check_state_dir, parse_rate, state_dir, state_problem)
+from .shim import job_access
 
 __all__ = ["Testbed", "TestbedError", "up", "down", "load", "status", "available", "parse_rate",
            "exclusive", "holder", "LOCK_PATH",
            "link", "shape", "throttle", "quota", "cpu_quota", "limit_memory", "overlay", "clear_overlays",
-           "traffic", "traffic_delta",
-           "processes", "ps", "burst_bytes", "check_range", "state_dir", "FIRST_HOST", "NODE_IFACE",
+           "traffic", "traffic_delta", "processes", "ps", "burst_bytes", "check_range", "state_dir",
+           "state_problem", "check_state_dir", "job_access", "FIRST_HOST", "NODE_IFACE",
            "DEFAULT_SUBNET", "DEFAULT_RATE", "DEFAULT_NAME", "_links", "_netns_list", "_routes_and_addresses"]

@@ -12,21 +12,23 @@ import time
 
 from .cgroups import processes, quota
 from .nodes import (DEFAULT_NAME, NODE_IFACE, Testbed, TestbedError, _NAME_RE, _links, _netns_list, _require,
-                    _run, _shape, check_range, load, state_dir)
-from .shim import _write_files
+                    _run, _shape, check_range, load, state_dir, state_problem)
+from .shim import _write_files, sudoers_rule
 from .slurmd import stop as _stop_slurm
 
 
 def up(tb: Testbed = Testbed()) -> Testbed:
     """Make (or complete, or re-shape) the testbed; idempotent. Returns ``tb``.
 
-    Refuses to start without root/ip/tc, with a range that overlaps this machine's routes, or when a
-    testbed of the same name but another shape (nodes, range) exists: ``down`` it first."""
+    Refuses to start without root/ip/tc, with a range that overlaps this machine's routes, a state
+    directory another account could change (``state_problem``), or when a testbed of the same name but
+    another shape (nodes, range, user) exists: ``down`` it first."""
     _require()
     old = load(tb.name, missing_ok=True)
-    if old is not None and (old.nodes != tb.nodes or old.subnet != tb.subnet):
-        raise TestbedError(f"testbed {tb.name} is up with {old.nodes} nodes on {old.subnet}; "
-                           f"`python -m pilab testbed down --name {tb.name}` first")
+    if old is not None and (old.nodes != tb.nodes or old.subnet != tb.subnet or old.user != tb.user):
+        raise TestbedError(f"testbed {tb.name} is up with {old.nodes} nodes on {old.subnet}"
+                           f"{f' for {old.user}' if old.user else ''}; "
+                           f"`sudo python -m pilab testbed down --name {tb.name}` first")
     check_range(tb)
     links, spaces = set(_links()), set(_netns_list())
     br = tb.bridge
@@ -86,8 +88,14 @@ def down(name: str = DEFAULT_NAME) -> list[str]:
                     with contextlib.suppress(OSError):
                         os.rmdir(os.path.join(root, entry))
                         removed.append(f"cgroup {os.path.join(root, entry)}")
+    if os.path.exists(sudoers_rule(name)):
+        os.remove(sudoers_rule(name))
+        removed.append(f"sudo rule {sudoers_rule(name)}")
     d = state_dir(name)
-    if os.path.isdir(d):
+    why = state_problem(name)
+    if why and os.path.lexists(d):
+        removed.append(f"NOT removed: {why} (not the testbed's own: look at it, then remove it by hand)")
+    elif os.path.isdir(d):
         shutil.rmtree(d, ignore_errors=True)
         removed.append(f"dir {d}")
     return removed

@@ -38,10 +38,10 @@ def _cgroup_mounts() -> list[str]:
         if not where.startswith("/sys/fs/cgroup"):
             continue
         if fstype == "tmpfs":
-            lines.append(f"mount -t tmpfs -o mode=755 cgroup_root {where} 2>/dev/null")
+            lines.append(f"mount -t tmpfs -o mode=755 cgroup_root {shlex.quote(where)} 2>/dev/null")
         elif fstype in ("cgroup", "cgroup2"):
-            lines.append(f"{{ mkdir -p {where} && mount -t {fstype} -o {opts} {fstype} {where}; }} "
-                         "2>/dev/null")
+            lines.append(f"{{ mkdir -p {shlex.quote(where)} && mount -t {fstype} -o {shlex.quote(opts)} {fstype} "
+                         f"{shlex.quote(where)}; }} 2>/dev/null")
     return lines
 
 
@@ -62,8 +62,10 @@ def _write_mounts(tb: Testbed, overlays: list) -> None:
              "systems, testbed.overlay's binds); sourced by the shim with $1 = the node",
              *_cgroup_mounts(), _etc_hosts(tb)]
     for host, src, dst in overlays:
-        lines.append(f'[ "$1" != {host} ] || mount --bind {shlex.quote(src)} {shlex.quote(dst)} || '
-                     f'{{ echo "pilab testbed: cannot bind {src} over {dst} on {host}" >&2; exit 1; }}')
+        # every path quoted, in the message too: root sources this file (a `$(...)` in a name stays text)
+        said = shlex.quote(f"pilab testbed: cannot bind {src} over {dst} on {host}")
+        lines.append(f'[ "$1" != {shlex.quote(host)} ] || mount --bind {shlex.quote(src)} {shlex.quote(dst)} || '
+                     f'{{ echo {said} >&2; exit 1; }}')
     lines.append("true")
     save_json([list(o) for o in overlays], os.path.join(tb.state_dir, "overlays.json"))
     atomic_write_text(_mounts_file(tb), "\n".join(lines) + "\n")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import pwd
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -58,8 +60,13 @@ class Testbed:
     subnet: str = DEFAULT_SUBNET  # the range the testbed owns; the bridge takes .1, nodes .11, .12, ...
     name: str = DEFAULT_NAME  # prefix of every namespace, link and the state directory
     rates: dict = field(default_factory=dict)  # per-host overrides set by `shape` (host -> rate)
+    # the account every job, engine and shell started on the nodes runs as ("": root); `testbed up`
+    # records the user who ran it with sudo ($SUDO_USER), so user code never runs as root
+    user: str = ""
 
     def __post_init__(self):
+        if self.user:
+            job_ids(self.user)  # an account that exists, and not root's
         if not _NAME_RE.match(self.name):
             raise TestbedError(f"name={self.name!r}: 1-8 lower-case letters/digits, starting with a letter")
         if not 1 <= self.nodes <= 99:
@@ -171,10 +178,83 @@ def _slurm_env(name: str) -> dict:
     return {"SLURM_CONF": slurm_conf(name)} if os.path.isfile(slurm_conf(name)) else {}
 
 
+def job_ids(user: str) -> tuple[int, int]:
+    """(uid, gid) of the account ``user`` the testbed's jobs run as; TestbedError for an account that does
+    not exist or is root's (then leave ``user`` empty)."""
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        raise TestbedError(f"user {user!r} does not exist here; give the account the testbed's jobs run "
+                           "as (--user NAME; `sudo pilab testbed up` takes yours)") from None
+    if pw.pw_uid == 0:
+        raise TestbedError(f"user {user!r} is root; jobs run as root when no user is given")
+    return pw.pw_uid, pw.pw_gid
+
+
 def state_dir(name: str = DEFAULT_NAME) -> str:
-    """``/run/<name>-testbed`` ($PILAB_TESTBED_DIR overrides the parent directory)."""
-    root = os.environ.get("PILAB_TESTBED_DIR") or ("/run" if os.path.isdir("/run") else "/tmp")
+    """``/run/<name>-testbed`` ($PILAB_TESTBED_DIR overrides the parent directory). Root runs the shim and
+    sources files from it: :func:`check_state_dir` is what makes it safe to use."""
+    root = os.environ.get("PILAB_TESTBED_DIR") or "/run"
     return os.path.join(root, f"{name}-testbed")
+
+
+def _unsafe(path: str, st: os.stat_result, *, parent: bool) -> str | None:
+    """Why a directory another account could change (or replace) is no place for files root runs."""
+    if st.st_uid != 0:
+        try:
+            owner = pwd.getpwuid(st.st_uid).pw_name
+        except KeyError:
+            owner = f"uid {st.st_uid}"
+        return f"{path} belongs to {owner}, not root"
+    if st.st_mode & 0o022 and not (parent and st.st_mode & stat.S_ISVTX):
+        return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def state_problem(name: str = DEFAULT_NAME) -> str | None:
+    """None when testbed ``name``'s state directory is fit for root to use (or absent, in a fit parent),
+    else why not: it must be a real directory of root's that no one else can write, and so must every
+    directory above it (a world-writable one only with the sticky bit, as /tmp: no one else can then
+    rename or remove what root made there)."""
+    d = state_dir(name)
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{d} is not a directory (a {'link' if stat.S_ISLNK(st.st_mode) else 'file'})"
+        why = _unsafe(d, st, parent=False)
+        if why:
+            return why
+    up_ = os.path.dirname(os.path.abspath(d))
+    while True:
+        try:
+            why = _unsafe(up_, os.stat(up_), parent=True)
+        except FileNotFoundError:
+            return f"{up_} does not exist; give PILAB_TESTBED_DIR a directory of root's (default /run)"
+        if why:
+            return why
+        if up_ == os.path.dirname(up_):
+            return None
+        up_ = os.path.dirname(up_)
+
+
+def check_state_dir(name: str = DEFAULT_NAME, *, create: bool = False) -> str:
+    """The state directory of testbed ``name``, checked (:func:`state_problem`) and, with ``create``, made
+    (root's, 0755); TestbedError naming the fix otherwise. Never falls back to another place."""
+    d = state_dir(name)
+    why = state_problem(name)
+    if why:
+        raise TestbedError(f"testbed state directory: {why}; remove it (or set PILAB_TESTBED_DIR to a "
+                           "directory of root's that only root can write), then run the command again")
+    if create and not os.path.isdir(d):
+        try:
+            os.mkdir(d, 0o755)
+        except FileExistsError:  # made meanwhile: whoever made it, check it again
+            return check_state_dir(name)
+        os.chmod(d, 0o755)
+    return d
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,7 +355,7 @@ def _shape(dev: str, rate: str, ns: str | None = None) -> None:
 
 def load(name: str = DEFAULT_NAME, *, missing_ok: bool = False) -> Testbed | None:
     """The testbed ``up`` made (from its state directory)."""
-    path = os.path.join(state_dir(name), "testbed.json")
+    path = os.path.join(check_state_dir(name), "testbed.json")
     if not os.path.isfile(path):
         if missing_ok:
             return None

@@ -46,7 +46,8 @@ import subprocess
 import time
 
 from ..files import atomic_write_text
-from .nodes import NODE_IFACE, Testbed, TestbedError, _links, _netns_list, _run, slurm_conf, state_dir
+from .nodes import (NODE_IFACE, Testbed, TestbedError, _links, _netns_list, _run, check_state_dir,
+                    slurm_conf, state_dir, state_problem)
 from .shim import _write_files
 
 __all__ = ["available", "start", "stop", "is_up", "conf_path", "head_address", "write_conf", "wait_idle",
@@ -140,7 +141,8 @@ def _start_munge(tb: Testbed) -> None:
         os.chmod(key, 0o600)
     os.chmod(os.path.join(d, "munge"), 0o755)  # munged wants its socket's directory readable by all
     # --origin: the head's address, so that munged never looks up this machine's name
-    _run(_sbin("munged"), "--force", f"--socket={d}/munge/munge.socket", f"--key-file={key}",
+    # no --force: munged's own checks of its key, socket and directories (owner, mode) stand
+    _run(_sbin("munged"), f"--socket={d}/munge/munge.socket", f"--key-file={key}",
          f"--pid-file={d}/munge/munged.pid", f"--log-file={d}/log/munged.log",
          f"--seed-file={d}/munge/munged.seed", f"--origin={tb.bridge_address}")
 
@@ -166,6 +168,7 @@ def start(tb: Testbed, *, wait_s: float = 60.0) -> str:
     why = available()
     if why:
         raise TestbedError(why)
+    check_state_dir(tb.name)  # root starts daemons with files from it
     stop(tb.name)
     conf = write_conf(tb)
     d = _dir(tb.name)
@@ -224,7 +227,9 @@ def stop(name: str) -> list[str]:
     crash: found by the state directory and the name's prefix). Returns what it stopped/removed."""
     d, removed = _dir(name), []
     ns = head_netns(name)
-    for pidfile in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+    # pid files are trusted only in a state directory no other account can write (testbed.state_problem)
+    mine = os.path.isdir(d) and not state_problem(name)
+    for pidfile in sorted(os.listdir(d)) if mine else []:
         if pidfile.startswith("slurm") and pidfile.endswith(".pid") and \
                 _kill_pidfile(os.path.join(d, pidfile), conf_path(name)):
             removed.append(f"daemon {pidfile[:-4]}")
@@ -237,9 +242,9 @@ def stop(name: str) -> list[str]:
     if f"{name}-nh" in _links():
         _run("ip", "link", "del", f"{name}-nh", check=False)
         removed.append(f"link {name}-nh")
-    if _kill_pidfile(os.path.join(d, "munge", "munged.pid"), os.path.join(d, "munge")):
+    if mine and _kill_pidfile(os.path.join(d, "munge", "munged.pid"), os.path.join(d, "munge")):
         removed.append("daemon munged")
-    if os.path.isdir(d):
+    if mine:
         shutil.rmtree(d, ignore_errors=True)
         removed.append(f"dir {d}")
     return removed

@@ -74,6 +74,8 @@ def validate(measured: dict, cluster, profile: str = "pilab") -> dict:
     if not meta.get("config") or not meta.get("np"):
         raise tf.TraceError("the trace's otherData has no config and np (a trace written by "
                             "`python -m pilab train --trace` has both)")
+    from ..perfmodel.layout import remember
+    remember(meta.get("model_profile"))  # the model as the run measured it: its builder is not imported
     events, pmeta = predicted_trace(meta["config"], int(meta["np"]), cluster, profile)
     predicted = {"traceEvents": events, "otherData": pmeta}
     out = compare(measured, predicted)

@@ -8,8 +8,8 @@
 # Settings read from the environment (all optional):
 #   PILAB_HOSTFILE=path        hostfile in MPICH's `host:slots` form (default: hosts beside this file)
 #   PILAB_CONTROLLER_IP=addr   the head node's LAN address to bind and advertise
-#                              (default: listen on all interfaces, advertise the address that routes
-#                              to the first host in the hostfile)
+#                              (default: the address that routes to the first host in the hostfile,
+#                              for both)
 #   PILAB_MPIEXEC=path         mpiexec to use (default: the one beside this Python, then PATH)
 #
 # Every node needs the same venv at the same absolute path as the head node (engines are started as
@@ -38,10 +38,11 @@ c.MPIEngineSetLauncher.mpi_args = ["-f", hostfile]
 c.Cluster.n = hostfile_slots(hostfile)
 
 # Engines on other hosts never register with a controller that listens on localhost: listen on the
-# LAN and tell engines and clients which address to use.
-addr = os.environ.get("PILAB_CONTROLLER_IP", "")
-c.Cluster.controller_ip = addr or "0.0.0.0"
-c.Cluster.controller_location = addr or lan_address(hostfile)
+# cluster's LAN -- the one address engines and clients are told to use, never every interface -- and
+# encrypt what travels there (CurveZMQ, ipcontroller_config.py beside this file).
+addr = os.environ.get("PILAB_CONTROLLER_IP", "") or lan_address(hostfile)
+c.Cluster.controller_ip = addr
+c.Cluster.controller_location = addr
 
 # A Pi 4B takes 20-40 s to import torch from an SD card, and 48 of them start at once.
 c.Cluster.engine_timeout = 300  # seconds the client waits for all engines to register

@@ -11,13 +11,14 @@
 #
 # Settings read from the environment (all optional):
 #   PILAB_CONTROLLER_IP=addr     the head's address on the compute nodes' network, bound and advertised
-#                                (default: all interfaces, advertising this host's LAN address). Never
-#                                127.0.0.1: engines on other nodes could not reach it, and would not say so.
+#                                (default: this host's LAN address, for both). Never 127.0.0.1: engines on
+#                                other nodes could not reach it, and would not say so.
 #   PILAB_SLURM_PARTITION=name   the partition (default: Slurm's default partition)
 #   PILAB_SLURM_TIME=HH:MM:SS    the job's time limit (default: the partition's)
 #   PILAB_SLURM_PER_NODE=k       engines per node (default: 2, the Pi 4B's)
 #   PILAB_SLURM_OPTIONS="..."    more #SBATCH options, e.g. "--account=myproject"
 import os
+import shlex
 import shutil
 
 from pilab.lab.cluster import lan_address
@@ -28,6 +29,13 @@ c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
 per_node = int(os.environ.get("PILAB_SLURM_PER_NODE", "2"))
 srun = shutil.which("srun") or "srun"
 extra = "\n".join(f"#SBATCH {o}" for o in os.environ.get("PILAB_SLURM_OPTIONS", "").split() if o)
+
+
+def _word(path: str) -> str:
+    """``path`` as one shell word in the template below (quoted; braces doubled, since ipyparallel fills the
+    template with str.format)."""
+    return shlex.quote(path).replace("{", "{{").replace("}", "}}")
+
 c.Cluster.engine_launcher_class = "slurm"
 # A plain script the user can read in the profile's log directory; {n}, {cluster_id} and
 # {program_and_args} are filled in by ipyparallel. A HYDRA_IFACE of the submitting host (the testbed's
@@ -40,16 +48,18 @@ c.SlurmEngineSetLauncher.batch_template = f"""#!/bin/sh
 {extra}
 unset HYDRA_HOST_FILE
 [ -z "$HYDRA_IFACE" ] || [ -e "/sys/class/net/$HYDRA_IFACE" ] || unset HYDRA_IFACE
-exec {find_mpiexec()} -launcher slurm -launcher-exec {srun} -n {{n}} {{program_and_args}}
+exec {_word(find_mpiexec())} -launcher slurm -launcher-exec {_word(srun)} -n {{n}} {{program_and_args}}
 """
 if os.environ.get("PILAB_SLURM_PARTITION"):
     c.SlurmEngineSetLauncher.queue = os.environ["PILAB_SLURM_PARTITION"]
 if os.environ.get("PILAB_SLURM_TIME"):
     c.SlurmEngineSetLauncher.timelimit = os.environ["PILAB_SLURM_TIME"]
 
-addr = os.environ.get("PILAB_CONTROLLER_IP", "")
-c.Cluster.controller_ip = addr or "0.0.0.0"
-c.Cluster.controller_location = addr or lan_address()
+# The controller listens on the address it advertises, the head's on the compute nodes' network, and
+# nowhere else; its traffic is encrypted (CurveZMQ, ipcontroller_config.py beside this file).
+addr = os.environ.get("PILAB_CONTROLLER_IP", "") or lan_address()
+c.Cluster.controller_ip = addr
+c.Cluster.controller_location = addr
 
 c.Cluster.engine_timeout = 300  # a queued job: the client waits this long for all engines to register
 c.Cluster.delay = 2.0
