@@ -27,6 +27,8 @@ import pytest
 
 from conftest import mpi_env
 
+from pilab import resultfile
+
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--width", "0.25", "--batch-size", "16", "--threads", "1", "--quiet"]
 STUDY_TINY = [a for a in TINY if a != "--quiet"]  # scale takes no --quiet
@@ -366,8 +368,9 @@ def test_analysis_reads_the_recorded_model_and_never_runs_a_builder_it_did_not_n
               cwd=tmp_path)
     assert p.returncode == 0 and marker not in p.stdout + p.stderr, p.stderr[-3000:]
     # a result that records no profile (an older pilab's): refused in one line, unless you name the builder
-    del res["model_profile"]
-    (tmp_path / "old.json").write_text(json.dumps(res))
+    old = resultfile.load(str(tmp_path / "r" / "result.json"))  # with its per-step series (pilab.resultfile)
+    del old["model_profile"]
+    resultfile.save(old, str(tmp_path / "old.json"))
     cal[cal.index("--result") + 1] = str(tmp_path / "old.json")
     p = pilab(*cal, cwd=tmp_path)
     line = one_error(p)
