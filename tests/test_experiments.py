@@ -91,23 +91,37 @@ def test_the_paper_batch_driver_resumes_a_killed_point_and_skips_a_finished_one(
     assert "| naive | 3 | 0 |" in table and "| naive | 1 | 0 |" in table
 
 
+def _remade_table(folder: str, tmp_path) -> str:
+    """experiments/paper-batch/FOLDER's table as `screen.py --table` makes it from a copy of its points,
+    checked equal to the committed table.md."""
+    import shutil
+    committed = ROOT / "experiments" / "paper-batch" / folder
+    shutil.copytree(committed, tmp_path / folder, ignore=shutil.ignore_patterns("curves.png", "table.md"))
+    text = _driver("paper-batch", "screen.py").table(str(tmp_path / folder))
+    assert text == (committed / "table.md").read_text(), \
+        f"re-run: python experiments/paper-batch/screen.py --table experiments/paper-batch/{folder}"
+    return text
+
+
 def test_the_committed_paper_batch_table_is_what_its_points_make(tmp_path):
     """experiments/paper-batch/cpu/table.md is what `screen.py --table` makes of the committed points, and its
     images-to-accuracy section reads the curves right: the committed np=1 passes 0.60 between its epochs 2
     (0.576) and 3 (0.634), at 2.4 epochs of images."""
-    import shutil
     screen = _driver("paper-batch", "screen.py")
     assert screen.epochs_to([0.47, 0.58, 0.63], 0.60) == pytest.approx(2.4)
     assert screen.epochs_to([0.47, 0.58], 0.40) == 1.0 and screen.epochs_to([0.47, 0.58], 0.60) is None
-    committed = ROOT / "experiments" / "paper-batch" / "cpu"
-    shutil.copytree(committed, tmp_path / "cpu", ignore=shutil.ignore_patterns("curves.png", "table.md"))
-    text = screen.table(str(tmp_path / "cpu"))
-    assert text == (committed / "table.md").read_text(), \
-        "re-run: python experiments/paper-batch/screen.py --table experiments/paper-batch/cpu"
+    text = _remade_table("cpu", tmp_path)
     assert "| np=1, committed recipe (seed 0) | 1.3 | 2.4 | 3.4 | 4.8 | 6.7 |" in text
     # the fitting section: warmup 8's last-epoch training accuracy, 0.748/0.744/0.746 at np=1 and
     # 0.654/0.602/0.653 at np=48 (cpu/results.jsonl), 11.0 points apart
     assert "| linear + warmup 8 | 0.746 | 0.636 | -11.0 | 0.784 | 0.678 | -10.6 |" in text
+
+
+@pytest.mark.parametrize("folder", ["screen-cpu-2ep", "screen-cpu-fast-2ep"])
+def test_the_committed_few_step_screens_tables_are_what_their_points_make(folder, tmp_path):
+    """The 2-epoch screens' table.md is what `screen.py --table` makes of their committed points (so those
+    points stay readable through Config as settings change)."""
+    _remade_table(folder, tmp_path)
 
 
 def test_the_time_to_accuracy_driver_extends_a_run_from_its_stable_phase_and_tables_it(tmp_path):

@@ -378,8 +378,8 @@ def _summary(found: dict, big: int) -> str:
     body = []
     ref = finished(os.path.join(REPO, "experiments", "paper-size", "naive", "np1", "result.json"))
     ref_acc = ref["epochs"][-1]["test_acc"] if ref else None
-    for name in sorted({n for n, p in found if p == big}, key=lambda n: -_mean_sd(
-            [r["epochs"][-1]["test_acc"] for r in found[(n, big)]])[0]):
+    for name in sorted({n for n, p in found if p == big}, key=lambda n: (-_mean_sd(
+            [r["epochs"][-1]["test_acc"] for r in found[(n, big)]])[0], n)):  # ties by name: sets' order varies
         at_big, at_one = found[(name, big)], found.get((name, 1), [])
         acc_big = [r["epochs"][-1]["test_acc"] for r in at_big]
         acc_one = [r["epochs"][-1]["test_acc"] for r in at_one]
