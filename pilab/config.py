@@ -125,12 +125,12 @@ class Config:
     keep: int = setting(1, "checkpoints kept: the last K (checkpoint-eNNNN.pt; checkpoint.pt is the newest)", above=0)
     out: str = setting("", 'directory for result.json and checkpoints; "" = write nothing')
     resume: str = setting("", "checkpoint file to resume from")
-    # --- long runs: mid-epoch checkpoints, stragglers (issue 19) ---
+    # --- long runs: mid-epoch checkpoints, stragglers ---
     checkpoint_minutes: float = setting(-1.0, "also checkpoint at a step boundary every M minutes (rank 0's clock); -1 = 10 on a multi-node run (ranks on >1 host) with --out, else never; 0 = never", allowed="-1, or >= 0")
     checkpoint_every_steps: int = setting(0, "also checkpoint every K optimizer steps, mid-epoch included; 0 = never", at_least=0)
     straggler_threshold: float = setting(0.2, "warn when a rank computes this fraction slower than the median rank (or spends this share of it in the exchange); 0 = never", at_least=0)
     straggler_steps: int = setting(10, "... for this many consecutive steps (medians over a window of 2x as many)", above=0)
-    # --- a per-rank trace (issue 39) ---
+    # --- a per-rank trace ---
     trace: bool = setting(False, "record every rank's step (data, forward, backward, each gradient message's Allreduce, wait, optimizer, evaluation, checkpoints) on clocks aligned over MPI into <out>/trace.json (Chrome Trace Event Format: open it in ui.perfetto.dev) and a per-rank table in result.json")
     trace_window: int = setting(50, "with trace: keep the first 5 steps, the last this many, and the steps a straggler warning named (a bounded file for a long run)", above=0)
 
@@ -160,7 +160,7 @@ class Config:
     def _validate_values(self) -> None:
         """Each setting alone: the bounds its ``setting`` declares, a known model (or your own builder)
         and width, and the rules that bounds cannot say."""
-        from .models.names import check_width
+        from .models import check_width
 
         for f in fields(self):
             _check_bounds(f.name, getattr(self, f.name), f.metadata)
@@ -206,7 +206,7 @@ class Config:
                 f"warmup_epochs={self.warmup_epochs} exceeds epochs={self.epochs}; shorten it")
 
     def _validate_fewstep(self) -> None:
-        """Muon, the warmup-stable-decay schedule and the few-step tricks (issue 54) with the rest."""
+        """Muon, the warmup-stable-decay schedule and the few-step tricks with the rest."""
         if self.schedule == "wsd":
             if self.warmup_epochs + self.decay_epochs > self.epochs:
                 raise ConfigError(f"warmup_epochs={self.warmup_epochs} + decay_epochs={self.decay_epochs} exceed "

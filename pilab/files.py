@@ -20,7 +20,7 @@ __all__ = ["atomic_write", "atomic_write_text", "temp_name", "save_json", "load_
 def temp_name(path: str) -> str:
     """Where ``atomic_write`` writes ``path`` first: a hidden name beside it, this process's, with the same
     extension (a writer that picks the format from it, such as matplotlib's, writes the right one);
-    a process that must leave at once removes it (``pilab.engine.keeper``), and the data cache
+    a process that must leave at once removes it (``pilab.engine.records``), and the data cache
     recognises its own leftovers by the ``.tmp-`` prefix (``pilab.data.cache``)."""
     d, base = os.path.split(path)
     return os.path.join(d, f".tmp-{base}-{os.getpid()}{os.path.splitext(base)[1]}")

@@ -261,7 +261,7 @@ def test_bad_input_exits_2_with_one_line(args, words, tmp_path, capsys):
 def test_mpi_library_of_the_launcher():
     """The "every rank is 0 of 1" check compares these two names (no second MPI is installed here)."""
     from conftest import MPIEXEC
-    from pilab.doctor import mpiexec_library, same_family
+    from pilab.launch import mpiexec_library, same_family
     launcher = mpiexec_library(MPIEXEC)
     assert launcher.startswith("MPICH ") and launcher.endswith("(Hydra)")
     # mpi4py's library, asked in a process of its own (this one must not initialise MPI)

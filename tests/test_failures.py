@@ -194,11 +194,10 @@ def test_a_job_payload_becomes_the_entry_modules_flags():
 
 
 def test_python_entry_points_import_without_mpi(tmp_path):
-    code = ("from pilab.engine import train, simulate, loop as engine, checkpoint; "
-            "from pilab.dist import helpers as dist; "
+    code = ("from pilab import dist, engine; from pilab.engine import checkpoint; "
             "from pilab.lab import cluster; from pilab.study import scaling; "
             "from pilab.config import Config; "
-            "r = train.run(Config(width=0.25, train_subset=64, test_subset=20, batch_size=16, epochs=1, "
+            "r = engine.train(Config(width=0.25, train_subset=64, test_subset=20, batch_size=16, epochs=1, "
             "threads=1)); print(dist.MPI is None, r['np'])")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                        env=mpi_env(**NO_MPI), timeout=120)

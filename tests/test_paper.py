@@ -12,7 +12,7 @@ import pytest
 
 from conftest import mpi_env
 from pilab import perfmodel, resultfile
-from pilab.study import analysis, paper, points, scaling
+from pilab.study import analysis, compare as paper, points, scaling
 from pilab.config import Config, ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import REPO
 
+import pilab
 from pilab import resultfile
 from pilab.config import Config
 from pilab.files import save_json
@@ -24,12 +25,10 @@ CONVERT = REPO / "scripts" / "convert_results.py"
 @pytest.fixture(scope="module")
 def real_run(cifar_archive, tmp_path_factory):
     """A short real run on a slice of the real archive (the simulator at np=2), written to its --out."""
-    from pilab.engine import simulate
     out = tmp_path_factory.mktemp("run") / "run"
     cfg = Config(data=str(cifar_archive), width=0.25, train_subset=256, test_subset=100, batch_size=16,
                  epochs=2, threads=1, simulate_mode="exact", out=str(out))
-    result, _ = simulate.train(cfg, 2)
-    return result, out / "result.json"
+    return pilab.simulate(cfg, 2), out / "result.json"
 
 
 def test_the_reader_gives_back_the_run_the_engine_returned(real_run):
@@ -152,10 +151,9 @@ def test_a_runs_series_file_is_one_of_its_files(tmp_path):
     """--overwrite and a re-run clear a run's files (pilab.engine.records.RUN_FILES): its series go with it."""
     from pilab.cli import common
     from pilab.engine import records
-    from pilab.engine import simulate
     cfg = Config(data="embedded", width=0.25, train_subset=64, test_subset=20, batch_size=8, epochs=1,
                  threads=1, out=str(tmp_path / "run"))
-    simulate.train(cfg, 2)
+    pilab.simulate(cfg, 2)
     assert sorted(os.listdir(cfg.out)) == ["result.json", "result.steps.npz"]
     assert set(resultfile.files("result.json")) <= set(records.RUN_FILES)
     common.clear_out_dir(cfg.out)

@@ -28,7 +28,7 @@ def test_published_speedups_turn_back_into_published_efficiencies():
         s = e * p / 2
         assert efficiency(s, p, p0=2) == pytest.approx(e)
     assert karp_flatt(9.99, 48, p0=2) == pytest.approx((1 / 9.99 - 1 / 24) / (1 - 1 / 24))
-    assert analysis._karp_flatt(1.0, 2, p0=2) is None
+    assert analysis.serial_fraction(1.0, 2, p0=2) is None
 
 
 def _run(np_, accs, t_epoch, simulated=False, gb=32):
@@ -564,7 +564,7 @@ def test_remedies_resume_continues_a_candidate_from_its_checkpoint(tmp_path):
     r = json.loads((out / "linear-lr" / "result.json").read_text())
     assert (r["resumed_from_step"], r["steps_done"], r["stopped_early"]) == (4, 8, False)
     # a checkpoint of other settings is not continued: that candidate runs from its start
-    assert remedies._part_way(str(out / "linear-lr"), replace(cfg, lr=0.5), 4) == ""
+    assert remedies.resumable_checkpoint(str(out / "linear-lr"), replace(cfg, lr=0.5), 4) == ""
 
 
 def test_a_point_saved_before_a_setting_existed_is_the_same_training():

@@ -64,7 +64,7 @@ def test_the_side_channel_binds_the_hosts_address_on_the_shared_network():
 
 
 def test_the_doctors_listener_answers_only_its_runs_secret(capsys):
-    from pilab.doctor.jobs import _Listener
+    from pilab.doctor.preflight import _Listener
     from pilab.doctor.probe import talk_to_head
     listener = _Listener("127.0.0.1")
     try:
@@ -89,7 +89,7 @@ def test_the_doctors_listener_answers_only_its_runs_secret(capsys):
 
 
 def test_the_doctor_binds_the_address_it_advertises():
-    from pilab.doctor.jobs import controller_address
+    from pilab.doctor import controller_address
     assert controller_address(None, {"PILAB_CONTROLLER_IP": "10.77.0.1"}) == ("10.77.0.1", "10.77.0.1")
     bind, told = controller_address(None, {})
     assert bind == told and bind != "0.0.0.0"
@@ -329,8 +329,8 @@ def test_an_unreadable_checkpoint_is_left_as_it_is(tmp_path):
             pytest.skip(f"cannot run as nobody: {p.stderr.strip()}")
         line = one_error(p)
         assert "could not be read ([Errno 13] Permission denied)" in line and "left as it is" in line, line
-        code = ("import sys; from pilab.config import Config; from pilab.study.remedies import _part_way\n"
-                "from pilab.engine.checkpoint import ReadError\ntry:\n    _part_way(sys.argv[1], Config(), 1)\n"
+        code = ("import sys; from pilab.config import Config; from pilab.study.remedies import resumable_checkpoint\n"
+                "from pilab.engine.checkpoint import ReadError\ntry:\n    resumable_checkpoint(sys.argv[1], Config(), 1)\n"
                 "except ReadError as e:\n    print('ReadError', e)\n")
         q = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c",
                             code, str(out)], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)

@@ -35,6 +35,7 @@ import os
 import re
 import sys
 import time
+from pilab import engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -202,7 +203,6 @@ def run_job(job: dict) -> dict:
 
     from pilab.config import Config
     from pilab.engine import checkpoint
-    from pilab.engine import loop as engine
     t = time.perf_counter()
     # this worker's thread count before any torch op (the engine sets it only after its memory probe, a
     # forward): a forked child must not enter an OpenMP pool of more threads than it has (GNU OpenMP's
@@ -225,7 +225,7 @@ def run_job(job: dict) -> dict:
             if e["kind"] == "epoch":
                 print(f"screen: {where}: epoch {e['epoch']} test acc {e['test_acc']:.4f} ({e['time']:.0f} s, "
                       f"{e['images_per_s']:.0f} img/s; {time.process_time() - cpu0:.0f} CPU s so far)", flush=True)
-        r, _ = engine.train(cfg, engine.VirtualRanks(job["np"]), data=_DS, callbacks=[log])
+        r, _ = engine.fit(cfg, engine.VirtualRanks(job["np"]), data=_DS, callbacks=[log])
         if r.get("stopped_early"):
             raise RuntimeError(f"stopped early: {r.get('stop_reason')}")
         return _row(job, r, time.perf_counter() - t, skipped=False)

@@ -11,7 +11,7 @@ import time
 
 from ..config import Config
 from ..files import atomic_write_text, save_json
-from .machine import machine
+from .report import machine
 
 
 SECTIONS = ("one_rank", "malloc", "models", "data", "cache", "simulator", "checkpoint", "cli", "ranks", "sync",
@@ -130,7 +130,7 @@ SIMULATOR_MODELS = (("mobilenetv2_cifar", 0.25), ("mobilenetv2_cifar", 1.0), ("s
 
 
 def _simulator_cases(quick: bool, models=None) -> list[tuple]:
-    """(model, width, per-rank batch, np) of the simulator section (issue 42's grid; quick: its corners
+    """(model, width, per-rank batch, np) of the simulator section (its grid; quick: its corners
     of the first model)."""
     models = list(models or SIMULATOR_MODELS)
     if quick:
@@ -159,7 +159,7 @@ def _network_section(q: bool, mpiexec, log, out, command):
     work = os.path.join(out, "network") if out else None
 
     def measured_and_analysed():
-        from ..perfmodel.network import analyse
+        from ..perfmodel.check import analyse
         data = network.section(q, work=work, mpiexec=mpiexec, log=log, command=command)
         data["analysis"] = analyse(data)  # the model's side, from the measurements alone
         return data

@@ -378,7 +378,7 @@ def run_table(args, argv) -> int:
 
 def run_trace(args, argv) -> int:
     from ..trace import format as tf
-    from ..trace.predict import predicted_trace
+    from ..trace import predicted_trace
 
     _check_range(args, "np", 1)
     if args.profile == "both":
@@ -406,8 +406,8 @@ def run_trace(args, argv) -> int:
 
 def run_validate(args, argv) -> int:
     from ..trace import format as tf
-    from ..trace.read import load
-    from ..trace.validate import table, validate
+    from ..trace import load
+    from ..trace import table, validate
 
     _check_range(args, "step_goal", 0, strict=True)
     _check_range(args, "tail_goal", 0, strict=True)

@@ -31,8 +31,7 @@ import sys
 
 from dataclasses import replace
 
-from pilab import perfmodel, resultfile
-from pilab.config import Config, ConfigError
+from pilab import Config, ConfigError, perfmodel, resultfile
 from pilab.study import analysis, remedies
 from pilab.study.analysis import target_baseline, time_to_target
 from pilab.study.points import trained_config
