@@ -68,9 +68,24 @@ class Phase:
         Phase()                              # SYNC: the gradients averaged over the ranks
         Phase(local=True, average=True)      # each rank steps on its own gradient, then the ranks
                                              # average their parameters and BatchNorm statistics
+        Phase(shares=(43, 21))               # rank r trains shares[r] images of the global batch of
+                                             # sum(shares), its loss weighted by shares[r] / sum(shares)
+                                             # (``pilab.engine.balance.Balance``'s uneven shares)
     """
     local: bool = False  # the step's gradients stay on the rank: no gradient Allreduce
     average: bool = False  # after the step the ranks average their parameters and BatchNorm statistics
+    shares: tuple | None = None  # each rank's images of the step's global batch; None: equal, as cut at build
+
+    def share_of(self, rank: int) -> tuple[int, int] | None:
+        """Rank ``rank``'s (first position, images) in the step's global batch; None with equal shares::
+
+            Phase(shares=(43, 21)).share_of(1)     # (43, 21)
+        """
+        return None if self.shares is None else (sum(self.shares[:rank]), self.shares[rank])
+
+    def weight_of(self, rank: int) -> float | None:
+        """Rank ``rank``'s weight in the average, b_r / B (None: equal shares, 1/np as ever)."""
+        return None if self.shares is None else self.shares[rank] / sum(self.shares)
 
 
 SYNC = Phase()

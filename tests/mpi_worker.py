@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
+import pilab
 from pilab import data as data_mod
 from pilab import dist
 from pilab import engine
@@ -426,6 +427,76 @@ def case_renorm(out):
             json.dump(res, f, indent=1)
 
 
+class _Seesaw(pilab.Component):
+    """Uneven shares that change every step (through the seam: ``Phase.shares``), recording the training
+    images each rank takes (the loader's own indices of its share)."""
+    name, stage, per_rank = "seesaw", pilab.Stage.PLAN, True
+
+    def __init__(self, np_):
+        self.used, self.np_ = [], np_
+
+    def before_step(self, session, epoch, step):
+        from dataclasses import replace as with_
+        total = session.batch * self.np_
+        first = 1 + (step % 3) * (total // self.np_ - 1) // 2  # rank 0's share: 1, ..., B/np - 1
+        shares = (first, *data_mod.batch_shares(total - first, [1.0] * (self.np_ - 1)))
+        session.phase = with_(session.phase, shares=shares)
+        ranks = session.ranks
+        for r in (range(self.np_) if ranks.simulated else [ranks.rank]):
+            loader = ranks.loaders[r] if ranks.simulated else ranks.loader
+            idx = loader.share_indices(epoch, step, *session.phase.share_of(r))
+            self.used.append([epoch, step, r, idx.tolist()])
+
+
+def case_balance(out):
+    """Uneven per-rank shares (``Config.balance``) over real ranks: given speeds (static:3,1 / 3,2,1) and
+    shares changing every step (a component), each against the simulator; every image once an epoch; a
+    mid-epoch checkpoint resumed; result.json's shares."""
+    import os
+    import tempfile
+    speeds = {2: "static:3,1", 3: "static:3,2,1"}[SIZE]
+    cfg = replace(BASE, train_subset=160, test_subset=100, epochs=2, max_steps=0, sharding="reshuffle", balance=speeds)
+    ds = engine.load_data(cfg, COMM)
+    work = COMM.bcast(tempfile.mkdtemp(prefix="pilab-balance-") if RANK == 0 else None)
+    result, model = engine.fit(replace(cfg, out=os.path.join(work, "run")), engine.MPIRanks(COMM), data=ds)
+    states = gathered_states(model)
+    seesaw = _Seesaw(SIZE)
+    moved, moved_model = engine.fit(replace(cfg, balance="off"), engine.MPIRanks(COMM), data=ds, components=[seesaw])
+    moved_states = gathered_states(moved_model)
+    used = COMM.gather(seesaw.used, root=0)
+    # stopped after 3 steps with a checkpoint there (mid-epoch), then resumed to the end
+    half = replace(cfg, out=os.path.join(work, "half"), max_steps=3, checkpoint_every_steps=3)
+    engine.fit(half, engine.MPIRanks(COMM), data=ds)
+    resumed, resumed_model = engine.fit(replace(half, max_steps=0, resume=os.path.join(work, "half", "checkpoint.pt")),
+                                        engine.MPIRanks(COMM), data=ds)
+    resumed_states = gathered_states(resumed_model)
+    if RANK == 0:
+        sim, sim_model = engine.fit(cfg, engine.VirtualRanks(SIZE), data=ds)
+        sim_seesaw = _Seesaw(SIZE)
+        sim_moved, sim_moved_model = engine.fit(replace(cfg, balance="off"), engine.VirtualRanks(SIZE), data=ds,
+                                                components=[sim_seesaw])
+        with open(os.path.join(work, "run", "result.json")) as f:
+            written = json.load(f)
+        res = {"simulator_diff_per_rank": [max_diff(engine.virtual_state(sim_model, r), states[r])
+                                           for r in range(SIZE)],
+               "loss": result["steps"]["loss"], "simulator_loss": sim["steps"]["loss"],
+               "test_acc": [e["test_acc"] for e in result["epochs"]],
+               "simulator_test_acc": [e["test_acc"] for e in sim["epochs"]],
+               "balance": written.get("balance"), "simulator_balance": sim.get("balance"),
+               "global_batch": result["global_batch"], "steps_per_epoch": result["steps_per_epoch"],
+               "moved_diff_per_rank": [max_diff(engine.virtual_state(sim_moved_model, r), moved_states[r])
+                                       for r in range(SIZE)],
+               "moved_loss": moved["steps"]["loss"], "simulator_moved_loss": sim_moved["steps"]["loss"],
+               "used": [u for rank_used in used for u in rank_used], "simulator_used": sim_seesaw.used,
+               "resumed_from_step": resumed.get("resumed_from_step"),
+               "resume_diff_per_rank": [max_diff(resumed_states[r], states[r]) for r in range(SIZE)],
+               "resumed_loss": resumed["steps"]["loss"], "n_train": len(ds.y_train)}
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+        import shutil
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def case_syncgroups(out):
     """SyncBatchNorm over groups of 2 consecutive ranks (bn_group=2) at np=4: each group's layer equals
     BatchNorm on that group's concatenated batch; one training step against the simulator's, which runs
@@ -580,7 +651,7 @@ if __name__ == "__main__":
     try:
         {"train": case_train, "stop": case_stop, "spiking": case_spiking,
          "local": case_local, "grads": case_grads, "gns": case_gns, "renorm": case_renorm,
-         "syncgroups": case_syncgroups}[case](out)
+         "syncgroups": case_syncgroups, "balance": case_balance}[case](out)
     except BaseException:
         # A rank that fails must not leave the others waiting in a collective until the test's timeout
         # (420 s): print why, then end the whole job at once.

@@ -235,6 +235,7 @@ def test_a_throttled_node_is_named_with_its_fix(tb, tmp_path):
     c = rep["checks"][bad]["speed"]
     assert "a CPU quota of 0.2 cores for 1 thread(s)" in c["detail"] and "every step waits for it" in c["detail"]
     assert "testbed throttle node03 none" in c["fix"] and f"leave {bad} out of the hostfile" in c["fix"]
+    assert "--balance static" in c["fix"]
     speeds = {h: s["images_per_s"] for h, s in zip(rep["net"]["hosts"], rep["net"]["speeds"])}
     assert speeds[bad] < 0.5 * max(speeds.values()), speeds  # a fifth of a core: far below the others'
     assert all(s["batch"] == 16 and s["threads"] == 1 for s in rep["net"]["speeds"])

@@ -17,8 +17,9 @@ from .report import machine
 SECTIONS = ("one_rank", "malloc", "models", "data", "cache", "simulator", "checkpoint", "cli", "ranks", "sync",
             "trace", "memory")
 # not in the default run: the fast mode's 100-step deviation (~7 min here), the performance model
-# against real runs (~4 min), its network half on a testbed (~15 min, root)
-EXTRA_SECTIONS = ("deviation", "perfmodel", "network")
+# against real runs (~4 min), its network half on a testbed (~15 min, root), uneven shares against a
+# throttled node on a testbed (~15 min, root)
+EXTRA_SECTIONS = ("deviation", "perfmodel", "network", "balance")
 
 
 def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", markdown: str | None = "BENCHMARKS.md",
@@ -123,6 +124,7 @@ def _plan(q: bool, mpiexec, log, before, out, command, sim=(None, None)) -> dict
         "memory": lambda: lambda: memory_section(q, mpiexec, log=log, before=before),
         "perfmodel": lambda: _perfmodel_section(q, mpiexec, log),
         "network": lambda: _network_section(q, mpiexec, log, out, command),
+        "balance": lambda: _balance_section(q, mpiexec, log),
     }
 
 
@@ -149,6 +151,14 @@ def _partial(out: str | None, name: str):
 def _perfmodel_section(q: bool, mpiexec, log):
     from ..perfmodel import check as perfmodel
     return lambda: perfmodel.section(q, mpiexec, log=log)
+
+
+def _balance_section(q: bool, mpiexec, log):
+    from . import balance
+    why = balance.unavailable()
+    if why:
+        return why
+    return lambda: balance.section(q, mpiexec=mpiexec, log=log)
 
 
 def _network_section(q: bool, mpiexec, log, out, command):

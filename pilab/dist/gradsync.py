@@ -197,7 +197,7 @@ class GradSync:
         """The step's start (``time.perf_counter()``): ready times in ``meta`` are counted from it."""
         self._t0 = t0
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, weight: float | None = None) -> None:
         """``loss.backward()`` with the average's 1/size folded into the loss (``share_of_mean``): the
         gradients come out already divided, so a bucket is sent as it is (no pass over its bytes to divide it, which cost
         GradSync a seventh of its shared-memory bandwidth). A local-SGD step keeps its own gradient::
@@ -206,10 +206,11 @@ class GradSync:
             sync.finish()
 
         The simulator scales its ranks' losses alike (``pilab.engine.mpi.VirtualRanks``), so the
-        two still form the same sums bit for bit."""
+        two still form the same sums bit for bit. ``weight``: this rank's share of the average instead of
+        1/size (uneven shares: b_r / B, so the sum over the ranks is the mean over the global batch)."""
         if self.size > 1 and self.exchange:
             self.seeded = True
-            share_of_mean(loss, self.size).backward()
+            (share_of_mean(loss, self.size) if weight is None else loss * weight).backward()
         else:
             loss.backward()
 

@@ -270,7 +270,9 @@ def _speed(host, p, net, answered) -> dict:
         r for h, r in rates.items() if h not in slow)
     why, fix = _slow_why(host, p.get("hostname") or host, mine, p.get("cpu", {}))
     return _bad(f"{text}: {why}; every step waits for it",
-                f"{fix}; or leave {', '.join(slow)} out of the hostfile: with one rank a host the others then "
+                f"{fix}; or give it a share of each step by its speed: `--sharding reshuffle --balance static` "
+                f"(docs/guide/mixed-cluster.md); or leave {', '.join(slow)} out of the hostfile: with one rank a host "
+                f"the others then "
                 f"train {without:.0f} images/s in all, not {now:.0f}")
 
 
@@ -294,4 +296,4 @@ def _slow_why(host, name, mine: dict, cpu: dict) -> tuple[str, str]:
         return (f"its CPU ran at {mine['freq_mhz']:.0f} of {mine['max_mhz']:.0f} MHz under load",
                 f"cool {host} and check its power supply and cpufreq governor (performance)")
     return ("a slower board (each step takes more CPU time)",
-            f"keep {host} and every step goes at its pace")
+            f"keep {host} as it is")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..component import in_order
 from ..trace import StragglerWatch, Trace
+from .balance import Balance
 from .clip import ClipGradNorm
 from .compilebn import CompiledBN
 from .ema import EMA
@@ -17,7 +18,7 @@ from .lookahead import Lookahead
 from .modepick import ModePick
 from .noise import NoiseRamp
 
-FEATURES = (CompiledBN, ModePick, NoiseRamp, ClipGradNorm, Lookahead, EMA, LocalSGD, StragglerWatch, Trace)
+FEATURES = (CompiledBN, ModePick, NoiseRamp, ClipGradNorm, Lookahead, EMA, LocalSGD, Balance, StragglerWatch, Trace)
 
 
 def chosen(cfg, ranks, components=()) -> list:

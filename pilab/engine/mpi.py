@@ -121,15 +121,16 @@ class MPIRanks:
             rec.send[name][:] = 0.0
         t0 = time.perf_counter()
         sync.begin(t0)
-        x, y = self.loader.batch(epoch, step)
+        share = ph.share_of(self.rank)  # uneven shares (a component's, Phase.shares): this rank's images
+        x, y = self.loader.batch(epoch, step, share=share)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         t1 = time.perf_counter()
         torch.manual_seed(step_seed(cfg.seed, epoch, step, self.rank))
         optimizer.zero_grad(set_to_none=False)
         out, loss = forward_loss(model, x, y, cfg, self.device)
-        self._fill_meta(loss, out, y, stop, save)
+        self._fill_meta(loss, out, y, stop, save, self.batch if share is None else share[1])
         tf = time.perf_counter()
-        sync.backward(loss)
+        sync.backward(loss, ph.weight_of(self.rank))
         grads = has(self.components, "on_grads")
         # each bucket's parameters stepped as its average lands, inside the wait (bitwise the same step);
         # not with on_grads, which must see every averaged gradient before any step
@@ -171,7 +172,7 @@ class MPIRanks:
                           comm_exposed=cstats.exposed + averaged, data=t1 - t0,
                           bytes_sent=sent, comm_wait=wait, save_votes=saves)
 
-    def _fill_meta(self, loss, out, y, stop, save) -> None:
+    def _fill_meta(self, loss, out, y, stop, save, images: int) -> None:
         """This rank's share of the values that ride with the last gradient bucket (``GradSync.meta``).
 
         The step's metrics and the stop vote are known once the forward is done; riding with the last
@@ -182,7 +183,7 @@ class MPIRanks:
             correct = (out.argmax(1) == y).sum()
         want_save = bool(save()) if save is not None else False
         meta, at = self.gsync.meta, self.slots
-        meta[[at[k].start for k in _SUMS]] = (loss.item() * self.batch, correct.item(), want_stop, want_save)
+        meta[[at[k].start for k in _SUMS]] = (loss.item() * images, correct.item(), want_stop, want_save)
         nets = meta[at["network"]]
         nets[:] = 0.0
         nets[self.rank] = self._prev_net

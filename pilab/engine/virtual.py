@@ -258,6 +258,9 @@ class VirtualRanks:
         if phase.local:  # each rank on its own weights (local SGD's component chooses it, and the average)
             return self._local_step(cfg, model, optimizer, epoch, step, phase, stop, save)
         np_, device = self.np_, self.device
+        if phase.shares is not None and (self.chunk != 1 or np_ == 1):
+            raise ConfigError(f"uneven shares (Phase.shares) need one virtual rank per forward, but this run has "
+                              f"{self.chunk}; a component that sets them must say per_rank = True")
         t0 = time.perf_counter()
         t_data = 0.0
         loss_sum = correct = 0  # python numbers, or 0-d device tensors with defer_metrics
@@ -274,7 +277,7 @@ class VirtualRanks:
         for r0 in range(0, np_, self.chunk):
             r1 = min(np_, r0 + self.chunk)
             td = time.perf_counter()
-            x, y = self._images(r0, r1, epoch, step)
+            x, y = self._images(r0, r1, epoch, step, phase.share_of(r0))
             t_data += (tx := time.perf_counter()) - td
             self.context.ranks = (r0, r1)
             # Without dropout nothing else draws from the global RNG; seed it as rank r0 would.
@@ -289,7 +292,8 @@ class VirtualRanks:
                 optimizer.zero_grad(set_to_none=False)
                 # as MPI forms it (GradSync.backward): each rank's loss scaled by 1/np, so its gradient
                 # comes out divided, and the ranks' gradients added in rank order
-                share_of_mean(loss, np_).backward()
+                # (uneven shares: by b_r / B, as GradSync.backward(loss, weight) does)
+                (share_of_mean(loss, np_) if phase.shares is None else loss * phase.weight_of(r0)).backward()
                 if sends:  # as GradSync's on_send: this rank's share, as it would be sent
                     recs.append(rec := self._rank(r0))
                     for c in sends:
@@ -298,7 +302,8 @@ class VirtualRanks:
             else:  # several ranks per forward (the mean over their images): weighted by their share
                 (loss * ((r1 - r0) / np_)).backward()
             spans += [(r0, "data", td, tx), (r0, "forward", tx, tb), (r0, "backward", tb, time.perf_counter())]
-            loss_sum, correct = self._add_metrics(loss_sum, correct, loss, out, y, r1 - r0)
+            loss_sum, correct = self._add_metrics(loss_sum, correct, loss, out, y, r1 - r0,
+                                                  None if phase.shares is None else phase.shares[r0])
         if per_rank and not one_chunk:
             torch._foreach_copy_([p.grad for p in self.params], self.avg)
         to = time.perf_counter()
@@ -321,17 +326,26 @@ class VirtualRanks:
         for c in self.components:
             c.on_step(rec)
 
-    def _add_metrics(self, loss_sum, correct, loss, out, y, ranks: int):
+    def _add_metrics(self, loss_sum, correct, loss, out, y, ranks: int, images: int | None = None):
         """The sums so far plus a chunk of ``ranks`` ranks' loss and correct images: python numbers, or with
-        defer_metrics 0-d device tensors (nothing waits for the device)."""
+        defer_metrics 0-d device tensors (nothing waits for the device). ``images``: one rank's uneven share
+        (its loss counted as MPIRanks counts it: loss x b_r)."""
         with torch.no_grad():
+            if images is not None:
+                if self.defer_metrics:
+                    return loss_sum + loss.detach() * images, correct + (out.argmax(1) == y).sum()
+                return loss_sum + loss.item() * images, correct + (out.argmax(1) == y).sum().item()
             if self.defer_metrics:
                 return loss_sum + loss.detach() * (self.batch * ranks), correct + (out.argmax(1) == y).sum()
             return loss_sum + loss.item() * self.batch * ranks, correct + (out.argmax(1) == y).sum().item()
 
-    def _images(self, r0: int, r1: int, epoch: int, step: int):
-        """Virtual ranks r0..r1-1's images and labels of this step, as one batch on the device."""
-        x, y = data_mod.ranks_batch(self.loaders[r0:r1], epoch, step)  # one augmentation pass, no cat
+    def _images(self, r0: int, r1: int, epoch: int, step: int, share=None):
+        """Virtual ranks r0..r1-1's images and labels of this step, as one batch on the device (``share``:
+        rank r0's uneven share, ``Phase.share_of``)."""
+        if share is not None:
+            x, y = self.loaders[r0].batch(epoch, step, share=share)
+        else:
+            x, y = data_mod.ranks_batch(self.loaders[r0:r1], epoch, step)  # one augmentation pass, no cat
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         return x.contiguous(memory_format=torch.channels_last), y
 
