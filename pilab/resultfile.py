@@ -102,7 +102,7 @@ def save(result: dict, path: str) -> None:
                               "pilab.resultfile.load, which brings them back, before saving it)")
     blob = _encode(steps)
     npz = sidecar(path)
-    atomic_write(npz, lambda tmp: _write_bytes(tmp, blob))
+    atomic_write(npz, lambda tmp: _write_bytes(tmp, blob), durable=True)  # on the disk before result.json names it
     count = len(next(iter(steps.values()), []))
     ref = {"file": os.path.basename(npz), "sha256": hashlib.sha256(blob).hexdigest(), "count": count,
            "series": list(steps)}

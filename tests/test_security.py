@@ -301,6 +301,13 @@ def test_a_result_is_on_the_disk_before_it_replaces_the_old_one(tmp_path, monkey
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
     files.save_json({"np": 2}, str(tmp_path / "result.json"))
     assert any(".tmp-result.json" in s for s in synced) and str(tmp_path) in synced
+    # a run's result: its per-step sidecar too, before the result.json that names it
+    from pilab import resultfile
+    synced.clear()
+    resultfile.save({"np": 2, "steps": {"loss": [2.3, 2.2], "lr": [0.1, 0.1]}}, str(tmp_path / "r" / "result.json"))
+    npz = [i for i, s in enumerate(synced) if "result.steps.npz" in s]
+    js = [i for i, s in enumerate(synced) if ".tmp-result.json" in s]
+    assert npz and js and npz[0] < js[0], synced
 
 
 def test_an_unreadable_checkpoint_is_left_as_it_is(tmp_path):
