@@ -17,7 +17,7 @@ import subprocess
 
 from pilab import testbed
 from pilab.bench import network
-from pilab.perfmodel.microbench import run_comm_bench
+from pilab.perfmodel.calibrate import run_comm_bench
 
 NAME, SUBNET = "pldrops", "10.87.0.0/24"
 ALGORITHMS = ("auto", "ring", "reduce_scatter_allgather", "recursive_doubling")

@@ -73,6 +73,7 @@ class Config:
     batch_ramp: str = setting("", "batch-size ramp: 'EPOCH:BATCH,...' -- from each of those epochs (0-based) on, that batch (in batch_size's sense), e.g. batch_size=8 with '3:16,6:32'; or 'gns:MAX' -- at each epoch's end the batch becomes the largest of batch_size x 2^k (up to MAX, never smaller than before) whose global batch is within the gradient noise scale measured over that epoch (McCandlish et al. 2018; needs np >= 2); '' = batch_size throughout")
     max_steps: int = setting(0, "stop after this many optimizer steps in total; 0 = no limit", at_least=0)
     batch_aug: int = setting(1, "batch augmentation (Hoffer et al. 2019): each image of a rank's batch goes into the step this many times, each copy with its own crop and flip; the loss is the mean over the copies, so a step computes this many times the images (the speed counts it); 1 = off", at_least=1, hint="1: off")
+    balance: str = setting("off", "each rank's share of the global batch set by its speed, the global batch unchanged (a slow or throttled node's remedy; needs sharding=reshuffle; docs/guide/mixed-cluster.md): off (equal shares) | static (measured over the first 8 steps, then kept) | dynamic (measured again every 8 steps, re-split when a rank's speed moved more than 15%) | static:SPEED,... (given, one per rank; SPEEDxCOUNT repeats one: static:1x24,2.5x24); result.json's balance has the shares and every change", allowed="off, static, dynamic, or static:SPEED,...")
     # --- optimizer ---
     optimizer: str = setting("sgd", "sgd | lars | lamb (Adam's moments with a layer-wise trust ratio, You et al. 2020: beta1 = momentum, beta2 0.999; its lr is Adam's scale, ~1e-3 per 256 images, not SGD's) | muon (the weights muon_on names step by Muon at muon_lr, every other parameter by SGD at lr)", choices=('sgd', 'lars', 'lamb', 'muon'))
     lr: float = setting(0.05, "learning rate per `lr_ref_batch` examples of the global batch", above=0, finite=True)
@@ -125,12 +126,12 @@ class Config:
     keep: int = setting(1, "checkpoints kept: the last K (checkpoint-eNNNN.pt; checkpoint.pt is the newest)", above=0)
     out: str = setting("", 'directory for result.json and checkpoints; "" = write nothing')
     resume: str = setting("", "checkpoint file to resume from")
-    # --- long runs: mid-epoch checkpoints, stragglers (issue 19) ---
+    # --- long runs: mid-epoch checkpoints, stragglers ---
     checkpoint_minutes: float = setting(-1.0, "also checkpoint at a step boundary every M minutes (rank 0's clock); -1 = 10 on a multi-node run (ranks on >1 host) with --out, else never; 0 = never", allowed="-1, or >= 0")
     checkpoint_every_steps: int = setting(0, "also checkpoint every K optimizer steps, mid-epoch included; 0 = never", at_least=0)
     straggler_threshold: float = setting(0.2, "warn when a rank computes this fraction slower than the median rank (or spends this share of it in the exchange); 0 = never", at_least=0)
     straggler_steps: int = setting(10, "... for this many consecutive steps (medians over a window of 2x as many)", above=0)
-    # --- a per-rank trace (issue 39) ---
+    # --- a per-rank trace ---
     trace: bool = setting(False, "record every rank's step (data, forward, backward, each gradient message's Allreduce, wait, optimizer, evaluation, checkpoints) on clocks aligned over MPI into <out>/trace.json (Chrome Trace Event Format: open it in ui.perfetto.dev) and a per-rank table in result.json")
     trace_window: int = setting(50, "with trace: keep the first 5 steps, the last this many, and the steps a straggler warning named (a bounded file for a long run)", above=0)
 
@@ -160,7 +161,7 @@ class Config:
     def _validate_values(self) -> None:
         """Each setting alone: the bounds its ``setting`` declares, a known model (or your own builder)
         and width, and the rules that bounds cannot say."""
-        from .models.names import check_width
+        from .models import check_width
 
         for f in fields(self):
             _check_bounds(f.name, getattr(self, f.name), f.metadata)
@@ -201,12 +202,13 @@ class Config:
             raise ConfigError("local_steps > 1 averages parameters, which compression=fp16 would round; "
                               "use compression=none")
         self._validate_fewstep()
+        self._validate_balance()
         if self.warmup_epochs > self.epochs:
             raise ConfigError(
                 f"warmup_epochs={self.warmup_epochs} exceeds epochs={self.epochs}; shorten it")
 
     def _validate_fewstep(self) -> None:
-        """Muon, the warmup-stable-decay schedule and the few-step tricks (issue 54) with the rest."""
+        """Muon, the warmup-stable-decay schedule and the few-step tricks with the rest."""
         if self.schedule == "wsd":
             if self.warmup_epochs + self.decay_epochs > self.epochs:
                 raise ConfigError(f"warmup_epochs={self.warmup_epochs} + decay_epochs={self.decay_epochs} exceed "
@@ -226,7 +228,47 @@ class Config:
             raise ConfigError(f"batch_aug={self.batch_aug} makes differently augmented copies, and augment is off; "
                               "turn augment on, or use batch_aug=1")
 
+    def _validate_balance(self) -> None:
+        """Uneven shares (``balance``) with the rest: each rank must be able to take any images of a step."""
+        if self.balance_plan()[0] == "off":
+            return
+        why = ("sharding=static keeps each rank to its own shard; use sharding=reshuffle" if self.sharding == "static"
+               else "local SGD (local_steps > 1) gives each rank its own weights; use local_steps=1"
+               if self.local_steps > 1 else "a batch_ramp changes the global batch the shares split; drop it"
+               if self.batch_ramp else "bn=sync takes the statistics over all ranks; use bn=local or renorm"
+               if self.bn == "sync" else "ghost_batch groups would not divide the shares; use ghost_batch=0"
+               if self.ghost_batch else "")
+        if why:
+            raise ConfigError(f"balance={self.balance!r}: {why}")
+
     # ------------------------------------------------------------------
+    def balance_plan(self, np_: int | None = None) -> tuple[str, list[float] | None]:
+        """``balance`` as (mode, the given speeds or None), one speed per rank when ``np_`` is given::
+
+            Config(balance="static:1x2,0.5").balance_plan()     # ("static", [1.0, 1.0, 0.5])
+        """
+        value = self.balance
+        mode, _, given = str(value).partition(":")
+        if mode not in ("off", "static", "dynamic") or (given and mode != "static"):
+            raise ConfigError(f"balance={value!r}: use off, static, dynamic or static:SPEED,... (one speed per rank, "
+                              "e.g. static:2,1 or static:1x24,2.5x24)")
+        if not given:
+            return mode, None
+        speeds: list[float] = []
+        for part in given.split(","):
+            speed, _, count = part.strip().partition("x")
+            try:
+                s, n = float(speed), int(count) if count else 1
+            except ValueError:
+                s, n = -1.0, 0
+            if not (s > 0 and math.isfinite(s) and n >= 1):
+                raise ConfigError(f"balance={value!r}: {part.strip()!r} is not SPEED or SPEEDxCOUNT with SPEED > 0 "
+                                  "(e.g. static:2,1 or static:1x24,2.5x24)")
+            speeds += [s] * n
+        if np_ is not None and len(speeds) != np_:
+            raise ConfigError(f"balance={value!r} gives {len(speeds)} speeds for {np_} ranks; give one per rank")
+        return mode, speeds
+
     def ramp(self) -> list[tuple[int, int]]:
         """The batch plan as (first epoch, batch) pairs, starting with (0, batch_size)::
 

@@ -1,10 +1,10 @@
 """Writing results so that a reader never sees half a file: temporary file + rename, JSON helpers.
 
     from pilab.files import save_json, load_json
-    save_json({"np": 2}, "runs/x/result.json")     # creates runs/x/, replaces the file atomically
+    save_json({"np": 2}, "runs/x/study.json")      # creates runs/x/, replaces the file atomically
 
-JSON is written compactly: one key per line, but a list of plain values (a run's per-step losses and
-times) on one line, so a 4,680-step log is 8 lines, not 37,000.
+JSON is written compactly: one key per line, but a list of plain values on one line. A run's result is
+two files, written and read by ``pilab.resultfile`` (its per-step series are not JSON).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ __all__ = ["atomic_write", "atomic_write_text", "temp_name", "save_json", "load_
 def temp_name(path: str) -> str:
     """Where ``atomic_write`` writes ``path`` first: a hidden name beside it, this process's, with the same
     extension (a writer that picks the format from it, such as matplotlib's, writes the right one);
-    a process that must leave at once removes it (``pilab.engine.keeper``), and the data cache
+    a process that must leave at once removes it (``pilab.engine.records``), and the data cache
     recognises its own leftovers by the ``.tmp-`` prefix (``pilab.data.cache``)."""
     d, base = os.path.split(path)
     return os.path.join(d, f".tmp-{base}-{os.getpid()}{os.path.splitext(base)[1]}")

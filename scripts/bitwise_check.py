@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from pilab import engine
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHIVE = os.environ.get("PILAB_CIFAR_ARCHIVE") or str(ROOT.parent / "shared" / "data" / "cifar10-jpeg.tar.gz")
@@ -69,25 +70,23 @@ def _summary(result: dict, sha: str) -> dict:
 def _rank_main(over: dict, out: str) -> None:
     """One rank of an ``mpiexec`` run: train, and rank 0 writes the summary."""
     from mpi4py import MPI
-    from pilab.engine import train
     with tempfile.TemporaryDirectory() as d:
         cfg = _config(over, out=d if over.get("checkpoint_every_steps") else "")
-        result, model = train.train(cfg, MPI.COMM_WORLD)
+        result, model = engine.fit(cfg, engine.MPIRanks(MPI.COMM_WORLD))
     if MPI.COMM_WORLD.Get_rank() == 0:
         Path(out).write_text(json.dumps(_summary(result, _weights_sha(model)), indent=1))
 
 
 def _simulate(np_: int, over: dict) -> dict:
-    from pilab.engine import simulate
-    result, model = simulate.train(_config(over), np_)
+    result, model = engine.fit(_config(over), engine.VirtualRanks(np_))
     return _summary(result, _weights_sha(model))
 
 
 def _resume(np_: int, over: dict) -> dict:
-    from pilab.engine import simulate
     with tempfile.TemporaryDirectory() as d:
-        first, _ = simulate.train(_config(over, out=d, max_steps=5), np_)
-        second, model = simulate.train(_config(over, out=d, resume=os.path.join(d, "checkpoint.pt")), np_ // 2)
+        first, _ = engine.fit(_config(over, out=d, max_steps=5), engine.VirtualRanks(np_))
+        second, model = engine.fit(_config(over, out=d, resume=os.path.join(d, "checkpoint.pt")),
+                                   engine.VirtualRanks(np_ // 2))
     a, b = _summary(first, ""), _summary(second, _weights_sha(model))
     return {"first": a, "resumed": b}
 

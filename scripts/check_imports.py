@@ -3,6 +3,7 @@ between parts nor between modules, and the heavy third-party libraries stay behi
 
     python scripts/check_imports.py            # prints the module graph; exit 1 on a violation
     python scripts/check_imports.py --stats    # also lines per module and the longest functions
+    python scripts/check_imports.py --numbers  # also the architecture's numbers (docs/architecture.md)
 
 Reads the source with ``ast`` (imports inside functions count too), so it needs nothing installed.
 """
@@ -20,9 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 # takes its layer, so a new module needs no entry here) or a module at the top of pilab/.
 LAYERS = {
     "files": 0, "verdict": 0,  # atomic writes; the one logic that judges a study's rows (no pilab imports)
+    "resultfile": 0.5,  # a run's result on disk: result.json and its per-step series (files only)
     "envvars": 0,  # the registry of the environment variables pilab reads (no pilab imports)
     "component": 0,  # what a loop feature is: the moments the loop calls (no pilab imports)
-    "launch": 0,  # finding mpiexec, starting a job, hostfiles, Slurm, where the ranks land (no torch)
+    "lazy": 0,  # a package's face loaded on first use (PEP 562)
+    "launch": 1,  # finding mpiexec, starting a job, hostfiles, Slurm, where the ranks land (no torch)
     "models": 1,  # the networks, by name (torch only)
     "plots": 1, "testbed": 1,  # the view (Bokeh, matplotlib); network namespaces playing a cluster
     "config": 2,  # the frozen Config (checks model names against models/)
@@ -198,9 +201,64 @@ def stats(top: int = 10) -> None:
         print(f"{n:6d}  {name}")
 
 
+def _defined(tree: ast.Module) -> set:
+    """The names a module defines at its top (functions, classes, assignments, in if/try blocks too)."""
+    out = set()
+    for node in tree.body:
+        for n in ([node] if not isinstance(node, (ast.If, ast.Try)) else ast.walk(node)):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(n.name)
+            elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                    out |= {x.id for x in ast.walk(t) if isinstance(x, ast.Name)}
+    return out
+
+
+def numbers() -> dict:
+    """The architecture's numbers: modules and lines of pilab/, names imported across modules that are
+    private there (``_name``) or that the module they come from only re-exports (a package's face may),
+    the layer table's entries, circles between folders, file names used in more than one folder, and
+    ``StepResult``'s fields."""
+    paths = sorted(ROOT.rglob("*.py"))
+    trees = {module_name(p): (p, ast.parse(p.read_text())) for p in paths}
+    private = hops = 0
+    for me, (path, tree) in trees.items():
+        package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+        for n in ast.walk(tree):
+            if not isinstance(n, ast.ImportFrom):
+                continue
+            base = package.split(".")[:len(package.split(".")) - (n.level - 1)] if n.level else []
+            target = ".".join(base + ([n.module] if n.module else [])) if n.level else (n.module or "")
+            if target not in trees or target == me:
+                continue
+            for a in n.names:
+                if f"{target}.{a.name}" in trees:
+                    continue  # a module, not a name
+                private += a.name.startswith("_") and not a.name.startswith("__")
+                face = trees[target][0].name == "__init__.py"
+                hops += not face and a.name not in _defined(trees[target][1])
+    folders: dict = {}  # folder (or top-level module) -> the folders it imports
+    for p in paths:
+        me = module_name(p).split(".")
+        for target, _, _ in imports_of(p):
+            there = (_module_of(target) or "").split(".")
+            if len(me) > 1 and len(there) > 1 and there[0] == "pilab" and there[1] != me[1]:
+                folders.setdefault(me[1], set()).add(there[1])
+    names = [p.name for p in paths if p.name != "__init__.py"]
+    step = trees["pilab.engine.backend"][1]
+    fields = next(len([b for b in n.body if isinstance(b, ast.AnnAssign)]) for n in step.body
+                  if isinstance(n, ast.ClassDef) and n.name == "StepResult")
+    return {"modules": len(paths), "lines": sum(len(p.read_text().splitlines()) for p in paths),
+            "private names imported across modules": private, "re-export hops": hops,
+            "layer-table entries": len(LAYERS), "folder loops": len(cycles(folders)),
+            "repeated file names": len({n for n in names if names.count(n) > 1}),
+            "StepResult fields": fields}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stats", action="store_true", help="also lines per module, longest functions")
+    ap.add_argument("--numbers", action="store_true", help="also the architecture's numbers")
     args = ap.parse_args()
     problems, graph, local = check()
     for mod in sorted(graph, key=lambda m: LAYERS[m]):
@@ -208,6 +266,9 @@ def main() -> int:
     print(f"function-local imports of pilab modules: {local}")
     if args.stats:
         stats()
+    if args.numbers:
+        for k, v in numbers().items():
+            print(f"{k}: {v}")
     for p in problems:
         print("PROBLEM:", p, file=sys.stderr)
     print("ok: imports point down, no circles" if not problems else f"{len(problems)} problem(s)")

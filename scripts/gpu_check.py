@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from pilab import engine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -40,7 +41,6 @@ def default_data() -> str:
 def run_one(cfg, np_: int, ds, log=print) -> dict:
     import torch
 
-    from pilab.engine import loop as engine
     t_wall = time.perf_counter()
     s = engine.Session(cfg, engine.VirtualRanks(np_, defer_metrics=True), data=ds)
     dev = s.device

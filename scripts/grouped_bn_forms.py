@@ -7,7 +7,7 @@ batch). Alternated rounds; the ratio per round by the process's CPU time and by 
     python scripts/grouped_bn_forms.py --threads 2 --rounds 9 --compiled       # ... and torch.compile's form
     python scripts/grouped_bn_forms.py --threads 2 --rounds 5 --end-to-end     # fast-mode steps, eager vs compiled
 
-Forms: ``grouped`` is pilab's ``layers._GroupedBN`` (batched mean, centred copy, batched dot, fused
+Forms: ``grouped`` is pilab's ``layers.GroupedBN`` (batched mean, centred copy, batched dot, fused
 scale-and-shift); ``var_mean`` takes one Welford pass (``torch.var_mean`` over each group) and keeps the input
 instead of the centred copy; ``native_t`` copies the batch into a (rows, groups x channels) layout so that
 one native BatchNorm call normalises every group, and copies back; ``compiled`` is the same mathematics as
@@ -15,7 +15,7 @@ plain tensor operations given to ``torch.compile`` (``layers.compiled_grouped_bn
 one compilation per shape; it needs a C++ compiler). The shapes are MobileNetV2-CIFAR layers at 32 images x 8 ranks (width 1.0) and at
 32 x 48 (width 0.25).
 
-``--end-to-end`` times whole steps of the fast simulator with ``compile_bn=off`` (every layer ``_GroupedBN``) and
+``--end-to-end`` times whole steps of the fast simulator with ``compile_bn=off`` (every layer ``GroupedBN``) and
 ``compile_bn=on`` (pilab.engine.compilebn: the compiled form on layers of 1M+ activations), each against one
 process training the global batch, alternated: what the per-layer figures are worth in a step.
 """
@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from pilab.bench.stats import alternate_clocks, ratios, summary
-from pilab.engine.layers import _GroupedBN, compiled_grouped_bn
+from pilab.engine.layers import GroupedBN, compiled_grouped_bn
+from pilab import engine
 
 EPS = 1e-5
 
@@ -79,7 +80,7 @@ def forms(x, dy, weight, bias, groups: int, with_compiled: bool = False) -> dict
         return z.view(-1, groups, c).transpose(0, 1).reshape(n, h, w, c).permute(0, 3, 1, 2)
 
     out = {"native": run(lambda xx: F.batch_norm(xx, None, None, weight, bias, True, 0.1, EPS)),
-           "grouped": run(lambda xx: _GroupedBN.apply(xx, weight, bias, groups, EPS)[0]),
+           "grouped": run(lambda xx: GroupedBN.apply(xx, weight, bias, groups, EPS)[0]),
            "var_mean": run(lambda xx: _VarMeanBN.apply(xx, weight, bias, groups)),
            "native_t": run(native_t)}
     if with_compiled:
@@ -98,7 +99,6 @@ def end_to_end(rounds: int, threads: int) -> None:
     from pilab.bench.stats import alternate_clocks as clocks_of
     from pilab.config import Config
     from pilab.data import load
-    from pilab.engine import loop as engine
 
     ds = load("embedded")
     for model, width, b, np_ in (("mobilenetv2_cifar", 1.0, 32, 8), ("mobilenetv2_cifar", 1.0, 4, 48),

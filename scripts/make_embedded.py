@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from pilab.data import CLASSES, stratified_subset  # noqa: E402
-from pilab.data.decode import decode_image  # noqa: E402
+from pilab.data.sources import decode_image  # noqa: E402
 from pilab.files import sha256_file  # noqa: E402
 
 DEFAULT_ARCHIVE = os.path.join(REPO, "..", "shared", "data", "cifar10-jpeg.tar.gz")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 
@@ -21,7 +22,7 @@ import torch
 from pilab.bench.local import stepper
 from pilab.bench.stats import alternate, ratios, summary
 from pilab.config import Config
-from pilab.engine import loop as engine
+from pilab import engine
 
 
 def sessions(cfg: Config, np_: int, modes: list[str]) -> dict:
@@ -50,11 +51,10 @@ def profile(name: str, f, steps: int = 2, top: int = 18) -> None:
 def compare_run(a, epochs: int) -> dict:
     """The same small simulated run (``epochs`` over 40 steps' images) in the exact and the fast mode:
     per-step losses, their largest difference, and the final test accuracy of each."""
-    from pilab.engine import simulate
     b = int(a.b.split(",")[0])
     cfg = Config(model=a.model, width=a.width, batch_size=b, threads=a.threads, epochs=epochs,
                  train_subset=10 * a.np * b, test_subset=1000, lr=a.lr, lr_ref_batch=64, warmup_epochs=0.5)
-    runs = {m: simulate.run(replace(cfg, simulate_mode=m), a.np) for m in ("exact", "fast")}
+    runs = {m: engine.simulate(replace(cfg, simulate_mode=m), a.np) for m in ("exact", "fast")}
     loss = {m: r["steps"]["loss"] for m, r in runs.items()}
     diff = [abs(x - y) for x, y in zip(loss["exact"], loss["fast"])]
     out = {"np": a.np, "per_rank_batch": b, "steps": len(diff), "max_step_loss_diff": max(diff),
@@ -70,15 +70,16 @@ _PEAK = """
 import sys, json
 from dataclasses import replace
 from pilab.config import Config
-from pilab.engine import loop as engine
+from pilab import engine
 from pilab.engine.backend import peak_mem_mb
 mode, np_, b, model, width, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5]), int(sys.argv[6])
+sys.path.insert(0, sys.argv[7])
+from profile_sim import mode_config  # MODE:COMPILE read in one place
 cfg = Config(model=model, width=width, batch_size=b, threads=threads, epochs=10, test_subset=10)
 if mode == "global":
     s = engine.Session(replace(cfg, batch_size=np_ * b), engine.MPIRanks(None))
 else:
-    m, _, compile_bn = mode.partition(":")
-    s = engine.Session(replace(cfg, simulate_mode=m, compile_bn=compile_bn or "auto"), engine.VirtualRanks(np_))
+    s = engine.Session(mode_config(cfg, mode), engine.VirtualRanks(np_))
 for k in range(2):
     s.step(0, k % s.steps_per_epoch)
 # the fast mode takes fewer ranks per forward by itself where the global batch would not fit: say so
@@ -93,8 +94,8 @@ def peaks(a, modes) -> dict:
     b = int(a.b.split(",")[0])
     out = {}
     for m in ["global", *modes]:
-        p = subprocess.run([sys.executable, "-c", _PEAK, m, str(a.np), str(b), a.model, str(a.width), str(a.threads)],
-                           capture_output=True, text=True, check=True)
+        p = subprocess.run([sys.executable, "-c", _PEAK, m, str(a.np), str(b), a.model, str(a.width), str(a.threads),
+                            os.path.dirname(os.path.abspath(__file__))], capture_output=True, text=True, check=True)
         got = json.loads(p.stdout.strip().splitlines()[-1])
         out[m] = got["peak_mem_mb"]
         if got["ranks_per_chunk"] is not None:

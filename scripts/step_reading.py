@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 import threading
+from pilab import engine
 
 
 def main(argv=None) -> int:
@@ -24,7 +25,6 @@ def main(argv=None) -> int:
 
     import pilab
     from pilab.config import Config
-    from pilab.engine import loop as engine
     root = os.path.dirname(pilab.__file__)
     cfg = Config(data="embedded", model="mobilenetv2_cifar", width=0.25, train_subset=256, test_subset=64,
                  batch_size=16, epochs=2, threads=1, local_steps=args.local_steps)

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pilab import testbed  # noqa: E402
 from pilab.bench import network as net  # noqa: E402
-from pilab.perfmodel import network as nm  # noqa: E402
+from pilab.perfmodel import check as nm  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     tb = testbed.up(testbed.Testbed(nodes=4, slots=2, rate=a.rates[0], subnet=net.SUBNET, name=net.NAME))
     try:
         for rate in a.rates:
-            tb = net._shaped(tb, rate)
+            tb = net.shaped(tb, rate)
             run = net.bench(tb, 2, 2, print)  # the link rate of the bound
             run["rate"] = rate
             data["bench"].append(run)

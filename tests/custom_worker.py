@@ -15,7 +15,7 @@ import torch
 from mpi4py import MPI
 
 from pilab.config import Config
-from pilab.engine import simulate, train
+from pilab import engine
 
 torch.set_num_threads(1)
 COMM = MPI.COMM_WORLD
@@ -32,22 +32,22 @@ def max_diff(a: dict, b: dict) -> float:
 
 def main(out):
     res = {}
-    ds = train.load_data(BASE, COMM)
+    ds = engine.load_data(BASE, COMM)
     for name, cfg in MODELS.items():
-        result, model = train.train(cfg, COMM, data=ds)
+        result, model = engine.fit(cfg, engine.MPIRanks(COMM), data=ds)
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         states = COMM.gather(state, root=0)
         if RANK == 0:
-            sim, sim_model = simulate.train(cfg, SIZE, data=ds)
-            res[name] = {"diff_per_rank": [max_diff(simulate.virtual_state(sim_model, r), states[r])
+            sim, sim_model = engine.fit(cfg, engine.VirtualRanks(SIZE), data=ds)
+            res[name] = {"diff_per_rank": [max_diff(engine.virtual_state(sim_model, r), states[r])
                                            for r in range(SIZE)],
                          "steps": result["total_steps"], "keys": len(state),
                          "loss": result["steps"]["loss"], "sim_loss": sim["steps"]["loss"]}
         # SyncBatchNorm of any BatchNorm: over all ranks, and (the ResNet) over groups of ranks where np allows
         sync = replace(cfg, bn="sync", max_steps=3, eval_every=100, bn_group=2 if SIZE % 2 == 0 and SIZE > 2 else 0)
-        r_sync, _ = train.train(sync, COMM, data=ds)
+        r_sync, _ = engine.fit(sync, engine.MPIRanks(COMM), data=ds)
         if RANK == 0:
-            s_sync = simulate.run(sync, SIZE, data=ds)
+            s_sync = engine.simulate(sync, SIZE, data=ds)
             res[name]["sync_loss"], res[name]["sim_sync_loss"] = r_sync["steps"]["loss"], s_sync["steps"]["loss"]
     if RANK == 0:
         with open(out, "w") as f:

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from pilab import data as data_mod
-from pilab.engine import loop as engine, mpi as ranks, virtual
+from pilab import engine
+from pilab.engine import mpi as ranks, virtual
 from pilab.config import Config
 from served import served_batches
 
@@ -68,7 +69,7 @@ def case_integrity(out: str) -> None:
     for policy in ("static", "reshuffle"):
         del used[:], seen[:]
         cfg = replace(CFG, sharding=policy)
-        result, _ = engine.train(cfg, engine.MPIRanks(comm))
+        result, _ = engine.fit(cfg, engine.MPIRanks(comm))
         rows = comm.gather(list(used), root=0)
         digests = comm.gather(list(seen), root=0)
         if comm.Get_rank() == 0:
@@ -86,7 +87,7 @@ def case_simulate48(out: str) -> None:
     res = {"np": 48, "policies": {}}
     for policy in ("static", "reshuffle"):
         del used[:], seen[:]
-        result, _ = engine.train(replace(cfg, sharding=policy), engine.VirtualRanks(48))
+        result, _ = engine.fit(replace(cfg, sharding=policy), engine.VirtualRanks(48))
         ds = engine.load_data(cfg)
         res["policies"][policy] = summarise([list(used)], [list(seen)], ds, result)
     with open(out, "w") as f:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from conftest import MPIEXEC, mpi_env
+from pilab import engine
 
 
 def launch(test_file: str, out: Path, np_: int = 2, timeout: int = 420) -> dict:
@@ -24,26 +25,28 @@ def launch(test_file: str, out: Path, np_: int = 2, timeout: int = 420) -> dict:
     return json.loads(Path(out).read_text())
 
 
-def worker(cfg, out: str, extra=None) -> None:
+def worker(cfg, out: str, extra=None, components=tuple) -> None:
     """Train ``cfg`` on this MPI world and (rank 0) in the simulator at the same np; ``extra(cfg, comm, ds)``
-    may add its own numbers (a run without the feature, to show that it acted)."""
+    may add its own numbers (a run without the feature, to show that it acted); ``components()``: fresh
+    components of your own for each run."""
     import torch
     from mpi4py import MPI
 
-    from pilab.engine import simulate, train
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
-    ds = train.load_data(cfg, comm)
-    result, model = train.train(cfg, comm, data=ds)
+    ds = engine.load_data(cfg, comm)
+    result, model = engine.fit(cfg, engine.MPIRanks(comm), data=ds, components=components())
     more = extra(cfg, comm, ds) if extra else {}
     if comm.Get_rank() == 0:
-        sim, sim_model = simulate.train(cfg, comm.Get_size(), data=ds)
+        sim, sim_model = engine.fit(cfg, engine.VirtualRanks(comm.Get_size()), data=ds, components=components())
         diffs = [float((a - b).abs().max()) for a, b in zip(model.parameters(), sim_model.parameters())]
         Path(out).write_text(json.dumps({
             "mpi_loss": result["steps"]["loss"], "sim_loss": sim["steps"]["loss"],
             "weights_equal": max(diffs) == 0.0, "max_weight_diff": max(diffs),
             "mpi_test_acc": [e["test_acc"] for e in result["epochs"]],
-            "sim_test_acc": [e["test_acc"] for e in sim["epochs"]], **more}))
+            "sim_test_acc": [e["test_acc"] for e in sim["epochs"]],
+            "mpi_result": {k: result[k] for k in result if k not in ("steps", "epochs", "env")},
+            "sim_result": {k: sim[k] for k in sim if k not in ("steps", "epochs", "env")}, **more}, default=str))
 
 
 def assert_same(r: dict) -> None:

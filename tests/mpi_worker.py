@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 
+import pilab
 from pilab import data as data_mod
-from pilab.dist import helpers as dist
-from pilab.engine import loop as engine, layers, train
+from pilab import dist
+from pilab import engine
+from pilab.engine import layers
 from pilab.config import Config
 
 torch.set_num_threads(1)
@@ -103,7 +105,7 @@ def _bn_reference(per_rank):
 def case_train(out):
     """Equivalence with a single-process reference, buffer sync, accounting, buckets, fp16."""
     res = {}
-    ds = train.load_data(BASE, COMM)
+    ds = engine.load_data(BASE, COMM)
     # 1) 20 steps, no eval before the end -> compare raw per-rank states with the reference.
     cfg = replace(BASE, eval_every=100)
     steps_seen = []
@@ -120,7 +122,7 @@ def case_train(out):
     # Capture per-rank states BEFORE the final buffer sync by stopping short of the last epoch's eval:
     # train for exactly 20 steps and compare after the run; the end-of-run sync makes buffers equal
     # to rank 0's, so compare those with reference rank 0 and parameters on every rank.
-    result, model = train.train(cfg, COMM, data=ds, callbacks=[lambda e: steps_seen.append(e)])
+    result, model = engine.fit(cfg, engine.MPIRanks(COMM), data=ds, callbacks=[lambda e: steps_seen.append(e)])
     dist.GradSync.finish = orig_finish
     states = gathered_states(model)
     flags = COMM.gather(post_before_end, root=0)
@@ -159,9 +161,9 @@ def case_train(out):
     # follow a smooth trajectory (at lr 0.05 this tiny run is chaotic and any rounding diverges).
     post_before_end.clear()
     dist.GradSync.finish = finish
-    r16, _ = train.train(replace(cfg, compression="fp16", lr=0.01), COMM, data=ds)
+    r16, _ = engine.fit(replace(cfg, compression="fp16", lr=0.01), engine.MPIRanks(COMM), data=ds)
     dist.GradSync.finish = orig_finish
-    r32, _ = train.train(replace(cfg, lr=0.01), COMM, data=ds)
+    r32, _ = engine.fit(replace(cfg, lr=0.01), engine.MPIRanks(COMM), data=ds)
     flags16 = COMM.gather(post_before_end, root=0)
     if RANK == 0:
         res["bytes_fp16"] = flags16[0][0][2]
@@ -188,7 +190,7 @@ def case_train(out):
 
     # 5) SyncBatchNorm == BatchNorm on the concatenated batch (forward and backward)
     full, gout, ref_bn = _bn_reference(4)
-    sync_bn = layers.SyncBatchNorm(6, COMM.Dup())
+    sync_bn = dist.SyncBatchNorm(6, COMM.Dup())
     sync_bn.load_state_dict(ref_bn.state_dict())
     xr = full.clone().requires_grad_(True)
     yr = ref_bn(xr)
@@ -210,45 +212,43 @@ def case_train(out):
     if RANK == 0:
         res["syncbn"] = {k: max(x[k] for x in ds_) for k in d}
         # and a short training run with bn=sync works end to end
-    rs, _ = train.train(replace(cfg, bn="sync", max_steps=4), COMM, data=ds)
+    rs, _ = engine.fit(replace(cfg, bn="sync", max_steps=4), engine.MPIRanks(COMM), data=ds)
     if RANK == 0:
         res["syncbn_train_loss_finite"] = bool(np.isfinite(rs["steps"]["loss"]).all())
     # ... and the simulator's one forward over every rank's images is the same SyncBatchNorm: the first
     # step's loss and update against MPI's, and against the simulator's bn=local (another rule)
     one = replace(cfg, bn="sync", max_steps=1)
-    r1, m1 = train.train(one, COMM, data=ds)
+    r1, m1 = engine.fit(one, engine.MPIRanks(COMM), data=ds)
     if RANK == 0:
-        from pilab.engine import simulate
-        from pilab.engine.mpi import base_model
+        from pilab.engine import base_model
         update = partial(first_update, base_model(one, torch.device("cpu")).state_dict())
         mine = update(m1.state_dict())
         rel = {}
         for name, c in (("sync", one), ("local", replace(one, bn="local"))):
-            sim, sim_model = simulate.train(c, SIZE, data=ds)
-            rel[name] = float((update(simulate.virtual_state(sim_model)) - mine).norm() / mine.norm())
+            sim, sim_model = engine.fit(c, engine.VirtualRanks(SIZE), data=ds)
+            rel[name] = float((update(engine.virtual_state(sim_model)) - mine).norm() / mine.norm())
             rel[name + "_loss"], rel[name + "_chunk"] = sim["steps"]["loss"][0], sim["ranks_per_chunk"]
         res["syncbn_simulator"] = dict(rel, loss=r1["steps"]["loss"][0])
     # ... and every simulate_mode against MPI's first bn=local step: exact bit for bit, fast (the global
     # batch in one forward, per-rank BatchNorm vectorised) to float rounding
     first = replace(cfg, max_steps=1)
-    r1l, m1l = train.train(first, COMM, data=ds)
+    r1l, m1l = engine.fit(first, engine.MPIRanks(COMM), data=ds)
     if RANK == 0:
         update = partial(first_update, base_model(first, torch.device("cpu")).state_dict())
         mine = update(m1l.state_dict())
         modes = {}
         for mode in ("exact", "fast", "auto"):
-            sim, sim_model = simulate.train(replace(first, simulate_mode=mode), SIZE, data=ds)
-            modes[mode] = {"update": float((update(simulate.virtual_state(sim_model)) - mine).norm() / mine.norm()),
+            sim, sim_model = engine.fit(replace(first, simulate_mode=mode), engine.VirtualRanks(SIZE), data=ds)
+            modes[mode] = {"update": float((update(engine.virtual_state(sim_model)) - mine).norm() / mine.norm()),
                            "loss": sim["steps"]["loss"][0], "used": sim["simulate_mode_used"],
                            "chunk": sim["ranks_per_chunk"]}
         res["modes_first_step"] = dict(modes, loss=r1l["steps"]["loss"][0])
 
     # 6) the simulator reproduces this MPI run
-    from pilab.engine import simulate
     sim_cfg = replace(cfg, eval_every=100)
     if RANK == 0:
-        _, sim_model = simulate.train(sim_cfg, SIZE, data=ds)
-        res["simulator_states"] = [simulate.virtual_state(sim_model, r) for r in range(SIZE)]
+        _, sim_model = engine.fit(sim_cfg, engine.VirtualRanks(SIZE), data=ds)
+        res["simulator_states"] = [engine.virtual_state(sim_model, r) for r in range(SIZE)]
         # Both runs end with the same buffer policy (broadcast), so compare with the synced states.
         res["simulator_diff_per_rank"] = [max_diff(res["simulator_states"][r], states[r])
                                           for r in range(SIZE)]
@@ -257,7 +257,7 @@ def case_train(out):
     # 7) BN buffer policy "average": the same run ends with every rank holding the mean of the
     # per-rank running statistics of the reference, and the simulator applies the same policy
     cfg_avg = replace(cfg, bn_buffers="average")
-    _, model_avg = train.train(cfg_avg, COMM, data=ds)
+    _, model_avg = engine.fit(cfg_avg, engine.MPIRanks(COMM), data=ds)
     states_avg = gathered_states(model_avg)
     if RANK == 0:
         keys = [k for k in buffer_keys(ref[0]) if ref[0][k].is_floating_point()]
@@ -270,9 +270,9 @@ def case_train(out):
             max_diff({k: s[k] for k, _ in ref_params(ref[0])}, ref[0]) for s in states_avg)
         # the statistics differ by rank before the sync, so the mean is not any one rank's
         res["average_differs_from_rank0"] = max_diff({k: ref[0][k] for k in keys}, mean_ref) > 1e-6
-        _, sim_avg = simulate.train(replace(sim_cfg, bn_buffers="average"), SIZE, data=ds)
+        _, sim_avg = engine.fit(replace(sim_cfg, bn_buffers="average"), engine.VirtualRanks(SIZE), data=ds)
         res["simulator_average_diff_per_rank"] = [
-            max_diff(simulate.virtual_state(sim_avg, r), states_avg[r]) for r in range(SIZE)]
+            max_diff(engine.virtual_state(sim_avg, r), states_avg[r]) for r in range(SIZE)]
 
     # 8) a rank that loads the data itself keeps only its static shard of the training images, and
     # only its share of the test images; its evaluation is the one on the whole test set
@@ -302,11 +302,11 @@ def case_local(out):
     import os
     import tempfile
 
-    from pilab.engine import localsgd, simulate
+    from pilab.engine import localsgd
     cfg = replace(BASE, train_subset=240, epochs=2, max_steps=0, eval_every=1, local_steps=4, local_after=0.5,
                   batch_ramp="1:16",
                   label_smoothing=0.1, ema_epochs=0.3, tta=True, schedule="linear", warmup_epochs=0.2, nesterov=True)
-    ds = train.load_data(cfg, COMM)
+    ds = engine.load_data(cfg, COMM)
     res = {}
 
     def flat_params(model):
@@ -333,11 +333,11 @@ def case_local(out):
         res["together_max_diff"] = max(float((together[r] - together[0]).abs().max()) for r in range(SIZE))
 
     # 2) the whole run, against the simulator
-    result, model = train.train(cfg, COMM, data=ds)
+    result, model = engine.fit(cfg, engine.MPIRanks(COMM), data=ds)
     states = gathered_states(model)
     if RANK == 0:
-        sim_result, sim_model = simulate.train(cfg, SIZE, data=ds)
-        res["simulator_diff_per_rank"] = [max_diff(simulate.virtual_state(sim_model, r), states[r])
+        sim_result, sim_model = engine.fit(cfg, engine.VirtualRanks(SIZE), data=ds)
+        res["simulator_diff_per_rank"] = [max_diff(engine.virtual_state(sim_model, r), states[r])
                                           for r in range(SIZE)]
         res["test_acc"] = [e["test_acc"] for e in result["epochs"]]
         res["simulator_test_acc"] = [e["test_acc"] for e in sim_result["epochs"]]
@@ -349,8 +349,9 @@ def case_local(out):
     # 3) stopped between two averages (a checkpoint there), resumed: the same run as uninterrupted
     d = COMM.bcast(tempfile.mkdtemp(prefix="pilab-local-") if RANK == 0 else None, root=0)
     k = first_local + 1
-    train.train(replace(cfg, out=d, checkpoint_every_steps=k, max_steps=k), COMM, data=ds)
-    resumed, model_b = train.train(replace(cfg, out=d, resume=os.path.join(d, "checkpoint.pt")), COMM, data=ds)
+    engine.fit(replace(cfg, out=d, checkpoint_every_steps=k, max_steps=k), engine.MPIRanks(COMM), data=ds)
+    resumed, model_b = engine.fit(replace(cfg, out=d, resume=os.path.join(d, "checkpoint.pt")),
+                                  engine.MPIRanks(COMM), data=ds)
     states_b = gathered_states(model_b)
     if RANK == 0:
         res["resume_diff_per_rank"] = [max_diff(states_b[r], states[r]) for r in range(SIZE)]
@@ -380,19 +381,18 @@ def _train_no_sync(cfg, ds):
 def case_gns(out):
     """A noise-driven batch ramp (batch_ramp="gns:16") over real ranks: every rank measures the same noise
     scale and chooses the same batches, and the whole run matches the simulator's."""
-    from pilab.engine import simulate
     cfg = replace(BASE, train_subset=240, epochs=3, max_steps=0, batch_size=4, batch_ramp="gns:16")
-    ds = train.load_data(cfg, COMM)
-    result, model = train.train(cfg, COMM, data=ds)
+    ds = engine.load_data(cfg, COMM)
+    result, model = engine.fit(cfg, engine.MPIRanks(COMM), data=ds)
     mine = {"noise": [e["noise_scale"] for e in result["epochs"]], "plan": result["batch_plan"],
             "chosen": result["batch_ramp_chosen"]}
     every = COMM.gather(mine, root=0)
     states = gathered_states(model)
     if RANK == 0:
-        sim, sim_model = simulate.train(cfg, SIZE, data=ds)
+        sim, sim_model = engine.fit(cfg, engine.VirtualRanks(SIZE), data=ds)
         res = {"ranks": every, "simulator": {"noise": [e["noise_scale"] for e in sim["epochs"]],
                                              "plan": sim["batch_plan"], "chosen": sim["batch_ramp_chosen"]},
-               "simulator_diff_per_rank": [max_diff(simulate.virtual_state(sim_model, r), states[r])
+               "simulator_diff_per_rank": [max_diff(engine.virtual_state(sim_model, r), states[r])
                                            for r in range(SIZE)],
                "test_acc": [e["test_acc"] for e in result["epochs"]],
                "simulator_test_acc": [e["test_acc"] for e in sim["epochs"]],
@@ -404,16 +404,18 @@ def case_gns(out):
 def case_renorm(out):
     """Batch Renormalization (bn="renorm") at 4 images per rank over real ranks, its limits widened within
     the run: the whole run against the simulator, and against the same run with plain BatchNorm."""
-    from pilab.engine import simulate
-    cfg = replace(BASE, train_subset=240, epochs=3, max_steps=0, batch_size=4, bn="renorm", warmup_epochs=0.5)
-    ds = train.load_data(cfg, COMM)
-    result, model = train.train(cfg, COMM, data=ds)
+    # 96 images: 12 steps an epoch at np=2, 8 at np=3 -- plain for the first epoch, widened over the
+    # second, wide for the third; what is compared (bitwise, the limits at each step) needs no more
+    cfg = replace(BASE, train_subset=96, test_subset=100, epochs=3, max_steps=0, batch_size=4, bn="renorm",
+                  warmup_epochs=0.5)
+    ds = engine.load_data(cfg, COMM)
+    result, model = engine.fit(cfg, engine.MPIRanks(COMM), data=ds)
     states = gathered_states(model)
-    plain, _ = train.train(replace(cfg, bn="local"), COMM, data=ds)
+    plain, _ = engine.fit(replace(cfg, bn="local"), engine.MPIRanks(COMM), data=ds)
     if RANK == 0:
-        sim, sim_model = simulate.train(cfg, SIZE, data=ds)
+        sim, sim_model = engine.fit(cfg, engine.VirtualRanks(SIZE), data=ds)
         bn = next(m for m in model.modules() if isinstance(m, layers.GhostBatchNorm2d))
-        res = {"simulator_diff_per_rank": [max_diff(simulate.virtual_state(sim_model, r), states[r])
+        res = {"simulator_diff_per_rank": [max_diff(engine.virtual_state(sim_model, r), states[r])
                                            for r in range(SIZE)],
                "test_acc": [e["test_acc"] for e in result["epochs"]],
                "simulator_test_acc": [e["test_acc"] for e in sim["epochs"]],
@@ -425,15 +427,84 @@ def case_renorm(out):
             json.dump(res, f, indent=1)
 
 
+class _Seesaw(pilab.Component):
+    """Uneven shares that change every step (through the seam: ``Phase.shares``), recording the training
+    images each rank takes (the loader's own indices of its share)."""
+    name, stage, per_rank = "seesaw", pilab.Stage.PLAN, True
+
+    def __init__(self, np_):
+        self.used, self.np_ = [], np_
+
+    def before_step(self, session, epoch, step):
+        from dataclasses import replace as with_
+        total = session.batch * self.np_
+        first = 1 + (step % 3) * (total // self.np_ - 1) // 2  # rank 0's share: 1, ..., B/np - 1
+        shares = (first, *data_mod.batch_shares(total - first, [1.0] * (self.np_ - 1)))
+        session.phase = with_(session.phase, shares=shares)
+        ranks = session.ranks
+        for r in (range(self.np_) if ranks.simulated else [ranks.rank]):
+            loader = ranks.loaders[r] if ranks.simulated else ranks.loader
+            idx = loader.share_indices(epoch, step, *session.phase.share_of(r))
+            self.used.append([epoch, step, r, idx.tolist()])
+
+
+def case_balance(out):
+    """Uneven per-rank shares (``Config.balance``) over real ranks: given speeds (static:3,1 / 3,2,1) and
+    shares changing every step (a component), each against the simulator; every image once an epoch; a
+    mid-epoch checkpoint resumed; result.json's shares."""
+    import os
+    import tempfile
+    speeds = {2: "static:3,1", 3: "static:3,2,1"}[SIZE]
+    cfg = replace(BASE, train_subset=160, test_subset=100, epochs=2, max_steps=0, sharding="reshuffle", balance=speeds)
+    ds = engine.load_data(cfg, COMM)
+    work = COMM.bcast(tempfile.mkdtemp(prefix="pilab-balance-") if RANK == 0 else None)
+    result, model = engine.fit(replace(cfg, out=os.path.join(work, "run")), engine.MPIRanks(COMM), data=ds)
+    states = gathered_states(model)
+    seesaw = _Seesaw(SIZE)
+    moved, moved_model = engine.fit(replace(cfg, balance="off"), engine.MPIRanks(COMM), data=ds, components=[seesaw])
+    moved_states = gathered_states(moved_model)
+    used = COMM.gather(seesaw.used, root=0)
+    # stopped after 3 steps with a checkpoint there (mid-epoch), then resumed to the end
+    half = replace(cfg, out=os.path.join(work, "half"), max_steps=3, checkpoint_every_steps=3)
+    engine.fit(half, engine.MPIRanks(COMM), data=ds)
+    resumed, resumed_model = engine.fit(replace(half, max_steps=0, resume=os.path.join(work, "half", "checkpoint.pt")),
+                                        engine.MPIRanks(COMM), data=ds)
+    resumed_states = gathered_states(resumed_model)
+    if RANK == 0:
+        sim, sim_model = engine.fit(cfg, engine.VirtualRanks(SIZE), data=ds)
+        sim_seesaw = _Seesaw(SIZE)
+        sim_moved, sim_moved_model = engine.fit(replace(cfg, balance="off"), engine.VirtualRanks(SIZE), data=ds,
+                                                components=[sim_seesaw])
+        with open(os.path.join(work, "run", "result.json")) as f:
+            written = json.load(f)
+        res = {"simulator_diff_per_rank": [max_diff(engine.virtual_state(sim_model, r), states[r])
+                                           for r in range(SIZE)],
+               "loss": result["steps"]["loss"], "simulator_loss": sim["steps"]["loss"],
+               "test_acc": [e["test_acc"] for e in result["epochs"]],
+               "simulator_test_acc": [e["test_acc"] for e in sim["epochs"]],
+               "balance": written.get("balance"), "simulator_balance": sim.get("balance"),
+               "global_batch": result["global_batch"], "steps_per_epoch": result["steps_per_epoch"],
+               "moved_diff_per_rank": [max_diff(engine.virtual_state(sim_moved_model, r), moved_states[r])
+                                       for r in range(SIZE)],
+               "moved_loss": moved["steps"]["loss"], "simulator_moved_loss": sim_moved["steps"]["loss"],
+               "used": [u for rank_used in used for u in rank_used], "simulator_used": sim_seesaw.used,
+               "resumed_from_step": resumed.get("resumed_from_step"),
+               "resume_diff_per_rank": [max_diff(resumed_states[r], states[r]) for r in range(SIZE)],
+               "resumed_loss": resumed["steps"]["loss"], "n_train": len(ds.y_train)}
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+        import shutil
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def case_syncgroups(out):
     """SyncBatchNorm over groups of 2 consecutive ranks (bn_group=2) at np=4: each group's layer equals
     BatchNorm on that group's concatenated batch; one training step against the simulator's, which runs
     every rank in one forward with BatchNorm per group of ranks, and against the other rules."""
-    from pilab.engine import simulate
-    from pilab.engine.mpi import base_model
+    from pilab.engine import base_model
     res = {}
     full, gout, ref_bn = _bn_reference(3)
-    mine_bn = layers.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(6)), COMM, group=2)[0]
+    mine_bn = dist.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(6)), COMM, group=2)[0]
     mine_bn.load_state_dict(ref_bn.state_dict())
     group = slice(3 * (RANK // 2 * 2), 3 * (RANK // 2 * 2 + 2))  # this rank's group's images
     xr = full[group].clone().requires_grad_(True)
@@ -449,10 +520,10 @@ def case_syncgroups(out):
          "group_size": mine_bn.comm.Get_size()}
     ds_ = COMM.gather(d, root=0)
     cfg = replace(BASE, bn="sync", bn_group=2, max_steps=1, bn_buffers="average")
-    ds = train.load_data(cfg, COMM)
-    r1, m1 = train.train(cfg, COMM, data=ds)
+    ds = engine.load_data(cfg, COMM)
+    r1, m1 = engine.fit(cfg, engine.MPIRanks(COMM), data=ds)
     # before the run's end settles them, the two groups' running statistics differ (their images do)
-    r2, m2 = train.train(replace(cfg, bn_buffers="broadcast"), COMM, data=ds)
+    r2, m2 = engine.fit(replace(cfg, bn_buffers="broadcast"), engine.MPIRanks(COMM), data=ds)
     states = gathered_states(m1)
     if RANK == 0:
         res["syncbn"] = {k: max(x[k] for x in ds_) for k in d}
@@ -460,11 +531,11 @@ def case_syncgroups(out):
         mpi = update(m1.state_dict())
         rel = {}
         for name, c in (("groups", cfg), ("all", replace(cfg, bn_group=0)), ("local", replace(cfg, bn="local", bn_group=0))):
-            sim, sim_model = simulate.train(c, SIZE, data=ds)
-            rel[name] = float((update(simulate.virtual_state(sim_model)) - mpi).norm() / mpi.norm())
+            sim, sim_model = engine.fit(c, engine.VirtualRanks(SIZE), data=ds)
+            rel[name] = float((update(engine.virtual_state(sim_model)) - mpi).norm() / mpi.norm())
             rel[name + "_loss"] = sim["steps"]["loss"][0]
             if name == "groups":  # every rank's row after the "average" policy: the mean of the groups'
-                rel["buffers"] = max(max_diff({k: v for k, v in simulate.virtual_state(sim_model, r).items()
+                rel["buffers"] = max(max_diff({k: v for k, v in engine.virtual_state(sim_model, r).items()
                                                if "running" in k}, {k: v for k, v in states[r].items()
                                                                      if "running" in k}) for r in range(SIZE))
         res["simulator"] = dict(rel, loss=r1["steps"]["loss"][0])
@@ -485,7 +556,7 @@ def case_fault(out):
         return False
     cfg = replace(BASE, max_steps=50)
     with dist.abort_on_error(COMM):
-        train.run(cfg, COMM, stop=stop)
+        engine.train(cfg, COMM, stop=stop)
 
 
 def case_stop(out):
@@ -495,7 +566,7 @@ def case_stop(out):
     def stop():
         calls["n"] += 1
         return RANK == SIZE - 1 and calls["n"] == 4
-    res = train.run(replace(BASE, max_steps=50), COMM, stop=stop)
+    res = engine.train(replace(BASE, max_steps=50), COMM, stop=stop)
     steps = COMM.gather(len(res["steps"]["loss"]), root=0)
     if RANK == 0:
         with open(out, "w") as f:
@@ -505,28 +576,27 @@ def case_stop(out):
 def case_spiking(out):
     """The spiking CNN (tests/test_spiking.py): every rank's own state before the buffer sync, and the
     synced state after a full run, against the virtual-rank simulator of the same run."""
-    from pilab.engine import simulate
     cfg = Config(model="spiking_cnn", width=0.25, timesteps=3, train_subset=128, test_subset=64,
                  batch_size=8, epochs=1, max_steps=4, lr=0.05, lr_ref_batch=16, threads=1, seed=3,
                  simulate_mode="exact")
-    ds = train.load_data(cfg, COMM)
+    ds = engine.load_data(cfg, COMM)
     before = COMM.gather(_train_no_sync(cfg, ds), root=0)
-    result, model = train.train(cfg, COMM, data=ds)
+    result, model = engine.fit(cfg, engine.MPIRanks(COMM), data=ds)
     after = gathered_states(model)
     if RANK == 0:
         session = engine.Session(cfg, engine.VirtualRanks(SIZE), data=ds)
         for g in range(session.total_steps):
             session.step(*divmod(g, session.steps_per_epoch))
-        sim_result, sim_model = simulate.train(cfg, SIZE, data=ds)
+        sim_result, sim_model = engine.fit(cfg, engine.VirtualRanks(SIZE), data=ds)
         bn = [k for k in before[0] if "running" in k]
         torch.manual_seed(cfg.seed)
         init = engine.base_model(cfg, torch.device("cpu")).state_dict()
         res = {
-            "per_rank_diff_before_sync": [max_diff(simulate.virtual_state(session.model, r), before[r])
+            "per_rank_diff_before_sync": [max_diff(engine.virtual_state(session.model, r), before[r])
                                           for r in range(SIZE)],
             "ranks_bn_differ_before_sync": max_diff({k: before[1][k] for k in bn},
                                                     {k: before[0][k] for k in bn}) > 0,
-            "diff_after_run": [max_diff(simulate.virtual_state(sim_model, r), after[r]) for r in range(SIZE)],
+            "diff_after_run": [max_diff(engine.virtual_state(sim_model, r), after[r]) for r in range(SIZE)],
             "params_moved_from_init": max_diff({k: after[0][k] for k, _ in ref_params(init)}, init),
             "mpi_loss": result["steps"]["loss"], "sim_loss": sim_result["steps"]["loss"],
             "mpi_test_acc": result["epochs"][-1]["test_acc"], "sim_test_acc": sim_result["epochs"][-1]["test_acc"],
@@ -581,7 +651,7 @@ if __name__ == "__main__":
     try:
         {"train": case_train, "stop": case_stop, "spiking": case_spiking,
          "local": case_local, "grads": case_grads, "gns": case_gns, "renorm": case_renorm,
-         "syncgroups": case_syncgroups}[case](out)
+         "syncgroups": case_syncgroups, "balance": case_balance}[case](out)
     except BaseException:
         # A rank that fails must not leave the others waiting in a collective until the test's timeout
         # (420 s): print why, then end the whole job at once.

@@ -65,11 +65,11 @@ def test_the_checker_fences_mpi4py_and_bokeh(tmp_path, monkeypatch):
 # benchmarks measure pilab against (a bare PyTorch loop, DDP, bare mpi4py), which are not a way to train.
 BACKWARD_ALLOWED = {
     "pilab/bench/local.py": "bare-loop and model-only contenders of the one-rank benchmarks",
-    "pilab/bench/mpijobs.py": "DDP-gloo and bare-mpi4py contenders of the rank benchmarks",
-    "pilab/bench/syncways.py": "per-tensor and fused blocking-Allreduce contenders of the sync section",
+    "pilab/bench/mpijobs.py": "DDP-gloo and bare-mpi4py contenders of the rank benchmarks; per-tensor and fused "
+                              "blocking-Allreduce contenders of the sync section",
     "pilab/perfmodel/check.py": "compute-only step timing that the performance model is checked against",
     "pilab/bench/wire.py": "the no-exchange ceiling and DDP-gloo contenders of one step on the wire (issue 23)",
-    "pilab/engine/memprobe.py": "a few steps of your own model in a child process, its memory measured (issue 37)",
+    "pilab/engine/memory.py": "a few steps of your own model in a child process, its memory measured (issue 37)",
     "pilab/doctor/probe.py": "a few steps of the run's model on each host, timed: the doctor's speed check",
     "scripts/grouped_bn_forms.py": "one BatchNorm layer's forms timed alone, no training (issue 42)",
     "pilab/engine/compilebn.py": "its probe: one small BatchNorm layer compiled forward and backward, no training",
@@ -137,7 +137,7 @@ def test_both_rank_backends_implement_the_declared_protocol():
     import inspect
 
     from pilab.engine.backend import RankBackend
-    from pilab.engine.mpi import MPIRanks, VirtualRanks
+    from pilab.engine import MPIRanks, VirtualRanks
     methods = [n for n, v in vars(RankBackend).items() if callable(v) and not n.startswith("_")]
     assert len(methods) >= 10, methods
     for backend in (MPIRanks(None), VirtualRanks(2)):
@@ -166,8 +166,8 @@ def test_the_loop_names_no_feature_and_stays_short():
     sizes = {f"{getattr(p, 'name', '')}.{n.name}": n.end_lineno - n.lineno + 1
              for p in ast.walk(tree) if isinstance(getattr(p, "body", None), list) for n in p.body
              if isinstance(n, ast.FunctionDef)}
-    assert sizes[".train"] <= 70 and sizes["Session.__init__"] <= 35, sizes
-    assert all(v <= 60 for k, v in sizes.items() if k != ".train"), sizes
+    assert sizes[".fit"] <= 70 and sizes["Session.__init__"] <= 35, sizes
+    assert all(v <= 60 for k, v in sizes.items() if k != ".fit"), sizes
 
 
 def test_local_sgd_schedule_is_its_components_alone():
@@ -176,7 +176,7 @@ def test_local_sgd_schedule_is_its_components_alone():
     from pilab.config import Config
     from pilab.engine import features
     from pilab.engine.localsgd import LocalSGD
-    from pilab.engine.mpi import VirtualRanks
+    from pilab.engine import VirtualRanks
     for name in ("mpi.py", "virtual.py", "loop.py", "ema.py"):
         tree = ast.parse((REPO / "pilab" / "engine" / name).read_text())
         reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "phase"
@@ -185,3 +185,54 @@ def test_local_sgd_schedule_is_its_components_alone():
     assert [type(c) for c in features.chosen(Config(local_steps=4), VirtualRanks(2))
             if isinstance(c, LocalSGD)] == [LocalSGD]
     assert not any(isinstance(c, LocalSGD) for c in features.chosen(Config(), VirtualRanks(2)))
+
+
+FLAT_API = ["Component", "Config", "ConfigError", "GradSync", "Stage", "compare", "remedies", "scale", "simulate",
+            "train"]
+
+
+def test_the_flat_api_is_the_documented_surface_and_import_pilab_loads_nothing_heavy():
+    # pilab.__all__ is what a user imports (README, docs/api.md); each name resolves to the library's own
+    # function or class, and `import pilab` (and reading pilab.Config) loads no torch, Bokeh, numpy or MPI
+    import pilab
+    assert pilab.__all__ == FLAT_API
+    from pilab.study import compare, remedies, scaling
+    assert (pilab.scale, pilab.remedies, pilab.compare) == (scaling.study, remedies.search, compare.compare)
+    probe = ("import sys, pilab\n"
+             "pilab.Config(); pilab.Component; pilab.Stage\n"
+             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
+def test_the_backends_name_no_feature_and_a_step_result_is_the_loops_own():
+    # trace, the noise-driven ramp and local SGD reach the step through the components' in-step moments
+    # (pilab.component.RankStep): neither GradSync nor a backend's step reads their settings or names them
+    import dataclasses
+
+    from pilab.engine import StepResult
+    assert len(dataclasses.fields(StepResult)) <= 11
+    for path in ("pilab/dist/gradsync.py", "pilab/engine/mpi.py", "pilab/engine/virtual.py"):
+        tree = ast.parse((REPO / path).read_text())
+        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
+            {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        assert not used & {"trace", "gns_max", "batch_ramp", "local_steps", "norms", "Timeline", "localsgd",
+                           "noise", "straggler_threshold"}, (path, used & {"trace", "gns_max", "local_steps"})
+
+
+def test_every_face_gives_what_its_modules_define_whatever_was_imported_first():
+    # A package's face (its __init__) names what the package offers; importing one of its modules must not
+    # shadow a name of the face (Python sets pilab.perfmodel.predict to the module on its first import:
+    # where a name is also a module's, the face is eager, as perfmodel's is)
+    import importlib
+    import pkgutil
+    from types import ModuleType
+    for init in sorted((REPO / "pilab").rglob("__init__.py")):
+        package = ".".join(init.relative_to(REPO).parent.parts)
+        face = importlib.import_module(package)
+        for sub in pkgutil.iter_modules([str(init.parent)]):
+            if not sub.ispkg and sub.name != "__main__":
+                importlib.import_module(f"{package}.{sub.name}")
+        shadowed = [n for n in getattr(face, "__all__", ())
+                    if isinstance(getattr(face, n), ModuleType) and getattr(face, n).__name__ == f"{package}.{n}"]
+        assert not shadowed, (package, shadowed)

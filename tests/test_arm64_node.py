@@ -55,7 +55,7 @@ PI4B_CPUINFO = "".join(
 
 
 def test_bench_names_an_arm_board_and_core():
-    from pilab.bench.machine import cpu_name
+    from pilab.bench.report import cpu_name
     assert cpu_name(PI4B_CPUINFO, "aarch64") == "Raspberry Pi 4 Model B Rev 1.4 (Cortex-A72)"
     # an Arm server (no board line) and an unknown part
     assert cpu_name(PI4B_CPUINFO.split("Revision")[0], "aarch64") == "Cortex-A72"

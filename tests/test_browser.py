@@ -471,42 +471,7 @@ def _record(timings: dict) -> None:
 WALL_LIMIT = 1800  # s per test: a hang guard only
 
 
-@pytest.mark.browser
-@pytest.mark.mpi  # the notebook starts 2 MPI engines (mpiexec)
-@pytest.mark.timeout(WALL_LIMIT)
-def test_01_live_panel(jupyterlab):
-    """01's engines and control panel only: Start, the live plot growing, Stop, lab.stop()'s one line."""
-    steps_js = STEPS_JS % __import__("pilab.plots", fromlist=["plots"]).STEP_SOURCE
-
-    def body(page: Page, timings: dict):
-        steps = lambda: page.page.evaluate(steps_js)  # noqa: E731
-        for cell in ("from pilab.lab import cluster", "lab = cluster.start", "panel = widgets.ControlPanel"):
-            page.run_from(cell, "notebook:run-cell")
-            page.wait_cells_done(upto=None, only=cell)
-        # the panel's buttons reach an idle kernel
-        page.page.locator("button.jupyter-button", has_text="Start").click()
-        page.wait_until(lambda: steps() >= 2, 900, "the live plot's first steps")
-        n1 = steps()
-        page.wait_until(lambda: steps() > n1 or steps() < 0, 300, "the live plot growing")
-        timings["screenshot"] = page.screenshot(".jp-OutputArea-output .bk-Canvas")
-        if os.environ.get("PILAB_UPDATE_SCREENSHOT") == "1":
-            shutil.copy(timings["screenshot"], os.path.join(REPO, "docs", "screenshot.png"))
-        page.page.locator("button.jupyter-button", has_text="Stop").click()
-        t_stop = time.monotonic()
-        page.page.locator(".widget-html-content", has_text="stopped early").wait_for(timeout=120_000)
-        timings["stop_to_stopped_s"] = round(time.monotonic() - t_stop, 1)
-        n3 = steps()
-        time.sleep(3)
-        assert steps() == n3, "live plot still growing after Stop"
-        page.run_from("lab.stop()", "notebook:run-cell")
-        page.wait_cells_done(only="lab.stop()")
-        out = page.page.locator(".jp-OutputArea-output").last.inner_text().strip()
-        assert re.fullmatch(r"stopped 2 engines and their controller \(their log: \S+\.log\)", out), out
-
-    run_notebook(jupyterlab, "01_quickstart", body)
-
-
-# The live swim-lane (plots.lanes.LiveLanes): is its figure shown, and how many quads its source holds.
+# The live swim-lane (plots.run.LiveLanes): is its figure shown, and how many quads its source holds.
 LANE_JS = """() => {
     const B = window.Bokeh;
     if (!B || !B.documents || !B.index) return null;
@@ -525,24 +490,44 @@ LANE_JS = """() => {
 @pytest.mark.browser
 @pytest.mark.mpi  # the notebook starts 2 MPI engines (mpiexec)
 @pytest.mark.timeout(WALL_LIMIT)
-def test_01_live_lane_with_trace_on(jupyterlab):
-    """01's panel with its "trace" box ticked: the swim-lane under the per-rank bars, hidden before,
-    is shown and drawn with both ranks' spans while the run trains; then Stop. Runs a copy of 01 so that
-    its timings and screenshot stay test_01_live_panel's."""
+def test_01_live_panel_then_a_traced_run(jupyterlab):
+    """01's engines and control panel only: Start, the live plot growing, Stop; the swim-lane under the
+    per-rank bars stays hidden and empty through that untraced run. Then, on the same panel, the "trace"
+    box ticked and Start again: the lane is shown and drawn with both ranks' spans while the run trains;
+    Stop, and lab.stop()'s one line."""
     from pilab import plots
+    steps_js = STEPS_JS % plots.STEP_SOURCE
     lane_js = LANE_JS % plots.base.LANE_SOURCE
-    shutil.copy(jupyterlab.root / "01_quickstart.ipynb", jupyterlab.root / "01_quickstart_lane.ipynb")
 
     def body(page: Page, timings: dict):
+        steps = lambda: page.page.evaluate(steps_js)  # noqa: E731
         lane = lambda: page.page.evaluate(lane_js)  # noqa: E731
         for cell in ("from pilab.lab import cluster", "lab = cluster.start", "panel = widgets.ControlPanel"):
             page.run_from(cell, "notebook:run-cell")
             page.wait_cells_done(upto=None, only=cell)
         before = lane()
         assert before is not None and not before["visible"] and before["quads"] == 0, before
+        # the panel's buttons reach an idle kernel
+        page.page.locator("button.jupyter-button", has_text="Start").click()
+        page.wait_until(lambda: steps() >= 2, 900, "the live plot's first steps")
+        n1 = steps()
+        page.wait_until(lambda: steps() > n1 or steps() < 0, 300, "the live plot growing")
+        timings["screenshot"] = page.screenshot(".jp-OutputArea-output .bk-Canvas")
+        if os.environ.get("PILAB_UPDATE_SCREENSHOT") == "1":
+            shutil.copy(timings["screenshot"], os.path.join(REPO, "docs", "screenshot.png"))
+        page.page.locator("button.jupyter-button", has_text="Stop").click()
+        t_stop = time.monotonic()
+        page.page.locator(".widget-html-content", has_text="stopped early").wait_for(timeout=120_000)
+        timings["stop_to_stopped_s"] = round(time.monotonic() - t_stop, 1)
+        n3 = steps()
+        time.sleep(3)
+        assert steps() == n3, "live plot still growing after Stop"
+        untraced = lane()
+        assert not untraced["visible"] and untraced["quads"] == 0, untraced  # no trace, no lane
+        # the same panel again, trace ticked: a lane event per step from rank 0, and both ranks' rows
+        # (rank 1's estimated) in the figure
         page.page.locator(".widget-checkbox", has_text="trace").locator("input[type=checkbox]").check()
         page.page.locator("button.jupyter-button", has_text="Start").click()
-        # a lane event per step from rank 0; both ranks' rows (rank 1's estimated) in the figure
         page.wait_until(lambda: (lane() or {}).get("quads", 0) > 0 and len(lane()["ranks"]) == 2, 900,
                         "the live swim-lane's first step")
         seen = lane()
@@ -552,8 +537,10 @@ def test_01_live_lane_with_trace_on(jupyterlab):
         page.page.locator(".widget-html-content", has_text="stopped early").wait_for(timeout=120_000)
         page.run_from("lab.stop()", "notebook:run-cell")
         page.wait_cells_done(only="lab.stop()")
+        out = page.page.locator(".jp-OutputArea-output").last.inner_text().strip()
+        assert re.fullmatch(r"stopped 2 engines and their controller \(their log: \S+\.log\)", out), out
 
-    run_notebook(jupyterlab, "01_quickstart_lane", body)
+    run_notebook(jupyterlab, "01_quickstart", body)
 
 
 PROGRESS_NB = {"cells": [

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from mpi_vs_sim import assert_same, launch, worker
+from pilab import engine
 
 CFG = dict(width=0.25, train_subset=240, test_subset=100, batch_size=8, epochs=2, lr=0.2, threads=1, seed=3,
            bucket_mb=0.25, clip_grad_norm=0.5, simulate_mode="exact")  # bit for bit: exact
@@ -22,8 +23,7 @@ def test_clipping_by_global_norm_over_mpi_ranks_equals_the_simulator(tmp_path):
 
 
 def _unclipped(cfg, comm, ds) -> dict:
-    from pilab.engine import train
-    plain, _ = train.train(replace(cfg, clip_grad_norm=0.0), comm, data=ds)
+    plain, _ = engine.fit(replace(cfg, clip_grad_norm=0.0), engine.MPIRanks(comm), data=ds)
     return {"unclipped_loss": plain["steps"]["loss"]}
 
 

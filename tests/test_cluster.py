@@ -333,10 +333,10 @@ def test_px_cell_interrupt_sets_the_stop_flag(lab):
     # What `%%px` does on a kernel interrupt: SIGINT to the engines while the cell runs.
     lab.push(cfg=replace(TINY, epochs=50))
     ar = lab.view.execute(
-        "from mpi4py import MPI\nfrom pilab.lab import cluster; from pilab.engine import train\n"
+        "from mpi4py import MPI\nfrom pilab import engine\nfrom pilab.lab import cluster\n"
         "cbs = [cluster.publish] if MPI.COMM_WORLD.rank == 0 else []\n"
         "with cluster.stop_flag() as stop:\n"
-        "    result, model = train.train(cfg, MPI.COMM_WORLD, stop=stop, callbacks=cbs)\n",
+        "    result, model = engine.fit(cfg, engine.MPIRanks(MPI.COMM_WORLD), stop=stop, callbacks=cbs)\n",
         block=False)
     deadline = time.monotonic() + 120
     while len(ar.data[0]) < 2:  # start + one step published by rank 0: the loop is running

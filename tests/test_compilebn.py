@@ -2,7 +2,6 @@
 Its arithmetic against the exact mode is tests/test_performance.py::test_fast_mode_stays_close_to_exact_at_np48
 (both settings); here: when it is on, and what a machine without a C++ compiler gets (a real missing
 compiler: CXX pointing nowhere, with an empty inductor cache so nothing compiled before is reused)."""
-import json
 import os
 import subprocess
 import sys
@@ -10,7 +9,9 @@ from dataclasses import replace
 
 from conftest import REPO
 
+from pilab import resultfile
 from pilab.config import Config
+from pilab import engine
 
 TINY = Config(width=0.25, train_subset=64, test_subset=20, batch_size=4, epochs=1, threads=1, seed=1,
               data="embedded", simulate_mode="fast")
@@ -19,16 +20,16 @@ TINY = Config(width=0.25, train_subset=64, test_subset=20, batch_size=4, epochs=
 def test_auto_compiles_only_long_cpu_runs_and_says_why_not():
     import torch
 
-    from pilab.engine import compilebn, simulate
-    r, _ = simulate.train(TINY, 4)  # 4 steps
+    from pilab.engine import compilebn
+    r, _ = engine.fit(TINY, engine.VirtualRanks(4))  # 4 steps
     assert r["compile_bn_used"] == "4 steps < 200: compiling would not pay"
     assert r["simulate_mode_used"] == "fast"
-    off, _ = simulate.train(replace(TINY, compile_bn="off"), 4)
+    off, _ = engine.fit(replace(TINY, compile_bn="off"), engine.VirtualRanks(4))
     assert off["compile_bn_used"] == "compile_bn=off" and off["steps"]["loss"] == r["steps"]["loss"]
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert compilebn.why_not(Config(), cpu, 320) == ""  # a study's np=48 point: compiled
     assert compilebn.why_not(Config(), gpu, 320) != "" and compilebn.why_not(Config(compile_bn="on"), gpu, 12) == ""
-    exact, _ = simulate.train(replace(TINY, simulate_mode="exact"), 4)
+    exact, _ = engine.fit(replace(TINY, simulate_mode="exact"), engine.VirtualRanks(4))
     assert "compile_bn_used" not in exact  # the exact mode has no vectorised BatchNorm to compile
     # the probe (run after the run is seeded) leaves the run's random stream where it was
     torch.manual_seed(7)
@@ -48,11 +49,10 @@ def test_no_compiler_runs_eager_and_says_so_in_one_line(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     said = [x for x in p.stderr.splitlines() if x.startswith("pilab: torch.compile failed")]
     assert len(said) == 1 and "no-such-c++" in said[0] and "compile_bn=off" in said[0], p.stderr[-3000:]
-    r = json.loads((out / "result.json").read_text())
+    r = resultfile.load(str(out / "result.json"))
     assert r["compile_bn_used"].startswith("torch.compile failed") and r["config"]["compile_bn"] == "on"
     # ... and the eager run it went on with is the run compile_bn=off gives
-    from pilab.engine import simulate
-    ref, _ = simulate.train(replace(TINY, compile_bn="off", seed=0), 4)
+    ref, _ = engine.fit(replace(TINY, compile_bn="off", seed=0), engine.VirtualRanks(4))
     assert r["steps"]["loss"] == ref["steps"]["loss"]
 
 
@@ -63,7 +63,7 @@ def test_compiled_layer_is_the_eager_mathematics_to_float_rounding():
     import torch
     import torch.nn.functional as F
 
-    from pilab.engine.layers import _GroupedBN, compiled_grouped_bn
+    from pilab.engine.layers import GroupedBN, compiled_grouped_bn
     g = torch.Generator().manual_seed(0)
     groups, c = 12, 16  # 12 virtual ranks of 4 images, 16 x 16 pixels: one kernel shape
     x = (torch.randn(48, c, 16, 16, generator=g) * 3 + 1).contiguous(memory_format=torch.channels_last)
@@ -83,7 +83,7 @@ def test_compiled_layer_is_the_eager_mathematics_to_float_rounding():
         return y, mean, var
 
     ref = run(native, torch.float64)
-    forms = {"eager": lambda *a: _GroupedBN.apply(*a, groups, 1e-5),
+    forms = {"eager": lambda *a: GroupedBN.apply(*a, groups, 1e-5),
              "compiled": lambda *a: compiled_grouped_bn()(*a, groups, 1e-5)}
     for name, f in forms.items():
         got = run(f, torch.float32)

@@ -24,7 +24,8 @@ from conftest import MPIEXEC, mpi_env
 from pilab import data
 from pilab.config import Config
 from pilab.data import DataError
-from pilab.engine import layers, ownmodel as preflight, simulate
+from pilab import engine
+from pilab.engine import layers, ownmodel as preflight
 from pilab.models import custom
 from pilab.models.names import ModelError
 
@@ -108,7 +109,7 @@ def test_a_builder_from_python_and_its_width():
         sum(p.numel() for p in custom.build(f"{MODELS}:small_resnet", 10, 0.5).parameters())
     with pytest.raises(ModelError, match="MPI ranks cannot import; put it in a .py file"):
         preflight.check_model(Config(model=spec), mpi=True)
-    r = simulate.run(Config(train_subset=64, test_subset=32, batch_size=8, epochs=1, max_steps=2), 2, model_fn=mine)
+    r = engine.simulate(Config(train_subset=64, test_subset=32, batch_size=8, epochs=1, max_steps=2), 2, model_fn=mine)
     assert r["config"]["model"] == spec and r["steps_done"] == 2
 
 
@@ -146,7 +147,7 @@ def test_a_grey_model_trains_on_digits(digits, tmp_path):
     path = data.save(digits, str(tmp_path / "digits.npz"))
     cfg = Config(model=f"{MODELS}:small_resnet_grey", data=path, augment=False, batch_size=16, epochs=2,
                  lr=0.1, lr_ref_batch=16, threads=1)
-    r = simulate.run(cfg, 4)
+    r = engine.simulate(cfg, 4)
     assert r["data"]["checksum"] == digits.checksum
     assert r["epochs"][-1]["test_acc"] > 0.5  # well above 0.1: it learns
 
@@ -192,7 +193,7 @@ def test_a_five_class_64px_image_folder(cifar_archive, tmp_path):
     # resized at decode: another entry, 32x32
     small = data.load(str(root), cache_dir=cache, image_size=32)
     assert small.image_shape == (3, 32, 32) and small.classes == ds.classes
-    r = simulate.run(Config(model=f"{MODELS}:small_resnet", width=0.25, data=str(root), batch_size=8, epochs=1,
+    r = engine.simulate(Config(model=f"{MODELS}:small_resnet", width=0.25, data=str(root), batch_size=8, epochs=1,
                             max_steps=4, threads=1), 2)
     assert r["steps_done"] == 4 and r["data"]["n_train"] == 200
 

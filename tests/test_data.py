@@ -47,7 +47,7 @@ def full(cifar_archive, tmp_path_factory):
 @pytest.fixture(scope="session")
 def embedded_raw():
     """The shipped .npz as stored: names, labels and the original JPEG bytes per member."""
-    with np.load(data.sources._embedded_path(), allow_pickle=False) as z:
+    with np.load(data.sources.embedded_path(), allow_pickle=False) as z:
         raw = {k: z[k] for k in z.files}
     blob, off = raw["data"], raw["offsets"]
     raw["jpegs"] = [blob[off[i]:off[i + 1]].tobytes() for i in range(len(raw["labels"]))]
@@ -116,7 +116,7 @@ def _well_formed(ds):
         assert x.dtype == np.uint8 and x.shape[1:] == (32, 32, 3) and x.flags["C_CONTIGUOUS"]
         assert y.dtype == np.int64 and y.shape == (len(x),)
     assert ds.classes == CLASSES
-    assert ds.checksum == data.dataset._checksum([ds.x_train, ds.y_train, ds.x_test, ds.y_test])
+    assert ds.checksum == data.dataset.arrays_checksum([ds.x_train, ds.y_train, ds.x_test, ds.y_test])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -357,9 +357,9 @@ def test_embedded_subset(embedded, embedded_raw, tmp_path, monkeypatch):
     assert tuple(embedded_raw["classes"]) == CLASSES
     for blob in embedded_raw["jpegs"][:50]:
         assert blob[:2] == b"\xff\xd8"  # stored as original JPEG bytes
-    assert os.path.getsize(data.sources._embedded_path()) < 4_000_000
+    assert os.path.getsize(data.sources.embedded_path()) < 4_000_000
     # From another working directory: the package file is found (and its cache entry, keyed by it).
-    assert os.path.isabs(data.sources._embedded_path())
+    assert os.path.isabs(data.sources.embedded_path())
     monkeypatch.chdir(tmp_path)
     cache = os.path.dirname(embedded_raw["cache_file"])
     other = data.load("embedded", cache_dir=os.path.relpath(cache))
@@ -435,7 +435,7 @@ def test_reshuffle_policy(labels, np_):
         assert len(np.unique(used)) == len(used) == acc["used"]
         # Rank r holds positions r, r+np, ... of one permutation: interleaving the ranks rebuilds it.
         perm = np.stack([p.ravel() for p in per_rank], axis=-1).ravel()
-        shared = data.shards._rng(5, data.shards._TAG_RESHUFFLE, epoch).permutation(n)
+        shared = data.shards.stream(5, data.shards.TAG_RESHUFFLE, epoch).permutation(n)
         np.testing.assert_array_equal(perm, shared[:acc["used"]])
         sets.append(per_rank)
     for r in range(np_):

@@ -123,9 +123,9 @@ def test_readme_is_a_short_manual():
 
 # ---- figures without a browser -------------------------------------------------------------------
 def _committed_study():
-    from pilab.plots.static import _study_with_runs
+    from pilab.plots.static import study_with_runs
 
-    return _study_with_runs(os.path.join(REPO, "experiments", "testbed-scale", "study.json"))
+    return study_with_runs(os.path.join(REPO, "experiments", "testbed-scale", "study.json"))
 
 
 def test_static_study_figure_is_png_and_svg(tmp_path):
@@ -146,7 +146,7 @@ def test_without_matplotlib_one_line_and_no_file(tmp_path):
     code = ("import sys; sys.modules['matplotlib'] = None\n"
             "from pilab.plots import static\n"
             "import json\n"
-            f"study = static._study_with_runs({os.path.join(REPO, 'experiments', 'testbed-scale', 'study.json')!r})\n"
+            f"study = static.study_with_runs({os.path.join(REPO, 'experiments', 'testbed-scale', 'study.json')!r})\n"
             f"print(static.write_study(study, {str(tmp_path / 'report.png')!r}))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -235,6 +235,7 @@ def test_a_throttled_node_is_named_with_its_fix(tb, tmp_path):
     c = rep["checks"][bad]["speed"]
     assert "a CPU quota of 0.2 cores for 1 thread(s)" in c["detail"] and "every step waits for it" in c["detail"]
     assert "testbed throttle node03 none" in c["fix"] and f"leave {bad} out of the hostfile" in c["fix"]
+    assert "--balance static" in c["fix"]
     speeds = {h: s["images_per_s"] for h, s in zip(rep["net"]["hosts"], rep["net"]["speeds"])}
     assert speeds[bad] < 0.5 * max(speeds.values()), speeds  # a fifth of a core: far below the others'
     assert all(s["batch"] == 16 and s["threads"] == 1 for s in rep["net"]["speeds"])
@@ -261,7 +262,7 @@ def test_bad_input_exits_2_with_one_line(args, words, tmp_path, capsys):
 def test_mpi_library_of_the_launcher():
     """The "every rank is 0 of 1" check compares these two names (no second MPI is installed here)."""
     from conftest import MPIEXEC
-    from pilab.doctor import mpiexec_library, same_family
+    from pilab.launch import mpiexec_library, same_family
     launcher = mpiexec_library(MPIEXEC)
     assert launcher.startswith("MPICH ") and launcher.endswith("(Hydra)")
     # mpi4py's library, asked in a process of its own (this one must not initialise MPI)

@@ -12,6 +12,7 @@ import torch
 from pilab.study import energy
 from pilab.config import Config
 from pilab.study.energy import PowerModel
+from pilab import engine
 
 torch.set_num_threads(1)
 PI = energy.POWER_MODELS["pi4b"]
@@ -228,10 +229,9 @@ def test_meter_refuses_logs_that_do_not_cover_the_run(tmp_path):
 def test_meter_joined_to_a_real_runs_timeline(tmp_path):
     """A real (simulated, 2-rank) run records wall-clock epoch starts; a meter log spanning it gives
     each epoch its own energy."""
-    from pilab.engine import simulate
 
     cfg = Config(width=0.25, train_subset=64, test_subset=32, batch_size=8, epochs=2, threads=1)
-    result = simulate.run(cfg, 2)
+    result = engine.simulate(cfg, 2)
     assert result["started_at"] <= result["epochs"][0]["started_at"] < result["epochs"][1]["started_at"]
     assert result["epochs"][1]["started_at"] <= result["ended_at"]
     path = tmp_path / "power.csv"
@@ -264,7 +264,7 @@ def test_neuromorphic_energy_figures():
 
 
 def test_neuromorphic_energy_of_a_measured_spiking_net():
-    from pilab.models.zoo import build_model, synaptic_ops
+    from pilab.models import build_model, synaptic_ops
 
     torch.manual_seed(0)
     x = torch.rand(4, 3, 32, 32) * 2 - 1

@@ -1,5 +1,5 @@
 """Issue 54's few-step settings on a real model and real images, each against its own arithmetic: Muon
-(``optimizer="muon"``, pilab/engine/muon.py), the warmup-stable-decay schedule and its extension from a
+(``optimizer="muon"``, pilab/engine/optim.py), the warmup-stable-decay schedule and its extension from a
 stable-phase checkpoint (``schedule="wsd"``), BatchNorm scales fixed at 1 (``freeze_bn_scale``), identity
 convolutions (``dirac_init``), flip + translate test-time augmentation (``tta_translate``), batch
 augmentation (``batch_aug``), and the weights' EMA whose decay follows the batch (``ema_epochs``).
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpi_vs_sim import assert_same, launch, worker
+from pilab import engine
 
 # every new setting at once, on real CIFAR-10 images (the embedded subset): 15 steps an epoch at np=2
 CFG = dict(width=0.25, train_subset=240, test_subset=100, batch_size=8, epochs=2, lr=0.02, lr_ref_batch=8,
@@ -34,8 +35,8 @@ def _real_grads(model, n=16):
 
 def test_muon_orthogonalises_nesterov_momentum_and_sgd_steps_the_rest_as_torch_does():
     from pilab.config import Config
-    from pilab.engine.muon import NS_STEPS, orthogonalise
-    from pilab.models.weights import muon_weights
+    from pilab.engine.optim import NS_STEPS, orthogonalise
+    from pilab.models.counts import muon_weights
     from pilab.perfmodel.layout import MUON_NS_STEPS
     from pilab.engine.optim import SGD, build_optimizer, param_groups, set_lr
     from pilab.models.zoo import build_model
@@ -81,33 +82,32 @@ def test_muon_orthogonalises_nesterov_momentum_and_sgd_steps_the_rest_as_torch_d
 
 def test_wsd_holds_the_peak_then_decays_and_a_longer_run_goes_on_from_the_stable_phase_bitwise(tmp_path):
     from pilab.config import Config, ConfigError
-    from pilab.engine import simulate
     from pilab.engine.checkpoint import CheckpointError
     from pilab.engine.optim import lr_at
     lrs = [lr_at(s, peak_lr=1.0, total_steps=10, warmup_steps=2, schedule="wsd", decay_steps=4) for s in range(10)]
     assert lrs == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25]
     cfg = Config(width=0.25, train_subset=160, test_subset=50, batch_size=16, epochs=3, threads=1, seed=1,
                  schedule="wsd", decay_epochs=1.0, warmup_epochs=0.5, ema_epochs=0.5, simulate_mode="exact")
-    whole, whole_model = simulate.train(cfg, 2)  # 5 steps an epoch
+    whole, whole_model = engine.fit(cfg, engine.VirtualRanks(2))  # 5 steps an epoch
     trunk = str(tmp_path / "trunk")  # a 2-epoch run, its epoch-1 checkpoint in the stable phase of both
-    simulate.train(replace(cfg, epochs=2, out=trunk, checkpoint_every=1, keep=5), 2)
-    longer, longer_model = simulate.train(replace(cfg, out=str(tmp_path / "b"),
-                                                  resume=os.path.join(trunk, "checkpoint-e0001.pt")), 2)
+    engine.fit(replace(cfg, epochs=2, out=trunk, checkpoint_every=1, keep=5), engine.VirtualRanks(2))
+    longer, longer_model = engine.fit(replace(cfg, out=str(tmp_path / "b"),
+                                              resume=os.path.join(trunk, "checkpoint-e0001.pt")), engine.VirtualRanks(2))
     assert longer["steps"]["lr"] == whole["steps"]["lr"][5:]
     assert longer["steps"]["loss"] == whole["steps"]["loss"][5:]
     assert [e["test_acc"] for e in longer["epochs"]] == [e["test_acc"] for e in whole["epochs"]]
     assert all(torch.equal(a, b) for a, b in zip(longer_model.state_dict().values(), whole_model.state_dict().values()))
     with pytest.raises(CheckpointError, match="different epochs"):  # epoch 2 is inside the 2-epoch run's decay
-        simulate.train(replace(cfg, resume=os.path.join(trunk, "checkpoint-e0002.pt")), 2)
+        engine.fit(replace(cfg, resume=os.path.join(trunk, "checkpoint-e0002.pt")), engine.VirtualRanks(2))
     with pytest.raises(CheckpointError, match="different epochs, schedule"):  # another schedule never
-        simulate.train(replace(cfg, schedule="cosine", resume=os.path.join(trunk, "checkpoint-e0001.pt")), 2)
+        engine.fit(replace(cfg, schedule="cosine", resume=os.path.join(trunk, "checkpoint-e0001.pt")),
+                   engine.VirtualRanks(2))
     with pytest.raises(ConfigError, match="decay_epochs=3.0 exceed epochs=4"):
         Config(schedule="wsd", warmup_epochs=2, decay_epochs=3, epochs=4)
 
 
 def test_frozen_scales_stay_1_dirac_convolutions_pass_their_input_and_the_shifts_take_their_lr():
     from pilab.config import Config, ConfigError
-    from pilab.engine import simulate
     from pilab.engine.backend import base_model
     cfg = Config(width=0.25, train_subset=160, test_subset=50, batch_size=16, epochs=1, threads=1,
                  freeze_bn_scale=True, bn_lr_scale=64.0, dirac_init=True, simulate_mode="exact")
@@ -119,7 +119,7 @@ def test_frozen_scales_stay_1_dirac_convolutions_pass_their_input_and_the_shifts
         x = torch.randn(2, m.in_channels, 6, 6)
         y = F.conv2d(x, m.weight, None, 1, m.padding)
         torch.testing.assert_close(y[:, :m.in_channels], x)
-    _, trained = simulate.train(cfg, 3)
+    _, trained = engine.fit(cfg, engine.VirtualRanks(3))
     bns = [m for m in trained.modules() if hasattr(m, "running_mean") and getattr(m, "weight", None) is not None]
     assert len(bns) == 52 and all(torch.equal(m.weight, torch.ones_like(m.weight)) for m in bns)
     fast = base_model(replace(cfg, bn_momentum=0.4), torch.device("cpu"), ranks=3)  # the per-rank layers too
@@ -135,7 +135,7 @@ def test_frozen_scales_stay_1_dirac_convolutions_pass_their_input_and_the_shifts
 def test_translate_tta_is_airbenchs_six_views_and_costs_three_times_flip_tta():
     from pilab import data
     from pilab.config import Config
-    from pilab.engine.tta import tta_logits
+    from pilab.engine.backend import tta_logits
     from pilab.models.zoo import build_model
     from pilab.perfmodel import predict
     torch.manual_seed(0)
@@ -158,7 +158,6 @@ def test_translate_tta_is_airbenchs_six_views_and_costs_three_times_flip_tta():
 def test_batch_augmentation_trains_each_image_in_copies_and_counts_their_compute():
     from pilab import data
     from pilab.config import Config
-    from pilab.engine import simulate
     from pilab.engine.backend import forward_loss
     from pilab.models.zoo import build_model
     from pilab.perfmodel import predict
@@ -183,8 +182,8 @@ def test_batch_augmentation_trains_each_image_in_copies_and_counts_their_compute
     torch.testing.assert_close(loss, F.cross_entropy(full, y3.repeat_interleave(3), label_smoothing=0.1))
     torch.testing.assert_close(out, full.view(8, 3, 10).mean(1))
     small = Config(width=0.25, train_subset=96, test_subset=40, batch_size=8, epochs=1, threads=1, batch_aug=2)
-    exact, _ = simulate.train(replace(small, simulate_mode="exact"), 3)
-    fast, _ = simulate.train(replace(small, simulate_mode="fast"), 3)  # several ranks' copies per forward
+    exact, _ = engine.fit(replace(small, simulate_mode="exact"), engine.VirtualRanks(3))
+    fast, _ = engine.fit(replace(small, simulate_mode="fast"), engine.VirtualRanks(3))  # several ranks per forward
     assert exact["steps"]["loss"][0] == pytest.approx(fast["steps"]["loss"][0], rel=1e-5)
     assert exact["epochs"][0]["train_acc"] <= 1.0
     plain, doubled = (predict(Config(width=0.25, batch_aug=k), 48, "pi4b_cluster")["time"] for k in (1, 2))
@@ -195,7 +194,7 @@ def test_the_emas_decay_follows_the_batch_as_rho_to_the_kappa():
     """ema_epochs keeps the average's time constant in epochs, so a batch kappa times as large (kappa times
     fewer steps an epoch) gets the decay rho ** kappa: the same horizon in images at every np."""
     from pilab.config import Config
-    from pilab.engine.loop import Session, VirtualRanks
+    from pilab.engine import Session, VirtualRanks
     cfg = Config(width=0.25, train_subset=480, test_subset=40, batch_size=8, epochs=1, threads=1, ema_epochs=0.5,
                  simulate_mode="fast")
     decay = {}
@@ -215,12 +214,11 @@ def test_every_new_setting_over_mpi_ranks_equals_the_simulator(np_, tmp_path):
 
 def _plain(cfg, comm, ds):
     """The same run with none of the new settings, on rank 0's simulator: it must differ."""
-    from pilab.engine import simulate
     if comm.Get_rank():
         return {}
     base = replace(cfg, optimizer="sgd", freeze_bn_scale=False, dirac_init=False, tta_translate=False,
                    schedule="cosine", batch_aug=1, bn_lr_scale=1.0, bn_momentum=0.1)
-    return {"plain_loss": simulate.train(base, comm.Get_size(), data=ds)[0]["steps"]["loss"]}
+    return {"plain_loss": engine.fit(base, engine.VirtualRanks(comm.Get_size()), data=ds)[0]["steps"]["loss"]}
 
 
 if __name__ == "__main__":

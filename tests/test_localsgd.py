@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pilab.engine import localsgd, simulate
+from pilab import engine
+from pilab.engine import localsgd
 from pilab.engine.checkpoint import CheckpointError
 from pilab.config import Config, ConfigError
 from pilab.engine.ema import WeightAverage
@@ -44,24 +45,24 @@ def test_settings_that_cannot_run_are_refused_with_the_fix(bad, words):
 
 def test_the_fast_simulator_refuses_local_sgd():
     with pytest.raises(ConfigError, match="simulate_mode=exact"):
-        simulate.train(replace(TINY, simulate_mode="fast", data="embedded"), 4)
+        engine.fit(replace(TINY, simulate_mode="fast", data="embedded"), engine.VirtualRanks(4))
 
 
 def test_the_simulator_runs_sync_batchnorm_as_one_forward_and_refuses_what_that_cannot_be():
     sync = replace(TINY, local_steps=1, local_after=0.0, ema_epochs=0.0, bn="sync", data="embedded", epochs=1,
                    max_steps=2)
-    res = simulate.run(sync, 4)
+    res = engine.simulate(sync, 4)
     assert res["ranks_per_chunk"] == 4 and res["steps_done"] == 2  # every rank's images in one forward
     with pytest.raises(ConfigError, match="ranks_per_chunk=2; leave it 0"):
-        simulate.run(sync, 4, ranks_per_chunk=2)
+        engine.simulate(sync, 4, ranks_per_chunk=2)
     with pytest.raises(ConfigError, match="needs each rank's own gradient"):
-        simulate.run(replace(sync, batch_size=4, batch_ramp="gns:8"), 4)
+        engine.simulate(replace(sync, batch_size=4, batch_ramp="gns:8"), 4)
 
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
     d = tmp_path_factory.mktemp("whole")
-    res, model = simulate.train(replace(TINY, out=str(d)), 4)
+    res, model = engine.fit(replace(TINY, out=str(d)), engine.VirtualRanks(4))
     return res, {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -70,8 +71,9 @@ def test_a_simulated_run_resumes_between_two_averages_bitwise(whole, tmp_path):
     spe = res["steps_per_epoch"]
     k = round(TINY.local_after * spe) + 1  # a local step that is not an average
     assert not localsgd.phase(TINY, spe, *divmod(k - 1, spe)).average
-    simulate.train(replace(TINY, out=str(tmp_path), checkpoint_every_steps=k, max_steps=k), 4)
-    again, model = simulate.train(replace(TINY, out=str(tmp_path), resume=str(tmp_path / "checkpoint.pt")), 4)
+    engine.fit(replace(TINY, out=str(tmp_path), checkpoint_every_steps=k, max_steps=k), engine.VirtualRanks(4))
+    again, model = engine.fit(replace(TINY, out=str(tmp_path), resume=str(tmp_path / "checkpoint.pt")),
+                              engine.VirtualRanks(4))
     assert again["resumed_from_step"] == k
     assert max(float((model.state_dict()[n] - v).abs().max()) for n, v in state.items()
                if v.is_floating_point()) == 0.0
@@ -79,20 +81,20 @@ def test_a_simulated_run_resumes_between_two_averages_bitwise(whole, tmp_path):
     assert again["steps"]["loss"] == res["steps"]["loss"][k:]
     # ... but not at another np: between two averages each rank's weights are its own
     with pytest.raises(CheckpointError, match="resume it at np=4"):
-        simulate.train(replace(TINY, batch_mode="global", batch_size=32, out=str(tmp_path / "g"),
-                               checkpoint_every_steps=k, max_steps=k), 4)
-        simulate.train(replace(TINY, batch_mode="global", batch_size=32, out=str(tmp_path / "g"),
-                               resume=str(tmp_path / "g" / "checkpoint.pt")), 2)
+        engine.fit(replace(TINY, batch_mode="global", batch_size=32, out=str(tmp_path / "g"),
+                               checkpoint_every_steps=k, max_steps=k), engine.VirtualRanks(4))
+        engine.fit(replace(TINY, batch_mode="global", batch_size=32, out=str(tmp_path / "g"),
+                               resume=str(tmp_path / "g" / "checkpoint.pt")), engine.VirtualRanks(2))
 
 
 def test_local_steps_change_the_run_and_the_recipe_pieces_change_the_evaluation(whole):
     res, _ = whole
     # local SGD runs the exact mode (simulate_mode auto picks it); the synchronous run is asked for the same
-    sync, _ = simulate.train(replace(TINY, local_steps=1, simulate_mode="exact"), 4)
+    sync, _ = engine.fit(replace(TINY, local_steps=1, simulate_mode="exact"), engine.VirtualRanks(4))
     assert sync["steps"]["loss"][:round(TINY.local_after * res["steps_per_epoch"])] == \
         res["steps"]["loss"][:round(TINY.local_after * res["steps_per_epoch"])]  # the synchronous part is shared
     assert sync["steps"]["loss"] != res["steps"]["loss"]
-    plain, _ = simulate.train(replace(TINY, ema_epochs=0.0), 4)
+    plain, _ = engine.fit(replace(TINY, ema_epochs=0.0), engine.VirtualRanks(4))
     assert plain["steps"]["loss"] == res["steps"]["loss"]  # the average is evaluated, never trained
     assert plain["epochs"][-1]["test_loss"] != res["epochs"][-1]["test_loss"]
 
@@ -141,7 +143,7 @@ def test_the_performance_model_prices_a_local_step_and_the_averages():
 def test_a_batch_ramp_cuts_the_same_shards_into_bigger_batches_and_the_model_prices_each_epoch():
     from pilab.perfmodel.predict import predict
     cfg = replace(TINY, local_steps=1, ema_epochs=0.0, batch_size=4, batch_ramp="1:8", epochs=2, lr_scaling="linear")
-    res, _ = simulate.train(cfg, 4)
+    res, _ = engine.fit(cfg, engine.VirtualRanks(4))
     assert res["batch_plan"] == [{"epoch": 1, "per_rank_batch": 4, "steps": 10},
                                  {"epoch": 2, "per_rank_batch": 8, "steps": 5}]
     assert [e["steps"] for e in res["epochs"]] == [10, 5] and res["total_steps"] == 15 and res["epochs_done"] == 2

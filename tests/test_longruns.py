@@ -23,7 +23,7 @@ import torch
 from conftest import MPIEXEC, REPO, mpi_env
 from served import served_batches
 
-from pilab.engine import loop as engine
+from pilab import engine, resultfile
 from pilab.config import Config
 
 ARTIFACTS = REPO / "test-artifacts"
@@ -55,7 +55,7 @@ def pilab(*args, cwd, timeout=300, launcher=None, env=None):
 
 
 def result(d: Path) -> dict:
-    return json.loads((d / "result.json").read_text())
+    return resultfile.load(str(d / "result.json"))
 
 
 def weights(path: Path) -> dict:
@@ -137,7 +137,7 @@ def sim_whole(tmp_path_factory):
     """The uninterrupted simulator run at np 8, with the training indices of every (epoch, step)."""
     d = tmp_path_factory.mktemp("sim")
     with recorded_batches() as used:
-        res, model = engine.train(replace(SIM, out=str(d / "whole")), engine.VirtualRanks(8))
+        res, model = engine.fit(replace(SIM, out=str(d / "whole")), engine.VirtualRanks(8))
     return res, model.state_dict(), dict(used)
 
 
@@ -160,9 +160,9 @@ class recorded_batches:
 def test_the_simulator_resumes_mid_epoch_bitwise(sim_whole, tmp_path):
     ref, ref_w, _ = sim_whole
     part = str(tmp_path / "part")
-    first, _ = engine.train(replace(SIM, out=part, max_steps=11, checkpoint_every_steps=4), engine.VirtualRanks(8))
+    first, _ = engine.fit(replace(SIM, out=part, max_steps=11, checkpoint_every_steps=4), engine.VirtualRanks(8))
     assert os.path.exists(os.path.join(part, "checkpoint-e0001-s00003.pt"))  # 8 + 3 steps
-    second, model = engine.train(replace(SIM, out=part, resume=os.path.join(part, "checkpoint.pt")),
+    second, model = engine.fit(replace(SIM, out=part, resume=os.path.join(part, "checkpoint.pt")),
                                  engine.VirtualRanks(8))
     losses = loss_diff(ref["steps"]["loss"], first["steps"]["loss"] + second["steps"]["loss"])
     w = max_diff(ref_w, model.state_dict())  # every virtual rank's BatchNorm rows included
@@ -179,9 +179,9 @@ def test_resume_at_another_np_keeps_the_data_order_and_step_count(sim_whole, tmp
     ref, _, ref_used = sim_whole
     part = str(tmp_path / "part")
     with recorded_batches() as used:
-        first, _ = engine.train(replace(SIM, out=part, max_steps=11, checkpoint_every_steps=11),
+        first, _ = engine.fit(replace(SIM, out=part, max_steps=11, checkpoint_every_steps=11),
                                 engine.VirtualRanks(8))
-        second, _ = engine.train(replace(SIM, out=part, resume=os.path.join(part, "checkpoint.pt")),
+        second, _ = engine.fit(replace(SIM, out=part, resume=os.path.join(part, "checkpoint.pt")),
                                  engine.VirtualRanks(4))
     assert second["np"] == 4 and second["resumed_from_np"] == 8 and second["per_rank_batch"] == 8
     assert second["global_batch"] == ref["global_batch"] == 32

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pilab import data
-from pilab.engine import loop as engine, optim
+from pilab import engine
+from pilab.engine import optim
 from pilab.engine import virtual as engine_virtual
 from pilab.engine import memory
 from pilab.models import zoo as models
@@ -107,15 +108,15 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from pilab.engine import loop as engine
+from pilab import engine
 from pilab.config import Config
 for opt in ("sgd", "lars"):
     out = {str(tmp_path)!r} + "/" + opt
     cfg = Config(width=0.25, batch_size=16, threads=1, epochs=2, max_steps=4, train_subset=128, test_subset=32,
                  out=out, optimizer=opt, checkpoint_every_steps=2)
-    engine.train(cfg, engine.MPIRanks(None))
-    engine.train(replace(cfg, max_steps=0, resume=out + "/checkpoint.pt"), engine.MPIRanks(None))
-    engine.train(replace(cfg, out=""), engine.VirtualRanks(2))
+    engine.fit(cfg, engine.MPIRanks(None))
+    engine.fit(replace(cfg, max_steps=0, resume=out + "/checkpoint.pt"), engine.MPIRanks(None))
+    engine.fit(replace(cfg, out=""), engine.VirtualRanks(2))
 from pilab.engine import memory
 from pilab import perfmodel
 for model, width in (("mobilenetv2_cifar", 1.0), ("mobilenetv2", 0.5), ("squeezenet1_1", 1.0)):
@@ -246,7 +247,7 @@ OWN_MODELS = Path(__file__).parent / "own_models.py"  # models pilab does not de
 def test_prediction_within_15_percent_of_a_real_rank(tmp_path, model, batch):
     """Two real ranks, a few steps and an evaluation; every rank's measured peak RSS (VmHWM) against
     predict_peak_bytes for the same setting: for the registered MobileNetV2 (its constants measured) and two
-    models pilab has never seen (their step's memory measured by engine.memprobe), small_resnet also at
+    models pilab has never seen (their step's memory measured by engine.memory), small_resnet also at
     128 images a rank, where its allocator share is twice MobileNetV2's."""
     out = tmp_path / "mem.json"
     spec = model if model == "mobilenetv2" else f"{OWN_MODELS}:{model}"
@@ -272,25 +273,24 @@ def test_prediction_within_15_percent_of_a_real_rank(tmp_path, model, batch):
 
 
 def test_your_own_models_step_memory_is_measured_once_and_only_where_needed():
-    from pilab.engine import memprobe
     resnet, head = (Config(model=f"{OWN_MODELS}:{m}", width=0.5, batch_size=32, threads=1)
                     for m in ("small_resnet", "bn1d_head"))
-    misses = memprobe.step_memory.cache_info().misses
+    misses = memory.step_memory.cache_info().misses
     # a node with room to spare: the quick bound decides, no probe at a rank's start
     assert memory.choose_allocator(resnet, np_=2, ranks_per_node=2, node_bytes=64 * 2 ** 30) == "fast"
     assert memory.fit_warning(resnet, np_=2, ranks_per_node=2, node_bytes=64 * 2 ** 30) is None
-    assert memprobe.step_memory.cache_info().misses == misses
+    assert memory.step_memory.cache_info().misses == misses
     parts = {c.model: memory.breakdown(c, np_=2) for c in (resnet, head)}
-    assert memprobe.step_memory.cache_info().misses == misses + 2
+    assert memory.step_memory.cache_info().misses == misses + 2
     memory.breakdown(replace(resnet, batch_size=256), np_=2)  # another batch: the same measurement
-    assert memprobe.step_memory.cache_info().misses == misses + 2
+    assert memory.step_memory.cache_info().misses == misses + 2
     # per image, full-resolution 3x3 convolutions keep more than a conv stem with a BatchNorm1d head
     per_image = {m: (memory.breakdown(replace(c, batch_size=256), np_=2)["train_activations"]
                      - p["train_activations"]) / 224 for (m, p), c in zip(parts.items(), (resnet, head))}
     assert per_image[resnet.model] > per_image[head.model] > 0
     # registered models keep their measured constants: no probe
     memory.breakdown(Config(model="mobilenetv2", width=0.5), np_=2)
-    assert memprobe.step_memory.cache_info().misses == misses + 2
+    assert memory.step_memory.cache_info().misses == misses + 2
 
 
 @pytest.mark.mpi
@@ -325,20 +325,20 @@ def _memory_run(peak: float, eval_batch: int = 50) -> dict:
 
 
 def test_memory_report_shows_the_before_peak_beside_the_same_setting():
-    from pilab.bench.report import _memory_per_rank
+    from pilab.bench.report import memory_per_rank
     res = {"machine": {"date": "d", "cpu": "c"}, "goals": {"memory_peak_mb": ["<=", 900]},  # benchmarks/goals.json's
            "memory": {"data": "x.tar.gz", "rows": [_memory_run(860e6), _memory_run(1380e6, eval_batch=500)],
                       "table": [], "before": [dict(_memory_run(940e6), file="before-eval50.json")]}}
-    lines = _memory_per_rank(res)
+    lines = memory_per_rank(res)
     rows = [ln for ln in lines if ln.startswith("| width")]
     assert rows[0].endswith("| **860** (400 / 500 / 860 / 600) | 860 | met | 250 / 93 / 27 / 430 / 140: **940** |")
     assert rows[1].endswith("| NOT met | — |")  # no earlier run of eval batch 500 given
     assert any("`before-eval50.json`" in ln for ln in lines)
     res["memory"]["before"] = []
-    assert all(ln.endswith("| met |") or ln.endswith("| NOT met |") for ln in _memory_per_rank(res)
+    assert all(ln.endswith("| met |") or ln.endswith("| NOT met |") for ln in memory_per_rank(res)
                if ln.startswith("| width"))
     # without goals (pilab has none of its own) the peaks are shown unjudged
-    assert all(ln.endswith("| — |") for ln in _memory_per_rank({**res, "goals": {}}) if ln.startswith("| width"))
+    assert all(ln.endswith("| — |") for ln in memory_per_rank({**res, "goals": {}}) if ln.startswith("| width"))
 
 
 def test_bench_refuses_a_before_file_that_does_not_exist(tmp_path):

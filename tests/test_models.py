@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pilab.config import Config, ConfigError
-from pilab.models.zoo import (MODEL_NAMES, activation_elements, build_model, check_width, count_parameters, forward_macs,
+from pilab.models import (MODEL_NAMES, activation_elements, build_model, check_width, count_parameters, forward_macs,
                           train_flops_per_image)
 
 torch.set_num_threads(1)
@@ -205,8 +205,7 @@ def test_flops_plausible_at_32():
 def test_flops_counted_for_any_model_agree_with_the_built_in_analytic_count(name, width, size):
     """Your own model's FLOPs are torch's FlopCounterMode count (issue 37); on the built-in models it must
     agree with their analytic count (hooks on every conv/linear) within 2%: the perfmodel prices both alike."""
-    from pilab.models.counts import counted_train_flops
-    from pilab.models.zoo import probe_model
+    from pilab.models import counted_train_flops, probe_model
 
     analytic = train_flops_per_image(name, width, 10, size)
     counted = counted_train_flops(probe_model(name, num_classes=10, width=width, timesteps=None), size)

@@ -11,8 +11,9 @@ from dataclasses import replace
 import pytest
 
 from pilab.config import Config
-from pilab.engine import loop as engine
-from pilab.engine import modepick, simulate
+from pilab import engine
+from pilab import engine
+from pilab.engine import modepick
 
 # MobileNetV2-CIFAR has dropout before its classifier: each virtual rank's own masks (layers.RankDropout)
 TINY = Config(width=0.25, train_subset=96, test_subset=50, batch_size=4, epochs=2, threads=1, seed=3,
@@ -29,8 +30,8 @@ def timed(tmp_path_factory):
     d = tmp_path_factory.mktemp("auto")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(modepick, "MIN_STEPS", 0)
-        res, model = simulate.train(replace(TINY, out=str(d)), 4)
-    return res, simulate.virtual_state(model)
+        res, model = engine.fit(replace(TINY, out=str(d)), engine.VirtualRanks(4))
+    return res, engine.virtual_state(model)
 
 
 def test_auto_times_both_modes_and_runs_the_faster_bit_for_bit_as_if_named(timed):
@@ -39,9 +40,9 @@ def test_auto_times_both_modes_and_runs_the_faster_bit_for_bit_as_if_named(timed
     assert len(trial["wall_s"]["fast"]) == len(trial["wall_s"]["exact"]) == modepick.ROUNDS
     med = {m: statistics.median(v) for m, v in trial["wall_s"].items()}
     assert auto["simulate_mode_used"] == trial["chosen"] == min(med, key=med.get)
-    named, model = simulate.train(replace(TINY, simulate_mode=trial["chosen"]), 4)
+    named, model = engine.fit(replace(TINY, simulate_mode=trial["chosen"]), engine.VirtualRanks(4))
     assert named["steps"]["loss"] == auto["steps"]["loss"]
-    assert same(simulate.virtual_state(model), state) == 0.0
+    assert same(engine.virtual_state(model), state) == 0.0
     assert named["epochs"][-1]["test_acc"] == auto["epochs"][-1]["test_acc"]
 
 
@@ -63,17 +64,18 @@ def test_a_resumed_auto_run_keeps_its_mode_and_a_short_one_is_not_timed(timed, t
     auto, state = timed
     monkeypatch.setattr(modepick, "MIN_STEPS", 0)
     k = auto["steps_per_epoch"] + 2
-    cut, _ = simulate.train(replace(TINY, out=str(tmp_path), checkpoint_every_steps=k, max_steps=k), 4)
-    again, model = simulate.train(replace(TINY, out=str(tmp_path), resume=str(tmp_path / "checkpoint.pt")), 4)
+    cut, _ = engine.fit(replace(TINY, out=str(tmp_path), checkpoint_every_steps=k, max_steps=k), engine.VirtualRanks(4))
+    again, model = engine.fit(replace(TINY, out=str(tmp_path), resume=str(tmp_path / "checkpoint.pt")),
+                              engine.VirtualRanks(4))
     assert again["resumed_from_step"] == k
     assert again["simulate_mode_trial"]["resumed"] is True
     assert again["simulate_mode_used"] == again["simulate_mode_trial"]["chosen"] == cut["simulate_mode_used"]
     if cut["simulate_mode_used"] == auto["simulate_mode_used"]:  # the same mode: the same bits as the whole run
-        assert same(simulate.virtual_state(model), state) == 0.0
+        assert same(engine.virtual_state(model), state) == 0.0
     monkeypatch.setattr(modepick, "MIN_STEPS", 200)
-    short, _ = simulate.train(TINY, 4)
+    short, _ = engine.fit(TINY, engine.VirtualRanks(4))
     assert short["simulate_mode_used"] == "fast"
     assert short["simulate_mode_trial"] == {"chosen": "fast", "no_trial": f"{2 * auto['steps_per_epoch']} steps < 200: "
                                                                           "not worth timing"}
-    named, _ = simulate.train(replace(TINY, simulate_mode="exact", max_steps=1), 4)
+    named, _ = engine.fit(replace(TINY, simulate_mode="exact", max_steps=1), engine.VirtualRanks(4))
     assert "simulate_mode_trial" not in named

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pilab.config import Config, ConfigError
-from pilab.engine import noise, simulate
+from pilab import engine
+from pilab.engine import noise
 from pilab.perfmodel.predict import predict
 from pilab.study.points import trained_config
 
@@ -51,7 +52,7 @@ def test_the_ramp_takes_the_largest_batch_within_the_noise_scale_and_never_shrin
 
 @pytest.fixture(scope="module")
 def ramped():
-    res, model = simulate.train(CFG, 4)
+    res, model = engine.fit(CFG, engine.VirtualRanks(4))
     return res, {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -70,7 +71,8 @@ def test_a_noise_driven_ramp_follows_its_own_measurements(ramped):
     assert res["batch_ramp_chosen"] == ",".join(f"{e}:{plan[e]}" for e in range(1, 3) if plan[e] != plan[e - 1])
     # its first epoch is the run without a ramp, learning rates included (the schedule runs in epochs)
     # the ramp runs the exact mode (simulate_mode auto picks it for a gns: ramp); the plain run is asked for it
-    plain, _ = simulate.train(replace(CFG, batch_ramp="", max_steps=eps[0]["steps"], simulate_mode="exact"), 4)
+    plain, _ = engine.fit(replace(CFG, batch_ramp="", max_steps=eps[0]["steps"], simulate_mode="exact"),
+                          engine.VirtualRanks(4))
     assert res["steps"]["lr"][:eps[0]["steps"]] == plain["steps"]["lr"]
     assert res["steps"]["loss"][:eps[0]["steps"]] == plain["steps"]["loss"]
     # what the CLI prints: the batch it ended at, and from when
@@ -86,8 +88,9 @@ def test_a_noise_driven_ramp_follows_its_own_measurements(ramped):
 def test_a_run_stopped_after_a_choice_and_mid_epoch_resumes_as_if_never_stopped(ramped, tmp_path):
     res, state = ramped
     k = res["epochs"][0]["steps"] + 2  # two steps into the second epoch: a choice made, noise half-measured
-    simulate.train(replace(CFG, out=str(tmp_path), checkpoint_every_steps=k, max_steps=k), 4)
-    again, model = simulate.train(replace(CFG, out=str(tmp_path), resume=str(tmp_path / "checkpoint.pt")), 4)
+    engine.fit(replace(CFG, out=str(tmp_path), checkpoint_every_steps=k, max_steps=k), engine.VirtualRanks(4))
+    again, model = engine.fit(replace(CFG, out=str(tmp_path), resume=str(tmp_path / "checkpoint.pt")),
+                              engine.VirtualRanks(4))
     assert again["resumed_from_step"] == k
     assert max(float((model.state_dict()[n] - v).abs().max()) for n, v in state.items()
                if v.is_floating_point()) == 0.0
@@ -103,4 +106,4 @@ def test_a_run_stopped_after_a_choice_and_mid_epoch_resumes_as_if_never_stopped(
 ])
 def test_what_a_noise_driven_ramp_cannot_run_is_refused_with_the_fix(change, np_, words):
     with pytest.raises(ConfigError, match=words):
-        simulate.train(replace(CFG, **change), np_)
+        engine.fit(replace(CFG, **change), engine.VirtualRanks(np_))

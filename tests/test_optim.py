@@ -1,4 +1,4 @@
-"""The large-batch toolbox's optimizer settings (pilab/engine/optim.py, pilab/models/residual.py) on a real
+"""The large-batch toolbox's optimizer settings (pilab/engine/optim.py, pilab/models/init.py) on a real
 model and real images: LAMB's layer-wise step, BatchNorm/bias learning-rate scale, residual blocks started
 as the identity. Each checked against its paper's arithmetic, then trained through the loop."""
 from dataclasses import replace
@@ -10,11 +10,11 @@ from torch import nn
 
 from pilab import data
 from pilab.config import Config, ConfigError
-from pilab.engine import simulate
+from pilab import engine
 from pilab.engine.backend import base_model
 from pilab.engine.optim import LAMB, build_optimizer, param_groups, set_lr
 from pilab.models.mobilenet import InvertedResidual
-from pilab.models.residual import residual_bns
+from pilab.models.init import residual_bns
 from pilab.models.zoo import build_model
 
 
@@ -95,7 +95,7 @@ def test_the_toolbox_together_trains_in_the_simulator_and_bad_combinations_are_r
                  optimizer="lamb", lr=4e-3, lr_scaling="sqrt", warmup_epochs=0.5, weight_decay=0.01,
                  zero_init_residual=True, bn_lr_scale=2.0, lookahead_steps=5, whiten_stem=True,
                  simulate_mode="fast")
-    result, _ = simulate.train(cfg, 4)
+    result, _ = engine.fit(cfg, engine.VirtualRanks(4))
     loss = result["steps"]["loss"]
     assert all(map(lambda v: v == v, loss))  # finite
     assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3  # it learns

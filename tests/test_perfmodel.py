@@ -11,7 +11,8 @@ import pytest
 from conftest import MPIEXEC, REPO, mpi_env
 from pilab import perfmodel as pm
 from pilab.config import Config, ConfigError
-from pilab.perfmodel.allreduce import _critical_counts
+from pilab.perfmodel.allreduce import critical_counts
+from pilab import engine
 
 
 # ---- the published figures -------------------------------------------------------------------
@@ -66,7 +67,7 @@ def _synthetic_bench(alpha, beta, nps=(2, 3, 4), cores=64, over_alpha=0.0):
         sizes = [4, 64, 1024, 16384, 131072, 1 << 20, 4 << 20]
         secs = []
         for s in sizes:
-            n_a, n_b = _critical_counts(p, s, "mpich")
+            n_a, n_b = critical_counts(p, s, "mpich")
             secs.append(n_a * (alpha + (over_alpha if p > cores else 0)) + n_b * beta)
         runs.append({"np": p, "ranks_per_node": p, "cores": cores, "sizes_bytes": sizes,
                      "seconds": secs})
@@ -158,7 +159,7 @@ def test_per_step_work_makes_small_batches_dearer_per_image():
 
 def test_gradient_layout_matches_gradsync_buckets():
     import torch
-    from pilab.dist.helpers import GradSync
+    from pilab.dist import GradSync
     from pilab.models.zoo import build_model
     for width in (0.25, 1.0):
         with torch.device("meta"):
@@ -231,7 +232,7 @@ def test_sync_batchnorm_pays_two_blocking_allreduces_per_layer():
         dataclasses.replace(cfg, bn_group=2)
     # ... and a run says so when mpiexec placed a group's ranks on different hosts (round robin over a hosts
     # file without slot counts): the price above assumed a node's ranks are consecutive
-    from pilab.engine.loop import split_sync_groups
+    from pilab.engine.backend import split_sync_groups
     pairs = dataclasses.replace(cfg, bn="sync", bn_group=2)
     assert split_sync_groups(pairs, 4, ["pi01", "pi01", "pi02", "pi02"]) is None
     line = split_sync_groups(pairs, 4, ["pi01", "pi02", "pi01", "pi02"])
@@ -388,8 +389,7 @@ def test_cli_bad_numbers_are_one_line_errors(argv, capsys):
 # ---- a real np=1 run -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def np1_result():
-    from pilab.engine import train
-    return train.run(Config(width=0.25, train_subset=256, test_subset=100, epochs=1, batch_size=32,
+    return engine.train(Config(width=0.25, train_subset=256, test_subset=100, epochs=1, batch_size=32,
                             threads=1))
 
 
@@ -498,7 +498,7 @@ def test_wire_model_rows_from_the_committed_network_run():
     """The model against every wire point of the committed run (issue 23 item 4; the table in
     docs/perfmodel.md): a row per contender and point, and where nothing overlaps -- one bucket after
     backward, the link's whole Allreduce exposed -- the step within 15% at every point."""
-    from pilab.perfmodel import network as network_model
+    from pilab.perfmodel import check as network_model
     data = json.load(open(REPO / "benchmarks" / "results" / "bench_network-2026-12-02-1419.json"))["network"]
     rows = network_model.wire_model_rows(data)
     assert len(rows) == len(data["wire"]) * len(network_model.WIRE_MODEL) == 20
@@ -515,7 +515,7 @@ def test_wire_model_rows_take_each_runs_probe():
     """Each wire run's probe (pilab.bench.wire) sets the overlap rate and the fp16 cost the model uses at
     that point; a run without one (before 2026-12-03), or whose probe found nothing left after backward
     in most rounds (the rate only bounded from below), is modelled at full rate."""
-    from pilab.perfmodel import network as network_model
+    from pilab.perfmodel import check as network_model
     data = json.load(open(REPO / "benchmarks" / "results" / "bench_network-2026-12-03.json"))["network"]
     rows = network_model.wire_model_rows(data)
     per_run = len(network_model.WIRE_MODEL)

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pilab import data as data_mod
-from pilab.engine import loop as engine
+from pilab import engine
 from pilab.config import Config, ConfigError
-from pilab.dist.helpers import GradSync
+from pilab.dist import GradSync
 from pilab.engine.layers import GhostBatchNorm2d, RankContext
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +115,7 @@ def test_device_resident_loader_gives_the_same_batches(policy, augment):
 @pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format])
 @pytest.mark.parametrize("ghost", [0, 4])
 def test_vectorised_ghost_batchnorm_matches_per_group_batchnorm(ghost, layout):
-    """Both vectorised paths: the simulator's channels-last batch (_GroupedBN, its own backward) and any
+    """Both vectorised paths: the simulator's channels-last batch (GroupedBN, its own backward) and any
     other layout (var_mean and autograd)."""
     torch.manual_seed(0)
     ctx = RankContext()
@@ -144,7 +144,7 @@ def test_vectorised_ghost_batchnorm_matches_per_group_batchnorm(ghost, layout):
 
 
 def test_simulate_mode_is_validated_and_auto_picks_what_the_run_allows():
-    from pilab.engine.mpi import mode_used
+    from pilab.engine import mode_used
     assert Config().simulate_mode == "auto"
     assert mode_used(Config()) == "fast"  # the same mathematics at one process's cost
     assert mode_used(Config(local_steps=4)) == "exact"  # each rank's own weights: one rank per forward
@@ -297,7 +297,7 @@ def test_bench_command_refuses_unknown_sections():
 def test_the_wire_job_times_every_contender_against_the_ceiling_and_its_bound():
     # issue 23: the contenders of one step on the wire, run here on loopback (the network section runs
     # the same job on its testbed's nodes); the bound is computed from a link fitted as the section does
-    from pilab.perfmodel import network as network_model
+    from pilab.perfmodel import check as network_model
     from pilab.launch import run_job
     res = run_job(2, "pilab.bench.wire", {"master": "127.0.0.1", "quick": True}, timeout=600,
                   env=dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1"))

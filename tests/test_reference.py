@@ -119,7 +119,7 @@ def test_every_exit_status_constant_is_in_the_table():
     """Each ``EXIT_* = N`` of pilab's code (and the signals' 128 + N) is a row of EXIT_CODES, the table the
     manual's exit-code page is made from."""
     from pilab.cli.common import EXIT_CODES
-    from pilab.engine.signals import exit_code_for
+    from pilab.engine.harness import exit_code_for
     codes = {c for c, _ in EXIT_CODES}
     found = {}
     for path in glob.glob(os.path.join(REPO, "pilab", "**", "*.py"), recursive=True):

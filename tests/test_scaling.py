@@ -28,7 +28,7 @@ def test_published_speedups_turn_back_into_published_efficiencies():
         s = e * p / 2
         assert efficiency(s, p, p0=2) == pytest.approx(e)
     assert karp_flatt(9.99, 48, p0=2) == pytest.approx((1 / 9.99 - 1 / 24) / (1 - 1 / 24))
-    assert analysis._karp_flatt(1.0, 2, p0=2) is None
+    assert analysis.serial_fraction(1.0, 2, p0=2) is None
 
 
 def _run(np_, accs, t_epoch, simulated=False, gb=32):
@@ -520,11 +520,12 @@ def test_the_committed_remedies_search_shows_a_fast_and_right_np48():
 def test_a_study_stores_each_run_once_by_reference(tmp_path):
     # study.json refers to its points' result.json (path + SHA-256) instead of holding a second copy;
     # what the study added to a run rides beside the reference; load_study gives the study back as it was.
+    from pilab import resultfile
     from pilab.config import ConfigError
     from pilab.files import save_json
     run = {"np": 2, "steps": {"loss": [2.3, 2.1, 1.9]}, "epochs": [{"test_acc": 0.5}]}
-    save_json(run, str(tmp_path / "np2" / "result.json"))
-    assert '"loss": [2.3, 2.1, 1.9]' in (tmp_path / "np2" / "result.json").read_text()  # an array on one line
+    resultfile.save(run, str(tmp_path / "np2" / "result.json"))
+    assert '"epochs": [\n  {\n   "test_acc": 0.5' in (tmp_path / "np2" / "result.json").read_text()  # readable
     st = {"kind": "pilab.scaling.study", "rows": [], "runs": {"2": {**run, "rapl": {"joules": 1.0}}, "4": {"np": 4}}}
     save_json(points.stored(st, str(tmp_path)), str(tmp_path / "study.json"))
     raw = json.loads((tmp_path / "study.json").read_text())
@@ -534,7 +535,7 @@ def test_a_study_stores_each_run_once_by_reference(tmp_path):
     assert set(raw["runs"]["4"]) == {"file", "sha256"} and raw["runs"]["4"]["file"] == "np4/result.json"
     assert json.loads((tmp_path / "np4" / "result.json").read_text()) == {"np": 4}
     assert scaling.load_study(str(tmp_path)) == st
-    (tmp_path / "np2" / "result.json").write_text(json.dumps({**run, "np": 3}))
+    resultfile.save({**run, "np": 3}, str(tmp_path / "np2" / "result.json"))
     with pytest.raises(ConfigError, match="changed after"):
         scaling.load_study(str(tmp_path))
     # ... and is never written over another run's file; a study.json that embeds a run is refused
@@ -563,7 +564,7 @@ def test_remedies_resume_continues_a_candidate_from_its_checkpoint(tmp_path):
     r = json.loads((out / "linear-lr" / "result.json").read_text())
     assert (r["resumed_from_step"], r["steps_done"], r["stopped_early"]) == (4, 8, False)
     # a checkpoint of other settings is not continued: that candidate runs from its start
-    assert remedies._part_way(str(out / "linear-lr"), replace(cfg, lr=0.5), 4) == ""
+    assert remedies.resumable_checkpoint(str(out / "linear-lr"), replace(cfg, lr=0.5), 4) == ""
 
 
 def test_a_point_saved_before_a_setting_existed_is_the_same_training():

@@ -16,10 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import MPIEXEC, mpi_env
-from pilab.engine import loop as engine, layers
+from pilab import engine
+from pilab.engine import layers
 from pilab.config import Config, ConfigError
-from pilab.models.zoo import (DEFAULT_TIMESTEPS, LIFLayer, SpikingConv, _snntorch, activation_elements, build_model,
-                          count_parameters, forward_macs, synaptic_ops, train_flops_per_image)
+from pilab.models import (activation_elements, build_model, count_parameters, forward_macs, synaptic_ops,
+                          train_flops_per_image)
+from pilab.models.spiking import DEFAULT_TIMESTEPS, LIFLayer, SpikingConv, import_snntorch
 
 torch.set_num_threads(1)
 HERE = Path(__file__).parent
@@ -197,10 +199,10 @@ def test_synaptic_ops_eval_mode_and_refusals():
 
 def test_snntorch_is_imported_only_for_the_spiking_model():
     code = ("import sys\n"
-            "from pilab.engine import loop as engine\n"
+            "from pilab import engine\n"
             "from pilab.study import scaling\n"
             "from pilab.config import Config\n"
-            "from pilab.models.zoo import build_model, train_flops_per_image\n"
+            "from pilab.models import build_model, train_flops_per_image\n"
             "build_model('mobilenetv2_cifar', width=0.25); Config(model='spiking_cnn')\n"
             "assert 'snntorch' not in sys.modules, 'imported early'\n"
             "build_model('spiking_cnn')\n"
@@ -216,7 +218,7 @@ def test_missing_snntorch_is_one_line_naming_the_extra(monkeypatch):
     with pytest.raises(ValueError, match=r"pip install 'pilab\[snn\]'"):
         build_model("spiking_cnn")
     with pytest.raises(ImportError, match=r"pip install 'pilab\[snn\]'"):
-        _snntorch()
+        import_snntorch()
     Config(model="mobilenetv2_cifar")  # the other models do not care
 
 

@@ -91,7 +91,7 @@ def test_up_is_idempotent_and_refuses_a_range_in_use(tb):
         lines = [x for x in f.read().splitlines() if not x.startswith("#")]
     assert lines == ["10.79.0.11:2", "10.79.0.12:2"]  # addresses: no name lookup leaves the machine
     # the machine's own routes are off limits: take the range of its default interface
-    ours = [str(n) for n, dev in testbed._routes_and_addresses() if not n.is_loopback and dev != tb.bridge]
+    ours = [str(n) for n, dev in testbed.routes_and_addresses() if not n.is_loopback and dev != tb.bridge]
     if ours:
         with pytest.raises(testbed.TestbedError, match="overlaps"):
             testbed.check_range(testbed.Testbed(nodes=1, subnet=ours[0], name="pilabx"))
@@ -140,8 +140,8 @@ def test_down_removes_everything_after_a_crash(testbed_lock):
     subprocess.run(["rm", "-rf", bed.state_dir], check=True)  # the process that made it is gone
     removed = testbed.down("pilabz")
     assert any("netns pilabz-node01" in r for r in removed)
-    assert not [ns for ns in testbed._netns_list() if ns.startswith("pilabz-")]
-    assert not [link for link in testbed._links() if link.startswith("pilabz-")]
+    assert not [ns for ns in testbed.netns_list() if ns.startswith("pilabz-")]
+    assert not [link for link in testbed.link_names() if link.startswith("pilabz-")]
 
 
 def test_shared_memory_inside_a_node_tcp_between_nodes(tb, tmp_path):
@@ -319,8 +319,8 @@ def test_pi_profile_engines_register_across_the_nodes(tb, monkeypatch):
         # a %%px-style cell: the same code on every engine
         cfg = Config(width=0.25, train_subset=256, test_subset=100, epochs=1, batch_size=16, threads=1)
         lab.push(cfg=cfg)
-        lab.view.execute("from mpi4py import MPI\nfrom pilab.engine import train\n"
-                         "px_result = train.run(cfg, MPI.COMM_WORLD)", block=True)
+        lab.view.execute("from mpi4py import MPI\nimport pilab\n"
+                         "px_result = pilab.train(cfg, MPI.COMM_WORLD)", block=True)
         hosts = lab.view.pull("px_result", block=True)[0]["env"]["hostnames"]
         assert hosts == ["node01", "node01", "node02", "node02"]
         # rank 0 scatters the shards: the nodes need no copy of the data
@@ -602,7 +602,7 @@ def test_a_planted_state_directory_is_refused_and_left_alone():
             lines = p.stderr.strip().splitlines()
             assert p.returncode == 2 and len(lines) == 1, p.stderr
             assert f"{planted} belongs to nobody, not root" in lines[0] and "Traceback" not in p.stderr, lines
-        assert not [ns for ns in testbed._netns_list() if ns.startswith(f"{name}-")]
+        assert not [ns for ns in testbed.netns_list() if ns.startswith(f"{name}-")]
         p = subprocess.run([sys.executable, "-m", "pilab", "testbed", "down", "--name", name], env=env, cwd=REPO,
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 0 and "NOT removed" in p.stdout and os.path.isdir(planted), p.stdout

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from conftest import MPIEXEC, REPO, mpi_env, skip_or_fail
+from pilab import resultfile
 from pilab.trace import format as tracefile
+from pilab import engine
 
 TINY = ["--width", "0.25", "--train-subset", "200", "--test-subset", "100", "--batch-size", "16",
         "--threads", "1", "--quiet", "--epochs", "2", "--bucket-mb", "0.05"]
@@ -28,8 +30,7 @@ def _train(out, *extra, prefix=None, timeout=120):
     cmd = prefix(args) if prefix else [MPIEXEC, "-n", "2", *PY, *args]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env())
     assert p.returncode == 0, p.stdout + p.stderr
-    with open(out / "result.json") as f:
-        return json.load(f)
+    return resultfile.load(str(out / "result.json"))
 
 
 def _by_step(doc):
@@ -159,11 +160,10 @@ def test_window_keeps_first_and_last_steps(tmp_path):
 def test_simulator_tracks_per_virtual_rank(tmp_path):
     """The simulator: one track per virtual rank (data, forward, backward), the optimizer on rank 0's."""
     from pilab.config import Config
-    from pilab.engine import loop as engine
 
     cfg = Config(width=0.25, train_subset=64, test_subset=20, batch_size=8, epochs=1, max_steps=3, threads=1,
                  trace=True, out=str(tmp_path / "s"))
-    result, _ = engine.train(cfg, engine.VirtualRanks(2, ranks_per_chunk=1))
+    result, _ = engine.fit(cfg, engine.VirtualRanks(2, ranks_per_chunk=1))
     spans, flights = _by_step(tracefile.read(str(tmp_path / "s" / "trace.json")))
     assert set(spans) == {(r, s) for r in (0, 1) for s in (1, 2, 3)} and not flights
     assert all({"data", "forward", "backward"} <= set(row) for row in spans.values())
@@ -250,14 +250,14 @@ LANE_RUN = """
 import json, sys
 from mpi4py import MPI
 from pilab.config import Config
-from pilab.engine import train
+from pilab import engine
 comm = MPI.COMM_WORLD
 out = {}
 for trace in (True, False):
     cfg = Config(width=0.25, train_subset=96, test_subset=50, batch_size=16, epochs=1, threads=1,
                  bucket_mb=0.05, trace=trace)
     events = []
-    train.train(cfg, comm, callbacks=[events.append])
+    engine.train(cfg, comm, callbacks=[events.append])
     out[str(trace)] = events
 if comm.Get_rank() == 0:
     json.dump(out, open(sys.argv[1], "w"), default=float)
@@ -269,7 +269,7 @@ def test_live_lane_events_of_two_ranks(tmp_path):
     spans and bucket flights, rank 1's estimated compute and wait inside the same step; none without
     trace. The notebook's live swim-lane (plots.LivePlot) builds from them: the last steps, both ranks."""
     from pilab import plots
-    from pilab.plots import lanes as tp
+    from pilab.plots import run as tp
 
     p = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", LANE_RUN, str(tmp_path / "ev.json")],
                        capture_output=True, text=True, timeout=180, env=mpi_env(), cwd=tmp_path)
@@ -311,7 +311,7 @@ def test_panel_draws_the_lanes_of_a_traced_run():
     pytest.importorskip("ipywidgets")
     from pilab.config import Config
     from pilab.lab import widgets
-    from pilab.plots import lanes as tp
+    from pilab.plots import run as tp
 
     panel = widgets.ControlPanel(None, Config(width=0.25, train_subset=96, test_subset=50, batch_size=16,
                                               epochs=2, threads=1))

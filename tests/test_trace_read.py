@@ -158,7 +158,7 @@ def test_validate_table(tmp_path):
     out = tmp_path / "pred.json"
     assert _cli("perfmodel", "trace", "--np", "4", "--cluster", "pi4b_cluster", "--width", "0.25",
                 "--out", str(out)).returncode == 0
-    from pilab.trace.validate import compare
+    from pilab.trace.predict import compare
     v = compare(tf.read(str(out)), tf.read(str(out)))
     assert v["step"]["error"] == pytest.approx(0, abs=1e-9)
     assert all(b["error"] == pytest.approx(0, abs=1e-9) for b in v["buckets"]) and v["buckets"]
@@ -210,7 +210,7 @@ def test_committed_example_is_what_the_reader_says():
     """experiments/perfmodel/trace-example: the testbed trace, its prediction and the validation JSON the
     driver wrote agree with the reader as it is now."""
     import os
-    from pilab.trace.validate import compare
+    from pilab.trace.predict import compare
     d = os.path.join(os.path.dirname(__file__), "..", "experiments", "perfmodel", "trace-example")
     measured = load(os.path.join(d, "trace-200mbit.json"))
     a = analyse(measured)

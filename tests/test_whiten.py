@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from pilab import data
 from pilab.config import Config, ConfigError
 from pilab.engine.backend import base_model
-from pilab.models.whiten import stem
+from pilab.models.init import stem
 
 
 def _patch_cov(conv, ds, x_uint8):

@@ -1,5 +1,5 @@
 """The performance model's network half against the testbed's shaped links, judged against this project's
-goals (the tolerances are ours, not pilab's: ``pilab.perfmodel.network`` reports how far the model is, and this
+goals (the tolerances are ours, not pilab's: ``pilab.perfmodel.check`` reports how far the model is, and this
 script counts the points within them)::
 
     python experiments/network-model/goal.py benchmarks/results/bench_network-2026-12-02-1419.json
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from pilab.perfmodel import network as network_model
+from pilab.perfmodel import check as network_model
 from pilab.files import load_json
 
 # communication-bound multi-node points: the model's Allreduce time per step and epoch within 20%

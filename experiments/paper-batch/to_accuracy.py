@@ -56,7 +56,7 @@ def base_config(a, name: str, seed: int, epochs: int) -> dict:
 
 def _train(cfg_dict: dict, np_: int, out: str, resume: str, where: str, max_steps: int = 0) -> dict:
     from pilab.config import Config
-    from pilab.engine import loop as engine
+    from pilab import engine
     cfg = Config(**{**cfg_dict, "out": out, "resume": resume, "max_steps": max_steps})
     cpu0 = time.process_time()
 
@@ -65,7 +65,7 @@ def _train(cfg_dict: dict, np_: int, out: str, resume: str, where: str, max_step
             print(f"to_accuracy: {where}: epoch {e['epoch']} test acc {e['test_acc']:.4f} ({e['time']:.0f} s; "
                   f"{time.process_time() - cpu0:.0f} CPU s)", flush=True)
     print(f"to_accuracy: {where}: {'resumes from ' + resume if resume else 'starts'}", flush=True)
-    r, _ = engine.train(cfg, engine.VirtualRanks(np_), data=_DS, callbacks=[log])
+    r, _ = engine.fit(cfg, engine.VirtualRanks(np_), data=_DS, callbacks=[log])
     if r.get("stopped_early"):
         raise RuntimeError(f"{where} stopped early: {r.get('stop_reason')}")
     return r

@@ -29,7 +29,7 @@ from pilab import testbed
 from pilab.trace import format as tf
 from pilab.bench import network
 from pilab.files import save_json
-from pilab.trace.validate import table, validate
+from pilab.trace.predict import table, validate
 
 from validate_trace import STEP_GOAL, TAIL_GOAL  # this directory: the goals live in one place
 

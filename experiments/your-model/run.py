@@ -4,7 +4,7 @@ Each row is one ``python -m pilab scale`` (np=1 a real run, np=8 simulated exact
 24-node Raspberry Pi 4B cluster) on a (model, data) pair; the FLOP columns compare torch's FlopCounterMode
 count (how pilab prices a model it has never seen) with a count by hooks on every convolution and linear
 layer (the built-in models' analytic rule); the memory columns compare the predicted peak of one rank
-(``pilab.engine.memory``, with the model's own step measured by ``pilab.engine.memprobe``) with the peak
+(``pilab.engine.memory``, with the model's own step measured by ``pilab.engine.memory``) with the peak
 the np=1 run measured::
 
     python experiments/your-model/run.py --out runs/your-model        # ~10 min on 2 idle cores
@@ -86,15 +86,14 @@ def run_row(name: str, out: str, paths: dict) -> str:
 
 
 def row(name: str, study_dir: str) -> dict:
-    from pilab.config import Config
+    from pilab import Config
     from pilab.engine import memory
-    from pilab.models.counts import counted_train_flops, forward_macs
-    from pilab.models.zoo import probe_model
+    from pilab.models import counted_train_flops, forward_macs, probe_model
 
-    from pilab import data
+    from pilab import data, resultfile
 
     study = json.load(open(os.path.join(study_dir, "study.json")))
-    r1 = json.load(open(os.path.join(study_dir, "np1", "result.json")))
+    r1 = resultfile.load(os.path.join(study_dir, "np1", "result.json"))
     pts = {int(p["np"]): p for p in study["rows"]}
     cfg = Config.from_dict(r1["config"])
     ds = data.load(cfg.data, train_subset=cfg.train_subset, test_subset=cfg.test_subset)  # cached: no decode

@@ -7,7 +7,7 @@
 
 The one home of pilab's benchmarks: a library package, so that the command works from an installed
 pilab and its pieces are importable (tests call them on tiny settings). The run is
-:mod:`pilab.bench.suite` (``suite.run``, ``suite.SECTIONS``); the machine's facts :mod:`pilab.bench.machine`.
+:mod:`pilab.bench.suite` (``suite.run``, ``suite.SECTIONS``); the machine's facts :mod:`pilab.bench.report`.
 This file holds no code. Every figure is a ratio against
 a baseline measured in the same run: contenders alternate round by round (the order rotated), one ratio
 per round, reported as median and p10-p90 / min-max. Sections that need ranks run as MPI jobs
@@ -36,3 +36,9 @@ Running some sections only (``--sections memory``) replaces those sections in an
 and keeps the others. Figures are judged "met" / "NOT met" against the goals the run is given (``--goals``;
 benchmarks/goals.json in pilab's source repository): pilab itself holds none.
 """
+from .. import lazy
+
+__getattr__, __dir__, __all__ = lazy.face(__name__, {
+    "suite": ["EXTRA_SECTIONS", "SECTIONS"],
+    "report": ["collected_report"],
+})

@@ -14,12 +14,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import data as data_mod
-from ..engine import loop as engine
+from .. import data as data_mod, engine
 from ..config import Config
-from ..engine.memory import predict_peak_bytes
-from ..models.zoo import build_model
-from ..engine.optim import build_optimizer
+from ..engine import build_optimizer, predict_peak_bytes
+from ..models import build_model
 from .stats import alternate, alternate_clocks, ratios, summary
 
 
@@ -152,7 +150,7 @@ def data_path(batch: int, rounds: int, batches: int) -> dict:
             "speedup_pilab_over_dataloader": summary(ratios(s, "dataloader", "pilab")), "raw": s}
 
 
-SIM_GOALS = {"fast": 1.10, "exact": 1.30}  # issue 42: each mode's step against one process on the global batch
+SIM_GOALS = {"fast": 1.10, "exact": 1.30}  # each mode's step against one process on the global batch
 
 
 def stepper(session):
@@ -256,7 +254,7 @@ def fast_deviation(cfg: Config, np_: int, steps: int) -> dict:
 
 
 def checkpoint_cost(cfg: Config, saves: int, interval_min: float = 10.0) -> dict:
-    """The cost of one mid-epoch checkpoint (``pilab.engine.resume.write``: gather the rank states, checksum,
+    """The cost of one mid-epoch checkpoint (``pilab.engine.checkpoint.write_position``: gather the rank states, checksum,
     serialise, write, fsync, rename) for ``cfg``'s model, against the multi-node default interval::
 
         checkpoint_cost(Config(width=0.25), saves=5)   # {'save_s': {...}, 'bytes': ..., 'share_of_interval': ...}
@@ -264,7 +262,7 @@ def checkpoint_cost(cfg: Config, saves: int, interval_min: float = 10.0) -> dict
     import os
     import tempfile
 
-    from ..engine import records, resume
+    from ..engine import checkpoint, records
     with tempfile.TemporaryDirectory() as out:
         session = engine.Session(replace(cfg, out=out, checkpoint_every_steps=1), engine.MPIRanks(None))
         session.model.train()
@@ -273,7 +271,7 @@ def checkpoint_cost(cfg: Config, saves: int, interval_min: float = 10.0) -> dict
             session.step(0, k % session.steps_per_epoch)
             acc = records.EpochSums()
             t = time.perf_counter()
-            failed = resume.write(session, 0, k + 1, [], step_in_epoch=k + 1, acc=acc)
+            failed = checkpoint.write_position(session, 0, k + 1, [], step_in_epoch=k + 1, acc=acc)
             times.append(time.perf_counter() - t)
             assert failed is None, failed
             size = os.path.getsize(os.path.join(out, "checkpoint.pt"))

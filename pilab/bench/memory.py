@@ -48,10 +48,10 @@ RUNTIME = _status()["VmRSS"] if sys.platform.startswith("linux") else 0
 import torch  # noqa: E402  (after the first reading: the runtime includes torch)
 from ..launch import mpi  # noqa: E402
 
-from ..engine import loop as engine  # noqa: E402
+from .. import engine  # noqa: E402
 from ..config import Config  # noqa: E402
 from ..files import atomic_write_text  # noqa: E402
-from ..engine.memory import breakdown  # noqa: E402
+from ..engine import breakdown  # noqa: E402
 
 RUNTIME_WITH_TORCH = _status()["VmRSS"]
 

@@ -24,7 +24,7 @@ taken down after an error or Ctrl-C too. On the nodes' namespaces:
    gradients are one 1 MB bucket, ready at the end of backward, so none of it is hidden) and the
    training time of the epoch.
 
-5. one synchronous step on the wire (``pilab.bench.wire``, issue 23): pilab (default buckets, fp16, one
+5. one synchronous step on the wire (``pilab.bench.wire``): pilab (default buckets, fp16, one
    bucket) against DDP-gloo (its defaults and 1 MiB buckets) and the no-exchange ceiling, alternated round
    by round, on 2 nodes x 1 rank and 4 nodes x 2 ranks at WIRE_RATES, beside the bound (``wire_rows``).
 
@@ -34,10 +34,10 @@ All nodes of the testbed share this machine's cores: a node gets ``cores / nodes
 seconds over wall seconds, as in the ``perfmodel`` section). "+ tbf credit" takes off each multi-node
 step the first ``testbed.burst_bytes(rate)`` of its transfer, which tc's token bucket lets through at
 once after the step's compute (a testbed effect, not a wire's: see docs/perfmodel.md). Nothing here
-asserts on timings. The model's side (:mod:`pilab.perfmodel.network`) works from the stored measurements
+asserts on timings. The model's side (:mod:`pilab.perfmodel.check`) works from the stored measurements
 only: the recorded run's tables again, without root or runs::
 
-    python -c "from pilab.perfmodel import network as m; print(m.report('benchmarks/results/bench_network.json'))"
+    python -c "from pilab.perfmodel import check; print(check.report('benchmarks/results/bench_network.json'))"
 """
 from __future__ import annotations
 
@@ -49,11 +49,9 @@ import statistics
 import tempfile
 import time
 
-from .. import perfmodel as pm
-from .. import testbed
+from .. import perfmodel as pm, testbed
 from ..config import Config
-from ..perfmodel.check import train as harness_train
-from ..perfmodel.network import COMM_BOUND, LOCAL_H, LOCAL_RATE, LOCAL_TRAIN, TRAIN
+from ..perfmodel.check import LOCAL_RATE, LOCAL_TRAIN, TRAIN, train as harness_train
 
 NAME, SUBNET = "plbench", "10.84.0.0/24"
 SIZES = (4, 1024, 16 * 1024, 128 * 1024, 2 ** 20, 4 * 2 ** 20)
@@ -61,7 +59,7 @@ SIZES = (4, 1024, 16 * 1024, 128 * 1024, 2 ** 20, 4 * 2 ** 20)
 POINTS = [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)]
 RATES, QUICK_RATES = ("100mbit", "1gbit"), ("100mbit",)
 LOCAL_POINTS = [(2, 2), (4, 2), (8, 4)]
-# One synchronous step on the wire (issue 23; pilab.bench.wire): the contenders on 2 nodes x 1 rank and on
+# One synchronous step on the wire (pilab.bench.wire): the contenders on 2 nodes x 1 rank and on
 # 4 nodes x 2 ranks (the Pi layout), at each WIRE_RATES rate, beside the physical bound.
 WIRE_RATES, QUICK_WIRE_RATES = ("200mbit", "1gbit"), ("200mbit",)
 WIRE_LAYOUTS = [(2, 2), (8, 4)]  # (np, nodes)
@@ -129,7 +127,7 @@ def train(tb, np_: int, nodes: int, out: str, log, mpiexec=None, settings=TRAIN)
 def section(quick: bool = False, *, work: str | None = None, mpiexec: str | None = None, repeat: int = 1,
             command: str = "python -m pilab bench --sections network", log=print) -> dict:
     """Bring up the testbed, measure, take it down; the measurements (their analysis, the model's side:
-    :func:`pilab.perfmodel.network.analyse`). ``work``:
+    :func:`pilab.perfmodel.check.analyse`). ``work``:
     where the runs' results go (their step logs stay there; the dict keeps the figures; None: a
     temporary folder)."""
     if work is None:
@@ -155,14 +153,14 @@ def section(quick: bool = False, *, work: str | None = None, mpiexec: str | None
         for rep in range(1, repeat + 1):
             order = rates if rep % 2 else rates[::-1]  # alternate: neither rate always runs first
             for rate in order:
-                tb = _shaped(tb, rate)
+                tb = shaped(tb, rate)
                 log(f"bench: network: rep {rep}, links {rate}; load {os.getloadavg()[0]:.1f}")
                 _train_points(tb, data, rate, rep, points + [(p, n, True) for p, n in LOCAL_POINTS
                                                              if rate == LOCAL_RATE and p in nps and n <= nodes_n],
                               work, log, mpiexec)
         data["wire"] = []
         for rate in (QUICK_WIRE_RATES if quick else WIRE_RATES):
-            tb = _shaped(tb, rate)
+            tb = shaped(tb, rate)
             log(f"bench: network: one step on the wire, links {rate}; load {os.getloadavg()[0]:.1f}")
             if not any(b["rate"] == rate and b["nodes"] == 2 and b["np"] == 2 for b in data["bench"]):
                 run = bench(tb, 2, 2, log, mpiexec)  # the link rate of the bound
@@ -180,7 +178,7 @@ def section(quick: bool = False, *, work: str | None = None, mpiexec: str | None
     return data
 
 
-def _shaped(tb, rate: str):
+def shaped(tb, rate: str):
     """The testbed with every node's link at ``rate``."""
     for h in tb.hosts:
         tb = testbed.shape(tb, h, rate)
@@ -193,7 +191,7 @@ def _links(tb, data: dict, rates, nps, nodes_n: int, log, mpiexec):
     for np_ in sorted(n for n in (2, 4) if n in nps):
         data["bench"].append(bench(tb, np_, 1, log, mpiexec))
     for rate in rates:
-        tb = _shaped(tb, rate)
+        tb = shaped(tb, rate)
         log(f"bench: network: links {rate}")
         for np_, nodes in ((2, 2), (4, 4), (4, 2), (8, 4)):
             if nodes <= nodes_n and (np_ in nps or (np_, nodes) == (2, 2)):

@@ -1,17 +1,120 @@
 """BENCHMARKS.md from a ``pilab.bench.suite.run`` result: one table per section, each ratio with its spread,
 judged "met" / "NOT met" against the goals the run was given (``res["goals"]``: {key: [op, value]}, e.g.
-benchmarks/goals.json; pilab has no goals of its own, and without them a figure is shown unjudged)."""
+benchmarks/goals.json; pilab has no goals of its own, and without them a figure is shown unjudged).
+
+How BENCHMARKS.md writes a figure (a ratio with its spread, milliseconds) and judges it "met" / "NOT met"
+against the goals the run was given (``res["goals"]``: {key: [op, value]})::
+
+    _judged(1.04, {"goals": {"trace_overhead": ["<=", 1.02]}}, "trace_overhead")   # 'NOT met'
+
+The machine a benchmark ran on, for its table's header: the processor's name (x86's model name, or an Arm
+board and its core type) and the load::
+
+    from pilab.bench.report import cpu_name, machine
+    machine()["cpu"]     # 'Raspberry Pi 4 Model B Rev 1.4 (Cortex-A72)'
+
+BENCHMARKS.md's memory sections: the default run's peak per rank, and the itemised peak per rank at
+each setting beside its prediction (``pilab.bench.memory``).
+"""
 from __future__ import annotations
 
-from .judging import _OPS, _goal, _ms, _r
-from .memreport import _memory, _memory_per_rank
+import datetime
+import operator
+import os
+import platform
+
+# Arm's part numbers (/proc/cpuinfo "CPU part") of the cores in Raspberry Pi boards and their kin.
+ARM_PARTS = {"0xd03": "Cortex-A53", "0xd04": "Cortex-A35", "0xd05": "Cortex-A55", "0xd08": "Cortex-A72",
+             "0xd0b": "Cortex-A76", "0xd0c": "Neoverse-N1"}
+
+
+def cpu_name(cpuinfo: str, fallback: str = "") -> str:
+    """The processor's name from the text of /proc/cpuinfo: x86's "model name"; on Arm, which has
+    none, the board ("Model", e.g. a Raspberry Pi) and the core type from its "CPU part"::
+
+        cpu_name(open("/proc/cpuinfo").read(), platform.machine())   # 'Raspberry Pi 4 Model B Rev 1.4 (Cortex-A72)'
+    """
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip().lower(), value.strip())
+    if fields.get("model name"):
+        return fields["model name"]
+    core = ARM_PARTS.get(fields.get("cpu part", "").lower(), "")
+    board = fields.get("model", "")
+    if board and core:
+        return f"{board} ({core})"
+    return board or core or fallback
+
+
+def machine() -> dict:
+    """Facts about this machine and its load, for the table's header."""
+    import torch
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = cpu_name(f.read(), cpu)
+    except OSError:
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "usable_cores": cores, "python": platform.python_version(),
+            "torch": torch.__version__, "platform": platform.platform(),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "loadavg_start": list(os.getloadavg())}
+
+
+_OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt}
+
+
+def _r(s: dict | None, digits: int = 2) -> str:
+    """'median (p10-p90, n)' of a summary."""
+    if not s or s.get("median") is None:
+        return "n/a"
+    f = f"{{:.{digits}f}}"
+    return f"{f.format(s['median'])} ({f.format(s['p10'])}–{f.format(s['p90'])}, n={s['n']})"
+
+
+def _ms(s: dict | None) -> str:
+    if not s or s.get("median") is None:
+        return "n/a"
+    return f"{1e3 * s['median']:.1f} ms ({1e3 * s['p10']:.1f}–{1e3 * s['p90']:.1f})"
+
+
+def _goal(s: dict | None, res: dict, key: str) -> str:
+    """"met (goal >= 0.98)" for a summary's median against the run's goal ``key``; "—" without one."""
+    if not s or s.get("median") is None:
+        return "not measured"
+    return _judged(s["median"], res, key, with_goal=True)
+
+
+def _goal_words(res: dict, key: str, what: str) -> str:
+    """"the peak per rank in MB <= 900" for the run's goal ``key``; "none given" without one."""
+    goal = (res.get("goals") or {}).get(key)
+    return f"{what} {goal[0]} {goal[1]:g}" if goal else "none given"
+
+
+def _judged(value: float, res: dict, key: str, *, with_goal: bool = False) -> str:
+    """"met" / "NOT met" for ``value`` against the run's goal ``key`` (with the goal in words where asked);
+    "—" where the run was given no such goal."""
+    goal = (res.get("goals") or {}).get(key)
+    if goal is None:
+        return "—"
+    op, target = goal
+    ok = _OPS[op](value, target)
+    return ("met" if ok else "NOT met") + (f" (goal {op} {target:g})" if with_goal else "")
+
+
 # Each section's part of the report, in the report's order: (the bench.json key it reads, its writer).
 def _parts() -> list:
     return [("one_rank", _one_rank), ("malloc", _malloc), ("models", _models), ("data", _data), ("cache", _cache),
             ("ranks", lambda r: _comm(r.get("ranks", {}), r)), ("sync", _sync), ("trace", _trace),
             ("ranks", lambda r: _e2e(r.get("ranks", {}), r)), ("ranks", lambda r: _memory(r.get("ranks", {}))),
-            ("memory", _memory_per_rank), ("simulator", _simulator), ("checkpoint", _checkpoint), ("cli", _cli),
-            ("perfmodel", _perfmodel), ("network", _network)]
+            ("memory", memory_per_rank), ("simulator", _simulator), ("checkpoint", _checkpoint), ("cli", _cli),
+            ("perfmodel", _perfmodel), ("network", _network), ("balance", _balance)]
 
 
 _RATIOS = ("Every figure is a ratio against a baseline measured in the same run: the contenders alternate round by "
@@ -82,11 +185,7 @@ def markdown_report(res: dict) -> str:
     out = [
         "# pilab benchmarks",
         "",
-        "Written by `python -m pilab bench` (`pilab/bench/`); do not edit by hand — rerun it. Every figure "
-        "is a ratio against a baseline measured in the same run: the contenders alternate round by round "
-        "(order rotated), one ratio per round, shown as **median (p10–p90, n = rounds)**. Timings on a "
-        "shared machine swing by tens of percent between sittings; only the ratios mean anything, and a "
-        "wide p10–p90 says the load dominated.",
+        "Written by `python -m pilab bench` (`pilab/bench/`); do not edit by hand — rerun it. " + _RATIOS,
         "",
         f"- machine: {m['cpu']}, {m['cpu_count']} cores ({m['usable_cores']} usable); {m['platform']}",
         f"- software: python {m['python']}, torch {m['torch']}"
@@ -99,8 +198,8 @@ def markdown_report(res: dict) -> str:
         "",
     ]
     for part in (_one_rank(res), _malloc(res), _models(res), _data(res), _cache(res), _comm(ranks, res), _sync(res), _trace(res),
-                 _e2e(ranks, res), _memory(ranks), _memory_per_rank(res), _simulator(res), _checkpoint(res), _cli(res), _perfmodel(res),
-                 _network(res), _gpu(res)):
+                 _e2e(ranks, res), _memory(ranks), memory_per_rank(res), _simulator(res), _checkpoint(res), _cli(res), _perfmodel(res),
+                 _network(res), _balance(res), _gpu(res)):
         out += part
     return "\n".join(out)
 
@@ -283,8 +382,16 @@ def _network(res: dict) -> list[str]:
     n = res.get("network")
     if not n:
         return []
-    from ..perfmodel.network import markdown
+    from ..perfmodel.check import markdown
     return markdown(n, _when(res))
+
+
+def _balance(res: dict) -> list[str]:
+    b = res.get("balance")
+    if not b:
+        return []
+    from .balance import markdown
+    return markdown(b, _when(res))
 
 
 def _comm(ranks: dict, res: dict) -> list[str]:
@@ -414,3 +521,96 @@ def _gpu(res: dict) -> list[str]:
             "Not measured yet. `scripts/gpu_check.py` runs the full-size check on a machine with a GPU (10 epochs "
             "of mobilenetv2_cifar on the 50,000 images, np=1 at batch 64 and simulated np=48 at 64 per rank).", ""]
     return out
+
+
+def _memory(ranks: dict) -> list[str]:
+    out: list[str] = []
+    if ranks.get("memory"):
+        mem = ranks["memory"]
+        sh = mem["shards"]
+        out += ["## Memory", "",
+                f"Peak RSS per rank of the default run ({mem['config']}, np=2): "
+                + ", ".join(f"{x:.0f} MiB" for x in mem["peak_rss_mb_per_rank"]) + ". "
+                + "Shards: " + "; ".join(f"rank {s['rank']} loader holds {s['loader_images']} of {s['train_images']} "
+                                         f"images ({s['loader_mb']:.1f} of {s['full_train_set_mb']:.1f} MiB)" for s in sh)
+                + (". The Session still references the whole training array (the data set object), so a rank "
+                   "holds its shard *and* the full set." if any(s["session_keeps_full_train_array"] for s in sh) else
+                   ". Nothing else in the rank keeps the other ranks' images (the Session drops the full set once "
+                   "its loader has copied the shard; tests/test_mpi.py checks it)."),
+                ""]
+    return out
+
+
+def _mb(x: float) -> str:
+    return f"{x / 1e6:.0f}"
+
+
+def _memory_setting(row: dict) -> tuple:
+    """What makes two memory runs comparable: the settings on their command line."""
+    c = row["config"]
+    return tuple(c.get(k) for k in ("data", "model", "width", "batch_size", "threads", "eval_batch",
+                                    "train_subset", "test_subset")) + (row.get("steps"), row.get("np"))
+
+
+def memory_per_rank(res: dict) -> list[str]:
+    mem = res.get("memory")
+    if not mem:
+        return []
+    before = {_memory_setting(b): b for b in mem.get("before", [])}
+    m = res["machine"]
+    out = ["## Memory per rank", "",
+           f"Peak RSS of each rank (VmHWM, MB = 10^6 bytes), itemised, two real ranks (`mpiexec -n 2`) on "
+           f"{mem['data']}; " + (f"from `{res['_from']}`" if res.get("_from") else f"measured {m['date']}") + f" on {m['cpu']}. Runtime: python + torch + mpi4py imported; data: "
+           "the rank's shard (uint8) and its share of the test set; model: parameters, gradient buckets, momentum; "
+           "activations: what autograd saved in a step's forward; allocator: the rest of the peak (the code "
+           "pages of the kernels a step ran, oneDNN's caches, glibc's free lists, gradients in flight). Goal: "
+           + _goal_words(res, "memory_peak_mb", "the peak per rank in MB")
+           + " at the study's setting with malloc lean (what a rank needs; a rank keeps "
+           "freed memory for its next step, malloc fast, where the node has room: "
+           "`pilab.engine.memory.choose_allocator`).", "",
+           "| setting | runtime | data | model | activations | allocator | peak (load / set-up / train / eval) | "
+           "predicted | goal |" + (" before |" if before else ""), "|---|---|---|---|---|---|---|---|---|"
+           + ("---|" if before else "")]
+    shown = []
+    for row in mem["rows"]:
+        c = row["config"]
+        r = max(row["ranks"], key=lambda x: x["peak"])
+        ph = r["phases"]
+        was = before.get(_memory_setting(row))
+        if was is not None:
+            shown.append(was)
+        malloc = row.get("malloc", "lean")
+        out.append(f"| width {c['width']}, {c['batch_size']} per rank, {c['threads']} threads, eval batch "
+                   f"{c['eval_batch']}, malloc {malloc} | {_mb(r['runtime'])} | {_mb(r['data'])} | {_mb(r['model'])} | "
+                   f"{_mb(r['activations'])} | {_mb(r['allocator'])} | **{_mb(r['peak'])}** ({_mb(ph['load'])} / "
+                   f"{_mb(ph['setup'])} / {_mb(ph['train'])} / {_mb(ph['eval'])}) | {_mb(row['predicted']['peak'])} | "
+                   f"{_judged(r['peak'] / 1e6, res, 'memory_peak_mb') if malloc == 'lean' else 'n/a'} |"
+                   + (f" {_before_cell(was)} |" if before else ""))
+    out += [""] + [f"- `{row['command']}`" for row in mem["rows"]] + [""]
+    if shown:
+        out += ["Before: the same command's figures in " + ", ".join(f"`{b['file']}`" for b in shown)
+                + " (runtime / data / model / activations / allocator: peak).", ""]
+    if mem["table"]:
+        out += ["The prediction (`pilab.engine.memory.predict_peak_bytes`) against the measured peak, 3 widths x 2 "
+                "batch sizes (full training set, 1,000 test images, eval batch 50, 2 threads, 2 steps; the "
+                "larger rank's peak):", "", "| width | per rank | measured MB | predicted MB | error |",
+                "|---|---|---|---|---|"]
+        worst = 0.0
+        for row in mem["table"]:
+            c = row["config"]
+            meas = max(r["peak"] for r in row["ranks"])
+            err = row["predicted"]["peak"] / meas - 1
+            worst = max(worst, abs(err))
+            out.append(f"| {c['width']} | {c['batch_size']} | {_mb(meas)} | {_mb(row['predicted']['peak'])} | "
+                       f"{100 * err:+.1f}% |")
+        out += ["", f"Largest error {100 * worst:.1f}% — {_judged(worst, res, 'memory_prediction_error', with_goal=True)}. "
+                f"Each row: `{mem['table'][0]['command']}` with its width and batch size.", ""]
+    return out
+
+
+def _before_cell(was: dict | None) -> str:
+    if was is None:
+        return "—"
+    r = max(was["ranks"], key=lambda x: x["peak"])
+    items = " / ".join(_mb(r[k]) for k in ("runtime", "data", "model", "activations", "allocator"))
+    return f"{items}: **{_mb(r['peak'])}**"

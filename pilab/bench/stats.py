@@ -3,12 +3,24 @@ in the same run, one ratio per alternation, reported as the median and its sprea
 
     samples = alternate({"bare": bare_step, "pilab": pilab_step}, rounds=10, repeat=3)
     summary(ratios(samples, "bare", "pilab"))    # {"median": 0.99, "p10": .., "p90": .., "min": .., "max": .., "n": 10}
+
+What every rank of a benchmark job shares (``pilab.bench.mpijobs``, ``pilab.bench.mpijobs``): the world
+communicator, a barrier that naps, the slower rank's time, the model every contender starts from::
+
+    from pilab.bench.stats import COMM, nap_barrier, slowest
+    nap_barrier(); t = slowest(time.perf_counter() - t0)
 """
 from __future__ import annotations
 
 import time
 
 import numpy as np
+import torch
+
+from .. import engine
+from ..config import Config
+from ..dist import broadcast_module_
+from ..launch import mpi
 
 
 def summary(values) -> dict:
@@ -59,3 +71,25 @@ def alternate_clocks(contenders: dict, rounds: int, repeat: int = 1, *, warmup: 
             out["wall"][name].append(float(np.median(wall)))
             out["cpu"][name].append(float(np.median(cpu)))
     return out
+
+
+MPI = mpi()  # this module runs on the ranks of a launched job only
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+
+
+def nap_barrier() -> None:
+    """A barrier that sleeps while it waits (a busy one would take CPU from the rank still working)."""
+    req = COMM.Ibarrier()
+    while not req.Test():
+        time.sleep(1e-3)
+
+
+def slowest(seconds: float) -> float:
+    return COMM.allreduce(seconds, op=MPI.MAX)  # the slower rank's time: what a synchronous step waits for
+
+
+def start_model(cfg: Config):
+    m = engine.base_model(cfg, torch.device("cpu"))
+    broadcast_module_(m, COMM)
+    return m.train()

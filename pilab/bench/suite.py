@@ -11,14 +11,15 @@ import time
 
 from ..config import Config
 from ..files import atomic_write_text, save_json
-from .machine import machine
+from .report import machine
 
 
 SECTIONS = ("one_rank", "malloc", "models", "data", "cache", "simulator", "checkpoint", "cli", "ranks", "sync",
             "trace", "memory")
 # not in the default run: the fast mode's 100-step deviation (~7 min here), the performance model
-# against real runs (~4 min), its network half on a testbed (~15 min, root)
-EXTRA_SECTIONS = ("deviation", "perfmodel", "network")
+# against real runs (~4 min), its network half on a testbed (~15 min, root), uneven shares against a
+# throttled node on a testbed (~15 min, root)
+EXTRA_SECTIONS = ("deviation", "perfmodel", "network", "balance")
 
 
 def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", markdown: str | None = "BENCHMARKS.md",
@@ -123,6 +124,7 @@ def _plan(q: bool, mpiexec, log, before, out, command, sim=(None, None)) -> dict
         "memory": lambda: lambda: memory_section(q, mpiexec, log=log, before=before),
         "perfmodel": lambda: _perfmodel_section(q, mpiexec, log),
         "network": lambda: _network_section(q, mpiexec, log, out, command),
+        "balance": lambda: _balance_section(q, mpiexec, log),
     }
 
 
@@ -130,7 +132,7 @@ SIMULATOR_MODELS = (("mobilenetv2_cifar", 0.25), ("mobilenetv2_cifar", 1.0), ("s
 
 
 def _simulator_cases(quick: bool, models=None) -> list[tuple]:
-    """(model, width, per-rank batch, np) of the simulator section (issue 42's grid; quick: its corners
+    """(model, width, per-rank batch, np) of the simulator section (its grid; quick: its corners
     of the first model)."""
     models = list(models or SIMULATOR_MODELS)
     if quick:
@@ -151,6 +153,14 @@ def _perfmodel_section(q: bool, mpiexec, log):
     return lambda: perfmodel.section(q, mpiexec, log=log)
 
 
+def _balance_section(q: bool, mpiexec, log):
+    from . import balance
+    why = balance.unavailable()
+    if why:
+        return why
+    return lambda: balance.section(q, mpiexec=mpiexec, log=log)
+
+
 def _network_section(q: bool, mpiexec, log, out, command):
     from . import network
     why = network.unavailable()
@@ -159,7 +169,7 @@ def _network_section(q: bool, mpiexec, log, out, command):
     work = os.path.join(out, "network") if out else None
 
     def measured_and_analysed():
-        from ..perfmodel.network import analyse
+        from ..perfmodel.check import analyse
         data = network.section(q, work=work, mpiexec=mpiexec, log=log, command=command)
         data["analysis"] = analyse(data)  # the model's side, from the measurements alone
         return data

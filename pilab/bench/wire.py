@@ -1,4 +1,4 @@
-"""One synchronous step on the wire (issue 23): every rank of a job on a testbed node runs this module,
+"""One synchronous step on the wire: every rank of a job on a testbed node runs this module,
 and the contenders take turns, round by round, each on its own copy of the model, the same batches::
 
     mpiexec -hosts 10.84.0.11:1,10.84.0.12:1 ... python -m pilab.bench.wire OUT.json --master 10.84.0.11
@@ -34,13 +34,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..engine import loop as engine
+from .. import engine
 from ..config import Config
+from ..dist import fp16_type, wait_polling
+from ..engine import build_optimizer
 from ..launch import mpi
-from ..dist.helpers import fp16_type, wait_polling
-from ..engine.optim import build_optimizer
-from .job import nap_barrier, slowest
-from .stats import ratios, summary
+from .stats import nap_barrier, ratios, slowest, summary
 
 MPI = mpi()  # this module runs on the ranks of a launched job only
 COMM = MPI.COMM_WORLD

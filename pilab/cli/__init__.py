@@ -27,9 +27,9 @@ import errno
 import sys
 
 from ..config import ConfigError
+from ..engine import EXIT_WRITE
 from ..launch import LaunchError, launcher_rank
 from . import bench, compare, data, doctor, perfmodel, remedies, scale, simulate, testbed, trace, train
-from ..engine.harness import EXIT_WRITE
 from .common import EXIT_USAGE, Parser, UsageError
 
 __all__ = ["main", "build_parser", "UsageError", "EXIT_USAGE"]
@@ -52,7 +52,8 @@ def _library_errors() -> tuple:
     # they were imported, so look their types up instead of importing them for a one-line message.
     errors = [UsageError, ConfigError, LaunchError]
     for module, name in (("pilab.data.dataset", "DataError"), ("pilab.dist.helpers", "LauncherError"),
-                         ("pilab.models.names", "ModelError"), ("pilab.launch.slurm", "SlurmError")):
+                         ("pilab.models.names", "ModelError"), ("pilab.launch.slurm", "SlurmError"),
+                         ("pilab.resultfile", "ResultFileError")):
         if module in sys.modules:
             errors.append(getattr(sys.modules[module], name))
     return tuple(errors)
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     # Your own model is built only where you named it here (--model): never from a builder string that a
     # result, trace or study file names (pilab.models.names.only_named)
-    from ..models.names import only_named
+    from ..models import only_named
     try:
         with only_named([getattr(args, "model", None)]):  # for this command only (main may be called again)
             return args.func(args, argv[1:])
@@ -92,6 +93,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _is_write_fault(e: OSError) -> bool:
     """Disk full, quota, read-only file system, no permission: the machine's fault, one line."""
-    from ..engine.checkpoint import WriteError
+    from ..engine import WriteError
     return isinstance(e, WriteError) or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
                                                     errno.EPERM)

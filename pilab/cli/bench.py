@@ -17,7 +17,7 @@ from .common import UsageError, add_launch_arguments
 
 
 def add_parser(sub) -> None:
-    from ..bench.suite import EXTRA_SECTIONS, SECTIONS  # names only: pilab.bench.suite loads no torch at import
+    from ..bench import EXTRA_SECTIONS, SECTIONS  # names only: pilab.bench.suite loads no torch at import
     p = sub.add_parser("bench", help="benchmarks: ratios against baselines measured in the same run",
                        description="One rank vs a bare PyTorch loop, images/s per model, the data path vs "
                                    "a DataLoader, decoding vs the cached reload, GradSync vs a raw Allreduce "
@@ -78,7 +78,7 @@ def _goals(path: str | None) -> dict:
 
 def _models(spec: str) -> list[tuple[str, float]] | None:
     """``--simulator-models``' "model:width,..." as [(model, width)]; None for the default grid."""
-    from ..models.names import MODEL_NAMES
+    from ..models import MODEL_NAMES
     out = []
     for item in [x for x in spec.split(",") if x]:
         name, _, width = item.partition(":")
@@ -129,7 +129,7 @@ def _from_runs(bench, args, argv) -> int:
                          "BENCHMARKS.md from the runs saved there)")
     if not os.path.isdir(args.from_runs):
         raise UsageError(f"--from {args.from_runs}: no such directory; give one holding bench.json files")
-    from ..bench.report import collected_report
+    from ..bench import collected_report
     command = "python -m pilab bench " + " ".join(argv)
     text, used = collected_report(args.from_runs, command=command, sections=bench.SECTIONS)
     if not used:

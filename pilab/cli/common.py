@@ -11,9 +11,9 @@ import os
 import sys
 from dataclasses import fields
 
+from .. import resultfile
 from ..config import CHOICES, Config, ConfigError, allowed
-from ..engine.harness import EXIT_WRITE, print_stragglers
-from ..engine.watchdog import EXIT_HANG
+from ..engine import EXIT_HANG, EXIT_WRITE, print_stragglers
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -287,13 +287,13 @@ TRUST_MODEL = ("your model builder (module:function or file.py:function) the run
 def _saved_config(out: str) -> tuple[dict | None, dict | None, str | None]:
     """(config, result) of the run in ``out``: from result.json, else from its checkpoint; the third
     value names what could not be read."""
-    import json
     res_path = os.path.join(out, "result.json")
     if os.path.exists(res_path):
         try:
-            with open(res_path) as f:
-                res = json.load(f)
+            res = resultfile.load(res_path)
             return res["config"], res, None
+        except resultfile.OldFormError as e:
+            raise UsageError(f"--out {out}: {e}") from None
         except (OSError, ValueError, KeyError, TypeError):
             return None, None, res_path
     ck = os.path.join(out, "checkpoint.pt")
@@ -306,7 +306,7 @@ def _saved_config(out: str) -> tuple[dict | None, dict | None, str | None]:
     return None, None, None
 
 
-def _differences(mine: dict, theirs: dict, ignore: tuple) -> list[str]:
+def differences(mine: dict, theirs: dict, ignore: tuple) -> list[str]:
     return [f"{k}={theirs.get(k)!r} there, {mine[k]!r} now" for k in sorted(mine)
             if k not in ignore and theirs.get(k, mine[k]) != mine[k]]
 
@@ -322,7 +322,7 @@ def check_out_dir(cfg, *, overwrite: bool, command: str = "train") -> bool:
     if not out or not os.path.isdir(out):
         return False
     from ..engine import checkpoint
-    from ..engine.records import run_files
+    from ..engine import run_files
     if not run_files(out):
         return False
     if cfg.resume and os.path.dirname(os.path.abspath(cfg.resume)) == os.path.abspath(out):
@@ -333,7 +333,7 @@ def check_out_dir(cfg, *, overwrite: bool, command: str = "train") -> bool:
     if unreadable:
         raise UsageError(f"--out {out} holds {os.path.basename(unreadable)}, which pilab cannot read; "
                          "give another --out, or --overwrite to replace it")
-    diff = _differences(cfg.to_dict(), theirs, checkpoint.RESUMABLE)
+    diff = differences(cfg.to_dict(), theirs, checkpoint.RESUMABLE)
     if diff:
         raise UsageError(f"--out {out} holds the results of another run ({'; '.join(diff[:3])}"
                          f"{'; …' if len(diff) > 3 else ''}); give another --out, or --overwrite to "
@@ -352,7 +352,7 @@ def clear_out_dir(out: str) -> None:
     """Remove the run files of an earlier run in ``out`` (``pilab.engine.records.RUN_FILES``: result.json,
     trace.json, checkpoints) before a new run writes there, so nothing of the old run is mistaken for the
     new one's."""
-    from ..engine.records import run_files
+    from ..engine import run_files
     for p in run_files(out):
         with contextlib.suppress(FileNotFoundError):
             os.remove(p)
@@ -360,7 +360,7 @@ def clear_out_dir(out: str) -> None:
 
 def mpi_or_error() -> None:
     """LaunchError with the way to get an MPI library, where mpi4py cannot load one."""
-    from ..dist.helpers import MPI
+    from ..dist import MPI
     from ..launch import MPI_HINT, LaunchError
     if MPI is None:
         raise LaunchError(f"this command needs an MPI library and mpi4py cannot load one; install it "

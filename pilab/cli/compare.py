@@ -1,5 +1,5 @@
 """``pilab compare DIR…``: several scaling studies side by side (e.g. one per learning-rate rule), and with
-``--paper`` beside the published Pi-cluster figures (``pilab.study.paper``)."""
+``--paper`` beside the published Pi-cluster figures (``pilab.study.compare``)."""
 from __future__ import annotations
 
 import os
@@ -29,14 +29,14 @@ def add_parser(sub) -> None:
 
 def run(args, argv) -> int:
     from ..study import compare, report
-    from ..study.scaling import load_study
+    from ..study import load_study
     labels = [s.strip() for s in args.labels.split(",")] if args.labels else \
         [os.path.basename(os.path.normpath(d)) for d in args.studies]
     if len(labels) != len(args.studies):
         raise ConfigError(f"{len(labels)} labels for {len(args.studies)} studies; give one label each")
     planned = ()
     if args.paper:
-        from ..study import paper
+        from ..study import compare as paper
         planned = paper.PAPER_NPS
     studies = {label: load_study(d, planned=planned) for label, d in zip(labels, args.studies)}
     cmp = compare.compare(studies)

@@ -45,35 +45,35 @@ def add_parser(sub) -> None:
     d.set_defaults(func=run)
 
 
-def _hosts(args, doctor):
+def _hosts(args):
+    from .. import launch
     if args.hosts:
-        return doctor.parse_hosts(args.hosts, args.ranks_per_node), None
-    from ..launch.hosts import allocation
-    if not args.hostfile and allocation():  # inside salloc/sbatch: the allocation's nodes and tasks
-        return allocation(), None
+        return launch.parse_hosts(args.hosts, args.ranks_per_node), None
+    if not args.hostfile and launch.allocation():  # inside salloc/sbatch: the allocation's nodes and tasks
+        return launch.allocation(), None
     path = args.hostfile or os.environ.get("HYDRA_HOST_FILE") or os.environ.get("PILAB_HOSTFILE")
     if not path:
-        from ..lab.cluster.profiles import profile_dir
+        from ..lab.cluster import profile_dir
         path = os.path.join(profile_dir("pi"), "hosts")
         if not os.path.isfile(path):
             raise UsageError(f"no hosts: give --hostfile FILE or --hosts a,b (or create {path} from "
                              "hosts.template beside it)")
-    return doctor.read_hostfile(path), path
+    return launch.read_hostfile(path), path
 
 
 def run(args, argv) -> int:
-    from .. import doctor
+    from .. import doctor, launch
     from ..files import save_json
     for name in ("answer_s", "timeout_s"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)} must be > 0")
     cfg = config_from_args(args, DEFAULTS)
     try:
-        hosts, hostfile = _hosts(args, doctor)
+        hosts, hostfile = _hosts(args)
         report = doctor.run(hosts, cfg=cfg, ranks_per_node=args.ranks_per_node, mpiexec=args.mpiexec,
                             answer_s=args.answer_s, timeout_s=args.timeout_s, hostfile=hostfile,
                             speed=args.speed)
-    except (doctor.DoctorError, doctor.HostsError) as e:
+    except (doctor.DoctorError, launch.HostsError) as e:
         raise UsageError(str(e)) from None
     print(doctor.format_table(report))
     if args.json_out:

@@ -65,8 +65,7 @@ def add_parser(sub) -> None:
 
     def format_help():
         if p.epilog is None:
-            from ..study.remedies import candidate_labels
-            from ..study.remedies import slug
+            from ..study import candidate_labels, slug
             p.epilog = ("the default candidates (--only), at the default settings and --np 48, by label and folder "
                         "name; they follow --np and the settings (the batch sizes and epochs in them); "
                         "--candidates toolbox adds its own:\n  "
@@ -86,7 +85,7 @@ def _as_jobs(cfg, args, opts, cands, only, target, log):
     """--launcher slurm: each candidate's simulated run (and the np=1 reference, where the search needs
     it) as a batch job. Returns (None, the results the search is given: the reference) when every job
     finished, else (the exit code, []): 0 after --dry-run, 1 where a job failed, 130/143 interrupted."""
-    from ..engine.signals import exit_code_for, sigterm_as_interrupt
+    from ..engine import exit_code_for, sigterm_as_interrupt
     from ..study import batch, remedies
     if args.reuse:
         raise UsageError("--reuse is for --launcher mpiexec; a batch search runs every candidate as a job")

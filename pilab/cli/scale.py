@@ -12,7 +12,7 @@ import sys
 from dataclasses import replace
 
 from ..config import ConfigError
-from ..engine.signals import exit_code_for, sigterm_as_interrupt
+from ..engine import exit_code_for, sigterm_as_interrupt
 from .common import (UsageError, add_batch_arguments, add_config_arguments, add_int_list, add_launch_arguments,
                      batch_options, config_from_args, fit_nps)
 
@@ -76,8 +76,8 @@ def check_study_dir(cfg, *, overwrite: bool, resume: bool) -> None:
     and an unfinished study of these settings unless ``resume`` (or ``overwrite``)."""
     import json
 
-    from ..engine.checkpoint import RESUMABLE
-    from .common import _differences
+    from ..engine import RESUMABLE
+    from .common import differences
     out = cfg.out
     path = os.path.join(out, "study.json") if out else ""
     points = sorted(glob.glob(os.path.join(glob.escape(out), "np*", "result.json"))) if out else []
@@ -90,7 +90,7 @@ def check_study_dir(cfg, *, overwrite: bool, resume: bool) -> None:
     except (OSError, ValueError, KeyError, TypeError):
         raise UsageError(f"--out {out} holds a study pilab cannot read; give another --out, or "
                          "--overwrite to replace it") from None
-    diff = _differences(cfg.to_dict(), theirs, RESUMABLE)
+    diff = differences(cfg.to_dict(), theirs, RESUMABLE)
     if diff:
         raise UsageError(f"--out {out} holds another study ({'; '.join(diff[:3])}); give another --out, "
                          "or --overwrite to replace it")
@@ -139,7 +139,7 @@ def _run_batch(cfg, args, opts, nps, sims, criteria, argv) -> int:
     import time
 
     from ..study import batch, report, tables
-    from ..study.scaling import Interrupted, _partial_study, study
+    from ..study import Interrupted, partial_study, study
     out = cfg.out
     if not out:
         raise UsageError("--launcher slurm keeps the study's state in --out; give --out DIR")
@@ -168,7 +168,7 @@ def _run_batch(cfg, args, opts, nps, sims, criteria, argv) -> int:
     if failed:
         for f in failed:
             log(f"pilab: {f['name']}: job {f['job']} ended {f['state']}; the end of its log:\n{f['log']}")
-        partial = _partial_study(cfg, criteria, nps, sims, runs, sorted(runs), t0, command,
+        partial = partial_study(cfg, criteria, nps, sims, runs, sorted(runs), t0, command,
                                  RuntimeError(f"{len(failed)} point(s) failed"))
         partial["slurm_failed"] = [{"np": int(f["id"]), "job": f["job"], "state": f["state"]} for f in failed]
         report.write_partial(partial, out)
@@ -205,7 +205,7 @@ def run(args, argv) -> int:
         raise ConfigError("process counts must be >= 1")
     batch_opts, cfg = _batch_options(args, cfg, nps)  # Slurm's refusals, before anything is written
     from ..study import analysis, tables  # these load torch (seconds): after the quick refusals
-    from ..study.scaling import Interrupted, study
+    from ..study import Interrupted, study
     from .. import data
     # the count alone (the cache's labels): every point loads the images itself
     n_train = data.train_size(cfg.data, train_subset=cfg.train_subset, test_subset=cfg.test_subset,

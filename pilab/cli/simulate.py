@@ -7,11 +7,10 @@ from __future__ import annotations
 import os
 import sys
 
+from .. import engine
 from ..config import Config, ConfigError
-from ..engine.harness import EXIT_WRITE
-from ..engine.signals import exit_code_for, interruptible
-from .common import (add_config_arguments, batch_text, check_out_dir, clear_out_dir, config_from_args,
-                     progress_callbacks)
+from ..engine import EXIT_WRITE, exit_code_for, interruptible
+from .common import add_config_arguments, batch_text, check_out_dir, clear_out_dir, config_from_args, progress_callbacks
 
 DEFAULTS = Config(out="runs/simulate")
 
@@ -31,17 +30,16 @@ def add_parser(sub) -> None:
 
 
 def run(args, argv) -> int:
-    from ..engine import simulate
     cfg = config_from_args(args, DEFAULTS)
     if args.np < 1:
         raise ConfigError(f"--np {args.np} must be >= 1")
-    simulate.check_supported(cfg)
+    engine.check_supported(cfg)
     from ..engine import ownmodel as preflight
     preflight.check_model(cfg)  # your own model on your data: before any work
     if check_out_dir(cfg, overwrite=args.overwrite):
         clear_out_dir(cfg.out)
     with interruptible(mpi=False) as stop:
-        res = simulate.run(cfg, args.np, callbacks=progress_callbacks(args.quiet), stop=stop,
+        res = engine.simulate(cfg, args.np, callbacks=progress_callbacks(args.quiet), stop=stop,
                            ranks_per_chunk=args.ranks_per_chunk)
     last = res["epochs"][-1] if res["epochs"] else {}
     print(f"simulated np={args.np} {batch_text(res)} peak lr={res['peak_lr']:.4g} "

@@ -1,4 +1,4 @@
-"""``pilab trace RUN_DIR``: read a run's trace (``pilab.trace.read``) and draw it (``pilab.plots.lanes``).
+"""``pilab trace RUN_DIR``: read a run's trace (``pilab.trace.read``) and draw it (``pilab.plots.run``).
 
     python -m pilab trace runs/x                     # the table; writes runs/x/trace.html
     python -m pilab trace runs/x --top 10 --step 40 --png runs/x/step40.png
@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 
 def run_trace(args, argv) -> int:
     from ..trace import format as tf
-    from ..trace.read import analyse, load, report
+    from ..trace import analyse, load, report
     from .common import UsageError
 
     if args.top < 0:
@@ -47,7 +47,7 @@ def run_trace(args, argv) -> int:
         raise UsageError(f"{args.run}: not a pilab trace ({e})") from None
     except ValueError as e:  # --step names a step the trace does not hold
         raise UsageError(f"--step {args.step}: {e}") from None
-    from ..plots import lanes as tp
+    from ..plots import run as tp
 
     print(report(a))
     html = os.path.join(args.run, "trace.html") if os.path.isdir(args.run) \

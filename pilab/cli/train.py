@@ -16,9 +16,10 @@ import subprocess
 import sys
 import time
 
+from .. import engine
 from ..config import Config, ConfigError
+from ..engine import exit_code_for, handled, interruptible
 from ..launch import pilab_command, under_mpi
-from ..engine.signals import exit_code_for, handled, interruptible
 from .common import (EXIT_USAGE, UsageError, add_config_arguments, add_launch_arguments, batch_text, check_out_dir,
                      clear_out_dir, config_from_args, mpi_or_error, progress_callbacks, strip_flags)
 
@@ -53,7 +54,7 @@ def add_parser(sub) -> None:
 
 
 def _check_memory_flags(args) -> None:
-    from ..engine.memory import node_bytes
+    from ..engine import node_bytes
     if args.ranks_per_node is not None and args.ranks_per_node < 1:
         raise ConfigError(f"--ranks-per-node {args.ranks_per_node} must be >= 1")
     node_bytes(args.node_memory)
@@ -79,7 +80,7 @@ def run(args, argv) -> int:
     if args.np is not None and not under_mpi():
         return _launch(cfg, args, argv)
     if not under_mpi():
-        from ..engine.loop import load_data
+        from ..engine import load_data
         ds = load_data(cfg)
         cfg.check_world(1, len(ds.y_train))
         from ..engine import ownmodel as preflight
@@ -88,7 +89,7 @@ def run(args, argv) -> int:
         if _check_output(cfg, args, 1):
             clear_out_dir(cfg.out)
         if cfg.resume:  # the data and model source the checkpoint was made with (exit 2 if they changed)
-            from ..engine.resume import check_unchanged
+            from ..engine import check_unchanged
             check_unchanged(cfg, ds)
         with interruptible(mpi=False) as stop:
             result = _train_alone(cfg, args.quiet, stop, ds)
@@ -138,7 +139,7 @@ def _launch(cfg: Config, args, argv) -> int:
         if proc.poll() is None:
             proc.send_signal(signum)
     with handled((signal.SIGINT, signal.SIGTERM), forward):
-        from ..engine.watchdog import watch_launcher
+        from ..engine import watch_launcher
         t_launch, tail = time.time(), [""]
         rc = watch_launcher(proc, tail=tail)
         if rc != 0 and cfg.out:
@@ -166,8 +167,8 @@ def _ranks_per_host(args) -> int:
 def _keep_after_launcher(cfg: Config, np_: int, rc: int, said: str, t_launch: float) -> None:
     """mpiexec failed and no rank wrote result.json (a node's processes killed, a node powered off: the
     launcher ends the others with SIGKILL): keep what the last checkpoint says was done."""
-    from ..engine.loop import result_from_checkpoint
-    from ..files import save_json
+    from .. import resultfile
+    from ..engine import result_from_checkpoint
     path = os.path.join(cfg.out, "result.json")
     if os.path.exists(path) and os.path.getmtime(path) >= t_launch:
         return  # rank 0 kept it (watchdog, an exception, a signal): it knows more
@@ -175,16 +176,15 @@ def _keep_after_launcher(cfg: Config, np_: int, rc: int, said: str, t_launch: fl
     reason = (f"the job ended (mpiexec exit {rc}) before rank 0 could write its result: a rank was killed "
               f"or its node went away" + (f"; mpiexec said last: {last[:200]}" if last else ""))
     try:
-        save_json(result_from_checkpoint(cfg, np_, reason), path)
+        resultfile.save(result_from_checkpoint(cfg, np_, reason), path)
     except OSError:
         pass  # the launcher's exit code still says the job failed
 
 
 def _train_alone(cfg: Config, quiet: bool, stop=None, data=None) -> dict:
     """One process without mpiexec: no MPI library needed."""
-    from ..engine import train
-    from ..engine.loop import Keeper
-    return train.run(cfg, None, callbacks=progress_callbacks(quiet), stop=stop, data=data, keeper=Keeper())
+    from ..engine import Keeper
+    return engine.train(cfg, None, callbacks=progress_callbacks(quiet), stop=stop, data=data, keeper=Keeper())
 
 
 def _train_rank(cfg: Config, args) -> int:
@@ -234,7 +234,7 @@ def _report(result: dict, cfg: Config, signum: int | None = None, *, speak: bool
     """Print the summary (rank 0 only: ``speak``) and return the exit code (``harness.exit_code``): 0;
     74 when a checkpoint or the result could not be written; 128 + the signal when stopped by one (130
     when another rank's signal or a stop request ended the run)."""
-    from ..engine.harness import exit_code
+    from ..engine import exit_code
     write_error = result.get("write_error")
     if speak:
         last = result["epochs"][-1] if result["epochs"] else {}

@@ -21,31 +21,24 @@ Sources for :func:`load` (decoded once, then cached as an ``.npz`` in :func:`def
 - a path to the official ``cifar-10-batches-py`` directory (or its ``.tar.gz``), or to an ImageFolder
   directory / ``.tar.gz`` with ``train/<class>/*.jpg|png`` and ``test/<class>/*`` (any classes, any size:
   ``image_size=N`` resizes mixed sizes);
-- a ``.npz`` written by :func:`save` from numpy arrays or torch Datasets (:mod:`~pilab.data.arrays`).
+- a ``.npz`` written by :func:`save` from numpy arrays or torch Datasets (:mod:`~pilab.data.sources`).
 
 Where things live (everything below is importable from ``pilab.data`` itself):
 
 - :mod:`~pilab.data.dataset`: the :class:`CIFAR10` arrays and :class:`DataError`;
-- :mod:`~pilab.data.sources`: :func:`load` and :func:`fetch`; :mod:`~pilab.data.decode` reads each layout,
-  :mod:`~pilab.data.cache` keeps the decoded arrays;
+- :mod:`~pilab.data.sources`: :func:`load`, :func:`fetch`, each layout decoded, your arrays saved
+  (:func:`from_arrays`, :func:`save`); :mod:`~pilab.data.cache` keeps the decoded arrays;
 - :mod:`~pilab.data.shards`: subsets, shards, per-epoch batch indices, test slices (numpy only);
-- :mod:`~pilab.data.augmentation`: normalisation and batched crop/flip (torch);
-- :mod:`~pilab.data.loader`: :class:`ShardLoader`, one rank's batches.
+- :mod:`~pilab.data.loader`: :class:`ShardLoader`, one rank's batches, normalised and augmented (torch).
 """
-from __future__ import annotations
+from .. import lazy
 
-from .arrays import from_arrays, from_dataset, save
-from .augmentation import MEAN, PAD, STD, augment, pad_for, to_input
-from .cache import cache_entries, clear_cache, default_cache_dir
-from .dataset import CIFAR10, CLASSES, DataError
-from .decode import BATCHES_DIR, OFFICIAL_URL
-from .loader import ShardLoader, ranks_batch
-from .shards import (POLICIES, batch_shares, epoch_accounting, epoch_batches, epoch_permutation, static_shards,
-                     stratified_subset, test_shard)
-from .sources import describe, fetch, load, train_size
-
-__all__ = [
-    "CIFAR10", "CLASSES", "DataError", "load", "train_size", "describe", "from_arrays", "from_dataset", "save", "fetch", "default_cache_dir", "cache_entries", "clear_cache",
-    "BATCHES_DIR", "OFFICIAL_URL", "POLICIES", "stratified_subset", "static_shards", "epoch_accounting",
-    "epoch_batches", "test_shard", "batch_shares", "epoch_permutation", "MEAN", "STD", "PAD", "pad_for", "to_input", "augment", "ShardLoader", "ranks_batch",
-]
+__getattr__, __dir__, __all__ = lazy.face(__name__, {
+    "sources": ["load", "train_size", "describe", "from_arrays", "from_dataset", "save", "fetch", "BATCHES_DIR",
+               "OFFICIAL_URL", "cached_counts", "resolve_source"],
+    "cache": ["default_cache_dir", "cache_entries", "clear_cache", "resolve_cache_dir"],
+    "dataset": ["CIFAR10", "CLASSES", "DataError", "CIFAR10_MEAN as MEAN", "CIFAR10_STD as STD"],
+    "loader": ["PAD", "pad_for", "to_input", "augment", "ShardLoader", "ranks_batch"],
+    "shards": ["POLICIES", "stratified_subset", "static_shards", "epoch_accounting", "epoch_batches", "test_shard",
+              "batch_shares", "epoch_permutation"],
+})

@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 
 from ..files import atomic_write, atomic_write_text, sha256_tree
-from .dataset import CIFAR10, CLASSES, _checksum
+from .dataset import CIFAR10, CLASSES, arrays_checksum
 
 _CACHE_VERSION = 2  # bump when decoding changes, so old caches are not reused (2: any classes and size)
 _ARRAYS = ("x_train", "y_train", "x_test", "y_test")
@@ -133,7 +133,7 @@ def read_cache(path: str) -> CIFAR10 | None:
                 else (None, None)
         ok = (arrays[0].dtype == np.uint8 and arrays[0].ndim == 4 and arrays[0].shape[3] in (1, 3)
               and arrays[2].dtype == np.uint8 and arrays[2].shape[1:] == arrays[0].shape[1:]
-              and _checksum(arrays) == checksum)
+              and arrays_checksum(arrays) == checksum)
     except Exception:  # truncated zip, bad CRC, missing key: all mean "rebuild"
         ok = False
     if not ok:

@@ -53,7 +53,7 @@ class CIFAR10:
     y_test: np.ndarray = field(repr=False)
     classes: tuple[str, ...]
     source: str  # human description of where it came from
-    checksum: str  # sha256 hex over the four arrays (see _checksum)
+    checksum: str  # sha256 hex over the four arrays (see arrays_checksum)
     # the rows of x_test held in memory (None: all); the others are zero pages (see with_test_rows)
     test_rows: slice | None = field(default=None, repr=False)
     # per-channel mean and std of the pixels in [0, 1]: CIFAR-10's official ones, or the training set's
@@ -72,7 +72,7 @@ class CIFAR10:
         if mean is None or std is None:
             cifar = classes == CLASSES and arrays[0].shape[1:] == (32, 32, 3)
             mean, std = (CIFAR10_MEAN, CIFAR10_STD) if cifar else channel_stats(arrays[0])
-        return cls(*arrays, classes=classes, source=source, checksum=_checksum(arrays),
+        return cls(*arrays, classes=classes, source=source, checksum=arrays_checksum(arrays),
                    mean=tuple(float(v) for v in mean), std=tuple(float(v) for v in std))
 
     @property
@@ -104,7 +104,7 @@ class CIFAR10:
                 f"source={self.source!r}, checksum={self.checksum[:12]}…)")
 
 
-def _checksum(arrays: Sequence[np.ndarray]) -> str:
+def arrays_checksum(arrays: Sequence[np.ndarray]) -> str:
     """sha256 over dtype, shape and bytes of each array, in order."""
     h = hashlib.sha256()
     for a in arrays:

@@ -18,10 +18,11 @@ POLICIES = ("static", "reshuffle")
 
 # Domain tags keep the random streams for different purposes independent under the same seed
 # (all of them here, augmentation's included, so that no two can collide).
-_TAG_SUBSET, _TAG_SHARDS, _TAG_STATIC, _TAG_RESHUFFLE, _TAG_AUG = 1, 2, 3, 4, 5
+_TAG_SUBSET, _TAG_SHARDS, _TAG_STATIC, TAG_RESHUFFLE, TAG_AUG = 1, 2, 3, 4, 5
 
 
-def _rng(*key: int) -> np.random.Generator:
+def stream(*key: int) -> np.random.Generator:
+    """The random stream of ``key`` (seed, a domain tag above, epoch, ...): the same numbers on every rank."""
     return np.random.default_rng([int(k) for k in key])
 
 
@@ -43,7 +44,7 @@ def stratified_subset(labels: np.ndarray, n: int, seed: int = 0) -> np.ndarray:
     if not 0 <= n <= len(labels):
         raise DataError(f"subset of {n} is outside 0..{len(labels)} (the samples available); "
                         f"use at most {len(labels)}")
-    rng = _rng(seed, _TAG_SUBSET)
+    rng = stream(seed, _TAG_SUBSET)
     order, cls = _class_order(labels, rng)
     n_cls = int(cls.max()) + 1 if len(cls) else 0
     starts = np.searchsorted(cls, np.arange(n_cls))
@@ -60,13 +61,13 @@ def static_shards(labels: np.ndarray, np_: int, seed: int = 0) -> list[np.ndarra
     (labels, np_, seed), so every rank computes the same partition without communicating.
     """
     labels = np.asarray(labels)
-    _check_np(len(labels), np_)
-    order, _ = _class_order(labels, _rng(seed, _TAG_SHARDS))
+    check_np(len(labels), np_)
+    order, _ = _class_order(labels, stream(seed, _TAG_SHARDS))
     # Deal the class-grouped sequence round robin: each class is spread evenly over the shards.
     return [np.sort(order[r::np_]).astype(np.int64) for r in range(np_)]
 
 
-def _check_np(n: int, np_: int, rank: int = 0, batch: int = 1, policy: str = "static") -> None:
+def check_np(n: int, np_: int, rank: int = 0, batch: int = 1, policy: str = "static") -> None:
     if policy not in POLICIES:
         raise DataError(f"sharding policy {policy!r} is unknown; choose one of {', '.join(POLICIES)}")
     if not isinstance(np_, (int, np.integer)) or np_ < 1:
@@ -93,16 +94,16 @@ def epoch_accounting(n_or_labels, np_: int, batch: int, policy: str, seed: int =
         # {'steps': 223, 'used': 49952, 'leftover': 48, 'shard_sizes': [7143, 7143, ..., 7142]}
     """
     n = int(n_or_labels) if np.ndim(n_or_labels) == 0 else len(n_or_labels)
-    _check_np(n, np_, 0, batch, policy)
+    check_np(n, np_, 0, batch, policy)
     sizes = _shard_sizes(n, np_)  # static_shards deals round robin, so sizes depend on n only
     steps = min(sizes) // batch if policy == "static" else n // (np_ * batch)
     used = steps * batch * np_
     return {"steps": steps, "used": used, "leftover": n - used, "shard_sizes": sizes}
 
 
-def _static_local(shard_size: int, steps: int, batch: int, epoch: int, seed: int, rank: int) -> np.ndarray:
+def static_local(shard_size: int, steps: int, batch: int, epoch: int, seed: int, rank: int) -> np.ndarray:
     """(steps, batch) positions inside this rank's shard: a fresh shuffle each epoch."""
-    perm = _rng(seed, _TAG_STATIC, epoch, rank).permutation(shard_size)
+    perm = stream(seed, _TAG_STATIC, epoch, rank).permutation(shard_size)
     return perm[:steps * batch].reshape(steps, batch).astype(np.int64)
 
 
@@ -110,11 +111,11 @@ def epoch_permutation(n: int, epoch: int, seed: int = 0) -> np.ndarray:
     """The ``reshuffle`` policy's order of all ``n`` training images in ``epoch``, the same on every rank:
     its ranks take positions r, r+np, ... of it; ranks with uneven shares take each step's next global
     batch of it (``ShardLoader.batch(..., share=)``)."""
-    return _rng(seed, _TAG_RESHUFFLE, epoch).permutation(n)
+    return stream(seed, TAG_RESHUFFLE, epoch).permutation(n)
 
 
-def _reshuffle_global(n: int, np_: int, rank: int, steps: int, batch: int, epoch: int,
-                      seed: int) -> np.ndarray:
+def reshuffle_global(n: int, np_: int, rank: int, steps: int, batch: int, epoch: int,
+                     seed: int) -> np.ndarray:
     """One permutation of all n per epoch (same on every rank); rank r takes positions r, r+np, ..."""
     perm = epoch_permutation(n, epoch, seed)
     return perm[:steps * batch * np_][rank::np_].reshape(steps, batch).astype(np.int64)
@@ -127,12 +128,12 @@ def epoch_batches(labels: np.ndarray, np_: int, rank: int, batch: int, epoch: in
         idx = epoch_batches(ds.y_train, np_=4, rank=1, batch=32, epoch=0)   # idx[step] -> one batch
     """
     labels = np.asarray(labels)
-    _check_np(len(labels), np_, rank, batch, policy)
+    check_np(len(labels), np_, rank, batch, policy)
     steps = epoch_accounting(len(labels), np_, batch, policy, seed)["steps"]
     if policy == "static":
         shard = static_shards(labels, np_, seed)[rank]
-        return shard[_static_local(len(shard), steps, batch, epoch, seed, rank)]
-    return _reshuffle_global(len(labels), np_, rank, steps, batch, epoch, seed)
+        return shard[static_local(len(shard), steps, batch, epoch, seed, rank)]
+    return reshuffle_global(len(labels), np_, rank, steps, batch, epoch, seed)
 
 
 def batch_shares(total: int, speeds) -> list[int]:

@@ -1,10 +1,10 @@
 """MPI primitives: ``world``, ``allreduce_``, ``broadcast_`` -- thin, in-place (trailing ``_``), ``root=``
 keyword, ``comm=None`` meaning one process (every call a no-op) -- and the exact arithmetic an MPI rank
 and the simulator share: ``share_of_mean``, ``squared_norm``, and the named ``Slots`` that ride with the
-last gradient bucket. The one module that imports mpi4py for
-training (``pilab.launch`` loads it for the rest); ``pilab.dist.helpers`` re-exports everything here::
+last gradient bucket. The one module that imports mpi4py for training (``pilab.launch`` loads it for
+the rest)::
 
-    from pilab.dist.helpers import allreduce_, world
+    from pilab.dist import allreduce_, world
     rank, size = world(comm)
     allreduce_(t, comm, op="mean")
 """
@@ -32,7 +32,7 @@ def world(comm) -> tuple[int, int]:
     return comm.Get_rank(), comm.Get_size()
 
 
-def _buf(t: torch.Tensor):
+def mpi_buffer(t: torch.Tensor):
     """A numpy view sharing memory with a contiguous CPU tensor (what mpi4py's buffer API wants)."""
     if not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError("MPI buffers must be contiguous CPU tensors")
@@ -44,7 +44,7 @@ def allreduce_(t: torch.Tensor, comm, op: str = "sum") -> torch.Tensor:
     if comm is None or comm.Get_size() == 1:
         return t
     mpi_op = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
-    comm.Allreduce(MPI.IN_PLACE, _buf(t), op=mpi_op)
+    comm.Allreduce(MPI.IN_PLACE, mpi_buffer(t), op=mpi_op)
     if op == "mean":
         t.div_(comm.Get_size())
     return t
@@ -53,7 +53,7 @@ def allreduce_(t: torch.Tensor, comm, op: str = "sum") -> torch.Tensor:
 def broadcast_(t: torch.Tensor, comm, root: int = 0) -> torch.Tensor:
     """In-place Bcast of a contiguous CPU tensor from ``root``."""
     if comm is not None and comm.Get_size() > 1:
-        comm.Bcast(_buf(t), root=root)
+        comm.Bcast(mpi_buffer(t), root=root)
     return t
 
 

@@ -1,6 +1,6 @@
 """Fused, overlapped gradient averaging: ``GradSync`` posts each bucket's ``Iallreduce`` from the
 gradient hooks while backward is still running (Horovod's fusion buffer, DDP's buckets), with named
-``Slots`` of per-step values riding with the last bucket. Re-exported by ``pilab.dist.helpers``::
+``Slots`` of per-step values riding with the last bucket (``pilab.dist``'s face offers it)::
 
     sync = GradSync(model, MPI.COMM_WORLD, bucket_mb=1.0)
     sync.backward(loss)      # buckets are posted from gradient hooks as they fill
@@ -9,7 +9,6 @@ gradient hooks while backward is still running (Horovod's fusion buffer, DDP's b
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 import time
 from dataclasses import dataclass, field
@@ -19,8 +18,7 @@ import torch
 from torch import nn
 
 from .buckets import bucket_assignment
-from .comm import (SLEEP_S, SPIN_BYTES_PER_S, SPIN_S, MPI, Slots, _buf, fp16_type, share_of_mean, squared_norm,
-                   wait_polling, world)  # noqa: F401 (re-exported)
+from .comm import MPI, SPIN_BYTES_PER_S, SPIN_S, Slots, fp16_type, mpi_buffer, share_of_mean, wait_polling, world
 
 
 @dataclass
@@ -36,7 +34,7 @@ class StepComm:
     posts: list = field(default_factory=list)  # perf_counter() of each post, in bucket order
     ready: float = 0.0  # perf_counter() when this rank's last bucket went out (its gradients were all in)
     tests: int = 0  # Testall calls made from the gradient hooks this step
-    # observe=True only (a traced run, pilab.trace.recorder): per message [first bucket index, bytes, posted,
+    # observe=True only: per message [first bucket index, bytes, posted,
     # first seen complete] (perf_counter() seconds), in posting order
     flights: list = field(default_factory=list)
     stepped: float = 0.0  # finish(step=...): seconds spent stepping landed buckets inside the wait (not in exposed)
@@ -79,7 +77,7 @@ class GradSync:
     alternative, measured by ``python -m pilab bench --sections sync``). Every gradient: between two
     nodes at 1 Gbit/s each phase of a 1 MiB Allreduce waits for
     the next poll, and polling every 8th gradient left 9-13% more on the step than every one (MobileNetV2
-    1.0, 2 nodes, 15 alternated rounds, 2026-12-03; the same at 200 Mbit/s, where the link bounds it),
+    1.0, 2 nodes, 15 alternated rounds; the same at 200 Mbit/s, where the link bounds it),
     while a Testall costs about a microsecond.
 
     ``finish()`` polls with Testall for ``SPIN_S`` and then naps between polls, instead of MPI's busy
@@ -91,14 +89,13 @@ class GradSync:
     Iallreduce, posted the moment the last bucket is, completed by the same wait): the caller writes
     per-step values into its slots before backward; after ``finish()`` they hold the sums over ranks, and
     GradSync's own slots ``sync.meta[sync.slots["ready"]]`` every rank's ready time (its last post, seconds
-    after ``begin(t0)``) and, with ``norms=True``, ``sync.meta[sync.slots["grad_sq"]]`` every rank's squared
-    gradient norm as sent.
+    after ``begin(t0)``).
     So the step needs no second collective — and no second point where ranks wait for each other.
 
     Each rank's gradient is divided by the world size before it is sent (so the sum is the mean, and with
     ``compression="fp16"`` the sum of np halves cannot overflow): for free when the caller runs backward
     through ``sync.backward(loss)``, which scales the loss by 1/size; by a pass over each bucket
-    otherwise. With ``compression="fp16"`` the bucket is sent as half precision: half the bytes.
+    otherwise. With ``compression="fp16"`` the bucket is sent as half precision: half the bytes::
 
         sync = GradSync(model, comm, bucket_mb=1.0, meta=2)
         for x, y in batches:
@@ -112,9 +109,12 @@ class GradSync:
     """
 
     def __init__(self, model: nn.Module, comm, *, bucket_mb: float = 1.0, tail_mb: float = 0.0,
-                 compression: str = "none", meta: "int | Slots" = 0, norms: bool = False, observe: bool = False):
+                 compression: str = "none", meta: "int | Slots" = 0, on_send=None, observe: bool = False):
         self.comm = comm
-        self.observe = observe  # note when each message completes (StepComm.flights): a traced run's only
+        self.observe = observe  # note when each message completes (StepComm.flights)
+        # on_send(grads): given each bucket's gradients as this rank sends them (its share of the average,
+        # after the division), before the Allreduce sums them in place: what a rank's own gradient is
+        self.on_send = on_send
         self.rank, self.size = world(comm)
         self.fp16 = compression == "fp16"
         self.half_type = fp16_type() if self.fp16 else None
@@ -134,7 +134,7 @@ class GradSync:
         # alignment ~10% slower than the same bytes at numpy's (2.7 vs 3.0 ms for 8.9 MB, np=2, here)
         self._flat = torch.from_numpy(np.zeros(total, dtype=np.float32))
         self._wire = torch.zeros(total, dtype=torch.float16) if self.fp16 else self._flat
-        self._wire_np = _buf(self._wire)  # sliced per message: a numpy slice is cheaper than a tensor's
+        self._wire_np = mpi_buffer(self._wire)  # sliced per message: a numpy slice is cheaper than a tensor's
         offsets = list(itertools.accumulate([0] + [sum(p.numel() for p in g) for g in groups]))
         self.buckets: list[_Bucket] = [_Bucket(g, self._flat, self._wire if self.fp16 else None, off, i)
                                        for i, (g, off) in enumerate(zip(groups, offsets))]
@@ -147,16 +147,9 @@ class GradSync:
             self.slots.declare("user", meta)
         self.n_meta = self.slots.size  # the caller's slots; GradSync's own follow
         self.slots.declare("ready", self.size)  # rank r's: its last post, seconds after begin(t0)
-        # norms: each rank's squared gradient norm as sent (of its share g_r / size), one slot per rank,
-        # summed with the rest: rank r's value is in every rank's meta, exactly (the other ranks add
-        # zeros). For the gradient noise scale (pilab.engine.noise).
-        self.norms = norms and self.size > 1
-        if self.norms:
-            self.slots.declare("grad_sq", self.size)
         self.meta = np.zeros(self.slots.size, dtype=np.float64)
-        self._index = {id(p): i for i, p in enumerate(params)}
-        self._sq = [0.0] * len(params)
         self._meta_request = None
+        self._param_flats = None  # average_parameters_'s buffers
         self._t0 = 0.0
         self._hooks = []
         # False for a local-SGD step (pilab.engine.localsgd): the gradients stay this rank's, only meta travels
@@ -204,7 +197,7 @@ class GradSync:
         """The step's start (``time.perf_counter()``): ready times in ``meta`` are counted from it."""
         self._t0 = t0
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, weight: float | None = None) -> None:
         """``loss.backward()`` with the average's 1/size folded into the loss (``share_of_mean``): the
         gradients come out already divided, so a bucket is sent as it is (no pass over its bytes to divide it, which cost
         GradSync a seventh of its shared-memory bandwidth). A local-SGD step keeps its own gradient::
@@ -213,10 +206,11 @@ class GradSync:
             sync.finish()
 
         The simulator scales its ranks' losses alike (``pilab.engine.mpi.VirtualRanks``), so the
-        two still form the same sums bit for bit."""
+        two still form the same sums bit for bit. ``weight``: this rank's share of the average instead of
+        1/size (uneven shares: b_r / B, so the sum over the ranks is the mean over the global batch)."""
         if self.size > 1 and self.exchange:
             self.seeded = True
-            share_of_mean(loss, self.size).backward()
+            (share_of_mean(loss, self.size) if weight is None else loss * weight).backward()
         else:
             loss.backward()
 
@@ -251,18 +245,20 @@ class GradSync:
             self._gather(b)
         if not self.seeded:  # pre-divide: the sum is then the mean, and fp16 cannot overflow
             b.flat.div_(self.size)
-        if self.norms:
-            self._norms(b)
+        if self.on_send is not None:
+            self.on_send(self._tensors(b))
         if self.fp16:
             b.wire.copy_(b.flat)
 
-    def _norms(self, b: _Bucket) -> None:
-        """Each of ``b``'s gradients' squared norm, as sent, into its parameter's place."""
-        offset = 0
+    @staticmethod
+    def _tensors(b: _Bucket) -> list:
+        """``b``'s gradients as they sit in its slot of the buffer, one tensor per parameter."""
+        out, offset = [], 0
         for p, view in zip(b.params, b.views):
             n = p.numel()
-            self._sq[self._index[id(p)]] = squared_norm([view if view is not None else b.flat[offset:offset + n]])
+            out.append(view if view is not None else b.flat[offset:offset + n])
             offset += n
+        return out
 
     @staticmethod
     def _gather(b: _Bucket):
@@ -312,8 +308,6 @@ class GradSync:
         self.stats.ready = now
         self.meta[self.n_meta:] = 0.0
         self.meta[self.slots["ready"]][self.rank] = now - self._t0
-        if self.norms and self.exchange:
-            self.meta[self.slots["grad_sq"]][self.rank] = math.fsum(self._sq)
         self._meta_request = self.comm.Iallreduce(MPI.IN_PLACE, self.meta, op=MPI.SUM)
         self._inflight.append(self._meta_request)
 
@@ -432,6 +426,38 @@ class GradSync:
         stats.exposed = stats.total = done - t_end
         self._reset()
         return stats
+
+    @torch.no_grad()
+    def average_parameters_(self) -> int:
+        """Every rank's parameters become their mean (blocking; local SGD's average): in the gradient
+        buckets' layout and order, each bucket divided by the world size and summed by Allreduce, so the
+        sums are formed as the gradients' are, which the simulator reproduces
+        (``pilab.engine.virtual.VirtualReplicas.average_``). Returns the bytes this rank sent::
+
+            sent = sync.average_parameters_()
+        """
+        if self.size == 1:
+            return 0
+        if self._param_flats is None:  # one buffer per bucket, made on first use
+            self._param_flats = [torch.empty_like(b.flat) for b in self.buckets]
+        reqs, sent = [], 0
+        for b, flat in zip(self.buckets, self._param_flats):
+            offset = 0
+            for p in b.params:
+                n = p.numel()
+                flat[offset:offset + n].copy_(p.reshape(-1))
+                offset += n
+            flat.div_(self.size)
+            reqs.append(self.comm.Iallreduce(MPI.IN_PLACE, mpi_buffer(flat), op=MPI.SUM))
+            sent += flat.numel() * flat.element_size()
+        MPI.Request.Waitall(reqs)
+        for b, flat in zip(self.buckets, self._param_flats):
+            offset = 0
+            for p in b.params:
+                n = p.numel()
+                p.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
+        return sent
 
     def remove(self) -> None:
         for h in self._hooks:

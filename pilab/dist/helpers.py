@@ -1,24 +1,11 @@
-"""MPI communication for data-parallel training (mpi4py, buffer-based, no pickling on the per-step path).
-
-Three levels, as in Horovod's torch package:
-
-* primitives: ``allreduce_``, ``broadcast_``, ``world`` — thin, in-place (trailing ``_``), ``root=`` keyword
-  (``pilab.dist.comm``);
-* helpers built on them: ``broadcast_module_``, ``broadcast_optimizer_state_``, ``sync_buffers_``,
-  ``reduce_sums``, ``gather_floats`` (SyncBatchNorm, built on ``allreduce_``, is in ``pilab.engine.layers``);
-* the optimizer-side piece: ``GradSync``, fused gradient buckets averaged with ``Iallreduce`` while
-  backward is still running (``pilab.dist.gradsync``).
-
-All of them are importable from here.
-
-The communicator is always passed in; ``comm=None`` means one process and every call is a no-op::
+"""Helpers built on the MPI primitives (``pilab.dist.comm``), as in Horovod's torch package: parameters,
+optimizer state and BatchNorm buffers broadcast or settled over the ranks, per-rank values reduced or
+gathered, and a job ended cleanly when one rank fails. The communicator is always passed in;
+``comm=None`` means one process and every call is a no-op::
 
     from mpi4py import MPI
-    sync = GradSync(model, MPI.COMM_WORLD, bucket_mb=1.0)
-    loss.backward()          # buckets are posted from gradient hooks as they fill
-    stats = sync.finish()    # waits for the rest, writes averaged gradients into p.grad
-
-Run under ``mpiexec -n 2 python -m pilab train``.
+    broadcast_module_(model, MPI.COMM_WORLD)       # every rank starts from rank 0's weights
+    sync_buffers_(model, MPI.COMM_WORLD, "average")
 """
 from __future__ import annotations
 
@@ -31,11 +18,7 @@ import torch
 from torch import nn
 
 from ..launch import launcher_size
-# the primitives and the optimizer-side piece, each in a module of its own, re-exported: ``dist`` is
-# the communication layer's one public face
-from .comm import MPI, _buf, allreduce_, broadcast_, world  # noqa: F401
-from .gradsync import (SLEEP_S, SPIN_BYTES_PER_S, SPIN_S, GradSync, Slots, StepComm, fp16_type, share_of_mean,
-                       squared_norm, wait_polling)  # noqa: F401
+from .comm import MPI, allreduce_, broadcast_, world
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,7 +121,7 @@ def abort_on_error(comm, code: int = 1, *, on_error=None):
     waiting in a collective forever. Wrap the outermost call on every rank::
 
         with abort_on_error(MPI.COMM_WORLD):
-            train.run(cfg, MPI.COMM_WORLD)
+            pilab.train(cfg, MPI.COMM_WORLD)
 
     ``on_error(exception)`` runs first (the CLI has rank 0 keep what was done: ``engine.Keeper``).
     """

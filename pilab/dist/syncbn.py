@@ -11,12 +11,12 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .helpers import allreduce_
+from .comm import allreduce_
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
 
-def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
+def per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
     """A (C,) tensor shaped to broadcast over an (N, C, ...) input of ``ndim`` dimensions."""
     return t.view(1, -1, *([1] * (ndim - 2)))
 
@@ -39,8 +39,8 @@ class _SyncBNFunction(torch.autograd.Function):
         var = (local[c:2 * c] / count - mean * mean).clamp_min(0)
         invstd = torch.rsqrt(var + eps)
         mean_f, invstd_f = mean.to(x.dtype), invstd.to(x.dtype)
-        xhat = (x - _per_channel(mean_f, nd)) * _per_channel(invstd_f, nd)
-        y = xhat if weight is None else xhat * _per_channel(weight, nd) + _per_channel(bias, nd)
+        xhat = (x - per_channel(mean_f, nd)) * per_channel(invstd_f, nd)
+        y = xhat if weight is None else xhat * per_channel(weight, nd) + per_channel(bias, nd)
         ctx.save_for_backward(xhat, invstd_f if weight is None else weight, invstd_f)
         ctx.affine = weight is not None
         ctx.comm = comm
@@ -59,8 +59,8 @@ class _SyncBNFunction(torch.autograd.Function):
         n = ctx.count
         sum_dy, sum_dy_xhat = sums[:c].to(dy.dtype), sums[c:].to(dy.dtype)
         scale = weight * invstd if ctx.affine else invstd
-        dx = _per_channel(scale, nd) * (
-            dy - _per_channel(sum_dy, nd) / n - xhat * _per_channel(sum_dy_xhat / n, nd))
+        dx = per_channel(scale, nd) * (
+            dy - per_channel(sum_dy, nd) / n - xhat * per_channel(sum_dy_xhat / n, nd))
         if not ctx.affine:
             return dx, None, None, None, None
         # Parameter gradients stay local: GradSync averages them like any other gradient.

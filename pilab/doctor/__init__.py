@@ -2,8 +2,8 @@
 
     python -m pilab doctor --hostfile profiles/profile_pi/hosts --ranks-per-node 2 --data ~/cifar10-jpeg.tar.gz
 
-    from pilab import doctor
-    report = doctor.run(doctor.read_hostfile("hosts"), cfg=Config(data=...), ranks_per_node=2)
+    from pilab import doctor, launch
+    report = doctor.run(launch.read_hostfile("hosts"), cfg=Config(data=...), ranks_per_node=2)
     print(doctor.format_table(report)); report["ok"]
 
 Every host gets one job of its own (``mpiexec -f <that host> -n 1 python -m pilab.doctor.probe host``,
@@ -13,16 +13,9 @@ per answering host runs an Allreduce, measures each host's link to rank 0 both w
 micro-benchmark: the report holds it as ``runs``/``fit``, the format ``perfmodel calibrate
 --inter-bench`` reads. Each check is ✔ or ✗ per host, with a one-line fix for each ✗ (``CHECKS``).
 """
-from __future__ import annotations
+from .. import lazy
 
-from ..launch.hosts import HostsError, parse_hosts, read_hostfile
-from .common import CHECKS, DoctorError
-from .jobs import controller_address, data_path, predicted_peak
-from ..launch.library import mpiexec_library, same_family
-from .preflight import run
-from .table import format_table
-
-# the parts: common (error, markers, limits), launcher (the MPI behind mpiexec), jobs (the probes and the
-# listener), checks, placement (where ranks land; Slurm's node states), preflight (run), table, probe
-__all__ = ["DoctorError", "HostsError", "CHECKS", "run", "read_hostfile", "parse_hosts", "format_table",
-           "mpiexec_library", "same_family", "controller_address", "data_path", "predicted_peak"]
+__getattr__, __dir__, __all__ = lazy.face(__name__, {
+    "checks": ["DoctorError", "CHECKS"],
+    "preflight": ["run", "format_table", "controller_address", "data_path", "predicted_peak"],
+})

@@ -1,12 +1,43 @@
-"""The checks: one ✔/✗ per host and check, each with a one-line fix (``CHECKS``)."""
+"""The checks: one ✔/✗ per host and check, each with a one-line fix (``CHECKS``).
+
+What the doctor's parts share: its error, the probe's output markers, the checks and their limits.
+"""
 from __future__ import annotations
 
 import os
 import shlex
 import sys
 
-from .common import CHECKS, CLOCK_LIMIT_S, HOT_C, SLOW_HOST, SLOW_LINK
-from ..launch.library import same_family
+from ..launch import same_family
+
+
+MARK = "PILAB-DOCTOR"  # the probe's result lines on the job's stdout start with this
+
+
+HELLO = MARK + "-HELLO"  # its first line, printed before any import: the host answered
+
+
+CHECKS = ("answers", "software", "mpi", "allreduce", "link", "iface", "data", "memory", "cpu", "speed",
+          "clock", "controller", "placement")
+
+
+CLOCK_LIMIT_S = 0.5  # event timestamps of different hosts are compared; NTP keeps boards within ms
+
+
+HOT_C = 80.0  # the Pi 4B's firmware starts throttling at 80-85 °C
+
+
+DETAILS = ("answers", "iface", "link", "memory", "cpu", "speed", "clock")  # the figures printed per host
+
+
+SLOW_HOST = 0.85  # a host under 85% of the fastest host's training speed: every step waits for it
+
+
+SLOW_LINK = 0.5  # a link under half the median host's bandwidth (a 100 Mbit/s port, a bad cable)
+
+
+class DoctorError(ValueError):
+    """Bad input to the doctor (no hosts, a data path missing on the head…); the message names the fix."""
 
 
 def _ok(detail: str) -> dict:
@@ -17,7 +48,7 @@ def _bad(detail: str, fix: str) -> dict:
     return {"ok": False, "detail": detail, "fix": fix}
 
 
-def _skip(detail: str = "not checked: the host did not answer") -> dict:
+def skipped(detail: str = "not checked: the host did not answer") -> dict:
     return {"ok": None, "detail": detail, "fix": ""}
 
 
@@ -50,9 +81,9 @@ def _pins(ref: dict) -> str:
                     if ref.get(k) and "cannot" not in str(ref[k]))
 
 
-def _checks(host, job, why, p, report, answered, peak, ranks=None) -> dict:
+def host_checks(host, job, why, p, report, answered, peak, ranks=None) -> dict:
     """Every check of ``CHECKS`` but ``placement`` for one host, from its probe ``p`` (None: it did not answer);
-    ``ranks``: the ranks its machine gets (``placement.ranks_on``; default ``ranks_per_node``)."""
+    ``ranks``: the ranks its machine gets (``launch.ranks_on``; default ``ranks_per_node``)."""
     ranks = report["ranks_per_node"] if ranks is None else ranks
     if p is None:
         return _unanswered(host, job, why, report["launcher"])
@@ -79,7 +110,7 @@ def _unanswered(host, job, why, launcher) -> dict:
           "a password from the head (as mpiexec will run it)"
     if job.hello_s is not None:  # it started, then failed: its own output says why
         fix = f"run `{sys.executable} -m pilab.doctor.probe host` on {host} and read its error"
-    return {"answers": _bad(msg, fix), **{k: _skip() for k in CHECKS[1:]}}
+    return {"answers": _bad(msg, fix), **{k: skipped() for k in CHECKS[1:]}}
 
 
 def _mpi(p, report, net) -> dict:
@@ -103,7 +134,7 @@ def _across(host, p, net, answered) -> tuple[dict, dict]:
                      f"{net.get('stopped') or net.get('error') or 'no sum'}",
                      "run `mpiexec -f HOSTFILE -n N hostname`; open the hosts' TCP ports "
                      "to each other (firewall) and give every host the same interface name"),
-                _skip("not measured: no job across the hosts"))
+                skipped("not measured: no job across the hosts"))
     return _ok(f"{net['np']} ranks, one per host, sum correct"), _link(host, p, net, answered)
 
 
@@ -146,7 +177,7 @@ def _talk(host, p, report) -> tuple[dict, dict]:
         return (_bad(f"{report['controller']} not reachable from {host}: {talk.get('error')}",
                      "set PILAB_CONTROLLER_IP to the head's address on the nodes' network "
                      "(not 127.0.0.1) and open its ports in the head's firewall"),
-                _skip("not measured: the head's address is not reachable"))
+                skipped("not measured: the head's address is not reachable"))
     off = talk["offset_s"]
     text = f"{1e3 * off:+.2f} ms from the head (± {1e3 * talk['rtt_s'] / 2:.2f} ms)"
     return _ok(f"{report['controller']} reachable"), (_ok(text) if abs(off) <= CLOCK_LIMIT_S else _bad(
@@ -220,7 +251,7 @@ def _speed(host, p, net, answered) -> dict:
     against the fastest host's: a host under ``SLOW_HOST`` of it holds every step of the run back."""
     speeds = net.get("speeds")
     if not speeds:
-        return _skip("not measured" + ("" if net.get("allreduce_ok") else ": no job across the hosts"))
+        return skipped("not measured" + ("" if net.get("allreduce_ok") else ": no job across the hosts"))
     by_host = dict(zip(answered, speeds)) if len(answered) > 1 else {answered[0]: speeds[0]}
     mine = by_host.get(host) or {"error": "no measurement"}
     if "images_per_s" not in mine:
@@ -239,7 +270,9 @@ def _speed(host, p, net, answered) -> dict:
         r for h, r in rates.items() if h not in slow)
     why, fix = _slow_why(host, p.get("hostname") or host, mine, p.get("cpu", {}))
     return _bad(f"{text}: {why}; every step waits for it",
-                f"{fix}; or leave {', '.join(slow)} out of the hostfile: with one rank a host the others then "
+                f"{fix}; or give it a share of each step by its speed: `--sharding reshuffle --balance static` "
+                f"(docs/guide/mixed-cluster.md); or leave {', '.join(slow)} out of the hostfile: with one rank a host "
+                f"the others then "
                 f"train {without:.0f} images/s in all, not {now:.0f}")
 
 
@@ -263,4 +296,4 @@ def _slow_why(host, name, mine: dict, cpu: dict) -> tuple[str, str]:
         return (f"its CPU ran at {mine['freq_mhz']:.0f} of {mine['max_mhz']:.0f} MHz under load",
                 f"cool {host} and check its power supply and cpufreq governor (performance)")
     return ("a slower board (each step takes more CPU time)",
-            f"keep {host} and every step goes at its pace")
+            f"keep {host} as it is")

@@ -28,7 +28,7 @@ import sys
 import time
 
 from ..files import sha256_tree
-from .common import HELLO, MARK  # the head reads the lines that start with these from the job's stdout
+from .checks import HELLO, MARK  # the head reads the lines that start with these from the job's stdout
 
 
 def say(kind: str, obj) -> None:
@@ -246,7 +246,7 @@ def step_speed(spec: dict, min_s: float = 1.0) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from ..models.zoo import build_model
+    from ..models import build_model
     here = cpu()
     threads = int(spec.get("threads") or 0) or max(1, int(here["cores"] // max(1, spec.get("ranks_per_node", 1))))
     torch.set_num_threads(threads)
@@ -291,7 +291,7 @@ def talk_to_head(head: str, rounds: int = 5) -> dict:
     try:
         with socket.create_connection((host, int(port)), timeout=10) as s:
             f = s.makefile("rw")
-            # the doctor run's secret first: its listener answers nothing else (pilab.doctor.jobs)
+            # the doctor run's secret first: its listener answers nothing else (pilab.doctor.preflight)
             f.write(os.environ.get("PILAB_DOCTOR_SECRET", "") + "\n")
             best = None
             for _ in range(rounds):
@@ -370,7 +370,7 @@ def net_probe(args) -> dict | None:
 
     from ..launch import launcher_size, mpi
     from ..launch import mpi_library as library_name
-    from ..perfmodel.microbench import comm_bench
+    from ..perfmodel import comm_bench
     MPI = mpi()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

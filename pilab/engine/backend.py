@@ -6,8 +6,19 @@ The two backends are in ``pilab.engine.mpi``: ``MPIRanks(comm)`` and ``VirtualRa
 tests/test_architecture.py checks that both implement ``RankBackend``::
 
     from pilab.engine.backend import RankBackend
-    from pilab.engine.mpi import VirtualRanks
+    from pilab.engine import VirtualRanks
     isinstance(VirtualRanks(4), RankBackend)     # True
+
+Test-time augmentation: a test image's logits averaged over views of it (``Config.tta``,
+``Config.tta_translate``), as airbench's evaluation does::
+
+    logits = tta_logits(model, x, flip=True)                   # (f(x) + f(mirror x)) / 2
+    logits = tta_logits(model, x, flip=True, translate=True)   # six views, airbench's weights
+
+With ``translate`` the image is also moved one pixel up-left and one down-right (reflect padding, as the
+training crops pad), each with its mirror: half the weight on the plain pair, a quarter on each moved
+pair. In eval mode a view's logits do not depend on the other images of the batch, so the views of a
+rank's share of the test set are the same on every backend.
 """
 from __future__ import annotations
 
@@ -25,21 +36,32 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .. import __version__
-from ..component import SYNC, Phase  # noqa: F401 (a step's exchange, re-exported with the protocol)
-from .. import data as data_mod
+from .. import __version__, data as data_mod
+from ..component import SYNC, Phase
 from ..config import EVAL_CHUNK, Config, ConfigError
+from ..dist import reduce_sums, world
 from ..launch import launcher_local_size, mpi_versions
-from ..dist.helpers import reduce_sums, world
-from .exactness import check_custom_model
+from ..models import (build_model, dirac_convs, freeze_bn_scale, is_builder_spec, sample_rows, whiten_stem,
+                      zero_residual_bn)
 from .layers import use_batch_renorm, use_ghost_batchnorm, use_rank_dropout
-from .tta import tta_logits
-from ..models.names import is_builder_spec
-from ..models.bnscale import freeze_bn_scale
-from ..models.dirac import dirac_convs
-from ..models.residual import zero_residual_bn
-from ..models import whiten
-from ..models.zoo import build_model
+from .ownmodel import check_custom_model
+
+def _pair(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (model(x) + model(x.flip(3))) / 2
+
+
+def tta_logits(model: nn.Module, x: torch.Tensor, *, flip: bool = False, translate: bool = False) -> torch.Tensor:
+    """``model``'s logits for the normalised batch ``x`` (B, C, H, W), averaged over its views."""
+    if not flip:
+        return model(x)
+    if not translate:
+        return _pair(model, x)
+    h, w = x.shape[2:]
+    padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+    moved = [padded[:, :, :h, :w], padded[:, :, 2:, 2:]]  # content moved down-right, up-left by a pixel
+    moved = [m.contiguous(memory_format=torch.channels_last) for m in moved]
+    return 0.5 * _pair(model, x) + 0.25 * (_pair(model, moved[0]) + _pair(model, moved[1]))
+
 
 NUM_CLASSES = 10
 EVAL_BATCH = Config.eval_batch  # the default; a run uses cfg.eval_batch
@@ -112,8 +134,8 @@ def base_model(cfg: Config, device: torch.device, *, ranks: int = 1, context=Non
             raise ConfigError("whiten_stem: the first convolution is made from the training images, and none "
                               "were given; build the model with data=")
         try:
-            rows = whiten.sample_rows(len(data.x_train), cfg.seed)
-            whiten.whiten_stem(model, data_mod.to_input(torch.from_numpy(data.x_train[rows]), data.mean, data.std))
+            rows = sample_rows(len(data.x_train), cfg.seed)
+            whiten_stem(model, data_mod.to_input(torch.from_numpy(data.x_train[rows]), data.mean, data.std))
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if cfg.bn != "sync" and (cfg.ghost_batch or ranks > 1 or context is not None or cfg.bn == "renorm"):
@@ -136,7 +158,7 @@ def evaluate(model: nn.Module, ds, comm, device, batch: int = EVAL_BATCH, *, tta
     ``batch`` images (``cfg.eval_batch``); the model sees at most ``EVAL_CHUNK`` of them per forward,
     so the evaluation's memory does not grow with ``batch`` (the logits are the same: see
     ``pilab.config.EVAL_CHUNK``). ``tta``: the logits of each image and of its mirror image averaged;
-    ``translate``: and of both moved a pixel each way (``pilab.engine.tta``)."""
+    ``translate``: and of both moved a pixel each way (``pilab.engine.backend``)."""
     rank, size = world(comm)
     sl = data_mod.test_shard(len(ds.y_test), size, rank)
     held = ds.test_rows
@@ -208,7 +230,9 @@ def peak_mem_mb() -> float:
 
 @dataclass
 class StepResult:
-    """One synchronous step as every rank agrees on it: global sums, and this rank's times (s)."""
+    """One step as every rank agrees on it: global sums, and this rank's times (s). What a component needs
+    beyond it (every rank's values of its slots, the step's spans) it takes in its ``on_step`` moment
+    (``pilab.component.RankStep``)."""
     loss_sum: float  # sum of per-image losses over the global batch
     correct: float  # correctly classified images of the global batch
     stop_votes: float  # ranks that asked to stop after this step
@@ -221,17 +245,6 @@ class StepResult:
     # of comm_exposed: waiting for the slowest rank to finish its backward (the rest is network time)
     comm_wait: float = 0.0
     save_votes: float = 0.0  # ranks that asked for a checkpoint after this step
-    # every rank's compute of this step and network time of the step before (s; MPI ranks only), and the
-    # payload that network time moved (bytes: that step's bytes_sent, which local SGD makes vary)
-    ranks_compute: object = None
-    ranks_network: object = None
-    network_bytes: int | None = None
-    # a noise-driven batch ramp (batch_ramp="gns:MAX"): every rank's squared gradient norm as sent (of its
-    # share g_r / np), and the averaged gradient's (see pilab.engine.noise)
-    ranks_grad_sq: object = None
-    avg_grad_sq: float | None = None
-    # Config.trace only: this rank's step on its own clock (pilab.trace.recorder.Timeline), else None
-    timeline: object = None
 
 
 @runtime_checkable
@@ -250,10 +263,10 @@ class RankBackend(Protocol):
     np_: int
     comm: object
 
-    def check(self, cfg: Config) -> None: ...
+    def check(self, cfg: Config, components=()) -> None: ...
     def threads(self, cfg: Config) -> int: ...
-    def build(self, cfg: Config, device, ds, batch: int) -> nn.Module: ...
-    def start(self, cfg: Config, model: nn.Module, optimizer, on_grads=()) -> None: ...
+    def build(self, cfg: Config, device, ds, batch: int, components=()) -> nn.Module: ...
+    def start(self, cfg: Config, model: nn.Module, optimizer, components=()) -> None: ...
     def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None,
              phase: Phase = SYNC) -> StepResult: ...
     def set_batch(self, batch: int) -> None: ...
@@ -295,7 +308,24 @@ def local_ranks(ranks) -> int:
     return max(1, launcher_local_size())
 
 
-def on_grads_(fns, params: list) -> None:
-    """The components' ``on_grads`` moment: the gradients a backend is about to step with."""
-    for fn in fns:
-        fn([p.grad for p in params])
+PHASES = ("data", "forward", "backward", "wait", "optimizer")  # an MPI rank's step, in order
+
+
+def phase_spans(rank: int, marks) -> list:
+    """A step's spans on ``rank``'s track from its phase boundaries (``perf_counter`` seconds; the
+    boundary before each of ``PHASES`` and the step's end)::
+
+        phase_spans(0, (t_data, t_forward, t_backward, t_backward_end, t_wait_end, t_end))
+    """
+    return [(rank, name, marks[i], marks[i + 1]) for i, name in enumerate(PHASES)]
+
+
+def slot_sizes(components, np_: int) -> dict:
+    """Every component's slots, ``{name: count}``, in the components' order (each name once)."""
+    out: dict = {}
+    for c in components:
+        for name, n in c.slots(np_).items():
+            if name in out:
+                raise ValueError(f"slot {name!r} is declared by two components; give each a name of its own")
+            out[name] = n
+    return out

@@ -14,12 +14,13 @@ import math
 
 import torch
 
-from ..component import Component
-from ..dist.helpers import squared_norm
+from ..component import Component, Stage
+from ..dist import squared_norm
 
 
 class ClipGradNorm(Component):
     name = "clip_grad_norm"
+    stage = Stage.GRADIENTS
 
     @classmethod
     def wanted(cls, cfg, ranks) -> bool:

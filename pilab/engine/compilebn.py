@@ -1,6 +1,6 @@
 """The fast simulator's per-rank BatchNorm on large layers as ``torch.compile``'s fused kernels.
 
-The fast mode normalises every virtual rank's images in one vectorised pass (``layers._GroupedBN``): the
+The fast mode normalises every virtual rank's images in one vectorised pass (``layers.GroupedBN``): the
 same mathematics as one BatchNorm per rank, but four passes over the activations each way where native
 BatchNorm makes one or two, which is the whole of its excess over one process training the global batch
 at MobileNetV2-CIFAR 1.0 (the simulator section of benchmarks/LOG.md). Given to ``torch.compile`` as plain
@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from ..component import Component
+from ..component import Component, Stage
 from .modepick import MIN_STEPS
 
 # Activations of a layer (N*C*H*W) from which its BatchNorm runs compiled: below it the eager form was
@@ -71,6 +71,7 @@ class CompiledBN(Component):
     start, before ``ModePick``'s trial times the fast mode, so the trial times what the run would run."""
 
     name = "compile_bn"
+    stage = Stage.COMPILE
 
     @classmethod
     def wanted(cls, cfg, ranks) -> bool:

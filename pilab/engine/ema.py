@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..component import Component
+from ..component import Component, Stage
 
 
 class WeightAverage:
@@ -59,6 +59,7 @@ class EMA(Component):
     batch ramp, evaluated instead of the weights, saved in every checkpoint."""
 
     name = "ema"
+    stage = Stage.AVERAGE
 
     @classmethod
     def wanted(cls, cfg, ranks) -> bool:

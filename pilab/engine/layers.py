@@ -2,7 +2,7 @@
 
 Any model's layers are converted, not only pilab's: every ``nn.BatchNorm1d/2d/3d`` (with or without
 affine parameters or running statistics) and every dropout layer. A layer that mixes the images of a
-batch some other way cannot be made per-rank; ``engine.exactness.check_rank_exact`` finds it before training (per-image
+batch some other way cannot be made per-rank; ``engine.ownmodel.check_rank_exact`` finds it before training (per-image
 layers such as GroupNorm and LayerNorm need nothing).
 
 * ``SyncBatchNorm`` (``pilab.dist.syncbn``) — batch statistics over all MPI ranks, or over groups of
@@ -16,8 +16,7 @@ layers such as GroupNorm and LayerNorm need nothing).
 
 The training engine picks them; the loops never build layers themselves::
 
-    model = convert_sync_batchnorm(build_model("mobilenetv2_cifar"), comm)        # MPI ranks
-    convert_sync_batchnorm(build_model("mobilenetv2_cifar"), comm, group=2)       # ... per pair of ranks
+    model = pilab.dist.convert_sync_batchnorm(build_model("mobilenetv2_cifar"), comm)   # MPI ranks
     ctx = RankContext(seed=0)
     use_ghost_batchnorm(model, ranks=48, ghost_batch=0, context=ctx)             # 48 virtual ranks
 """
@@ -30,9 +29,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
-from ..dist.syncbn import SyncBatchNorm, _per_channel, convert_sync_batchnorm  # noqa: F401 (re-exported)
+from ..dist import per_channel
 
-__all__ = ["step_seed", "SyncBatchNorm", "convert_sync_batchnorm", "RankContext", "GhostBatchNorm2d",
+__all__ = ["step_seed", "RankContext", "GhostBatchNorm2d",
            "RankDropout", "use_ghost_batchnorm", "use_rank_dropout", "sync_virtual_buffers_",
            "virtual_state"]
 
@@ -188,7 +187,7 @@ class GhostBatchNorm2d(nn.Module):
         weight = self.weight if self.weight is not None else torch.ones_like(invstd)
         scale = weight * invstd * r
         shift = (self.bias if self.bias is not None else 0.0) + weight * d - mean * scale
-        y = x * _per_channel(scale, nd) + _per_channel(shift, nd)
+        y = x * per_channel(scale, nd) + per_channel(shift, nd)
         with torch.no_grad():
             n = x.numel() // x.shape[1]
             rm.mul_(1 - self.momentum).add_(mean.detach(), alpha=self.momentum)
@@ -209,7 +208,7 @@ class GhostBatchNorm2d(nn.Module):
                                                      None if self.bias is None else self.bias.view(-1),
                                                      groups, self.eps)
             else:
-                y, mean, var = _GroupedBN.apply(x, self.weight, self.bias, groups, self.eps)
+                y, mean, var = GroupedBN.apply(x, self.weight, self.bias, groups, self.eps)
             mean, var = mean.detach(), var.detach()
         else:
             xg = x.unflatten(0, (groups, g))
@@ -235,7 +234,7 @@ class GhostBatchNorm2d(nn.Module):
         return y
 
 
-class _GroupedBN(torch.autograd.Function):
+class GroupedBN(torch.autograd.Function):
     """BatchNorm per group of consecutive images of a channels-last (N, C, H, W) float32 batch, every group
     at once: each group is a contiguous (images*H*W, C) block, so its sums are a batched matrix product
     (mean) and a batched dot product over the centred values (variance: two passes, no cancellation), and
@@ -243,7 +242,7 @@ class _GroupedBN(torch.autograd.Function):
     whole batch (one native call per group costs a call per rank). The same mathematics as ``F.batch_norm``
     per group, summed in another order (~1e-6 relative)::
 
-        y, mean, var = _GroupedBN.apply(x, weight, bias, groups, eps)   # mean, var: (groups, C), biased
+        y, mean, var = GroupedBN.apply(x, weight, bias, groups, eps)   # mean, var: (groups, C), biased
     """
 
     @staticmethod
@@ -288,7 +287,7 @@ class _GroupedBN(torch.autograd.Function):
 
 
 def grouped_bn(x, weight, bias, groups: int, eps: float):
-    """``_GroupedBN``'s mathematics as plain tensor operations, for ``torch.compile`` to fuse into a pass
+    """``GroupedBN``'s mathematics as plain tensor operations, for ``torch.compile`` to fuse into a pass
     or two over the activations each way (the eager form takes four): a channels-last (N, C, H, W) float32
     batch normalised per group of consecutive images::
 
@@ -371,13 +370,18 @@ def _set_rng(state: torch.Tensor, device: torch.device) -> None:
         torch.set_rng_state(state)
 
 
-def _replace(module: nn.Module, make) -> None:
+def replace_modules(module: nn.Module, make) -> None:
+    """Every submodule of ``module`` for which ``make(child)`` returns a module replaced by it, in place;
+    the others searched further down::
+
+        replace_modules(model, lambda m: GhostBatchNorm2d(...) if isinstance(m, nn.BatchNorm2d) else None)
+    """
     for name, child in module.named_children():
         new = make(child)
         if new is not None:
             setattr(module, name, new)
         else:
-            _replace(child, make)
+            replace_modules(child, make)
 
 
 def use_ghost_batchnorm(model: nn.Module, ranks: int, ghost_batch: int = 0, context=None,
@@ -385,7 +389,7 @@ def use_ghost_batchnorm(model: nn.Module, ranks: int, ghost_batch: int = 0, cont
     """Replace every BatchNorm (1d, 2d, 3d; torch's SyncBatchNorm too) with a GhostBatchNorm2d (in place);
     returns the model. ``rank_group`` > 1: statistics over that many consecutive virtual ranks' images
     (SyncBatchNorm in groups)."""
-    _replace(model, lambda m: GhostBatchNorm2d(m, ranks, ghost_batch, context, rank_group)
+    replace_modules(model, lambda m: GhostBatchNorm2d(m, ranks, ghost_batch, context, rank_group)
              if isinstance(m, _BatchNorm) else None)
     return model
 
@@ -405,7 +409,7 @@ def use_batch_renorm(model: nn.Module, start: int, full: int) -> nn.Module:
 
 def use_rank_dropout(model: nn.Module, context: RankContext) -> nn.Module:
     """Wrap every dropout layer in a RankDropout drawing per virtual rank (in place)."""
-    _replace(model, lambda m: RankDropout(m, context) if isinstance(m, _DropoutNd) else None)
+    replace_modules(model, lambda m: RankDropout(m, context) if isinstance(m, _DropoutNd) else None)
     return model
 
 

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from ..component import Component
+from ..component import Component, Stage
 
 ALPHA = 0.5  # the slow weights' step towards the fast ones (Zhang et al.'s default; 0.5 and 0.8 both work)
 
 
 class Lookahead(Component):
     name = "lookahead"
+    stage = Stage.WEIGHTS
 
     @classmethod
     def wanted(cls, cfg, ranks) -> bool:

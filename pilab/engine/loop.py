@@ -1,12 +1,12 @@
 """The one training loop, over a rank backend (``pilab.engine.backend.RankBackend``): ``MPIRanks(comm)``
-(this process is one rank of an MPI job) or ``VirtualRanks(np_)`` (the simulator), both in
-``pilab.engine.mpi`` and re-exported here. The loop owns data, schedule, steps, evaluation cadence,
-checkpoints, events and the result; each feature (the weights' EMA, gradient clipping, local SGD, the
-noise-driven batch ramp, the straggler monitor, the trace) is a component it calls at fixed moments
-(``pilab.component``, ``pilab.engine.features``)::
+(this process is one rank of an MPI job, ``pilab.engine.mpi``) or ``VirtualRanks(np_)`` (the simulator,
+``pilab.engine.virtual``). The loop owns data, schedule, steps, evaluation cadence, checkpoints, events
+and the result; each feature (the weights' EMA, gradient clipping, local SGD, the noise-driven batch ramp,
+the straggler monitor, the trace, and yours) is a component it calls at fixed moments (``pilab.component``,
+``pilab.engine.features``)::
 
-    from pilab.engine import loop as engine
-    result, model = engine.train(Config(epochs=1), engine.VirtualRanks(4))
+    from pilab import engine
+    result, model = engine.fit(Config(epochs=1), engine.VirtualRanks(4))
     session = engine.Session(cfg, engine.MPIRanks(comm))      # one step at a time (tests)
     session.step(epoch=0, step=0)
 
@@ -15,12 +15,12 @@ noise-driven batch ramp, the straggler monitor, the trace) is a component it cal
 
 What stays the loop's own, not a component, and why:
 
-* checkpoints, mid-epoch ones included (``_set_checkpoints``, ``_save_due``, ``resume.write``): a
+* checkpoints, mid-epoch ones included (``_set_checkpoints``, ``_save_due``, ``checkpoint.write_position``): a
   checkpoint *is* the loop's position (epoch, step in the epoch, the epoch's partial sums, the history,
   the data order's np), written between two steps with the loop's sums, and a failed write stops the loop
   after that step; the every-K-steps / M-minutes vote rides with the step's metrics like the stop vote.
   Components take part through ``state_dict`` / ``load_state_dict``, saved under their names.
-* a resume regrouped at another np (``_resume``, ``resume.epoch_plan``, ``ranks.carry``): it is the data
+* a resume regrouped at another np (``_resume``, ``checkpoint.epoch_plan``, ``ranks.carry``): it is the data
   order of the interrupted epoch and the model as loaded, settled before any component exists (the
   components start on the model already resumed).
 * a fixed batch ramp (``Config.batch_ramp``): the batch plan is the schedule's input, as the learning
@@ -42,27 +42,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import __version__
-from . import checkpoint, features, records, resume
-from .. import data as data_mod
-from .checkpoint import CheckpointError
+from .. import __version__, data as data_mod, resultfile
+from ..component import SYNC
 from ..config import Config
-from ..files import save_json
-from ..perfmodel.layout import model_profile
-from . import memory
+from ..perfmodel import model_profile
+from . import checkpoint, features, memory, records
+from .backend import StepResult, load_data, local_ranks, resolve_device, split_sync_groups
+from .checkpoint import CheckpointError
 from .optim import build_optimizer, lr_at, set_lr
-# the rank backends and the pieces they share, re-exported: ``loop`` is the engine's one public face
-from .keeper import Keeper, failure_reason, result_from_checkpoint  # noqa: F401 (re-exported)
-from .mpi import (EVAL_BATCH, NUM_CLASSES, MPIRanks, StepResult, VirtualRanks, base_model, environment, evaluate,
-                  load_data, peak_mem_mb, resolve_device)  # noqa: F401 (re-exported)
-from .backend import SYNC, local_ranks, split_sync_groups  # noqa: F401 (re-exported)
-from .records import EVAL_ON_STOP_MAX, STEP_KEYS, TIME_KEYS  # noqa: F401 (re-exported)
+from .ownmodel import with_model
+from .records import STEP_KEYS, TIME_KEYS, failure_reason
 
-__all__ = ["train", "Session", "Keeper", "failure_reason", "result_from_checkpoint", "MPIRanks", "VirtualRanks",
-           "StepResult", "load_data", "evaluate", "resolve_device", "environment", "peak_mem_mb", "NUM_CLASSES",
-           "EVAL_BATCH", "Handoff"]
 MULTI_NODE_CHECKPOINT_MINUTES = 10.0  # --checkpoint-minutes default (-1) on a run whose ranks span hosts
-
 
 
 class Handoff:
@@ -72,7 +63,7 @@ class Handoff:
     still use them; every frame on the way holds it)::
 
         ds = load_data(cfg, comm); cfg.check_world(comm.Get_size(), len(ds.y_train))
-        train.run(cfg, comm, data=Handoff(ds)); del ds      # the CLI's ranks
+        pilab.train(cfg, comm, data=Handoff(ds)); del ds      # the CLI's ranks
     """
 
     def __init__(self, ds):
@@ -86,25 +77,27 @@ class Handoff:
 class Session:
     """A run set up on ``ranks``: data, model, optimizer, schedule; ``step`` trains one step."""
 
-    def __init__(self, cfg: Config, ranks, *, data=None):
+    def __init__(self, cfg: Config, ranks, *, data=None, components=()):
         owned = data is None or isinstance(data, Handoff)
-        ranks.check(cfg)
         self.cfg, self.ranks = cfg, ranks
         self.np_, self.rank = ranks.np_, ranks.rank
+        self.components = features.chosen(cfg, ranks, components)  # each may refuse cfg here, before any work
+        self.yours = [c.name or type(c).__name__ for c in components]  # result.json says they ran
+        ranks.check(cfg, self.components)
+        self.device = resolve_device(cfg)
+        self.threads = ranks.threads(cfg)
+        torch.set_num_threads(self.threads)  # before the memory probe's forward, which runs as the run will
         # malloc kept "fast" (a step reuses the last step's freed memory, no page faults) where this
         # node's ranks fit with it, else "lean" (pilab.engine.memory); the numbers computed are the same
         self.allocator = memory.choose_allocator(cfg, np_=None if ranks.simulated else self.np_,
                                                  ranks_per_node=local_ranks(ranks),
                                                  node_bytes=memory.host_memory_bytes())
         memory.tune_allocator(self.allocator)
-        self.device = resolve_device(cfg)
-        self.threads = ranks.threads(cfg)
-        torch.set_num_threads(self.threads)
         self._set_data(data.take() if isinstance(data, Handoff) else data, owned)
-        self.model = ranks.build(cfg, self.device, self.ds, self.batch)
+        self.model = ranks.build(cfg, self.device, self.ds, self.batch, self.components)
         # data and builder digests (a resume on other ones is refused); what analysis needs of the model,
         # measured here where its code runs anyway (reading the result never builds it again)
-        self.sources = resume.sources(cfg, self.ds)
+        self.sources = checkpoint.sources(cfg, self.ds)
         self.model_profile = model_profile(cfg.model, cfg.width, cfg.timesteps) if self.rank == 0 else None
         self.first_batch = self.batch
         self.steps_per_epoch = ranks.steps_per_epoch  # the first epoch's (a batch ramp changes it)
@@ -113,9 +106,7 @@ class Session:
         self.peak_lr = cfg.peak_lr(self.np_)
         self.optimizer = build_optimizer(self.model, cfg, self.peak_lr)
         ck = self._resume(owned)
-        self.components = features.chosen(cfg, ranks)
-        ranks.start(cfg, self.model, self.optimizer,
-                    on_grads=[c.on_grads for c in self.components if hasattr(c, "on_grads")])
+        ranks.start(cfg, self.model, self.optimizer, self.components)
         if ck.get("has_ranks") and self.resumed_np == self.np_:
             ranks.restore_rank_states(self.model, ck["ranks"] if self.rank == 0 else None)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -141,7 +132,8 @@ class Session:
         """The position ``cfg.resume`` holds (``{}`` without one): model and optimizer loaded, the
         interrupted epoch's data order regrouped over these ranks where the np changed."""
         cfg, ranks, spe = self.cfg, self.ranks, self.steps_per_epoch
-        ck = resume.load(cfg, ranks, self.model, self.optimizer, sources=self.sources) if cfg.resume else {}
+        ck = checkpoint.load_position(cfg, ranks, self.model, self.optimizer, sources=self.sources) \
+            if cfg.resume else {}
         self.start_epoch, self.history = ck.get("epoch", 0), ck.get("history", [])
         self.start_step = ck.get("step_in_epoch", 0)  # steps of start_epoch already done
         self.partial = ck.get("partial")  # that epoch's sums so far
@@ -153,7 +145,7 @@ class Session:
         # finishes the interrupted epoch in the order it began with, regrouped over the new ranks
         self.order_np = ck.get("order_np", self.np_) if self.start_step else self.np_
         if self.order_np != self.np_:
-            ranks.carry(self.start_epoch, resume.epoch_plan(cfg, self.ds, self.order_np, self.start_epoch, spe),
+            ranks.carry(self.start_epoch, checkpoint.epoch_plan(cfg, self.ds, self.order_np, self.start_epoch, spe),
                         self.ds)
         if owned and not ranks.simulated and cfg.sharding == "static" and self.order_np == self.np_:
             # The loader copied this rank's shard; the whole training set stays only where it is shared
@@ -281,9 +273,12 @@ class Session:
 # ----------------------------------------------------------------------------------------------
 # the loop
 # ----------------------------------------------------------------------------------------------
-def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None) -> tuple[dict, nn.Module]:
+def fit(cfg: Config, ranks, *, components=(), callbacks=(), stop=None, data=None, keeper=None,
+        model_fn=None) -> tuple[dict, nn.Module]:
     """Train ``cfg`` on ``ranks`` (``MPIRanks(comm)`` or ``VirtualRanks(np_)``); returns the result (on
-    every rank; rank 0 writes ``<out>/result.json``) and the trained model.
+    every rank; rank 0 writes ``<out>/result.json``) and the trained model. ``components``: yours, beside
+    the features ``cfg`` asks for (``pilab.component``); ``model_fn``: your own model's builder (a function
+    taking num_classes), instead of ``cfg.model``.
 
     A stop (``stop()`` true on any rank) ends every rank after the same step; the partial epoch is
     evaluated only if cheap (at most one evaluation batch per rank; else ``test_skipped``), and the
@@ -295,7 +290,7 @@ def train(cfg: Config, ranks, *, callbacks=(), stop=None, data=None, keeper=None
     (``stopped_early``, ``aborted``, the reason) -- from the watchdog's thread before it ends the rank,
     when another rank reports its exception, or on this rank's own exception."""
     t_wall = time.perf_counter()
-    s = Session(cfg, ranks, data=data)
+    s = Session(with_model(cfg, model_fn), ranks, data=data, components=components)
     s.env = ranks.environment(s.threads)  # a collective: now, so that an abort can still write it
     run = _Run(s, callbacks, t_wall)
     placement = split_sync_groups(cfg, s.np_, s.env["hostnames"]) if s.rank == 0 and not ranks.simulated else None
@@ -357,7 +352,7 @@ def _train_epoch(run: _Run, epoch: int, stop) -> bool:
         # a checkpoint asked for (every K steps, M minutes), or the last step of a stopped run
         if st.save_votes > 0 or (ending and s.step_checkpoints):
             if step + 1 < spe:  # mid-epoch: now, before any BatchNorm buffers are settled
-                failed = resume.write(s, epoch, run.gstep, run.epochs_log, step_in_epoch=step + 1, acc=acc)
+                failed = checkpoint.write_position(s, epoch, run.gstep, run.epochs_log, step_in_epoch=step + 1, acc=acc)
                 if failed:
                     run.fail(failed)
                     break
@@ -376,7 +371,7 @@ def _train_epoch(run: _Run, epoch: int, stop) -> bool:
     run.epochs_log.append(record)
     run.emit({"kind": "epoch", **record})
     if checkpoint_now and cfg.out:
-        failed = resume.write(s, epoch + 1, run.gstep, run.epochs_log)
+        failed = checkpoint.write_position(s, epoch + 1, run.gstep, run.epochs_log)
         if failed:  # every rank stops here, after this full epoch
             run.fail(failed)
     return run.stopped
@@ -411,7 +406,7 @@ def _finish(run: _Run) -> dict:
     for c in s.components:  # a component that runs on rank 0 alone (the straggler monitor) speaks there only
         result.update(c.result())
     if s.rank == 0:
-        result["checkpoints"] = resume.summary(s)
+        result["checkpoints"] = checkpoint.summary(s)
         result["last_checkpoint"] = result["checkpoints"]["last"]
     result["stop_reason"] = run.stop_reason
     result["started_at"], result["ended_at"] = run.started_at, time.time()  # see pilab.study.energy
@@ -419,7 +414,7 @@ def _finish(run: _Run) -> dict:
         result["write_error"] = run.write_error
     if s.rank == 0 and cfg.out:
         try:
-            save_json(result, os.path.join(cfg.out, "result.json"))
+            resultfile.save(result, os.path.join(cfg.out, "result.json"))
         except OSError as e:  # rank 0 alone: report it, don't fail one rank of a finished job
             result["write_error"] = "; ".join(filter(None, [run.write_error, (
                 f"cannot write {os.path.join(cfg.out, 'result.json')}: {e.strerror or e} (an earlier "
@@ -434,12 +429,12 @@ def _keep(run: _Run, reason: str) -> str:
     res = records.result(s, list(run.epochs_log), {k: list(v) for k, v in run.steps_log.items()}, 0, True,
                   time.perf_counter() - run.t_wall, collective=False)
     res.update(stop_reason=reason, aborted=True, started_at=run.started_at, ended_at=time.time(),
-               checkpoints=resume.summary(s))
+               checkpoints=checkpoint.summary(s))
     res["last_checkpoint"] = res["checkpoints"]["last"]
     for c in s.components:
         res.update(c.result())
     path = os.path.join(s.cfg.out, "result.json")
-    save_json(res, path)
+    resultfile.save(res, path)
     return path
 
 

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from ..component import Component
+from ..component import Component, Stage
 
 # A run shorter than this many steps keeps the fast mode untimed: the trial's steps (up to ~3x a fast
 # step each where exact is slow: the small per-rank kernels of 4-image batches) would be > ~5% of it.
@@ -64,7 +64,8 @@ def pick(ranks, cfg, model, optimizer, epoch: int, step: int) -> tuple[str, dict
     saved_opt = copy.deepcopy(optimizer.state_dict())
     saved_rng = torch.get_rng_state()
     saved_grads = [None if p.grad is None else p.grad.detach().clone() for p in ranks.params]
-    on_grads, ranks.on_grads = ranks.on_grads, ()  # components' gradient hooks (clip, noise meters) keep state
+    # the components' in-step moments (clipping, a meter, your own gradient noise) stay out of the trial
+    components, ranks.components = ranks.components, ()
     wall = {"fast": [], "exact": []}
     cpu = {"fast": [], "exact": []}
     t_start = time.perf_counter()
@@ -82,7 +83,7 @@ def pick(ranks, cfg, model, optimizer, epoch: int, step: int) -> tuple[str, dict
                 model.load_state_dict(saved_model)
                 optimizer.load_state_dict(copy.deepcopy(saved_opt))
     finally:
-        ranks.on_grads = on_grads
+        ranks.components = components
         torch.set_rng_state(saved_rng)
         for p, g in zip(ranks.params, saved_grads):
             if g is None:
@@ -103,6 +104,7 @@ class ModePick(Component):
     ``wanted_trial`` says so; the choice is kept in checkpoints, so a resumed run goes on in its mode."""
 
     name = "modepick"
+    stage = Stage.MODE
 
     @classmethod
     def wanted(cls, cfg, ranks) -> bool:

@@ -1,24 +1,20 @@
-"""The two ways to run a training loop's ranks (``pilab.engine.backend.RankBackend``).
+"""The MPI rank backend (``pilab.engine.backend.RankBackend``): ``MPIRanks(comm)`` -- this process is one
+rank of an MPI job (or the only process, ``comm=None``): gradients averaged by ``GradSync``, metrics and
+the stop vote riding with its last bucket, BatchNorm buffers settled by ``sync_buffers_``. The
+simulator's backend, ``VirtualRanks``, is ``pilab.engine.virtual``'s.
 
-* ``MPIRanks(comm)`` — this process is one rank of an MPI job (or the only process, ``comm=None``):
-  gradients averaged by ``GradSync``, metrics and the stop vote riding with its last bucket,
-  BatchNorm buffers settled by ``dist.sync_buffers_``;
-* ``VirtualRanks(np_)`` (``pilab.engine.virtual``, re-exported here) — the simulator: np ranks emulated in
-  this process (``cfg.simulate_mode``): each rank's sub-batch through its own forward, gradients
-  accumulated in rank order as MPI sums them (exact), or the global batch in one forward (fast); either
-  way ghost BatchNorm per virtual rank, dropout per rank seed, the same buffer policy over the virtual rows.
+A backend builds the model and its loaders, takes one step (``step``: a ``StepResult`` that every rank
+agrees on; its components' in-step moments see a ``pilab.component.RankStep``), re-cuts its batches for a
+batch ramp, settles, gathers and restores per-rank state for checkpoints, and evaluates. What both
+backends use (the forward-and-loss recipe, the model, the evaluation) is ``pilab.engine.backend``'s; the
+loop that drives them is ``pilab.engine.loop``'s::
 
-A backend builds the model and its loaders, takes one synchronous step (``step``: a ``StepResult`` that
-every rank agrees on), re-cuts its batches for a batch ramp, settles, gathers and restores per-rank state
-for checkpoints, and evaluates. What both use (the forward-and-loss recipe, the model, the evaluation)
-is ``pilab.engine.backend``'s. The loop that drives them (schedule, records, checkpoints, events) is
-``pilab.engine.loop``, which re-exports everything here::
-
-    from pilab.engine import loop as engine
-    result, model = engine.train(cfg, engine.VirtualRanks(4))
+    from pilab import engine
+    result, model = engine.fit(cfg, engine.MPIRanks(comm))
 """
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import time
@@ -26,27 +22,20 @@ import time
 import torch
 from torch import nn
 
-from . import localsgd
 from .. import data as data_mod
+from ..component import SYNC, Phase, RankStep, has
 from ..config import Config
+from ..dist import (GradSync, Slots, bn_buffers, broadcast_module_, broadcast_optimizer_state_,
+                    convert_sync_batchnorm, gather_floats, sync_buffers_, world)
 from ..launch import mpi
-# the pieces every backend uses, re-exported (``pilab.engine.loop`` re-exports them again)
-from .backend import (EVAL_BATCH, NUM_CLASSES, SYNC, Phase, RankBackend, StepResult, base_model, environment,
-                      evaluate, forward_loss, load_data, on_grads_, peak_mem_mb, resolve_device, usable_cores)  # noqa: F401
-from ..dist.helpers import (GradSync, Slots, bn_buffers, broadcast_module_, broadcast_optimizer_state_,
-                            gather_floats, squared_norm, sync_buffers_, world)
-from .layers import convert_sync_batchnorm, step_seed
+from .backend import (StepResult, base_model, environment, evaluate, forward_loss, phase_spans, slot_sizes,
+                      usable_cores)
+from .layers import step_seed
 from .optim import SubsetStep
-from ..trace.recorder import Timeline
-# the simulator's backend, re-exported: the loop takes both from here
-from .virtual import EXACT_CUDA_CHUNK_IMAGES, VirtualRanks, mode_used  # noqa: F401
 
 _SUMS = ("loss_sum", "correct", "stop_votes", "save_votes")  # MPIRanks' slots summed with the last bucket
 
 
-# ----------------------------------------------------------------------------------------------
-# rank backends
-# ----------------------------------------------------------------------------------------------
 class MPIRanks:
     """This process is rank ``comm.Get_rank()`` of ``comm`` (``None``: a single process, no MPI)."""
 
@@ -70,10 +59,10 @@ class MPIRanks:
         cores = max(usable_cores(), os.cpu_count() or 1) if self.comm is not None else usable_cores()
         return max(1, cores // local)
 
-    def check(self, cfg: Config) -> None:
+    def check(self, cfg: Config, components=()) -> None:
         """Settings this backend cannot run (MPI ranks run them all)."""
 
-    def build(self, cfg: Config, device, ds, batch: int) -> nn.Module:
+    def build(self, cfg: Config, device, ds, batch: int, components=()) -> nn.Module:
         self.loader = data_mod.ShardLoader(ds, self.np_, self.rank, batch, seed=cfg.seed,
                                            policy=cfg.sharding, augment=cfg.augment,
                                            copies=cfg.batch_aug)
@@ -85,69 +74,86 @@ class MPIRanks:
             convert_sync_batchnorm(model, self.comm, cfg.sync_group(self.np_))
         return model
 
-    def start(self, cfg: Config, model: nn.Module, optimizer, on_grads=()) -> None:
-        """Every rank starts identical: rank 0's parameters, buffers and optimizer state. ``on_grads``:
-        callables given the gradients (``p.grad`` of the trainable parameters) before every optimizer
-        step, once they are averaged (a local-SGD step: this rank's own)."""
+    def start(self, cfg: Config, model: nn.Module, optimizer, components=()) -> None:
+        """Every rank starts identical: rank 0's parameters, buffers and optimizer state. ``components``:
+        their in-step moments (``pilab.component``): ``on_rank_grads`` with each bucket this rank sends,
+        ``on_grads`` before every optimizer step once the gradients are averaged (a local step: this
+        rank's own), ``on_step`` after it; their slots ride with the last bucket."""
         broadcast_module_(model, self.comm)
         broadcast_optimizer_state_(optimizer, self.comm)
         # The step's sums ride with the last gradient bucket (plus every rank's ready time, which GradSync
         # adds), so a step has one synchronisation point, not two: the loss and correct images, the votes
         # to stop or checkpoint after this step (any rank's, so every rank acts after the same step; rank
-        # 0's clock decides a --checkpoint-minutes save), and each rank's network time of the step before
-        # (one slot per rank), which rank 0's straggler monitor compares live (pilab.trace.stragglers)
+        # 0's clock decides a --checkpoint-minutes save), each rank's network time of the step before
+        # (one slot per rank: the straggler monitor compares them live), and the components' own slots
         self.slots = Slots()
         for name in _SUMS:
             self.slots.declare(name)
         self.slots.declare("network", self.np_)
-        self.trace = cfg.trace  # each step's phase boundaries and messages' flights (pilab.trace.recorder)
+        mine = slot_sizes(components, self.np_)
+        for name, n in mine.items():
+            self.slots.declare(name, n)
+        self.components = list(components)
+        self.rec = RankStep(self.rank, self.np_)
+        sends = has(components, "on_rank_grads")
         self.gsync = GradSync(model, self.comm, bucket_mb=cfg.bucket_mb, tail_mb=cfg.bucket_tail_mb,
-                              compression=cfg.compression, meta=self.slots, norms=bool(cfg.gns_max), observe=cfg.trace)
-        self.on_grads = tuple(on_grads)
-        self._prev_net, self._prev_sent = 0.0, None
-        self.optimizer, self.local = optimizer, cfg.local_steps > 1
-        self.average = localsgd.ParameterAverage(self.gsync) if self.local else None
-        # each bucket's parameters stepped as its average lands, inside the wait (bitwise the same step);
-        # not with on_grads, which must see every averaged gradient before any step
-        self.stepper = (SubsetStep.of(optimizer) if cfg.step_as_landed and not self.on_grads
-                        and self.np_ > 1 else None)
+                              compression=cfg.compression, meta=self.slots,
+                              on_send=self._on_send if sends else None,
+                              observe=any(c.watch_messages for c in components))
+        self.rec.send = self.rec.sums = {name: self.gsync.meta[self.slots[name]] for name in
+                                         [*_SUMS, "network", *mine, "ready"]}
+        self.own = list(mine)  # zeroed before each step: a rank writes only its own values
+        self._prev_net = 0.0
+        self.optimizer, self.own_weights = optimizer, False  # own_weights: a local step ran (local SGD)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.step_as_landed = cfg.step_as_landed and self.np_ > 1
+        self.stepper = SubsetStep.of(optimizer) if self.step_as_landed else None
+
+    def _on_send(self, grads: list) -> None:
+        for c in has(self.components, "on_rank_grads"):
+            c.on_rank_grads(self.rec, grads)
 
     def step(self, cfg: Config, model, optimizer, epoch: int, step: int, stop=None, save=None,
              phase: Phase = SYNC) -> StepResult:
-        sync, ph = self.gsync, phase
+        sync, ph, rec = self.gsync, phase, self.rec
         sync.exchange = not ph.local  # a local-SGD step sends only the metrics and votes
+        for name in self.own:
+            rec.send[name][:] = 0.0
         t0 = time.perf_counter()
         sync.begin(t0)
-        x, y = self.loader.batch(epoch, step)
+        share = ph.share_of(self.rank)  # uneven shares (a component's, Phase.shares): this rank's images
+        x, y = self.loader.batch(epoch, step, share=share)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         t1 = time.perf_counter()
         torch.manual_seed(step_seed(cfg.seed, epoch, step, self.rank))
         optimizer.zero_grad(set_to_none=False)
         out, loss = forward_loss(model, x, y, cfg, self.device)
-        self._fill_meta(loss, out, y, stop, save)
-        meta, at = sync.meta, self.slots
-        tf = time.perf_counter() if self.trace else 0.0
-        sync.backward(loss)
-        stepper = self.stepper if sync.exchange else None
+        self._fill_meta(loss, out, y, stop, save, self.batch if share is None else share[1])
+        tf = time.perf_counter()
+        sync.backward(loss, ph.weight_of(self.rank))
+        grads = has(self.components, "on_grads")
+        # each bucket's parameters stepped as its average lands, inside the wait (bitwise the same step);
+        # not with on_grads, which must see every averaged gradient before any step
+        stepper = self.stepper if sync.exchange and not grads else None
         cstats = sync.finish(step=stepper) if stepper is not None else sync.finish()
-        grad_sq = avg_sq = None
-        if sync.norms and sync.exchange:  # every rank's, exact (see GradSync's norms); the average's
-            grad_sq, avg_sq = meta[at["grad_sq"]].copy(), squared_norm([p.grad for p in self.params])
-        on_grads_(self.on_grads, self.params)
+        for c in grads:
+            c.on_grads([p.grad for p in self.params])
         if stepper is not None:
             stepper.rest()
         else:
             optimizer.step()
         averaged, sent = 0.0, cstats.bytes_sent
-        if ph.average:  # local SGD: the ranks' parameters and BatchNorm statistics averaged, blocking
+        if ph.local:
+            self.own_weights = True
+        if ph.average:  # the ranks' parameters and BatchNorm statistics averaged, blocking
             ta = time.perf_counter()
-            sent += self.average()
+            sent += sync.average_parameters_()
             sync_buffers_(model, self.comm, "average")
             averaged = time.perf_counter() - ta
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
+        meta, at = sync.meta, self.slots
         loss_sum, correct_sum, votes, saves = (float(meta[at[k]][0]) for k in _SUMS)
         # Every step starts together (right after the previous step's exchange), so a rank whose last
         # gradient was ready `max(ready) - ready` before the slowest rank's waited that long for it;
@@ -155,18 +161,18 @@ class MPIRanks:
         ready = meta[at["ready"]]
         wait = min(cstats.exposed, max(0.0, float(ready.max() - ready[self.rank]))) if self.np_ > 1 else 0.0
         self._prev_net = cstats.exposed - wait + averaged
-        # the first step reports no network time yet (0 s): any payload pairs with it
-        net_bytes, self._prev_sent = (sent if self._prev_sent is None else self._prev_sent), sent
+        tw = cstats.backward_end + cstats.exposed if cstats.backward_end else cstats.ready  # one rank: no wait
+        rec.spans = phase_spans(self.rank, (t0, t1, tf, cstats.backward_end or tw, tw, t2))
+        rec.flights = [(self.rank, k, n, a, b) for k, n, a, b in cstats.flights]
+        for c in self.components:
+            c.on_step(rec)
         # compute: forward + backward + optimizer, the time spent waiting in finish() (and averaging) taken out
         return StepResult(loss_sum, correct_sum, votes, time=t2 - t0,
                           compute=(t2 - t1) - cstats.exposed - averaged, comm=cstats.total + averaged,
                           comm_exposed=cstats.exposed + averaged, data=t1 - t0,
-                          bytes_sent=sent, comm_wait=wait, save_votes=saves,
-                          ranks_compute=ready.copy(), ranks_network=meta[at["network"]].copy(),
-                          network_bytes=net_bytes,
-                          ranks_grad_sq=grad_sq, avg_grad_sq=avg_sq, timeline=self._timeline(t0, t1, tf, cstats, t2))
+                          bytes_sent=sent, comm_wait=wait, save_votes=saves)
 
-    def _fill_meta(self, loss, out, y, stop, save) -> None:
+    def _fill_meta(self, loss, out, y, stop, save, images: int) -> None:
         """This rank's share of the values that ride with the last gradient bucket (``GradSync.meta``).
 
         The step's metrics and the stop vote are known once the forward is done; riding with the last
@@ -177,18 +183,10 @@ class MPIRanks:
             correct = (out.argmax(1) == y).sum()
         want_save = bool(save()) if save is not None else False
         meta, at = self.gsync.meta, self.slots
-        meta[[at[k].start for k in _SUMS]] = (loss.item() * self.batch, correct.item(), want_stop, want_save)
+        meta[[at[k].start for k in _SUMS]] = (loss.item() * images, correct.item(), want_stop, want_save)
         nets = meta[at["network"]]
         nets[:] = 0.0
         nets[self.rank] = self._prev_net
-
-    def _timeline(self, t0: float, t1: float, tf: float, cstats, t2: float):
-        """With ``Config.trace``, the step's phases (data from t0, forward from t1, backward from tf, the
-        wait from the end of backward, the optimizer from the wait's end to t2) and its messages' flights."""
-        if not self.trace:
-            return None
-        tw = cstats.backward_end + cstats.exposed if cstats.backward_end else cstats.ready  # one rank: no wait
-        return Timeline(self.rank, (t0, t1, tf, cstats.backward_end or tw, tw, t2), cstats.flights)
 
     def set_batch(self, batch: int) -> None:
         """A batch-size ramp's next batch: the same shard, cut into batches of ``batch``."""
@@ -204,8 +202,9 @@ class MPIRanks:
         """Every rank's own state, in rank order on rank 0 (None elsewhere): its BatchNorm running
         statistics (per rank with bn=local until settled) and its torch RNG state. A collective."""
         mine = {"bn": [b.detach().cpu().clone() for b in bn_buffers(model)], "rng": torch.get_rng_state()}
-        if self.local:  # local SGD: this rank's own parameters and momentum (see pilab.engine.localsgd)
-            mine["local"] = localsgd.rank_state(self.params, self.optimizer)
+        if self.own_weights:  # after a local step: this rank's own parameters and momentum (local SGD)
+            mine["local"] = {"params": [p.detach().clone() for p in self.params],
+                             "opt": [copy.deepcopy(self.optimizer.state.get(p, {})) for p in self.params]}
         if self.comm is None or self.np_ == 1:
             return [mine]
         return self.comm.gather(mine, root=0)
@@ -219,8 +218,11 @@ class MPIRanks:
         with torch.no_grad():
             for b, v in zip(bn_buffers(model), states["bn"]):
                 b.copy_(v)
-        if self.local and "local" in states:
-            localsgd.load_rank_state_(self.params, self.optimizer, states["local"])
+            if "local" in states:  # each rank's own weights and momentum (local SGD)
+                self.own_weights = True
+                for p, v, st in zip(self.params, states["local"]["params"], states["local"]["opt"]):
+                    p.copy_(v)
+                    self.optimizer.state[p] = copy.deepcopy(st)
         torch.set_rng_state(states["rng"])
 
     def hosts(self) -> list[str]:

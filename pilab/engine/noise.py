@@ -18,15 +18,18 @@ does, their means over many steps (here: an epoch's) are divided, not the per-st
     next_batch(8, [8, 16, 32], 48, ns.value())           # the ramp's choice for the next epoch
 
 ``rank_sq`` are each rank's squared gradient norms *as sent*, i.e. of its share ``g_r / np`` of the
-average (``pilab.dist.helpers.squared_norm``; GradSync's per-rank slots carry them, exactly, so every rank
-and the simulator hold the same numbers and choose the same batch).
+average (``pilab.dist.squared_norm``, taken in the component's ``on_rank_grads`` moment; a slot of one
+value per rank carries them with the step's metrics, exactly, so every rank and the simulator hold the
+same numbers and choose the same batch).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from ..component import Component
+from ..component import Component, Stage
+from ..config import ConfigError
+from ..dist import squared_norm
 
 
 class NoiseScale:
@@ -95,6 +98,7 @@ class NoiseRamp(Component):
     ahead, so the learning-rate schedule runs in epochs (``session.schedule_in_epochs``)."""
 
     name = "gns"
+    stage = Stage.MEASURE  # the averaged gradient's norm as it is, before clipping changes it
 
     @classmethod
     def wanted(cls, cfg, ranks) -> bool:
@@ -103,6 +107,35 @@ class NoiseRamp(Component):
     def __init__(self, cfg, ranks):
         super().__init__(cfg, ranks)
         self.scale = NoiseScale()
+        self.sq: dict = {}  # this step's per-tensor squared norms of each rank's share, as sent, by rank
+        self.avg_sq = None
+        self.last = None  # the last step's (every rank's squared norm, the average's), if it exchanged
+
+    def setup(self, cfg, ranks) -> None:
+        super().setup(cfg, ranks)
+        if ranks.simulated and cfg.bn == "sync" and ranks.np_ > 1:
+            raise ConfigError(f"bn=sync runs all ranks in one forward, but batch_ramp={cfg.batch_ramp!r} needs "
+                              "each rank's own gradient; use bn=local, or run it under mpiexec")
+        if ranks.simulated and cfg.simulate_mode == "fast":
+            raise ConfigError(f"simulate_mode=fast runs several ranks per forward, but batch_ramp={cfg.batch_ramp!r} "
+                              "needs each rank's own gradient; use simulate_mode=exact")
+
+    def slots(self, np_: int) -> dict:
+        return {"grad_sq": np_} if np_ > 1 else {}
+
+    def on_rank_grads(self, rank, grads: list) -> None:
+        # per tensor, added exactly (fsum) at the end: the same bits however the pieces come
+        mine = self.sq.setdefault(rank.rank, [])  # one rank here; the simulator's each in turn
+        mine += [squared_norm([g]) for g in grads]
+        rank.send["grad_sq"][rank.rank] = math.fsum(mine)
+
+    def on_grads(self, grads: list) -> None:
+        if self.sq:  # a step whose gradients were averaged over 2+ ranks
+            self.avg_sq = squared_norm(grads)
+
+    def on_step(self, rank) -> None:
+        self.last = (rank.sums["grad_sq"].copy(), self.avg_sq) if self.avg_sq is not None else None
+        self.sq, self.avg_sq = {}, None
 
     def start(self, session) -> None:
         self.session = session
@@ -110,8 +143,8 @@ class NoiseRamp(Component):
         session.follow_plan(dataclasses.replace(self.cfg, batch_ramp=""))  # nothing chosen yet
 
     def after_step(self, session, epoch: int, step: int, st) -> list:
-        if st.avg_grad_sq is not None:
-            self.scale.add(st.ranks_grad_sq, st.avg_grad_sq, session.batch, session.np_)
+        if self.last is not None:
+            self.scale.add(*self.last, session.batch, session.np_)
         return []
 
     def end_epoch(self, session, epoch: int, rec: dict) -> None:

@@ -11,7 +11,7 @@ node nobody can reach any more::
 
     from pilab.engine.watchdog import Watchdog
     with Watchdog(comm, hang_s=120) as wd:             # a collective: call it on every rank
-        train.run(cfg, comm, stop=wd.polled(stop))     # each poll of `stop` is one step of progress
+        pilab.train(cfg, comm, stop=wd.polled(stop))     # each poll of `stop` is one step of progress
 
 ``hang_s`` must exceed the longest quiet stretch of a healthy run: one step, one evaluation, one
 checkpoint (on the Pi cluster at most ~20 s at the study's settings). Default: ``DEFAULT_HANG_S``
@@ -164,7 +164,7 @@ class Watchdog:
         self.last = time.monotonic()
 
     def polled(self, stop=None):
-        """A ``stop`` callable for ``train.run`` that counts each poll (once per step) as progress."""
+        """A ``stop`` callable for ``pilab.train`` that counts each poll (once per step) as progress."""
         def poll() -> bool:
             self.beat()
             return bool(stop()) if stop is not None else False

@@ -13,16 +13,16 @@ Every control maps to one ``Config`` field; dropdowns list ``config.CHOICES`` an
 """
 from __future__ import annotations
 
-import html
-
+import copy
 import dataclasses
+import html
 import os
 
 import ipywidgets as W
 
 from .. import plots
 from ..config import CHOICES, Config, ConfigError, small_mode
-from ..models.names import MODEL_NAMES, WIDTH_RANGE
+from ..models import MODEL_NAMES, WIDTH_RANGE
 
 __all__ = ["ControlPanel", "Progress", "quickstart_config", "small_mode"]
 
@@ -92,16 +92,18 @@ class ControlPanel:
     (a :class:`pilab.lab.cluster.Engines`, or None to train in this kernel). See the module docstring.
 
     ``settings_only=True`` shows just the settings, for a cell below that reads ``panel.config()``
-    (a study picks its own process counts, so a process slider or live plots would mislead)::
+    (a study picks its own process counts, so a process slider or live plots would mislead).
+    ``components``: your own (``pilab.Component``), in every run it starts::
 
         panel = widgets.ControlPanel(None, scaling.notebook_config(), settings_only=True)   # pilab.study.scaling
         study = scaling.study(panel.config(), **scaling.notebook_sweep())
     """
 
     def __init__(self, lab=None, cfg: Config | None = None, *, live: plots.LivePlot | None = None,
-                 settings_only: bool = False):
+                 settings_only: bool = False, components=()):
         self.lab = lab
         self.settings_only = settings_only
+        self.components = list(components)  # yours (pilab.Component), a fresh copy in every run
         self.base = cfg if cfg is not None else quickstart_config(live=True)
         self.live = live if live is not None or settings_only else plots.LivePlot()
         self.run = None
@@ -182,12 +184,13 @@ class ControlPanel:
         self.result = None
         self.progress.value, self.progress.max, self.progress.bar_style = 0, 1, ""
         callbacks = [self.live, self._on_event]
+        components = [copy.deepcopy(c) for c in self.components]
         if self.lab is not None:
-            self.run = self.lab.train(cfg, np_, callbacks=callbacks)
+            self.run = self.lab.train(cfg, np_, callbacks=callbacks, components=components)
         else:
             from .cluster import LocalRun
 
-            self.run = LocalRun(cfg, callbacks=callbacks)
+            self.run = LocalRun(cfg, callbacks=callbacks, components=components)
         self.start_button.disabled, self.stop_button.disabled = True, False
         self._say(f"starting on {np_} process(es)…")
         return self.run

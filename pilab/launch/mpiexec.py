@@ -9,6 +9,8 @@ performance model's micro-benchmark, the cluster helper and the benchmarks::
 
 Library code launches rank-side entry modules through :func:`run_job`, never the CLI. Loads neither
 torch nor MPI (the CLI's ``--help`` imports it).
+
+The MPI behind ``mpiexec``: which library it belongs to, and whether mpi4py's is of the same family.
 """
 from __future__ import annotations
 
@@ -226,7 +228,7 @@ def run_job(np_: int, module: str, payload: Mapping[str, Any] | None = None, *, 
             answer_dir: str | None = None) -> dict:
     """Run ``mpiexec -n np python -m module ANSWER.json <payload as flags>`` and return the JSON its
     rank 0 wrote to ANSWER.json; every rank-side entry module (``pilab.engine.harness``, ``pilab.bench.mpijobs``,
-    ``pilab.perfmodel.ranks`` …) takes that path first and its payload as flags (:func:`job_argv`)::
+    ``pilab.perfmodel.calibrate`` …) takes that path first and its payload as flags (:func:`job_argv`)::
 
         res = launch.run_job(2, "pilab.bench.mpijobs", {"quick": True}, env={"OMP_NUM_THREADS": "1"})
 
@@ -256,3 +258,35 @@ def run_job(np_: int, module: str, payload: Mapping[str, Any] | None = None, *, 
             raise JobError(name, 0, (p.stderr or "") + "\n(exit 0, but rank 0 wrote no answer)", cmd)
         with open(answer) as f:
             return json.load(f)
+
+
+def mpiexec_library(mpiexec: str) -> str:
+    """What ``mpiexec --version`` says it belongs to: "MPICH 4.1.2 (Hydra)", "Open MPI 4.1.4", …"""
+    try:
+        p = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({e})"
+    text = p.stdout + p.stderr
+    if "HYDRA" in text:
+        ver = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
+                    if ln.strip().startswith("Version:")), "?")
+        return f"MPICH {ver} (Hydra)"
+    first = text.strip().splitlines()[0] if text.strip() else "unknown"
+    if "Open MPI" in text or "OpenRTE" in text:
+        return "Open MPI " + first.split()[-1]
+    return first
+
+
+def mpi_family(text: str) -> str:
+    t = text.lower()
+    if "open mpi" in t:
+        return "openmpi"
+    for name in ("mvapich", "intel", "mpich"):  # MVAPICH and Intel MPI say MPICH too
+        if name in t:
+            return name
+    return t.split()[0] if t.split() else "?"
+
+
+def same_family(library: str, launcher: str) -> bool:
+    """True when mpi4py's library and mpiexec come from the same MPI (MPICH/Hydra, Open MPI, …)."""
+    return mpi_family(library) == mpi_family(launcher)

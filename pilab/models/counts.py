@@ -4,6 +4,10 @@ models with these; the performance model and memory prediction use them.
 
     from pilab.models.counts import count_parameters, forward_macs, counted_train_flops
     forward_macs(model, image_size=32); counted_train_flops(model, image_size=64)
+
+Which weights of a model are which kind, for a rule that treats them apart (Muon's: ``Config.muon_on``)::
+
+    muon_weights(build_model("mobilenetv2_cifar", width=0.25), "conv")   # 35 dense convolutions' filters
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _hooked_forward(model: nn.Module, hooks, image_size: int) -> None:
+def hooked_forward(model: nn.Module, hooks, image_size: int) -> None:
     """One eval-mode forward of a single zero image with ``hooks`` ((module, fn) pairs) attached;
     the hooks are removed and the model's train/eval mode restored afterwards."""
     param = next(model.parameters())
@@ -35,8 +39,8 @@ def _hooked_forward(model: nn.Module, hooks, image_size: int) -> None:
         model.train(was_training)
 
 
-def _numel(out) -> int:
-    """Elements a layer wrote in ``_hooked_forward``'s one-image forward: all of its output (a spiking
+def output_numel(out) -> int:
+    """Elements a layer wrote in ``hooked_forward``'s one-image forward: all of its output (a spiking
     layer's batch holds that image's T steps), or the first tensor of a tuple (a neuron's spikes)."""
     return (out[0] if isinstance(out, (tuple, list)) else out).numel()
 
@@ -53,13 +57,13 @@ def forward_macs(model: nn.Module, image_size: int = 32) -> int:
     def conv_hook(m: nn.Conv2d, inp, out):
         nonlocal total
         k = m.kernel_size[0] * m.kernel_size[1] * (m.in_channels // m.groups)
-        total += _numel(out) * k  # the forward has one image
+        total += output_numel(out) * k  # the forward has one image
 
     def linear_hook(m: nn.Linear, inp, out):
         nonlocal total
-        total += _numel(out) * m.in_features
+        total += output_numel(out) * m.in_features
 
-    _hooked_forward(model, [(m, conv_hook if isinstance(m, nn.Conv2d) else linear_hook)
+    hooked_forward(model, [(m, conv_hook if isinstance(m, nn.Conv2d) else linear_hook)
                             for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))],
                     image_size)
     return total
@@ -86,3 +90,20 @@ def counted_train_flops(model: nn.Module, image_size: int = 32) -> float:
     finally:
         model.train(was_training)
     return 3.0 * float(counter.get_total_flops())
+
+
+def muon_weights(model: nn.Module, on: str = "conv") -> list[nn.Parameter]:
+    """The trainable weights ``on`` names (``Config.muon_on``): dense convolutions' filters; with
+    ``depthwise`` also depthwise filters (``groups`` = input channels: each output channel has its own k x k
+    filter, so the matrix Muon would orthogonalise is a stack of unrelated filters); with ``head`` also
+    every ``nn.Linear`` (the classifier)."""
+    parts = set(on.split("+"))
+    out = []
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d) and m.weight.requires_grad:
+            depthwise = m.groups > 1 and m.groups == m.in_channels
+            if not depthwise or "depthwise" in parts:
+                out.append(m.weight)
+        elif isinstance(m, nn.Linear) and "head" in parts and m.weight.requires_grad:
+            out.append(m.weight)
+    return out

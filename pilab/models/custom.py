@@ -36,7 +36,7 @@ from .names import BUILDER_HINT, ModelError, check_builder_spec, check_named
 
 # builders given as Python functions that no other process could import (defined in __main__, a
 # notebook cell, a closure): this process only, by the string model_spec gave them
-_LOCAL: dict[str, Callable[..., nn.Module]] = {}
+LOCAL_BUILDERS: dict[str, Callable[..., nn.Module]] = {}
 
 
 def model_spec(fn: Callable[..., nn.Module]) -> str:
@@ -57,19 +57,19 @@ def model_spec(fn: Callable[..., nn.Module]) -> str:
     except ModelError:
         found = False
     if not found:
-        _LOCAL[spec] = fn
+        LOCAL_BUILDERS[spec] = fn
     return spec
 
 
 def is_local(spec: str) -> bool:
     """True when ``spec`` names a function only this process holds (MPI ranks could not import it)."""
-    return spec in _LOCAL
+    return spec in LOCAL_BUILDERS
 
 
 def load_builder(spec: str) -> Callable[..., nn.Module]:
     """The builder function ``spec`` names ("package.module:function" or "path/to/file.py:function")."""
-    if spec in _LOCAL:
-        return _LOCAL[spec]
+    if spec in LOCAL_BUILDERS:
+        return LOCAL_BUILDERS[spec]
     try:
         check_builder_spec(spec)
     except ValueError as e:
@@ -90,7 +90,7 @@ def source_file(spec: str) -> str | None:
 
         source_file("nets/mine.py:build")   # "/home/me/nets/mine.py"
     """
-    if spec in _LOCAL or ":" not in spec:
+    if spec in LOCAL_BUILDERS or ":" not in spec:
         return None
     module = spec.rsplit(":", 1)[0]
     if module.endswith(".py"):
@@ -114,14 +114,14 @@ def source_digest(spec: str) -> dict | None:
     if not isinstance(spec, str) or ":" not in spec:
         return None
     path = source_file(spec)
-    if path is None and spec not in _LOCAL:
+    if path is None and spec not in LOCAL_BUILDERS:
         try:  # a package's module: where its import found it
             path = getattr(sys.modules.get(spec.rsplit(":", 1)[0]) or inspect.getmodule(load_builder(spec)),
                            "__file__", None)
         except ModelError:
             path = None
     if path is None:
-        fn = _LOCAL.get(spec)
+        fn = LOCAL_BUILDERS.get(spec)
         try:
             text = inspect.getsource(fn) if fn is not None else None
         except (OSError, TypeError):

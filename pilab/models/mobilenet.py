@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 # t (expansion), c (output channels), n (blocks), s (stride of the first block), as in the paper.
-_MOBILENETV2_SETTING = (
+MOBILENETV2_SETTING = (
     (1, 16, 1, 1),
     (6, 24, 2, 2),
     (6, 32, 3, 2),
@@ -22,7 +22,7 @@ _MOBILENETV2_SETTING = (
     (6, 320, 1, 1),
 )
 
-def _make_divisible(v: float, divisor: int = 8, min_value: Optional[int] = None) -> int:
+def make_divisible(v: float, divisor: int = 8, min_value: Optional[int] = None) -> int:
     """Round a channel count to a multiple of ``divisor`` without losing more than 10% (torchvision's rule)."""
     if min_value is None:
         min_value = divisor
@@ -110,14 +110,14 @@ class MobileNetV2(nn.Module):
     def __init__(self, num_classes: int = 1000, width: float = 1.0, cifar: bool = False,
                  dropout: float = 0.2, in_channels: int = 3):
         super().__init__()
-        input_channel = _make_divisible(32 * width)
-        self.last_channel = _make_divisible(1280 * max(1.0, width))
+        input_channel = make_divisible(32 * width)
+        self.last_channel = make_divisible(1280 * max(1.0, width))
         self.cifar = cifar
         features: List[nn.Module] = [ConvBNReLU6(in_channels, input_channel, stride=1 if cifar else 2)]
-        for stage, (t, c, n, s) in enumerate(_MOBILENETV2_SETTING):
+        for stage, (t, c, n, s) in enumerate(MOBILENETV2_SETTING):
             if cifar and stage == 1:
                 s = 1
-            output_channel = _make_divisible(c * width)
+            output_channel = make_divisible(c * width)
             for i in range(n):
                 features.append(InvertedResidual(input_channel, output_channel, s if i == 0 else 1, t))
                 input_channel = output_channel

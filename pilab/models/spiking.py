@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .counts import count_parameters
-from .mobilenet import _make_divisible
+from .mobilenet import make_divisible
 from .names import SNN_INSTALL_HINT
 
 DEFAULT_TIMESTEPS = 4  # time steps a spiking model runs per image unless told otherwise
 
 
-def _snntorch():
+def import_snntorch():
     """snntorch and its surrogate module, imported only when a spiking model is built."""
     try:
         import snntorch
@@ -29,7 +29,7 @@ def _snntorch():
     return snntorch, surrogate
 
 
-def _fold_time_into_height(x: torch.Tensor, t: int) -> torch.Tensor:
+def fold_time_into_height(x: torch.Tensor, t: int) -> torch.Tensor:
     """(B*T, C, H, W), image-major -> (B, C, T*H, W): a BatchNorm2d on it normalises each channel over
     batch, time and space (tdBN) while dim 0 stays one row per image, so a rank's images stay its own.
     A view when ``x`` is channels_last (what the engine feeds), a copy otherwise."""
@@ -37,8 +37,8 @@ def _fold_time_into_height(x: torch.Tensor, t: int) -> torch.Tensor:
     return x.permute(0, 2, 3, 1).reshape(bt // t, t * h, w, c).permute(0, 3, 1, 2)
 
 
-def _unfold_time(x: torch.Tensor, t: int) -> torch.Tensor:
-    """(B, C, T*H, W) -> (B, T, C, H, W), the inverse of ``_fold_time_into_height``."""
+def unfold_time(x: torch.Tensor, t: int) -> torch.Tensor:
+    """(B, C, T*H, W) -> (B, T, C, H, W), the inverse of ``fold_time_into_height``."""
     b, c, th, w = x.shape
     return x.permute(0, 2, 3, 1).reshape(b, t, th // t, w, c).permute(0, 1, 4, 2, 3)
 
@@ -54,7 +54,7 @@ class LIFLayer(nn.Module):
 
     def __init__(self, beta: float):
         super().__init__()
-        snn, surrogate = _snntorch()
+        snn, surrogate = import_snntorch()
         device = torch.empty(0).device  # where the model is being built (the default device's context)
         with torch.device("cpu"):  # Leaky's constructor reads a buffer back (.item()): not on meta
             self.neuron = snn.Leaky(beta=beta, threshold=1.0, spike_grad=surrogate.atan(),
@@ -92,7 +92,7 @@ class SpikingConv(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = self.timesteps
-        cur = _unfold_time(self.bn(_fold_time_into_height(self.conv(x), t)), t)
+        cur = unfold_time(self.bn(fold_time_into_height(self.conv(x), t)), t)
         return self.lif(cur).flatten(0, 1)  # spikes, (B*T, C, H, W)
 
 
@@ -123,7 +123,7 @@ class SpikingCNN(nn.Module):
     def __init__(self, num_classes: int = 10, width: float = 1.0, timesteps: int = DEFAULT_TIMESTEPS,
                  beta: float = 0.5, in_channels: int = 3):
         super().__init__()
-        c = _make_divisible(32 * width)
+        c = make_divisible(32 * width)
         self.timesteps = timesteps
         self.encoder = SpikingEncoder(in_channels, c, timesteps, beta)
         self.blocks = nn.Sequential(

@@ -1,6 +1,6 @@
 """The CNNs pilab trains, by registry name, plus parameter and FLOP counts for the performance model.
 
-    from pilab.models.zoo import build_model, count_parameters, train_flops_per_image
+    from pilab.models import build_model, count_parameters, train_flops_per_image
     model = build_model("mobilenetv2_cifar", num_classes=10, width=0.5)
     logits = model(images.to(memory_format=torch.channels_last))   # (N, 3, 32, 32) -> (N, 10)
     count_parameters(build_model("mobilenetv2"))                     # 2_236_682
@@ -33,25 +33,21 @@ import torch
 from torch import nn
 
 from . import custom
-from .counts import _hooked_forward, _numel, count_parameters, counted_train_flops, forward_macs  # noqa: F401
-from .mobilenet import (_MOBILENETV2_SETTING, ConvBNReLU6, InvertedResidual, MobileNetV2, ReLU6,  # noqa: F401
-                        _make_divisible)
-from .names import is_builder_spec
-from .names import (MODEL_NAMES, SNN_INSTALL_HINT, SPIKING_MODELS, SPIKING_WIDTH_RANGE,  # noqa: F401
-                    WIDTH_RANGE, check_width)
-from .spiking import (DEFAULT_TIMESTEPS, LIFLayer, SpikingCNN, SpikingConv, SpikingEncoder, _snntorch,  # noqa: F401
-                      _fold_time_into_height, _unfold_time, synaptic_ops)
-from .squeezenet import Fire, SqueezeNet11  # noqa: F401
+from .counts import counted_train_flops, forward_macs, hooked_forward, output_numel
+from .mobilenet import MobileNetV2
+from .names import MODEL_NAMES, SPIKING_MODELS, check_width, is_builder_spec
+from .spiking import DEFAULT_TIMESTEPS, SpikingCNN
+from .squeezenet import SqueezeNet11
 
 _REGISTRY: Dict[str, Callable[..., nn.Module]] = {}
-_TAKES_TIMESTEPS: set = set()  # spiking models: their builders also take ``timesteps``
+TAKES_TIMESTEPS: set = set()  # spiking models: their builders also take ``timesteps``
 
 
 def _register(name: str, timesteps: bool = False):
     def deco(fn):
         _REGISTRY[name] = fn
         if timesteps:
-            _TAKES_TIMESTEPS.add(name)
+            TAKES_TIMESTEPS.add(name)
         return fn
     return deco
 
@@ -81,7 +77,7 @@ def _spiking_cnn(num_classes: int, width: float, timesteps: int = DEFAULT_TIMEST
 
 # The names and widths are declared in pilab.models.names (torch-free, so that Config validation and `--help`
 # need no torch); the builders registered here must be exactly those.
-assert tuple(_REGISTRY) == MODEL_NAMES and tuple(sorted(_TAKES_TIMESTEPS)) == tuple(sorted(SPIKING_MODELS)), \
+assert tuple(_REGISTRY) == MODEL_NAMES and tuple(sorted(TAKES_TIMESTEPS)) == tuple(sorted(SPIKING_MODELS)), \
     "pilab/models/zoo.py and pilab/models/names.py disagree on the models"
 
 
@@ -109,7 +105,7 @@ def build_model(name: str, num_classes: int = 10, width: float = 1.0, *,
         raise ValueError(f"num_classes={num_classes!r} must be a positive int")
     if is_builder_spec(name):  # your own model (pilab.models.custom)
         return custom.build(name, num_classes, float(width), timesteps=timesteps)
-    if name not in _TAKES_TIMESTEPS:
+    if name not in TAKES_TIMESTEPS:
         return _REGISTRY[name](num_classes, float(width), in_channels=in_channels)
     timesteps = DEFAULT_TIMESTEPS if timesteps is None else timesteps
     if isinstance(timesteps, bool) or not isinstance(timesteps, int) or timesteps < 1:
@@ -146,10 +142,10 @@ def _leaf_outputs(name: str, width: float, num_classes: int, image_size: int,
 
     def hook(m, inp, out):
         nonlocal total, largest
-        total += _numel(out)
-        largest = max(largest, _numel(out))
+        total += output_numel(out)
+        largest = max(largest, output_numel(out))
 
-    _hooked_forward(model, [(m, hook) for m in model.modules() if next(m.children(), None) is None],
+    hooked_forward(model, [(m, hook) for m in model.modules() if next(m.children(), None) is None],
                     image_size)
     return total, largest
 

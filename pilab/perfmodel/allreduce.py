@@ -10,8 +10,7 @@ from __future__ import annotations
 import functools
 
 from ..config import ConfigError
-from .assumptions import ELEMENT_BYTES
-from .machine import ALGORITHMS, Cluster
+from .machine import ALGORITHMS, ELEMENT_BYTES, Cluster
 
 
 def _pof2(p: int) -> int:
@@ -165,7 +164,7 @@ def allreduce_phases(nbytes: float, p: int, cluster: Cluster, algorithm: str | N
     return [(k, t) for k, t in phases]
 
 
-def _critical_counts(p: int, nbytes: float, algorithm: str, short_msg_bytes: int = 2048):
+def critical_counts(p: int, nbytes: float, algorithm: str, short_msg_bytes: int = 2048):
     """(rounds, bytes on the critical path) on one flat link: the alpha and beta coefficients."""
     rounds = allreduce_rounds(p, nbytes, algorithm, 0, short_msg_bytes)
     return len(rounds), sum(max(b for _, _, b, _ in rnd) for rnd in rounds)

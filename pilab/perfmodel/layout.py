@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from ..dist.buckets import bucket_assignment
+from ..dist import bucket_assignment
 
 
 # ----------------------------------------------------------------------------------------------
@@ -29,7 +29,7 @@ def model_profile(model: str, width: float, timesteps: int | None = None) -> dic
                                                    #  "gradient_layout": [[numel, ready], ...], "bn_channels": [...]}
 
     None where it cannot be measured (a model that does not take 32x32 probe images)."""
-    from ..models.zoo import activation_elements, train_flops_per_image  # torch: see the module docstring
+    from ..models import activation_elements, train_flops_per_image  # torch: see the module docstring
     try:
         return {"model": model, "width": float(width), "timesteps": timesteps,
                 "flops_per_image": float(train_flops_per_image(model, width, timesteps=timesteps)),
@@ -59,7 +59,7 @@ def flops_per_image(model: str, width: float, timesteps: int | None = None) -> f
     rec = _recorded(model, width, timesteps, "flops_per_image")
     if rec is not None:
         return float(rec)
-    from ..models.zoo import train_flops_per_image
+    from ..models import train_flops_per_image
     return train_flops_per_image(model, width, timesteps=timesteps)
 
 
@@ -68,7 +68,7 @@ def activations_per_image(model: str, width: float, timesteps: int | None = None
     rec = _recorded(model, width, timesteps, "activations_per_image")
     if rec is not None:
         return float(rec)
-    from ..models.zoo import activation_elements
+    from ..models import activation_elements
     return activation_elements(model, width, timesteps=timesteps)
 
 
@@ -91,8 +91,8 @@ def _measured_layout(model: str, width: float) -> tuple[tuple[int, float], ...]:
     import torch  # here, not at the top: see the module docstring
     from torch import nn
 
-    from ..models.custom import input_channels
-    from ..models.zoo import probe_model
+    from ..models import input_channels
+    from ..models import probe_model
 
     net = probe_model(model, width=width)
     order: list[nn.Module] = []
@@ -163,7 +163,7 @@ def _measured_bn_channels(model: str, width: float) -> tuple[int, ...]:
     # here, not at the top: see the module docstring
     from torch.nn.modules.batchnorm import _BatchNorm  # every BatchNorm: your own model's 1d and 3d too
 
-    from ..models.zoo import probe_model
+    from ..models import probe_model
 
     return tuple(m.num_features for m in probe_model(model, width=width).modules() if isinstance(m, _BatchNorm))
 
@@ -180,7 +180,7 @@ def optimizer_work(cfg) -> float:
     return _muon_flops(cfg.model, cfg.width, cfg.muon_on) if cfg.optimizer == "muon" else 0.0
 
 
-MUON_NS_STEPS = 3  # pilab.engine.muon.NS_STEPS (tests/test_fewstep.py checks they agree)
+MUON_NS_STEPS = 3  # pilab.engine.optim.NS_STEPS (tests/test_fewstep.py checks they agree)
 
 
 def ns_flops(shapes: list[tuple[int, int]], steps: int = MUON_NS_STEPS) -> float:
@@ -196,7 +196,7 @@ def ns_flops(shapes: list[tuple[int, int]], steps: int = MUON_NS_STEPS) -> float
 
 @functools.lru_cache(maxsize=None)
 def _muon_flops(model: str, width: float, on: str) -> float:
-    from ..models.weights import muon_weights  # torch: see the module docstring
-    from ..models.zoo import probe_model
+    from ..models import muon_weights  # torch: see the module docstring
+    from ..models import probe_model
 
     return ns_flops([(p.shape[0], p[0].numel()) for p in muon_weights(probe_model(model, width=width), on)])

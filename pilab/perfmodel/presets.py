@@ -101,7 +101,7 @@ def relinked(cluster: Cluster, *, alpha: float | None = None, mbps: float | None
 # Estimates, not measurements of this step: no one has run it on these boards here. What they rest on:
 # - pi5 (BCM2712, 4x Cortex-A76 @ 2.4 GHz, LPDDR4X-4267): HPL 30.2 Gflops at launch, 35.2 on the 8 GB board
 #   and 37.9 on the 16 GB one (github.com/geerlingguy/top500-benchmark, issues 18 and 51, and its README's
-#   table), against 11.4 for a CM4 at 1.5 GHz (issue 33) and 11.9 for a Pi 4B at 1.8 GHz (issue 13): 2.6-3.3x
+#   table), against 11.4 for a CM4 at 1.5 GHz and 11.9 for a Pi 4B at 1.8 GHz: 2.6-3.3x
 #   on dense FP64 matrix work; sysbench's one-core prime search 2737 against 1478 events/s, 1.85x
 #   (leoncode.co.uk/articles/raspberry-pi-benchmarks); Raspberry Pi's own launch claim, 2-3x the CPU
 #   performance of a Pi 4. MobileNetV2's step is mostly memory-bound depthwise convolutions, BatchNorm and

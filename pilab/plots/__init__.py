@@ -1,6 +1,6 @@
 """Bokeh figures for pilab: live while a run goes on, and from result / study dicts afterwards.
 
-Every function takes plain dicts (a ``train.run`` result, a ``pilab.study.scaling.study`` result, or their JSON) and
+Every function takes plain dicts (a ``pilab.train`` result, a ``pilab.study.scaling.study`` result, or their JSON) and
 returns a Bokeh figure or layout, so notebooks and the HTML report draw the same pictures::
 
     from pilab import plots
@@ -13,21 +13,18 @@ returns a Bokeh figure or layout, so notebooks and the HTML report draw the same
     html = bokeh.embed.file_html(plots.report_layout(study), INLINE, "scaling")   # the report
 
 One module per kind of picture: ``base`` (what they all share, the notebook's Table and Paragraph),
-``run`` (one run, live or afterwards), ``study`` (a scaling study and its report page), ``remedies`` (a
-remedies search, a study over seeds) and ``compare`` (studies side by side, the paper).
+``run`` (one run, live or afterwards, and its trace's swim lanes), ``study`` (a scaling study and its
+report page, a remedies search, a study over seeds, studies side by side and the paper), ``static``
+(PNG and SVG with matplotlib).
 """
-from .base import (EXPERIMENTS, EPOCH_SOURCE, PART_COLORS, PART_LABELS, PARTS, RANK_SOURCE, STEP_SOURCE, Paragraph,
-                   Table, html_table, setup_notebook, show, show_committed)
-from .compare import compare_figures, models_figure, paper_figures
-from .remedies import remedies_figure, seeds_figure
-from .run import (LivePlot, accuracy_figure, loss_figure, rank_label, result_layout, run_summary,
-                  throughput_figure, timeline_figure)
-from .study import (curves_by_np, efficiency_figure, energy_figure, report_layout, scaling_dashboard,
-                    speedup_figure, study_accuracy_figure, study_cells, row_kind, table_notes, MODE_NOTE)
+from .. import lazy
 
-__all__ = ["setup_notebook", "show", "show_committed", "LivePlot", "loss_figure", "accuracy_figure",
-           "throughput_figure", "timeline_figure", "rank_label", "result_layout", "run_summary", "speedup_figure",
-           "efficiency_figure", "study_accuracy_figure", "curves_by_np", "energy_figure", "scaling_dashboard",
-           "report_layout", "study_cells", "row_kind", "table_notes", "MODE_NOTE", "remedies_figure", "seeds_figure", "models_figure", "compare_figures",
-           "paper_figures", "Table", "Paragraph", "html_table", "EXPERIMENTS", "STEP_SOURCE", "EPOCH_SOURCE",
-           "RANK_SOURCE", "PARTS", "PART_LABELS", "PART_COLORS"]
+__getattr__, __dir__, __all__ = lazy.face(__name__, {
+    "base": ["setup_notebook", "show", "show_committed", "Table", "Paragraph", "html_table", "EXPERIMENTS",
+            "STEP_SOURCE", "EPOCH_SOURCE", "RANK_SOURCE", "PARTS", "PART_LABELS", "PART_COLORS"],
+    "run": ["LivePlot", "loss_figure", "accuracy_figure", "throughput_figure", "timeline_figure", "rank_label",
+           "result_layout", "run_summary"],
+    "study": ["speedup_figure", "efficiency_figure", "study_accuracy_figure", "curves_by_np", "energy_figure",
+             "scaling_dashboard", "report_layout", "study_cells", "row_kind", "table_notes", "MODE_NOTE",
+             "remedies_figure", "seeds_figure", "models_figure", "compare_figures", "paper_figures"],
+})

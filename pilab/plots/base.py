@@ -18,7 +18,7 @@ from bokeh.plotting import figure
 STEP_SOURCE = "pilab_steps"
 EPOCH_SOURCE = "pilab_epochs"
 RANK_SOURCE = "pilab_ranks"
-LANE_SOURCE = "pilab_lanes"  # the live swim-lane (pilab.plots.lanes.LiveLanes)
+LANE_SOURCE = "pilab_lanes"  # the live swim-lane (pilab.plots.run.LiveLanes)
 
 W, H = 430, 260  # one panel, pixels
 # How a rank's wall time splits: these parts add up to it (the last two known once the run ended).
@@ -74,7 +74,7 @@ def show_committed(figure_path: str = "fast-but-wrong/compare.png", caption: str
     display(Image(filename=path))
 
 
-def _fig(title: str, x_label: str, y_label: str, **kw) -> figure:
+def new_figure(title: str, x_label: str, y_label: str, **kw) -> figure:
     p = figure(title=title, width=kw.pop("width", W), height=kw.pop("height", H),
                x_axis_label=x_label, y_axis_label=y_label, toolbar_location="right",
                tools="pan,wheel_zoom,box_zoom,reset,save", **kw)
@@ -86,7 +86,7 @@ def _fig(title: str, x_label: str, y_label: str, **kw) -> figure:
     return p
 
 
-def _legend_below(p: figure, ncols: int = 3) -> None:
+def legend_below(p: figure, ncols: int = 3) -> None:
     """The legend under the plot, off the data (curves that climb to the top right, or start there)."""
     if p.legend:
         legend = p.legend[0]
@@ -98,7 +98,7 @@ def _legend_below(p: figure, ncols: int = 3) -> None:
         p.height = H + 40
 
 
-def _legend_outside(p: figure) -> None:
+def legend_outside(p: figure) -> None:
     if p.legend:
         p.legend.location = "top_left"
         p.legend.click_policy = "hide"

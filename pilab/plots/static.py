@@ -26,7 +26,7 @@ CHANCE = 0.10
 DPI = 120
 
 
-def _pyplot():
+def get_pyplot():
     """matplotlib's pyplot on the file-only Agg backend (no display, no browser)."""
     import matplotlib
 
@@ -40,7 +40,7 @@ def _pyplot():
 def save(fig, png_path: str) -> str:
     """``png_path`` and the same name with .svg; the figure is closed. Written to temporary names, then
     renamed, so a failure leaves no half-written figure."""
-    plt = _pyplot()
+    plt = get_pyplot()
     base = os.path.splitext(png_path)[0]
     try:
         for ext in ("png", "svg"):
@@ -76,7 +76,7 @@ def _acc_axes(ax, title: str) -> None:
 def study_figure(study: dict):
     """A scaling study (``pilab scale``'s study.json): speedup against the ideal, efficiency, final test
     accuracy with the fast-but-wrong points marked, and test accuracy per epoch for each np."""
-    plt = _pyplot()
+    plt = get_pyplot()
     rows = sorted(study["rows"], key=lambda r: r["np"])
     nps = [r["np"] for r in rows]
     p0 = study.get("baseline_np", nps[0])
@@ -124,7 +124,7 @@ def study_figure(study: dict):
 def compare_figure(cmp: dict):
     """Studies side by side (``pilab compare``'s compare.json): final test accuracy against np per study,
     and each study's accuracy per epoch at its largest np."""
-    plt = _pyplot()
+    plt = get_pyplot()
     side = cmp.get("paper")
     fig, axs = plt.subplots(1, 3 if side else 2, figsize=(16 if side else 11, 4.2))
     if side:  # beside the paper (``compare --paper``): published speedups and the model's two predictions
@@ -161,7 +161,7 @@ def compare_figure(cmp: dict):
 def remedies_figure(res: dict):
     """A remedies search (remedies.json): each candidate's final accuracy against its predicted time, the
     fast-and-right front in red, the target as a line."""
-    plt = _pyplot()
+    plt = get_pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     cands = [c for c in res["candidates"] if c.get("final_test_acc") is not None]
     timed = [c for c in cands if c.get("epochs_time")]
@@ -182,7 +182,7 @@ def remedies_figure(res: dict):
 def seeds_figure(tab: dict):
     """A fast-and-right table over seeds (table.json): mean final accuracy ± sd against the predicted Pi
     speedup; squares np=1, the front in red, the target as a line."""
-    plt = _pyplot()
+    plt = get_pyplot()
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for r in tab["rows"]:
         colour = "crimson" if r.get("front") else "steelblue"
@@ -203,7 +203,7 @@ write_remedies = _guard(remedies_figure)
 write_seeds = _guard(seeds_figure)
 
 
-def _study_with_runs(path: str) -> dict:
+def study_with_runs(path: str) -> dict:
     """A committed study.json with each point's run read from the np<p>/result.json beside it (where the
     study names it instead of embedding it)."""
     with open(path) as f:
@@ -213,8 +213,8 @@ def _study_with_runs(path: str) -> dict:
         res = os.path.join(os.path.dirname(path), f"np{r['np']}", "result.json")
         if not isinstance(runs.get(str(r["np"])), dict) or "epochs" not in runs[str(r["np"])]:
             if os.path.exists(res):
-                with open(res) as f:
-                    runs[str(r["np"])] = json.load(f)
+                from .. import resultfile
+                runs[str(r["np"])] = resultfile.load(res)
     study["runs"] = runs
     return study
 
@@ -225,7 +225,7 @@ def regenerate(root: str) -> list[str]:
     for js in sorted(glob.glob(os.path.join(root, "**", "*.json"), recursive=True)):
         name = os.path.basename(js)
         if name == "study.json":
-            png = write_study(_study_with_runs(js), os.path.join(os.path.dirname(js), "report.png"))
+            png = write_study(study_with_runs(js), os.path.join(os.path.dirname(js), "report.png"))
         elif name == "compare.json":
             with open(js) as f:
                 png = write_compare(json.load(f), os.path.join(os.path.dirname(js), "compare.png"))

@@ -2,6 +2,16 @@
 table, and the whole report page::
 
     html = bokeh.embed.file_html(plots.report_layout(study), INLINE, "scaling")
+
+A remedies search and a fast-and-right study over seeds: accuracy per candidate, and against the
+predicted time on the Pi cluster with the Pareto front named::
+
+    plots.show(plots.remedies_figure(res))
+
+Studies side by side: one per model against np, a comparison's accuracy per epoch per np, and the
+published paper's speedups beside pilab's predictions::
+
+    plots.show(plots.models_figure({"MobileNetV2": a, "SqueezeNet 1.1": b}))
 """
 from __future__ import annotations
 
@@ -14,9 +24,87 @@ from bokeh.palettes import Category10
 from bokeh.plotting import figure
 
 from .. import verdict as judging
-from .base import H, _fig, _legend_below, _legend_outside, html_table
-from .remedies import remedies_figure
-from .run import timeline_figure, _epoch_columns
+from .base import H, html_table, legend_below, legend_outside, new_figure
+from .run import epoch_columns, timeline_figure
+
+
+def remedies_figure(res: Mapping):
+    """Final test accuracy of each remedy candidate at np (Pareto-front members in red), with the
+    target accuracy; beside it accuracy against predicted time when the performance model gave times."""
+    rows = [r for r in res.get("candidates", []) if "skipped" not in r]
+    labels = [r["label"] for r in rows][::-1]
+    src = ColumnDataSource({"label": labels,
+                            "acc": [r["final_test_acc"] for r in rows][::-1],
+                            "color": ["#d62728" if r.get("pareto") else "#4c78a8" for r in rows][::-1]})
+    p = figure(title=f"remedies at np={res.get('np')}: final test accuracy", y_range=labels,
+               width=560, height=max(200, 28 * len(labels) + 60), x_axis_label="test accuracy",
+               toolbar_location=None)
+    p.x_range = Range1d(0, 1)
+    p.hbar(y="label", right="acc", height=0.7, color="color", source=src)
+    target = res.get("target_accuracy")
+    if target:
+        p.ray(x=[target], y=[0], length=0, angle=1.5708, color="gray", line_dash="dashed")
+    p.add_tools(HoverTool(tooltips=[("", "@label"), ("test acc", "@acc{0.000}")]))
+    timed = [r for r in rows if r.get("epochs_time")]
+    if not timed:
+        return p
+    where = f" on {res['machine']}" if res.get("machine") else ""
+    q = new_figure(f"accuracy vs predicted time{where}", "predicted training time (s)", "test accuracy")
+    ts = [r["epochs_time"] for r in timed]
+    mid = (min(ts) + max(ts)) / 2
+    src_t = ColumnDataSource({"t": ts, "acc": [r["final_test_acc"] for r in timed],
+                              "label": [r["label"] for r in timed],
+                              "name": [r["label"] if r.get("pareto") else "" for r in timed],
+                              # labels of the right half point left, so none runs off the plot
+                              "align": ["right" if t > mid else "left" for t in ts],
+                              "dx": [-8 if t > mid else 8 for t in ts],
+                              "color": ["#d62728" if r.get("pareto") else "#4c78a8" for r in timed]})
+    q.scatter("t", "acc", size=9, color="color", source=src_t)
+    # room around the points for their labels (a label at the top or the right edge was cut off)
+    accs = src_t.data["acc"] + ([target] if target else [])
+    pad_t = (max(ts) - min(ts)) or max(ts) or 1.0
+    q.x_range = Range1d(min(ts) - 0.08 * pad_t, max(ts) + 0.08 * pad_t)
+    q.y_range = Range1d(max(min(accs) - 0.05, 0.0), min(max(accs) + 0.08, 1.0))
+    # the front's members named on the picture itself (the PNG has no hover)
+    q.add_layout(LabelSet(x="t", y="acc", text="name", source=src_t, x_offset="dx", y_offset=-5,
+                          text_align="align", text_font_size="10pt"))
+    if target:
+        q.line([min(src_t.data["t"]), max(src_t.data["t"])], [target, target], color="gray",
+               line_dash="dashed")
+    q.add_tools(HoverTool(tooltips=[("", "@label"), ("time", "@t{0} s"), ("test acc", "@acc{0.000}")]))
+    q.width, q.height = 480, 360
+    return row(p, q)
+
+
+def seeds_figure(tab: Mapping):
+    """A fast-and-right study over seeds (experiments/fast-but-wrong/remedies/seeds_table.py): each row's
+    final accuracy (mean, with its seeds' sd) against its predicted whole-run time on the Pi cluster (log scale), np=1 as squares,
+    the Pareto front in red and named, the target dashed."""
+    from bokeh.models import FixedTicker, Whisker
+    rows = tab["rows"]
+    t = [r["predicted_pi_time_s"] / 60 for r in rows]
+    acc = [r["acc_mean"] for r in rows]
+    sd = [r["acc_sd"] or 0.0 for r in rows]
+    src = ColumnDataSource({"t": t, "acc": acc, "lo": [a - d for a, d in zip(acc, sd)],
+                            "hi": [a + d for a, d in zip(acc, sd)], "n": [r["n"] for r in rows],
+                            "label": [f"{r['label']} (np={r['np']})" for r in rows],
+                            "name": [f"{r['label']} (np={r['np']})" if r.get("front") else "" for r in rows],
+                            "marker": ["square" if r["np"] == 1 else "circle" for r in rows],
+                            "color": ["#d62728" if r.get("front") else "#4c78a8" for r in rows]})
+    p = new_figure(f"final test accuracy vs predicted whole-run time on {tab['calibration']}",
+             "predicted whole run on the Pi cluster (min, log scale)", "test accuracy (all 10,000 images)",
+             x_axis_type="log", width=760, height=440)
+    p.scatter("t", "acc", marker="marker", size=10, color="color", source=src)
+    p.add_layout(Whisker(base="t", lower="lo", upper="hi", source=src, line_color="gray"))
+    p.add_layout(LabelSet(x="t", y="acc", text="name", source=src, x_offset=8, y_offset=-5, text_font_size="9pt"))
+    p.line([min(t) * 0.8, max(t) * 1.25], [tab["target"]] * 2, color="gray", line_dash="dashed",
+           legend_label=f"target {tab['target']:.3f} (np=1 - {100 * tab['goal_points']:.0f} point)")
+    p.x_range = Range1d(min(t) * 0.8, max(t) * 2.5)  # room on the right for the names
+    p.xaxis.ticker = FixedTicker(ticks=[v * 10 ** k for k in range(-1, 4) for v in (1, 2, 5)])
+    p.y_range = Range1d(0.0, min(1.0, max(acc + [tab["target"]]) + 0.08))
+    p.legend.location = "bottom_right"
+    p.add_tools(HoverTool(tooltips=[("", "@label"), ("time", "@t{0.0} min"), ("acc", "@acc{0.000} (n=@n)")]))
+    return p
 
 
 # ----------------------------------------------------------------------------------------------
@@ -81,7 +169,7 @@ def _np_axis(p: figure, study: Mapping) -> None:
 
 def _np_fig(title: str, y_label: str) -> figure:
     """A figure against np on a log axis: np 1, 2, 8, 48 spread out instead of 1 and 2 run together."""
-    return _fig(title, "processes (np, log scale)", y_label, x_axis_type="log")
+    return new_figure(title, "processes (np, log scale)", y_label, x_axis_type="log")
 
 
 def speedup_figure(study: Mapping) -> figure:
@@ -99,7 +187,7 @@ def speedup_figure(study: Mapping) -> figure:
     p.add_tools(HoverTool(tooltips=[("np", "@np"), ("speedup", "@speedup{0.00}"),
                                     ("efficiency", "@efficiency{0%}"), ("", "@verdict (@kind)")]))
     _np_axis(p, study)
-    _legend_below(p)
+    legend_below(p)
     return p
 
 
@@ -126,7 +214,7 @@ def efficiency_figure(study: Mapping) -> figure:
                                     ("comm waited", "@comm_exposed_share{0%}"),
                                     ("Karp-Flatt", "@karp_flatt{0.000}")]))
     _np_axis(p, study)
-    _legend_outside(p)
+    legend_outside(p)
     # below the plot: np=1's point (and its label) sits where a top-left legend would be
     if p.legend:
         legend = p.legend[0]
@@ -148,7 +236,7 @@ def study_accuracy_figure(study: Mapping) -> figure:
     p.add_tools(HoverTool(tooltips=[("np", "@np"), ("train", "@final_train_acc{0.000}"),
                                     ("test", "@final_test_acc{0.000}"), ("", "@verdict")]))
     _np_axis(p, study)
-    _legend_below(p)
+    legend_below(p)
     return p
 
 
@@ -159,10 +247,10 @@ def _runs(study: Mapping) -> list[tuple[int, Mapping]]:
 
 def curves_by_np(study: Mapping):
     """Per-np curves: test accuracy per epoch and training loss per step, one line per np."""
-    acc = _fig("test accuracy per epoch, by np", "epoch", "test accuracy")
+    acc = new_figure("test accuracy per epoch, by np", "epoch", "test accuracy")
     acc.y_range = Range1d(0, 1)
     acc.xaxis.ticker.min_interval = 1
-    loss = _fig("training loss by np", "fraction of training", "loss")
+    loss = new_figure("training loss by np", "fraction of training", "loss")
     runs = _runs(study)
     palette = Category10[10]
     # Curves that coincide (np=8 and np=48 both at chance) stay apart by dash and marker, the larger np
@@ -171,7 +259,7 @@ def curves_by_np(study: Mapping):
     order = sorted(enumerate(runs), key=lambda x: -x[1][0])
     for i, (np_, res) in order:
         color = palette[i % 10]
-        ep = _epoch_columns(res)
+        ep = epoch_columns(res)
         pts = [(e, a) for e, a in zip(ep["epoch"], ep["test_acc"]) if a is not None]
         if pts:
             width = 2 + 1.5 * (len(runs) - 1 - i) / max(len(runs) - 1, 1)
@@ -189,7 +277,7 @@ def curves_by_np(study: Mapping):
         # start at its top left
         if p.legend:
             p.legend[0].items = sorted(p.legend[0].items, key=lambda it: int(it.label.value.split("=")[1]))
-        _legend_below(p, ncols=4)
+        legend_below(p, ncols=4)
     return row(acc, loss)
 
 
@@ -262,7 +350,7 @@ def energy_figure(study: Mapping) -> figure | None:
         "color": [judging.color(r) for r in rows],
         "source": [r.get("energy_source") for r in rows]})
     machine = study.get("machine", "this machine")
-    p = _fig(f"energy vs time vs accuracy ({machine})", "training time, all epochs (s)", "energy (kJ)")
+    p = new_figure(f"energy vs time vs accuracy ({machine})", "training time, all epochs (s)", "energy (kJ)")
     ts, es = src.data["time"], src.data["energy_kj"]
     # room around the points for their labels; labels of the right half point left, so none is clipped
     pad_t, pad_e = (max(ts) - min(ts)) or max(ts) or 1.0, (max(es) - min(es)) or max(es) or 1.0
@@ -305,3 +393,104 @@ def report_layout(study: Mapping):
     if measured:
         parts.append(timeline_figure(measured[-1][1]))
     return column(*parts)
+
+
+def models_figure(studies: Mapping[str, Mapping]):
+    """Several studies (e.g. one per model) on two plots against np: final test accuracy, and speedup
+    with the ideal line -- which keeps its accuracy, which gains more from more ranks::
+
+        plots.show(plots.models_figure({"MobileNetV2": a, "SqueezeNet 1.1": b}))
+    """
+    acc = _np_fig("final test accuracy vs processes", "test accuracy")
+    acc.y_range = Range1d(0, 1)
+    speed = _np_fig("speedup vs processes", "speedup")
+    nps = sorted({r["np"] for st in studies.values() for r in _rows(st)})
+    markers = ("circle", "square", "triangle", "diamond")
+    for i, (label, st) in enumerate(studies.items()):
+        rows = _rows(st)
+        color = Category10[10][i % 10]
+        xs = [r["np"] for r in rows]
+        acc.line(xs, [r["final_test_acc"] for r in rows], color=color, line_width=2, legend_label=label)
+        acc.scatter(xs, [r["final_test_acc"] for r in rows], color=color, size=9, marker=markers[i % 4],
+                    legend_label=label)
+        timed = [r for r in rows if r.get("speedup")]
+        speed.line([r["np"] for r in timed], [r["speedup"] for r in timed], color=color, line_width=2,
+                   legend_label=label)
+        speed.scatter([r["np"] for r in timed], [r["speedup"] for r in timed], color=color, size=9,
+                      marker=markers[i % 4], legend_label=label)
+    acc.line([min(nps), max(nps)], [judging.CHANCE] * 2, color="gray", line_dash="dotted", legend_label="chance")
+    p0 = next((st.get("baseline_np") for st in studies.values() if st.get("baseline_np")), 1)
+    speed.line(nps, [p / p0 for p in nps], color="gray", line_dash="dashed", legend_label="ideal")
+    machine = next((st.get("machine") for st in studies.values() if st.get("machine")), "this machine")
+    speed.yaxis.axis_label = f"speedup vs np={p0} ({machine}{', predicted' if machine != 'this machine' else ''})"
+    for p in (acc, speed):
+        p.xaxis.ticker = nps
+        p.xaxis.major_label_overrides = {n: str(n) for n in nps}
+        legend = p.legend[0]  # below the plot: off the points
+        p.add_layout(legend, "below")
+        legend.orientation, legend.location, legend.ncols = "horizontal", "center", 2
+        legend.label_text_font_size = "10pt"
+        p.height = H + 70
+    return row(acc, speed)
+
+
+def compare_figures(cmp: dict) -> list:
+    """One figure per np of a comparison (:func:`pilab.study.compare.compare`): each study's test
+    accuracy per epoch, chance dotted."""
+    nps = sorted({r["np"] for r in cmp["rows"]})
+    n_epochs = max((len(r["test_acc_curve"]) for r in cmp["rows"]), default=1)
+    figs = []
+    for p in nps:
+        f = figure(title=f"test accuracy per epoch, np={p}", width=330, height=330,
+                   x_axis_label="epoch", y_axis_label="test accuracy", tools="pan,box_zoom,reset,save")
+        f.toolbar.autohide = True  # shown on hover in the HTML, never baked into its PNG
+        f.y_range = Range1d(0, 1)
+        f.x_range = Range1d(0.5, n_epochs + 0.5)
+        for r in (x for x in cmp["rows"] if x["np"] == p):
+            xs = list(range(1, len(r["test_acc_curve"]) + 1))
+            color = Category10[10][cmp["labels"].index(r["label"]) % 10]
+            f.line(xs, r["test_acc_curve"], color=color, line_width=2, legend_label=r["label"])
+            # markers: a study with one evaluation per curve is a point, not an empty plot
+            f.scatter(xs, r["test_acc_curve"], color=color, size=6, legend_label=r["label"])
+        f.line([0.5, n_epochs + 0.5], [0.1, 0.1], color="gray", line_dash="dotted", legend_label="chance")
+        legend = f.legend[0]  # below the plot, off the curves
+        f.add_layout(legend, "below")
+        legend.orientation, legend.ncols, legend.location = "horizontal", 2, "center"
+        legend.label_text_font_size = "10pt"
+        legend.border_line_alpha = 0
+        f.title.text_font_size = "11pt"
+        figs.append(f)
+    return figs
+
+
+def paper_figures(side: dict) -> tuple:
+    """Two panels of the paper comparison (:func:`pilab.study.compare.beside_paper`): speedup vs np (published,
+    both predicted profiles, ideal) and final test accuracy vs np per study (finished points only,
+    chance dotted)."""
+    nps = [r["np"] for r in side["rows"]]
+    p0 = side["baseline_np"]
+    sp = figure(title=f"speedup vs one Pi node (np={p0}): published and predicted", width=480, height=360,
+                x_axis_label="np (MPI processes)", y_axis_label="speedup")
+    sp.line(nps, [p / p0 for p in nps], color="gray", line_dash="dashed", legend_label="ideal")
+    for prof, color in (("naive", "#e45756"), ("pilab", "#4c78a8")):
+        ys = [r[f"{prof}_speedup"] for r in side["rows"]]
+        sp.line(nps, ys, color=color, line_width=2, legend_label=f"predicted, {prof} code")
+        sp.scatter(nps, ys, color=color, size=5)
+    pub = [r for r in side["rows"] if r["published_speedup"] is not None]
+    sp.scatter([r["np"] for r in pub], [r["published_speedup"] for r in pub], color="black", size=11,
+               marker="diamond", legend_label="published")
+    sp.legend.location = "top_left"
+    acc = figure(title="final test accuracy vs np (pending points absent)", width=480, height=360,
+                 x_axis_label="np (MPI processes)", y_axis_label="final test accuracy")
+    acc.y_range = Range1d(0, 1)
+    for i, label in enumerate(side["labels"]):
+        pts = [(r["np"], r["studies"][label]["final_test_acc"]) for r in side["rows"]
+               if r["studies"][label]["final_test_acc"] is not None]
+        color = Category10[10][i % 10]
+        if pts:
+            acc.line([x for x, _ in pts], [y for _, y in pts], color=color, line_width=2, legend_label=label)
+            acc.scatter([x for x, _ in pts], [y for _, y in pts], color=color, size=6, legend_label=label)
+    acc.line([min(nps), max(nps)], [judging.CHANCE, judging.CHANCE], color="gray", line_dash="dotted", legend_label="chance")
+    acc.legend.location = "top_right"
+    acc.legend.label_text_font_size = "8pt"
+    return sp, acc

@@ -21,3 +21,9 @@ One module per concern (importing this package imports none of them)::
     study = scaling.study(cfg, nps=(1, 2), simulate_nps=(8,), out="runs/demo")
     tables.table(study)
 """
+from .. import lazy
+
+__getattr__, __dir__, __all__ = lazy.face(__name__, {
+    "scaling": ["Interrupted", "load_study", "partial_study", "study"],
+    "remedies": ["candidate_labels", "slug"],
+})

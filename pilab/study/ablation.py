@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..engine import simulate
-from .. import verdict as judging
+from .. import engine, verdict as judging
 from ..config import Config, ConfigError
-from ..engine.loop import load_data
+from ..engine import load_data
 from .points import step_events
-from .remedies import _point
+from .remedies import announce_point
 
 
 def ablations(cfg: Config, np_: int, *, data=None, log=None, callbacks=(), causes=None) -> dict:
@@ -44,8 +43,8 @@ def ablations(cfg: Config, np_: int, *, data=None, log=None, callbacks=(), cause
     for label, cause, c, p, base in plan:
         while base is not None and base not in labels:  # its own base row was left out: the one before it
             base = first_base.get(base) or ref
-        _point(callbacks, labels, label)
-        res = simulate.run(c, p, data=ds, callbacks=[step_events(callbacks)])
+        announce_point(callbacks, labels, label)
+        res = engine.simulate(c, p, data=ds, callbacks=[step_events(callbacks)])
         res = {**res, "known_as": label}
         runs.append(res)
         for cb in callbacks:

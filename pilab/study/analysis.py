@@ -16,12 +16,11 @@ import os
 import sys
 from dataclasses import asdict, dataclass, replace
 
-from . import energy
-from .. import perfmodel
-from .. import verdict as judging
+from .. import perfmodel, verdict as judging
 from ..config import Config, ConfigError
 from ..launch import LaunchError
 from ..perfmodel import efficiency, karp_flatt, speedup
+from . import energy
 from .points import mode_ran
 
 
@@ -41,7 +40,7 @@ class Criteria:
             raise ConfigError("wrong_gap must be >= 0 and wrong_floor in [0, 1)")
 
 
-def _karp_flatt(s: float, p: int, p0: int) -> float | None:
+def serial_fraction(s: float, p: int, p0: int) -> float | None:
     """Karp–Flatt serial fraction, None (not NaN: JSON has none) at the baseline itself."""
     e = karp_flatt(s, p, p0)
     return None if math.isnan(e) else e
@@ -166,7 +165,7 @@ def _row(p, r, here, there, machine, p0, t0, ttt0, target_acc) -> dict:
         "time_per_epoch": tpe,
         "here_time_per_epoch": mean(here), "here_time_source": here["source"] if here else None,
         "speedup": s, "efficiency": efficiency(s, p, p0) if s else None,
-        "karp_flatt": _karp_flatt(s, p, p0) if s else None,
+        "karp_flatt": serial_fraction(s, p, p0) if s else None,
         "images_per_s": (r["per_rank_batch"] * p * r["steps_per_epoch"] / tpe) if tpe else None,
         "comm_share": there.get("comm_share") if there else None,
         "comm_exposed_share": there.get("comm_exposed_share") if there else None,
@@ -210,7 +209,7 @@ def run_energy(run: dict, times: dict | None, machine: str, target_acc: float) -
             "energy_source": e["source"]}
 
 
-def _predict(cfg: Config, nps, calibration) -> dict[int, dict]:
+def predict_points(cfg: Config, nps, calibration) -> dict[int, dict]:
     """Predicted epoch times (and comm shares) from the performance model, where it is available."""
     if calibration is None:
         return {}
@@ -242,16 +241,16 @@ def target_baseline(target) -> int:
     return perfmodel.PI_BASELINE_NP if perfmodel.is_pi_cluster(target) else 0
 
 
-def _baseline_per_image(cfg: Config, p0: int, target) -> float:
+def baseline_time_per_image(cfg: Config, p0: int, target) -> float:
     """The target's predicted training seconds per image at ``p0`` ranks (no run needed)."""
     pr = perfmodel.predict(replace(cfg, threads=0) if perfmodel.is_pi_cluster(target) else cfg, p0, target)
     return pr["time"] / pr["images"]
 
 
-def _predict_target(cfg: Config, nps, target) -> dict[int, dict]:
+def predict_target(cfg: Config, nps, target) -> dict[int, dict]:
     """Every np's times on the target machine, threads per rank as that machine gives them."""
     # This machine's thread count says nothing about the target's: let the model place the ranks.
-    return _predict(replace(cfg, threads=0) if perfmodel.is_pi_cluster(target) else cfg, nps, target)
+    return predict_points(replace(cfg, threads=0) if perfmodel.is_pi_cluster(target) else cfg, nps, target)
 
 
 def sized_for_model(cfg: Config, runs: dict) -> Config:
@@ -281,7 +280,7 @@ def calibrate_from(np1_result: dict, mpiexec: str | None = None):
     return perfmodel.calibrate(np1_result, bench)
 
 
-def _jsonable(obj):
+def jsonable(obj):
     if obj is None:
         return None
     if hasattr(obj, "to_dict"):

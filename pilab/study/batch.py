@@ -30,9 +30,10 @@ import time
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
-from ..launch import slurm
 from ..config import Config
 from ..files import save_json
+from ..launch import slurm
+
 # .points and ..engine.checkpoint load torch (seconds): imported where a point is read, so that
 # check() refuses bad input at once
 
@@ -334,8 +335,8 @@ def _log_tail(pt: Point, job: str) -> str:
 def _submit(pt: Point, resume_from: str, st: dict, out: str, log) -> str:
     """Write the point's job.sbatch and submit it; record the job in slurm.json."""
     if not resume_from:
-        from .points import _clear_point
-        _clear_point(pt.dir)
+        from .points import clear_point
+        clear_point(pt.dir)
     os.makedirs(pt.dir, exist_ok=True)
     script = os.path.join(pt.dir, "job.sbatch")
     with open(script, "w") as f:

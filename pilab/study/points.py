@@ -14,13 +14,14 @@ import os
 import tempfile
 from dataclasses import replace
 
-from ..engine import checkpoint
+from .. import resultfile
 from ..config import Config, ConfigError
-from ..files import dumps, save_json, sha256_file
-from ..perfmodel.layout import remember
+from ..engine import checkpoint
+from ..files import dumps, sha256_file
+from ..perfmodel import remember
 
 
-def _finished_point(out: str | None, p: int, point_cfg: Config, simulated: bool) -> dict | None:
+def finished_point(out: str | None, p: int, point_cfg: Config, simulated: bool) -> dict | None:
     """The result of np point ``p`` kept from an earlier run of this study in ``out``: the same
     settings, run to the end (not stopped early); None if there is none to keep."""
     return finished_run(os.path.join(out, f"np{p}", "result.json"), p, point_cfg, simulated) if out else None
@@ -30,10 +31,14 @@ def finished_run(path: str, p: int, cfg: Config, simulated: bool) -> dict | None
     """The result.json at ``path`` if it is ``cfg``'s training at ``p`` ranks (:func:`same_training`),
     simulated or measured as asked, and ran to the end; else None (missing, unreadable, other).
     ConfigError where it is that training but on data whose contents, or with a model builder whose
-    source, changed since (:func:`check_sources`): keeping it would mix two runs in one study."""
+    source, changed since (:func:`check_sources`): keeping it would mix two runs in one study. A result
+    in the form before result.steps.npz raises ``resultfile.OldFormError`` (convert it; it is not run
+    again over it)."""
     try:
-        r = _load_json(path)
+        r = resultfile.load(path)
         saved = Config.from_dict(r["config"]).to_dict()
+    except resultfile.OldFormError:
+        raise
     except (OSError, ValueError, KeyError, TypeError):
         return None
     done = not r.get("stopped_early") and r.get("steps_done", r.get("total_steps")) == r.get("total_steps")
@@ -45,13 +50,12 @@ def finished_run(path: str, p: int, cfg: Config, simulated: bool) -> dict | None
 
 
 def current_sources(cfg: Config) -> dict:
-    """The data checksum and model source digest ``cfg``'s run would record now (``engine.resume.sources``),
+    """The data checksum and model source digest ``cfg``'s run would record now (``engine.checkpoint.sources``),
     the data loaded once per process for each data setting (the cache makes it a read)."""
     key = (cfg.data, cfg.train_subset, cfg.test_subset, cfg.seed, cfg.image_size, cfg.model)
     if key not in _SOURCES:
-        from ..engine.backend import load_data
-        from ..engine.resume import sources
-        _SOURCES[key] = sources(cfg, load_data(cfg))
+        from ..engine import load_data
+        _SOURCES[key] = checkpoint.sources(cfg, load_data(cfg))
     return _SOURCES[key]
 
 
@@ -74,7 +78,7 @@ _LR_RULE = ("lr", "lr_scaling", "lr_ref_batch")
 
 
 # how a run is kept and watched, not what it computes (compile_bn: the same mathematics, compiled)
-_NOT_TRAINING = ("out", "resume", "checkpoint_every", "keep", "checkpoint_minutes", "checkpoint_every_steps",
+NOT_TRAINING = ("out", "resume", "checkpoint_every", "keep", "checkpoint_minutes", "checkpoint_every_steps",
                  "straggler_threshold", "straggler_steps", "trace", "trace_window", "compile_bn")
 
 
@@ -90,7 +94,7 @@ def same_training(saved: dict, cfg: Config, p: int) -> bool:
     mine = cfg.to_dict()
     # Where a run writes and how often it checkpoints do not change what it trains (the simulator cannot
     # checkpoint, so a study's real np=1 point with checkpoints is still its simulated points' kin).
-    keys = [k for k in mine if k not in _NOT_TRAINING]
+    keys = [k for k in mine if k not in NOT_TRAINING]
     try:
         theirs = Config.from_dict(saved)  # the one reader of a saved config
     except (ConfigError, TypeError, ValueError):
@@ -123,16 +127,16 @@ def reused_run(dirs, p: int, cfg: Config, simulated: bool, dest: str | None) -> 
     ``reused_from`` and copied to ``dest`` (a result.json path, None: no copy) so the study or search
     that takes it stays self-contained; None if no study has it."""
     for d in dirs:
-        r = _finished_point(d, p, cfg, simulated)
+        r = finished_point(d, p, cfg, simulated)
         if r is not None:
             r = {**r, "reused_from": os.path.join(d, f"np{p}")}
             if dest:
-                save_json(r, dest)
+                resultfile.save(r, dest)
             return r
     return None
 
 
-def _load_json(path: str):
+def read_json(path: str):
     with open(path) as f:
         return json.load(f)
 
@@ -157,12 +161,16 @@ def stored(study_: dict, out: str) -> dict:
         path = os.path.join(out, rel)
         plain = json.loads(dumps(run, indent=None))  # as JSON reads it back: lists, plain numbers
         if not os.path.exists(path):
-            save_json(plain, path)
+            resultfile.save(plain, path)
         try:
-            saved = _load_json(path)
+            saved = resultfile.load(path)
+        except resultfile.OldFormError:
+            raise
         except (OSError, ValueError):
             saved = None
-        if not (isinstance(saved, dict) and all(k in plain and plain[k] == v for k, v in saved.items())):
+        # the per-step timings come back to the microsecond (pilab.resultfile): the rest says which run it is
+        if not (isinstance(saved, dict) and all(k in plain and plain[k] == v for k, v in saved.items()
+                                                if k != "steps")):
             raise ConfigError(f"{path} holds another run than the study's np={p}; write the study to "
                               "another --out, or run it again there")
         also = {k: v for k, v in plain.items() if k not in saved}
@@ -197,7 +205,7 @@ def resolved(study_: dict, where: str) -> dict:
         if not same:
             raise ConfigError(f"{path} changed after the study in {where} was written (its SHA-256 "
                               "differs); run `pilab scale` with --resume there to make the study again")
-        out[p] = {**_load_json(path), **run.get("also", {})}
+        out[p] = {**resultfile.load(path), **run.get("also", {})}
         remember(out[p].get("model_profile"))  # analysis of the study reads the model as its runs measured it
     # rows of studies made before rows said which simulator mode ran: from their runs
     rows = [r if "simulate_mode" in r else {**r, "simulate_mode": mode_ran(out.get(str(r["np"])))}
@@ -205,16 +213,16 @@ def resolved(study_: dict, where: str) -> dict:
     return {**study_, "runs": out, **({"rows": rows} if "rows" in study_ else {})}
 
 
-def _clear_point(d: str) -> None:
-    """Remove an earlier run's files (``records.RUN_FILES``) from a point's directory before the point is
+def clear_point(d: str) -> None:
+    """Remove an earlier run's files (``engine.RUN_FILES``) from a point's directory before the point is
     run again."""
-    from ..engine.records import run_files
+    from ..engine import run_files
     for path in run_files(d):
         if os.path.exists(path):
             os.remove(path)
 
 
-def _tmpdir() -> str:
+def temp_dir() -> str:
     return tempfile.mkdtemp(prefix="pilab-run-")
 
 

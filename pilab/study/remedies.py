@@ -15,7 +15,7 @@ combined (Goyal et al.'s linear scaling + warmup; LARS + warmup; a fixed global 
     python -m pilab remedies --np 48 --out runs/remedies
 
 Each candidate's run is kept as ``out/<label>/result.json`` the moment it finishes; ``resume=True`` keeps
-those finished runs (same training) and runs only the others, so a long search spans sittings and its
+those finished runs (same training) and runs only the others, so a long search can be stopped and resumed and its
 candidates can run as separate processes (``only=[...]``) and be put together by one last search with
 ``resume``. ``reuse`` takes a candidate's run from a scaling study where it is the same training (the
 baseline at np=48 is the naive rule's np=48 point).
@@ -26,11 +26,9 @@ import os
 import re
 from dataclasses import replace
 
-from .. import perfmodel
-from ..engine import checkpoint, simulate
-from .. import verdict as judging
+from .. import engine, perfmodel, verdict as judging
 from ..config import Config, ConfigError, small_mode
-from ..engine.loop import load_data
+from ..engine import checkpoint, load_data
 from .analysis import POWER_MODELS, calibrate_from, run_energy, target_baseline, time_to_target
 from .points import finished_run, reused_run, same_training, step_events, trained_config
 from .toolbox import fast_and_right, fixed_per_rank
@@ -246,7 +244,7 @@ def _candidate(label: str, changes: dict, sim_cfg: Config, np_: int, ds, plan: l
         c.check_world(np_, len(ds.y_train))
     except ConfigError as e:
         return {"label": label, "changes": changes, "skipped": str(e)}
-    _point(callbacks, plan, label)
+    announce_point(callbacks, plan, label)
     res, kept = _candidate_run(c, np_, ds, out, slug(label), resume, reuse, known, callbacks)
     row = _candidate_row(label, changes, c, np_, res, calibration, target, base)
     row["kept"] = kept
@@ -284,8 +282,8 @@ def _reference(cfg: Config, sim_cfg: Config, ds, known: list, cands: list, refer
     if reference_acc is None or (calibration == "this" and ref is None):
         if log:  # minutes on a laptop: say what runs, then one line per epoch
             log(f"  reference: the baseline at np=1, {cfg.epochs} epoch(s), sets the target accuracy")
-        _point(callbacks, plan, "reference np=1")
-        ref = simulate.run(sim_cfg, 1, data=ds, callbacks=([_epoch_log(log, cfg.epochs)] if log else [])
+        announce_point(callbacks, plan, "reference np=1")
+        ref = engine.simulate(sim_cfg, 1, data=ds, callbacks=([_epoch_log(log, cfg.epochs)] if log else [])
                            + [step_events(callbacks)])
     if reference_acc is None or calibration == "this":
         if reference_acc is None:
@@ -339,18 +337,18 @@ def _candidate_run(c: Config, np_: int, ds, out, name: str, resume: bool, reuse,
         r = finished_run(os.path.join(d, "result.json"), np_, c, True)
         if r is not None:
             return r, "kept from the earlier search"
-        part = _part_way(d, c, np_)
+        part = resumable_checkpoint(d, c, np_)
     r = reused_run(reuse, np_, c, True, os.path.join(d, "result.json") if d else None)
     if r is not None:
         return r, f"reused from {r['reused_from']}"
     r = known_run(known, c, np_)
     if r is not None:
         return r, f"the run of '{r['known_as']}'" if r.get("known_as") else "a run already made"
-    res = simulate.run(replace(c, out=d or "", resume=part), np_, data=ds, callbacks=[step_events(callbacks)])
+    res = engine.simulate(replace(c, out=d or "", resume=part), np_, data=ds, callbacks=[step_events(callbacks)])
     return res, f"continued from {os.path.basename(part)}" if part else ""
 
 
-def _part_way(d: str, c: Config, np_: int) -> str:
+def resumable_checkpoint(d: str, c: Config, np_: int) -> str:
     """The newest checkpoint in ``d`` that ``c``'s run at ``np_`` can go on from, or "" (none, or another
     run's): a search interrupted part-way through a candidate (a session that ended, Ctrl-C) continues it
     with ``resume`` when its runs checkpoint (``--checkpoint-every``, ``--checkpoint-minutes``)."""
@@ -376,7 +374,7 @@ def known_run(runs, c: Config, np_: int) -> dict | None:
     return None
 
 
-def _point(callbacks, plan: list[str], label: str) -> None:
+def announce_point(callbacks, plan: list[str], label: str) -> None:
     """Tell the callbacks which run comes next (a progress bar names it and counts it)."""
     for cb in callbacks:
         cb({"kind": "point", "label": label, "index": plan.index(label), "of": len(plan)})
@@ -447,6 +445,6 @@ def search_summary(res: dict) -> str:
     return " ".join(parts)
 
 
-def _target_text(res: dict) -> str:
+def target_text(res: dict) -> str:
     t = res.get("target_accuracy")
     return f"target {t:.3f}" if t is not None else "no target (the reference has not learned)"

@@ -21,14 +21,14 @@ from bokeh.layouts import column, row
 from bokeh.models import Div
 from bokeh.resources import INLINE
 
-from .. import plots
-from .. import verdict as judging
+from .. import plots, verdict as judging
 from ..files import atomic_write_text, save_json
 from ..plots import html_table, static
-from . import paper
+from . import compare as paper
 from .compare import compare_title, differing_settings
 from .points import stored
-from .tables import _target_text, remedies_table
+from .remedies import target_text
+from .tables import remedies_table
 
 
 ROW_KEYS = ("np", "simulated", "simulate_mode", "machine", "time_source", "per_rank_batch", "global_batch", "steps_per_epoch",
@@ -159,7 +159,7 @@ def write_remedies(res: dict, out: str) -> dict:
     (matplotlib), beside remedies.json; returns their paths."""
     head = (f"<h2>pilab remedies at np={res['np']}</h2>"
             f"<p><b>command:</b> <code>{escape(res.get('command') or 'python API')}</code></p>"
-            f"<p>Reference accuracy {res['reference_acc']:.3f}; {_target_text(res)}. "
+            f"<p>Reference accuracy {res['reference_acc']:.3f}; {target_text(res)}. "
             + (f"Times, speedup and energy predicted for <b>{escape(str(res['machine']))}</b>; speedup is "
                f"the whole run's against the un-remedied settings at np={res['speed_baseline_np']}. "
                if res.get("machine") else "No times (no target machine). ")

@@ -18,22 +18,22 @@ performance model. The rows and their verdict are :mod:`pilab.study.analysis`'s,
 """
 from __future__ import annotations
 
+import copy
 import glob
 import os
 import re
+import tempfile
 import time
 from dataclasses import asdict, replace
 
-from . import energy
-from ..engine import simulate
+from .. import engine, resultfile, verdict as judging
 from ..config import DEMO, Config, ConfigError, small_mode
 from ..launch import run_job
-from . import report
-from .. import verdict as judging
-from .analysis import (Criteria, _baseline_per_image, _jsonable, _predict, _predict_target, calibrate_from,
+from . import energy, report
+from .analysis import (Criteria, baseline_time_per_image, calibrate_from, jsonable, predict_points, predict_target,
                        rows_from_runs, sized_for_model, target_baseline, target_name)
-from .points import (_clear_point, _finished_point, _load_json, _tmpdir, finished_run, resolved, reused_run,
-                     same_training, step_events)
+from .points import (clear_point, finished_point, finished_run, read_json, resolved, reused_run, same_training,
+                     step_events, temp_dir)
 
 
 def notebook_config(**overrides) -> Config:
@@ -70,7 +70,7 @@ def on_cluster(sweep: dict, env=None) -> dict:
         on_cluster({"nps": (1, 2), "simulate_nps": (8, 48)}, {"PILAB_HOSTFILE": "hosts"})   # 48 slots:
         # {"nps": (1, 2, 8, 48), "simulate_nps": (), "hostfile": "hosts"}
     """
-    from ..launch.hosts import read_hostfile, total_slots
+    from ..launch import read_hostfile, total_slots
     path = (os.environ if env is None else env).get("PILAB_HOSTFILE")
     if not path:
         return sweep
@@ -114,11 +114,16 @@ def models_sweep() -> dict:
 
 
 def run_measured(cfg: Config, np_: int, out: str, *, mpiexec: str | None = None,
-                 hostfile: str | None = None, timeout: float | None = None) -> dict:
+                 hostfile: str | None = None, timeout: float | None = None, components=()) -> dict:
     """One real MPI job (``pilab.engine.harness`` on np ranks, as ``pilab train`` runs them); returns its
-    result.json. Raises ``launch.JobError`` (a RuntimeError) with the job's exit code and last lines."""
-    return run_job(np_, "pilab.engine.harness", {"config": replace(cfg, out=out).to_dict()}, name=f"np={np_} run",
-                   mpiexec=mpiexec, hostfile=hostfile, timeout=timeout, answer_dir=out)
+    result.json. Raises ``launch.JobError`` (a RuntimeError) with the job's exit code and last lines.
+    ``components``: yours, pickled for the ranks (their classes importable there)."""
+    payload = {"config": replace(cfg, out=out).to_dict()}
+    with tempfile.TemporaryDirectory() as d:
+        if components:
+            payload["components"] = engine.save_components(components, os.path.join(d, "components.pkl"))
+        return run_job(np_, "pilab.engine.harness", payload, name=f"np={np_} run", mpiexec=mpiexec,
+                       hostfile=hostfile, timeout=timeout, answer_dir=out)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -130,7 +135,7 @@ class Interrupted(KeyboardInterrupt):
         self.study, self.cause = study_, cause
 
 
-def _partial_study(cfg, criteria, nps, simulate_nps, runs, kept, t_start, command, cause) -> dict:
+def partial_study(cfg, criteria, nps, simulate_nps, runs, kept, t_start, command, cause) -> dict:
     """What an interrupted study has: its finished points (rows where the baseline is among them)."""
     rows, meta = [], {}
     if runs:
@@ -150,7 +155,7 @@ def _partial_study(cfg, criteria, nps, simulate_nps, runs, kept, t_start, comman
 def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria = Criteria(),
           out: str | None = None, mpiexec: str | None = None, hostfile: str | None = None,
           calibration=None, callbacks=(), command: str | None = None, target=None,
-          resume: bool = False, reuse=()) -> dict:
+          resume: bool = False, reuse=(), components=()) -> dict:
     """Run the study; returns {"rows", "runs", "criteria", "config", ...} and writes it under ``out``.
 
     ``target``: the machine speedup and time to target are reported for — None / "this" (measured
@@ -167,7 +172,8 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
     finished points of an earlier run with the same settings in ``out`` and runs only the others.
     ``reuse``: other studies' directories whose finished points are taken where they are the same
     training (:func:`~pilab.study.points.same_training`: the np=1 point of an LR-rule study is every
-    rule's np=1 point).
+    rule's np=1 point). ``components``: yours (``pilab.Component``), a fresh copy in every point (a
+    measured point's ranks unpickle them: their classes must be importable there).
     """
     tname = target_name(target)
     nps = sorted(set(int(p) for p in nps))
@@ -181,25 +187,25 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
     kept: list[int] = []  # points taken from an earlier run of this study (resume) or another (reuse)
     try:
         _run_points(cfg, sim_cfg, nps, simulate_nps, runs, kept, out=out, resume=resume, reuse=reuse,
-                    mpiexec=mpiexec, hostfile=hostfile, callbacks=callbacks)
+                    mpiexec=mpiexec, hostfile=hostfile, callbacks=callbacks, components=components)
     except (KeyboardInterrupt, RuntimeError) as e:  # RuntimeError: a failed run (launch.JobError)
         for cb in callbacks:
             cb({"kind": "stopped"})
-        partial = _partial_study(cfg, criteria, nps, simulate_nps, runs, kept, t_start, command, e)
+        partial = partial_study(cfg, criteria, nps, simulate_nps, runs, kept, t_start, command, e)
         if out:
             report.write_partial(partial, out)
         raise Interrupted(partial, e) from None
     if calibration is None and simulate_nps and nps and nps[0] == 1:
         calibration = calibrate_from(runs[1], mpiexec)
     model_cfg = sized_for_model(cfg, runs)
-    predicted = _predict(model_cfg, simulate_nps, calibration)
+    predicted = predict_points(model_cfg, simulate_nps, calibration)
     criteria = _target_criteria(criteria, tname, target)
     rows, meta = _rows_for(runs, criteria, model_cfg, tname, target, predicted)
     result = {
         "kind": "pilab.scaling.study", "config": cfg.to_dict(), "criteria": asdict(criteria),
         "nps": nps, "simulate_nps": simulate_nps, **meta, "rows": rows,
         "runs": {str(p): r for p, r in runs.items()},
-        "calibration": _jsonable(calibration), "seconds": time.time() - t_start,
+        "calibration": jsonable(calibration), "seconds": time.time() - t_start,
         "command": command, "target": tname, "complete": True, "missing": [], "kept": kept,
     }
     result["verdict"] = judging.summary(result)  # judged once, here: readers read it
@@ -209,18 +215,18 @@ def study(cfg: Config = DEMO, nps=(1, 2), *, simulate_nps=(), criteria: Criteria
 
 
 def _run_points(cfg: Config, sim_cfg: Config, nps: list, simulate_nps: list, runs: dict, kept: list, *,
-                out, resume: bool, reuse, mpiexec, hostfile, callbacks) -> None:
+                out, resume: bool, reuse, mpiexec, hostfile, callbacks, components=()) -> None:
     """Every point in order, measured then simulated, each put into ``runs`` as it finishes (so an
     interrupted study still has the finished ones); the callbacks hear of each before and after."""
     points = [(p, False) for p in nps] + [(p, True) for p in simulate_nps]
     for p in nps:
         _announce(callbacks, points, p, False)
-        runs[p] = _measured_point(cfg, p, out, resume, reuse, kept, mpiexec, hostfile)
+        runs[p] = _measured_point(cfg, p, out, resume, reuse, kept, mpiexec, hostfile, components)
         for cb in callbacks:
             cb({"kind": "run", "np": p, "simulated": False, "result": runs[p], "kept": p in kept})
     for p in simulate_nps:
         _announce(callbacks, points, p, True)
-        runs[p] = _simulated_point(sim_cfg, p, out, resume, reuse, kept, callbacks)
+        runs[p] = _simulated_point(sim_cfg, p, out, resume, reuse, kept, callbacks, components)
         for cb in callbacks:
             cb({"kind": "run", "np": p, "simulated": True, "result": runs[p], "kept": p in kept})
 
@@ -234,36 +240,39 @@ def _sweep_threads(cfg: Config, nps: list, hostfile: str | None) -> Config:
     return cfg
 
 
-def _measured_point(cfg: Config, p: int, out, resume: bool, reuse, kept: list, mpiexec, hostfile) -> dict:
+def _measured_point(cfg: Config, p: int, out, resume: bool, reuse, kept: list, mpiexec, hostfile,
+                    components=()) -> dict:
     """np point ``p`` as a real MPI job: kept from ``out`` (resume), taken from a study in ``reuse``, or
     run now under ``out/np<p>`` with this machine's CPU energy (RAPL, where readable); ``kept`` gets
     ``p`` where it was not run now."""
-    run_out = os.path.join(out, f"np{p}") if out else _tmpdir()
-    earlier = _finished_point(out, p, replace(cfg, out=run_out), False) if resume else None
+    run_out = os.path.join(out, f"np{p}") if out else temp_dir()
+    earlier = finished_point(out, p, replace(cfg, out=run_out), False) if resume else None
     earlier = earlier or reused_run(reuse, p, replace(cfg, out=run_out), False,
                                     os.path.join(run_out, "result.json") if out else None)
     if earlier is None:
         if out:
-            _clear_point(run_out)
+            clear_point(run_out)
         with energy.RaplWindow() as window:  # this machine's CPU energy, where readable
-            earlier = run_measured(cfg, p, run_out, mpiexec=mpiexec, hostfile=hostfile)
+            earlier = run_measured(cfg, p, run_out, mpiexec=mpiexec, hostfile=hostfile, components=components)
         earlier["rapl"] = window.to_dict()
     else:
         kept.append(p)
     return earlier
 
 
-def _simulated_point(sim_cfg: Config, p: int, out, resume: bool, reuse, kept: list, callbacks) -> dict:
+def _simulated_point(sim_cfg: Config, p: int, out, resume: bool, reuse, kept: list, callbacks,
+                     components=()) -> dict:
     """np point ``p`` from the simulator, kept, reused or run now as :func:`_measured_point`'s."""
     # each run's result.json is written as it completes: a long study keeps what it did
     point_cfg = replace(sim_cfg, out=os.path.join(out, f"np{p}") if out else "")
-    earlier = _finished_point(out, p, point_cfg, True) if resume else None
+    earlier = finished_point(out, p, point_cfg, True) if resume else None
     earlier = earlier or reused_run(reuse, p, point_cfg, True,
                                     os.path.join(point_cfg.out, "result.json") if out else None)
     if earlier is None:
         if out:
-            _clear_point(point_cfg.out)
-        earlier = simulate.run(point_cfg, p, callbacks=[step_events(callbacks)])
+            clear_point(point_cfg.out)
+        earlier = engine.simulate(point_cfg, p, callbacks=[step_events(callbacks)],
+                                  components=[copy.deepcopy(c) for c in components])
     else:
         kept.append(p)
     return earlier
@@ -280,9 +289,9 @@ def _rows_for(runs: dict, criteria: Criteria, model_cfg: Config, tname, target, 
     """The rows and meta of ``runs`` with times predicted for ``target`` (every np) where there is one."""
     p0 = criteria.baseline_np
     return rows_from_runs(runs, criteria, predicted, target=tname,
-                          target_predicted=_predict_target(model_cfg, sorted(runs), target)
+                          target_predicted=predict_target(model_cfg, sorted(runs), target)
                           if tname else None,
-                          baseline_per_image=_baseline_per_image(model_cfg, p0, target)
+                          baseline_per_image=baseline_time_per_image(model_cfg, p0, target)
                           if tname and p0 and p0 not in runs else None)
 
 
@@ -340,8 +349,10 @@ def _finished_points(out: str) -> dict[int, tuple[dict, Config]]:
         if not m:
             continue
         try:
-            r = _load_json(path)
+            r = resultfile.load(path)
             cfg = Config.from_dict({**r["config"], "out": out, "resume": ""})
+        except resultfile.OldFormError:
+            raise
         except (OSError, ValueError, KeyError, TypeError, ConfigError):
             continue
         if finished_run(path, int(m.group(1)), cfg, bool(r.get("simulated"))) is not None:
@@ -361,7 +372,7 @@ def load_study(path: str, *, target="pi4b_cluster", planned=()) -> dict:
     not made yet) is a study whose every point is pending."""
     js = os.path.join(path, "study.json") if os.path.isdir(path) else path
     if os.path.exists(js):
-        return resolved(_load_json(js), os.path.dirname(js))
+        return resolved(read_json(js), os.path.dirname(js))
     if planned or (os.path.isdir(path) and glob.glob(os.path.join(glob.escape(path), "np*", "result.json"))):
         # a screen's folder (npN-seedS points) is the np it ran: nothing else is pending there
         return study_from_points(path, target=target, planned=() if seeded_points(path) else planned)

@@ -10,11 +10,10 @@ terminal, an HTML table as the last expression of a cell) and each interpretatio
 """
 from __future__ import annotations
 
-from .. import plots
-from .. import verdict as judging
+from .. import plots, verdict as judging
 from .ablation import ablation_summary
-from .compare import _with_committed, models_interpretation as _models_words, models_summary
-from .remedies import _target_text, search_summary
+from .compare import models_interpretation as _models_words, models_summary, with_committed
+from .remedies import search_summary, target_text
 
 
 def table(study_: dict) -> str:
@@ -103,7 +102,7 @@ def models_table(studies: dict[str, dict], *, at_np: int | None = None, committe
         tables.models_table({"MobileNetV2": a, "SqueezeNet 1.1": b})     # the last line of a cell
         tables.models_table({"spiking CNN (this run)": c}, at_np=8, committed="three-models")
     """
-    studies = _with_committed(studies, committed) if committed else studies
+    studies = with_committed(studies, committed) if committed else studies
     rows = models_summary(studies, at_np=at_np)
     md = models_summary_markdown(rows).splitlines()
     head = [c.strip() for c in md[0].strip("|").split("|")]
@@ -117,7 +116,7 @@ def remedies_table(res: dict) -> str:
     run came from and what the rows say under it (:func:`pilab.study.remedies.search_summary`)."""
     w = max([36] + [len(r["label"]) + 2 for r in res["candidates"]])  # the label column
     base = f", speedup vs np={res['speed_baseline_np']} of the baseline" if res.get("speed_baseline_np") else ""
-    lines = [f"np={res['np']}  reference accuracy {res['reference_acc']:.3f}  " + _target_text(res)
+    lines = [f"np={res['np']}  reference accuracy {res['reference_acc']:.3f}  " + target_text(res)
              + (f"  times predicted for {res['machine']}{base}" if res.get("machine")
                 else "  (no times: no target)"),
              f"{'candidate':<{w}}{'glob.batch':>10}{'peak lr':>9}{'steps':>7}{'test acc':>9}"

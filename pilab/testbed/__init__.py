@@ -32,10 +32,10 @@ machine, so nothing would cross the shaped link. ``env()`` therefore sets ``UCX_
 Slurm on the testbed (``up --slurm``: munged, slurmctld on a head namespace, a slurmd per node) is
 :mod:`pilab.testbed.slurmd`.
 
-The package by concern: ``nodes`` (what a testbed is, up/down/status), ``shim`` (the files Hydra uses),
-``make`` (up, down, status), ``links`` (a node's link: down, shaped, its traffic), ``cgroups`` (a node's
-processes, CPU quota and memory limit), ``mounts`` (cgroup file systems and overlays inside a node),
-``slurm``, ``lock`` (one job that makes testbeds at a time on the machine: ``exclusive``).
+The package by concern: ``nodes`` (what a testbed is, its namespaces, veths and bridge), ``make`` (up,
+down, status), ``shim`` (the files Hydra uses; cgroup file systems and overlays inside a node),
+``cgroups`` (a node's processes, CPU quota and memory limit; its link: down, shaped, its traffic),
+``slurmd``, ``lock`` (one job that makes testbeds at a time on the machine: ``exclusive``).
 
 Everything the testbed makes carries its name as a prefix (namespaces ``<name>-node01…``, links
 ``<name>-br`` and ``<name>-n01…``, the state directory ``/run/<name>-testbed``), so ``down`` finds and
@@ -43,21 +43,15 @@ removes all of it even when the process that made it crashed. Traffic never leav
 namespaces have no default route and no NAT, and ``up`` refuses a range that overlaps any route or
 address already configured here.
 """
-from __future__ import annotations
+from .. import lazy
 
-from .cgroups import cpu_quota, limit_memory, processes, ps, quota, throttle
-from .links import link, shape, traffic, traffic_delta
-from .lock import LOCK_PATH, exclusive, holder
-from .make import down, status, up
-from .mounts import clear_overlays, overlay
-from .nodes import (DEFAULT_NAME, DEFAULT_RATE, DEFAULT_SUBNET, FIRST_HOST, NODE_IFACE, Testbed, TestbedError,
-                    _links, _netns_list, _routes_and_addresses, available, burst_bytes, check_range, load,
-                    check_state_dir, parse_rate, state_dir, state_problem)
-from .shim import job_access
-
-__all__ = ["Testbed", "TestbedError", "up", "down", "load", "status", "available", "parse_rate",
-           "exclusive", "holder", "LOCK_PATH",
-           "link", "shape", "throttle", "quota", "cpu_quota", "limit_memory", "overlay", "clear_overlays",
-           "traffic", "traffic_delta", "processes", "ps", "burst_bytes", "check_range", "state_dir",
-           "state_problem", "check_state_dir", "job_access", "FIRST_HOST", "NODE_IFACE",
-           "DEFAULT_SUBNET", "DEFAULT_RATE", "DEFAULT_NAME", "_links", "_netns_list", "_routes_and_addresses"]
+__getattr__, __dir__, __all__ = lazy.face(__name__, {
+    "cgroups": ["link", "shape", "throttle", "quota", "cpu_quota", "limit_memory", "traffic", "traffic_delta",
+               "processes", "ps"],
+    "lock": ["exclusive", "holder", "LOCK_PATH"],
+    "make": ["up", "down", "status"],
+    "nodes": ["Testbed", "TestbedError", "load", "available", "parse_rate", "burst_bytes", "check_range", "state_dir",
+             "state_problem", "check_state_dir", "FIRST_HOST", "NODE_IFACE", "DEFAULT_SUBNET", "DEFAULT_RATE",
+             "DEFAULT_NAME", "link_names", "netns_list", "routes_and_addresses"],
+    "shim": ["overlay", "clear_overlays", "job_access"],
+})

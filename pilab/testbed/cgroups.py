@@ -1,17 +1,21 @@
 """A node's processes and its cgroups: what runs on each node (``processes``, ``ps``), a slower board
-(``throttle``: a CPU quota, also while a job runs; ``quota`` reads it) and a smaller one (``limit_memory``)."""
+(``throttle``: a CPU quota, also while a job runs; ``quota`` reads it) and a smaller one (``limit_memory``).
+
+A node's link: pulled or put back (``link``), slowed (``shape``), and the bytes it carried (``traffic``).
+"""
 from __future__ import annotations
 
 import contextlib
 import os
 import time
 
-from .nodes import Testbed, TestbedError, _run
+from ..files import save_json
+from .nodes import NODE_IFACE, Testbed, TestbedError, parse_rate, run_cmd, tc_shape
 
 
 def processes(tb: Testbed) -> dict:
     """Pids still running on each node (for 'no orphan processes' checks)."""
-    return {h: [int(p) for p in _run("ip", "netns", "pids", tb.netns(h), check=False).stdout.split()]
+    return {h: [int(p) for p in run_cmd("ip", "netns", "pids", tb.netns(h), check=False).stdout.split()]
             for h in tb.hosts}
 
 
@@ -152,7 +156,7 @@ def quota(tb: Testbed, host: str) -> float | None:
         return None
 
 
-def _memory_cgroup(tb_name: str, host: str) -> tuple[str, bool] | None:
+def memory_cgroup(tb_name: str, host: str) -> tuple[str, bool] | None:
     """The node's memory cgroup directory and whether it is cgroup v2; None without a memory controller."""
     if os.path.isfile("/sys/fs/cgroup/memory/memory.limit_in_bytes") or \
             os.path.isdir("/sys/fs/cgroup/memory") and os.path.isfile("/sys/fs/cgroup/memory/cgroup.procs"):
@@ -172,7 +176,7 @@ def limit_memory(tb: Testbed, host: str, nbytes: int) -> None:
         testbed.limit_memory(tb, "node02", 800 * 2**20)   # node02 is now an 800 MiB board
     """
     tb.index(host)
-    found = _memory_cgroup(tb.name, host)
+    found = memory_cgroup(tb.name, host)
     if found is None:
         raise TestbedError("no cgroup memory controller at /sys/fs/cgroup: cannot limit a node's memory here")
     path, v2 = found
@@ -199,3 +203,45 @@ def limit_memory(tb: Testbed, host: str, nbytes: int) -> None:
         with open(os.path.join(path, "memory.limit_in_bytes")) as f:
             if int(f.read()) > nbytes:
                 raise TestbedError(f"cannot set {path}/memory.limit_in_bytes to {nbytes}")
+
+
+# ----------------------------------------------------------------------------------------------
+# faults and measurements
+# ----------------------------------------------------------------------------------------------
+def link(tb: Testbed, host: str, state: str) -> None:
+    """Take ``host``'s link down or up (``state`` = "down" | "up"): its cable pulled or put back."""
+    if state not in ("up", "down"):
+        raise TestbedError(f"link state {state!r}: up or down")
+    run_cmd("ip", "link", "set", tb.veth(host), state)
+
+
+def shape(tb: Testbed, host: str, rate: str) -> Testbed:
+    """Set ``host``'s link rate (both directions), e.g. 10x slower for a straggler; returns the new
+    Testbed (also saved, so ``status`` shows it)."""
+    parse_rate(rate)
+    tc_shape(tb.veth(host), rate)
+    tc_shape(NODE_IFACE, rate, ns=tb.netns(host))
+    new = Testbed(**{**tb.to_dict(), "rates": {**tb.rates, host: rate}})
+    save_json(new.to_dict(), os.path.join(tb.state_dir, "testbed.json"))
+    return new
+
+
+def traffic(tb: Testbed) -> dict:
+    """Bytes each node has sent and received on its link, and on its own loopback::
+
+        before = testbed.traffic(tb); ...; after = testbed.traffic(tb)
+    """
+    out = {}
+    for h in tb.hosts:
+        stats = {}
+        for dev, key in ((NODE_IFACE, "link"), ("lo", "lo")):
+            p = run_cmd("cat", f"/sys/class/net/{dev}/statistics/tx_bytes",
+                     f"/sys/class/net/{dev}/statistics/rx_bytes", ns=tb.netns(h), check=False)
+            vals = [int(v) for v in p.stdout.split()] or [0, 0]
+            stats[f"{key}_tx"], stats[f"{key}_rx"] = vals[0], vals[-1]
+        out[h] = stats
+    return out
+
+
+def traffic_delta(before: dict, after: dict) -> dict:
+    return {h: {k: after[h][k] - before[h].get(k, 0) for k in after[h]} for h in after}

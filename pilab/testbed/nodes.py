@@ -31,7 +31,7 @@ NODE_IFACE = "eth0"  # the node's end of its veth, named as on a board
 FIRST_HOST = 11  # node01 is .11, node02 .12, ...; the bridge (the "head node") is .1
 
 
-_NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")  # link names are at most 15 characters: "<name>-n01"
+NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,7}$")  # link names are at most 15 characters: "<name>-n01"
 
 
 class TestbedError(RuntimeError):
@@ -67,7 +67,7 @@ class Testbed:
     def __post_init__(self):
         if self.user:
             job_ids(self.user)  # an account that exists, and not root's
-        if not _NAME_RE.match(self.name):
+        if not NAME_RE.match(self.name):
             raise TestbedError(f"name={self.name!r}: 1-8 lower-case letters/digits, starting with a letter")
         if not 1 <= self.nodes <= 99:
             raise TestbedError(f"nodes={self.nodes} must be between 1 and 99")
@@ -272,13 +272,13 @@ def available() -> str | None:
     return None
 
 
-def _require() -> None:
+def require_root() -> None:
     why = available()
     if why:
         raise TestbedError(why)
 
 
-def _run(*argv: str, check: bool = True, ns: str | None = None) -> subprocess.CompletedProcess:
+def run_cmd(*argv: str, check: bool = True, ns: str | None = None) -> subprocess.CompletedProcess:
     cmd = (["ip", "netns", "exec", ns] if ns else []) + list(argv)
     p = subprocess.run(cmd, capture_output=True, text=True)
     if check and p.returncode != 0:
@@ -286,10 +286,10 @@ def _run(*argv: str, check: bool = True, ns: str | None = None) -> subprocess.Co
     return p
 
 
-def _routes_and_addresses() -> list[tuple[ipaddress.IPv4Network, str]]:
+def routes_and_addresses() -> list[tuple[ipaddress.IPv4Network, str]]:
     """Every IPv4 prefix this machine routes or has an address in (all tables), with its device."""
     out = []
-    p = _run("ip", "-j", "-4", "route", "show", "table", "all", check=False)
+    p = run_cmd("ip", "-j", "-4", "route", "show", "table", "all", check=False)
     for r in json.loads(p.stdout or "[]"):
         dst = r.get("dst", "")
         if dst in ("default", "") or r.get("type") in ("broadcast",):
@@ -299,7 +299,7 @@ def _routes_and_addresses() -> list[tuple[ipaddress.IPv4Network, str]]:
                         r.get("dev", "")))
         except ValueError:
             continue
-    p = _run("ip", "-j", "-4", "addr", check=False)
+    p = run_cmd("ip", "-j", "-4", "addr", check=False)
     for link in json.loads(p.stdout or "[]"):
         for a in link.get("addr_info", []):
             out.append((ipaddress.ip_network(f"{a['local']}/{a['prefixlen']}", strict=False),
@@ -310,7 +310,7 @@ def _routes_and_addresses() -> list[tuple[ipaddress.IPv4Network, str]]:
 def check_range(tb: Testbed) -> None:
     """Refuse a range that overlaps any route or address of this machine (other than our bridge's)."""
     mine = ipaddress.ip_network(tb.subnet)
-    for net, dev in _routes_and_addresses():
+    for net, dev in routes_and_addresses():
         if dev == tb.bridge or net.is_loopback:
             continue
         if net.overlaps(mine):
@@ -321,13 +321,13 @@ def check_range(tb: Testbed) -> None:
 # ----------------------------------------------------------------------------------------------
 # up / down
 # ----------------------------------------------------------------------------------------------
-def _netns_list() -> list[str]:
-    p = _run("ip", "netns", "list", check=False)
+def netns_list() -> list[str]:
+    p = run_cmd("ip", "netns", "list", check=False)
     return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
 
 
-def _links() -> list[str]:
-    p = _run("ip", "-j", "link", check=False)
+def link_names() -> list[str]:
+    p = run_cmd("ip", "-j", "link", check=False)
     return [link["ifname"] for link in json.loads(p.stdout or "[]")]
 
 
@@ -341,15 +341,15 @@ def burst_bytes(rate: str) -> int:
     return max(128 * 1024, int(bps / 8 * 0.002)) if bps else 0
 
 
-def _shape(dev: str, rate: str, ns: str | None = None) -> None:
+def tc_shape(dev: str, rate: str, ns: str | None = None) -> None:
     """Token-bucket rate on ``dev``'s egress (replace: idempotent); no qdisc for an unshaped link."""
     bps = parse_rate(rate)
     if not bps:
-        _run("tc", "qdisc", "del", "dev", dev, "root", check=False, ns=ns)
+        run_cmd("tc", "qdisc", "del", "dev", dev, "root", check=False, ns=ns)
         return
     burst = burst_bytes(rate)
     limit = burst + int(bps / 8 * 0.020)  # the queue holds 20 ms of traffic beyond the bucket
-    _run("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(bps)}bit",
+    run_cmd("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(bps)}bit",
          "burst", str(burst), "limit", str(limit), ns=ns)
 
 

@@ -46,9 +46,9 @@ import subprocess
 import time
 
 from ..files import atomic_write_text
-from .nodes import (NODE_IFACE, Testbed, TestbedError, _links, _netns_list, _run, check_state_dir,
-                    slurm_conf, state_dir, state_problem)
-from .shim import _write_files
+from .nodes import (NODE_IFACE, Testbed, TestbedError, check_state_dir, link_names, netns_list, run_cmd, slurm_conf,
+                    state_dir, state_problem)
+from .shim import write_files
 
 __all__ = ["available", "start", "stop", "is_up", "conf_path", "head_address", "write_conf", "wait_idle",
            "PARTITION", "COMMANDS"]
@@ -94,8 +94,8 @@ def _sbin(cmd: str) -> str:
 
 def _node_memory_mib(tb: Testbed, host: str) -> int:
     """The node's memory cgroup limit (testbed.limit_memory), else this machine's memory, in MiB."""
-    from .cgroups import _memory_cgroup
-    found = _memory_cgroup(tb.name, host)
+    from .cgroups import memory_cgroup
+    found = memory_cgroup(tb.name, host)
     if found:
         for knob in ("memory.max", "memory.limit_in_bytes"):
             with contextlib.suppress(OSError, ValueError), open(os.path.join(found[0], knob)) as f:
@@ -137,12 +137,12 @@ def _start_munge(tb: Testbed) -> None:
     d = _dir(tb.name)
     key = os.path.join(d, "munge.key")
     if not os.path.exists(key):
-        _run(_sbin("mungekey"), "--create", f"--keyfile={key}", "--bits=1024")
+        run_cmd(_sbin("mungekey"), "--create", f"--keyfile={key}", "--bits=1024")
         os.chmod(key, 0o600)
     os.chmod(os.path.join(d, "munge"), 0o755)  # munged wants its socket's directory readable by all
     # --origin: the head's address, so that munged never looks up this machine's name
     # no --force: munged's own checks of its key, socket and directories (owner, mode) stand
-    _run(_sbin("munged"), f"--socket={d}/munge/munge.socket", f"--key-file={key}",
+    run_cmd(_sbin("munged"), f"--socket={d}/munge/munge.socket", f"--key-file={key}",
          f"--pid-file={d}/munge/munged.pid", f"--log-file={d}/log/munged.log",
          f"--seed-file={d}/munge/munged.seed", f"--origin={tb.bridge_address}")
 
@@ -150,15 +150,15 @@ def _start_munge(tb: Testbed) -> None:
 def _head_up(tb: Testbed) -> None:
     """The head node: a namespace of its own on the bridge at the range's .2."""
     ns, veth = head_netns(tb.name), f"{tb.name}-nh"
-    if ns not in _netns_list():
-        _run("ip", "netns", "add", ns)
-    if veth not in _links():
-        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", NODE_IFACE, "netns", ns)
-    _run("ip", "link", "set", veth, "master", tb.bridge)
-    _run("ip", "link", "set", veth, "up")
-    _run("ip", "addr", "replace", f"{head_address(tb)}/{tb.prefixlen}", "dev", NODE_IFACE, ns=ns)
-    _run("ip", "link", "set", NODE_IFACE, "up", ns=ns)
-    _run("ip", "link", "set", "lo", "up", ns=ns)
+    if ns not in netns_list():
+        run_cmd("ip", "netns", "add", ns)
+    if veth not in link_names():
+        run_cmd("ip", "link", "add", veth, "type", "veth", "peer", "name", NODE_IFACE, "netns", ns)
+    run_cmd("ip", "link", "set", veth, "master", tb.bridge)
+    run_cmd("ip", "link", "set", veth, "up")
+    run_cmd("ip", "addr", "replace", f"{head_address(tb)}/{tb.prefixlen}", "dev", NODE_IFACE, ns=ns)
+    run_cmd("ip", "link", "set", NODE_IFACE, "up", ns=ns)
+    run_cmd("ip", "link", "set", "lo", "up", ns=ns)
 
 
 def start(tb: Testbed, *, wait_s: float = 60.0) -> str:
@@ -174,16 +174,16 @@ def start(tb: Testbed, *, wait_s: float = 60.0) -> str:
     d = _dir(tb.name)
     _start_munge(tb)
     _head_up(tb)
-    _run("unshare", "--uts", "sh", "-c", f"hostname {HEAD} && exec {_sbin('slurmctld')} -f {conf}",
+    run_cmd("unshare", "--uts", "sh", "-c", f"hostname {HEAD} && exec {_sbin('slurmctld')} -f {conf}",
          ns=head_netns(tb.name))
     mounts = os.path.join(tb.state_dir, "mounts.sh")
     for h in tb.hosts:
         # as the shim does for a job: the node's hostname, /dev/shm and cgroup file systems
-        _run("unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c",
+        run_cmd("unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c",
              f"hostname {h} && mount -t tmpfs -o mode=1777,size=50% tmpfs /dev/shm && . {mounts} {h} "
              f"&& exec {_sbin('slurmd')} -f {conf}", ns=tb.netns(h))
     wait_idle(tb, wait_s, log=os.path.join(d, "log", "slurmctld.log"))
-    _write_files(tb)  # env.sh again, now with SLURM_CONF
+    write_files(tb)  # env.sh again, now with SLURM_CONF
     return conf
 
 
@@ -233,14 +233,14 @@ def stop(name: str) -> list[str]:
         if pidfile.startswith("slurm") and pidfile.endswith(".pid") and \
                 _kill_pidfile(os.path.join(d, pidfile), conf_path(name)):
             removed.append(f"daemon {pidfile[:-4]}")
-    if ns in _netns_list():
-        for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
+    if ns in netns_list():
+        for pid in run_cmd("ip", "netns", "pids", ns, check=False).stdout.split():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
-        _run("ip", "netns", "del", ns, check=False)
+        run_cmd("ip", "netns", "del", ns, check=False)
         removed.append(f"netns {ns}")
-    if f"{name}-nh" in _links():
-        _run("ip", "link", "del", f"{name}-nh", check=False)
+    if f"{name}-nh" in link_names():
+        run_cmd("ip", "link", "del", f"{name}-nh", check=False)
         removed.append(f"link {name}-nh")
     if mine and _kill_pidfile(os.path.join(d, "munge", "munged.pid"), os.path.join(d, "munge")):
         removed.append("daemon munged")

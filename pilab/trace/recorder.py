@@ -6,12 +6,13 @@ evaluations and checkpoints, on the ranks' clocks aligned over MPI, written by r
     mpiexec -n 2 python -m pilab train --trace --out runs/t     # runs/t/trace.json + result.json["trace"]
     python -m pilab train --np 2 --trace --trace-window 20 --out runs/t
 
-How the times are taken, with the least wiring: ``MPIRanks.step`` stamps its phase boundaries
-(``perf_counter``) into ``StepResult.timeline`` (a ``Timeline``) only when tracing, and ``GradSync`` with
-``observe=True`` notes when each message is first seen complete (tests each request in posting order
-instead of one Testall). Without ``trace`` both take their usual path. The simulator
-(``VirtualRanks``) gives one track per virtual rank (its data, forward and backward; a chunk of several
-ranks per forward goes on its first rank's track) and the one optimizer step on rank 0's track.
+How the times are taken, with the least wiring: every rank backend gives the components' ``on_step``
+moment the step's spans (``pilab.component.RankStep.spans``: an MPI rank's phase boundaries on its
+``perf_counter``), and with ``watch_messages`` set (this component's) ``GradSync`` notes when each
+message is first seen complete (``RankStep.flights``: it tests each request in posting order instead of
+one Testall). The simulator (``VirtualRanks``) gives one track per virtual rank (its data, forward and
+backward; a chunk of several ranks per forward goes on its first rank's track) and the one optimizer step
+on rank 0's track.
 
 Bounded: each rank keeps the first ``FIRST`` steps, the last ``trace_window`` and up to ``trace_window``
 steps a straggler warning named (every rank runs the same ``pilab.trace.stragglers.Monitor`` on the
@@ -36,32 +37,14 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import format as tracefile
-from ..component import Component
-from .stragglers import Monitor
+from ..component import Component, Stage
+from .stragglers import Monitor, Times
 
-__all__ = ["Trace", "Timeline", "clock_offsets", "FIRST", "ROUNDS"]
+__all__ = ["Trace", "clock_offsets", "FIRST", "ROUNDS"]
 
 FIRST = 5  # the run's first steps, always kept (start-up: the first step allocates, later ones reuse)
 ROUNDS = 8  # ping-pongs per rank per clock comparison: the smallest round trip of them is used
 _TAG = 3939  # the comparisons' point-to-point tag
-PHASES = ("data", "forward", "backward", "wait", "optimizer")
-
-
-class Timeline:
-    """One rank's step on its own clock (``perf_counter`` seconds): ``spans`` (tid, name, begin, end) and
-    gradient messages' ``flights`` (tid, first bucket index, bytes, posted, first seen complete)::
-
-        Timeline(rank, (t_data, t_forward, t_backward, t_backward_end, t_wait_end, t_end), stats.flights)
-    """
-
-    __slots__ = ("spans", "flights")
-
-    def __init__(self, rank: int, marks=None, flights=(), *, spans=None):
-        if spans is None:
-            t = marks
-            spans = [(rank, name, t[i], t[i + 1]) for i, name in enumerate(PHASES)]
-        self.spans = spans
-        self.flights = [(rank, k, n, a, b) for k, n, a, b in flights]
 
 
 def clock_offsets(comm, rounds: int = ROUNDS):
@@ -97,6 +80,8 @@ class Trace(Component):
     seconds over them, and the clocks' alignment."""
 
     name = "trace"
+    stage = Stage.OBSERVE
+    watch_messages = True  # each gradient message's flight (GradSync tests each request on its own)
 
     @classmethod
     def wanted(cls, cfg, ranks) -> bool:
@@ -114,6 +99,8 @@ class Trace(Component):
         self.named: list = []
         self.n_named = 0
         self.evals: list = []  # (tid, "eval", begin, end, step)
+        self.step_seen = None  # the last step's (spans, flights), from on_step
+        self.times = Times()  # every rank's compute and network times, for the monitor and the lane
         self.monitor = None
         if self.comm is not None and cfg.straggler_threshold > 0:
             n = cfg.straggler_steps
@@ -135,41 +122,46 @@ class Trace(Component):
         if got is not None:
             self.syncs.append(got)
 
+    def on_step(self, rank) -> None:
+        self.step_seen = (rank.spans, rank.flights) if rank.spans is not None else None
+        self.times.take(rank)
+
     def after_step(self, session, epoch: int, step: int, st) -> list:
         self.gstep = g = session.epoch_start[epoch] + step + 1
-        tl = st.timeline
-        if tl is None:  # a step the backend does not trace (the simulator's local-SGD steps)
+        every = self.times.every(st)
+        if self.step_seen is None:  # a step the backend does not trace (the simulator's local-SGD steps)
             return []
-        rec = (g, epoch + 1, float(st.comm_wait), tl.spans, tl.flights)
+        spans, flights = self.step_seen
+        rec = (g, epoch + 1, float(st.comm_wait), spans, flights)
         self.seen += 1
         if self.seen <= FIRST:
             self.first.append(rec)
         else:
             self.last.append(rec)
-        if self.monitor is not None and st.ranks_compute is not None:
-            self.monitor.add(g, st.ranks_compute, st.ranks_network, st.network_bytes)
+        if self.monitor is not None and every is not None:
+            self.monitor.add(g, *every)
             if self.seen > FIRST and self.n_named < self.window and \
                     any(f.get("last_step") == g for f in self.monitor.found.values()):
                 self.named.append(rec)
                 self.n_named += 1
-        return [self._lane(g, epoch + 1, tl, st)] if self.rank == 0 else []
+        return [self._lane(g, epoch + 1, spans, flights, every)] if self.rank == 0 else []
 
-    def _lane(self, g: int, epoch: int, tl: Timeline, st) -> dict:
-        """Rank 0's ``lane`` event of step ``g`` (the notebook's live swim-lane, ``pilab.plots.lanes``):
+    def _lane(self, g: int, epoch: int, spans, flights, every) -> dict:
+        """Rank 0's ``lane`` event of step ``g`` (the notebook's live swim-lane, ``pilab.plots.run``):
         seconds on rank 0's clock from the trace's zero. Rank 0's own spans and flights are measured
         (the simulator's: every virtual rank's); another MPI rank's are estimated from what rank 0 has
         each step without a message: the step started together on every rank, its data, forward and
-        backward lasted until its last gradient went out (``StepResult.ranks_compute``), then it waited
+        backward lasted until its last gradient went out (every rank's ``ready`` time), then it waited
         until rank 0 saw the last gradient averaged. The exact picture is trace.json (per epoch)."""
         z = self.zero
-        spans = [[tid, n, round(b - z, 6), round(e - z, 6), 0] for tid, n, b, e in tl.spans]
-        flights = [[tid, k, nb, round(a - z, 6), round(max(a, b) - z, 6)] for tid, k, nb, a, b in tl.flights]
-        if self.comm is not None and st.ranks_compute is not None:
+        spans = [[tid, n, round(b - z, 6), round(e - z, 6), 0] for tid, n, b, e in spans]
+        flights = [[tid, k, nb, round(a - z, 6), round(max(a, b) - z, 6)] for tid, k, nb, a, b in flights]
+        if self.comm is not None and every is not None:
             mine = {n: (b, e) for _, n, b, e, _ in spans}
             if "data" in mine and "wait" in mine:
                 t0, done = mine["data"][0], mine["wait"][1]
                 for r in range(1, self.np_):
-                    ready = round(min(t0 + float(st.ranks_compute[r]), done), 6)
+                    ready = round(min(t0 + float(every[0][r]), done), 6)
                     spans += [[r, "data+forward+backward", t0, ready, 1], [r, "wait", ready, done, 1]]
         return {"kind": "lane", "global_step": g, "epoch": epoch, "np": self.np_, "spans": spans, "flights": flights}
 
@@ -282,7 +274,7 @@ class Trace(Component):
                if self.ranks.simulated else "one per rank"}
         if self.cfg.out:
             path = os.path.join(self.cfg.out, "trace.json")
-            from ..perfmodel.layout import model_profile
+            from ..perfmodel import model_profile
             # the model as analysis needs it (perfmodel validate reads it, never imports the builder)
             meta = {"kind": "measured", "config": self.cfg.to_dict(), "np": self.np_, "clock": clock,
                     "simulated": bool(self.ranks.simulated),

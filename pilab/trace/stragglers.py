@@ -31,7 +31,7 @@ from collections import deque
 
 import numpy as np
 
-from ..component import Component
+from ..component import Component, Stage
 
 __all__ = ["Monitor", "THRESHOLD", "MIN_RATE", "WINDOW", "STEPS", "EVERY_S"]
 
@@ -148,6 +148,7 @@ class StragglerWatch(Component):
     it does not watch)."""
 
     name = "stragglers"
+    stage = Stage.OBSERVE
 
     @classmethod
     def wanted(cls, cfg, ranks) -> bool:
@@ -156,19 +157,46 @@ class StragglerWatch(Component):
     def __init__(self, cfg, ranks):
         self.cfg, self.monitor = cfg, None
         self.watch = not ranks.simulated and ranks.np_ > 1 and cfg.straggler_threshold > 0
+        self.times = Times()
+
+    def on_step(self, rank) -> None:
+        self.times.take(rank)
 
     def after_step(self, session, epoch: int, step: int, st) -> list:
+        every = self.times.every(st)
         # the hosts are known once train() has the run's environment (a Session stepped by hand has none)
         if self.watch and self.monitor is None and getattr(session, "env", None):
             n = self.cfg.straggler_steps
             self.monitor = Monitor(session.env["hostnames"], threshold=self.cfg.straggler_threshold, steps=n,
                                    window=2 * n)
-        if self.monitor is None or st.ranks_compute is None:
+        if self.monitor is None or every is None:
             return []
         gstep = session.epoch_start[epoch] + step + 1
         return [{"kind": "straggler", "line": line, "global_step": gstep, "stragglers": self.monitor.summary()}
-                for line in self.monitor.add(gstep, st.ranks_compute, st.ranks_network, st.network_bytes)]
+                for line in self.monitor.add(gstep, *every)]
 
     def result(self) -> dict:
         m = self.monitor
         return {"stragglers": m.summary() if m is not None else [], "straggler_lines": m.lines if m is not None else []}
+
+
+class Times:
+    """Every rank's times of each step, as a ``Monitor`` takes them: its compute (the last gradient ready,
+    s) and its network time of the step before, which MPI ranks send with the step's metrics (their slots
+    ``ready`` and ``network``), and the payload that network time moved (the step before's bytes sent,
+    which local SGD makes vary; the first step, with no network time yet, pairs with its own)::
+
+        times.take(rank)             # a component's on_step
+        times.every(st)              # its after_step: (compute, network, bytes), or None (the simulator)
+    """
+
+    def __init__(self):
+        self.seen, self.sent = None, None
+
+    def take(self, rank) -> None:
+        sums = rank.sums
+        self.seen = (sums["ready"].copy(), sums["network"].copy()) if "ready" in sums else None
+
+    def every(self, st):
+        sent, self.sent = (st.bytes_sent if self.sent is None else self.sent), st.bytes_sent
+        return None if self.seen is None else (*self.seen, sent)

@@ -10,7 +10,7 @@ fast-and-right.sh runs them one point at a time; seeds_table.py names each point
 """
 from __future__ import annotations
 
-from pilab.config import Config
+from pilab import Config
 from pilab.study.remedies import toolbox_candidates as candidates  # what --candidates reads
 from pilab.study.toolbox import fast_and_right  # noqa: F401 (this study's own part of them)
 

@@ -106,7 +106,7 @@ best_three() {  # the three most accurate np=48 candidates of seed 0 (labels, on
     python - "$here/np48/seed0" "$cands" <<'EOF'
 import json, pathlib, sys
 from pilab.study import remedies
-from pilab.config import Config
+from pilab import Config
 cfg = Config(width=0.25, train_subset=15000, epochs=10, batch_size=32, lr=0.05, lr_ref_batch=32)
 cands = remedies.load_candidates(sys.argv[2])
 label_of = {remedies.slug(label): label for label in remedies.candidate_labels(cfg, 48, cands)}

@@ -16,34 +16,29 @@ Or from a shell, then attach: ``ipcluster start --profile-dir profiles/profile_p
 
 Stopping works on busy engines: the client asks each engine's nanny process (ipyparallel's per-engine
 helper, reachable while the engine computes) to send SIGINT; while training, the engine's handler only
-sets a flag (:func:`stop_flag`), which ``train.run`` polls every step and OR-reduces over the ranks, so
+sets a flag (:func:`stop_flag`), which ``pilab.train`` polls every step and OR-reduces over the ranks, so
 all ranks leave after the same step. A ``%%px`` cell interrupted from the notebook sends the same SIGINT.
 
 Where things live (everything below is importable from ``pilab.lab.cluster`` itself):
 
 - :mod:`~pilab.lab.cluster.profiles`: profiles, hostfiles, the LAN address; :func:`start` and :func:`connect`;
-- :mod:`~pilab.lab.cluster.client`: :class:`Engines` (the notebook side);
-- :mod:`~pilab.lab.cluster.runs`: :class:`Run`, :class:`LocalRun` (a run on them or in this kernel, its failures);
+- :mod:`~pilab.lab.cluster.client`: :class:`Engines` (the notebook side), :class:`Run`, :class:`LocalRun`
+  (a run on them or in this kernel, its failures);
 - :mod:`~pilab.lab.cluster.rank`: what runs inside each engine (:func:`whoami`, :func:`stop_flag`,
-  :func:`engine_train`, :func:`rank_state`);
-- :mod:`~pilab.lab.cluster.events`: rank 0's events to the notebook, both halves (:func:`publish` and its reader);
-- :mod:`~pilab.lab.cluster.scatter`: rank 0 sends each rank its data shard (:func:`scatter_shards`).
+  :func:`engine_train`, :func:`rank_state`), and rank 0 sending each rank its data shard
+  (:func:`scatter_shards`);
+- :mod:`~pilab.lab.cluster.events`: rank 0's events to the notebook, both halves (:func:`publish` and its reader).
 
 The launcher (``mpiexec``) is found by :func:`pilab.launch.find_mpiexec`.
 """
-from __future__ import annotations
+from ... import lazy
 
-from .client import Engines
-from .errors import ClusterError
-from .events import publish
-from .profiles import (connect, hostfile_slots, lan_address, non_loopback_addresses, profile_dir,
-                       running_clusters, start, stop_stale)
-from .runs import LocalRun, Run
-from .rank import RankTable, StopFlag, engine_train, last, rank_state, stop_flag, whoami
-from .scatter import load_scattered, scatter_shards
-
-__all__ = [
-    "ClusterError", "Engines", "Run", "LocalRun", "start", "connect", "profile_dir", "hostfile_slots",
-    "lan_address", "non_loopback_addresses", "whoami", "stop_flag", "StopFlag", "publish", "engine_train",
-    "rank_state", "RankTable", "last", "scatter_shards", "load_scattered", "running_clusters", "stop_stale",
-]
+__getattr__, __dir__, __all__ = lazy.face(__name__, {
+    "client": ["Engines", "Run", "LocalRun"],
+    "errors": ["ClusterError"],
+    "events": ["publish"],
+    "profiles": ["start", "connect", "profile_dir", "hostfile_slots", "lan_address", "non_loopback_addresses",
+                "running_clusters", "stop_stale"],
+    "rank": ["whoami", "stop_flag", "StopFlag", "engine_train", "rank_state", "RankTable", "last", "scatter_shards",
+            "load_scattered"],
+})

@@ -1,11 +1,11 @@
 """How rank 0's training events reach the notebook: both halves of one small protocol.
 
-On the engine, :func:`publish` is a ``train.run`` callback that sends each event through ipyparallel's
+On the engine, :func:`publish` is a ``pilab.train`` callback that sends each event through ipyparallel's
 datapub channel under a numbered key; on the client, an :class:`EventReader` reads the keys of a running
 task in order, each once::
 
     %%px                                       # engine side (engine_train does this on rank 0)
-    train.run(cfg, comm, callbacks=[cluster.publish])
+    pilab.train(cfg, comm, callbacks=[cluster.publish])
 
     reader = EventReader(ar)                   # client side (Run's watcher thread does this)
     for event in reader.new_events(): ...
@@ -33,7 +33,7 @@ def begin_stream() -> None:
 
 
 def publish(event: dict) -> None:
-    """A ``train.run`` callback that sends rank 0's events to the client (ipyparallel datapub), where
+    """A ``pilab.train`` callback that sends rank 0's events to the client (ipyparallel datapub), where
     :class:`pilab.lab.cluster.Run` hands them to the notebook's callbacks. The ``end`` event is not sent:
     the result comes back as the task's return value."""
     global _next_seq

@@ -22,7 +22,7 @@ import time
 
 import psutil  # an ipyparallel dependency
 
-from ...launch.hosts import HostsError, read_hostfile
+from ...launch import HostsError, read_hostfile
 from .client import Engines
 from .errors import ClusterError
 

@@ -2,15 +2,19 @@
 
     %%px
     from mpi4py import MPI
+    from pilab import engine
     from pilab.lab import cluster
-    from pilab.engine import train
     with cluster.stop_flag() as stop:              # a kernel interrupt stops every rank after a step
-        result, model = train.train(cfg, MPI.COMM_WORLD, stop=stop)
+        result, model = engine.fit(cfg, engine.MPIRanks(MPI.COMM_WORLD), stop=stop)
     cluster.rank_state(MPI.COMM_WORLD, model, result)    # a table of what each rank holds, on rank 0
 
-mpi4py, torch and ``pilab.engine.train`` are imported inside the functions that need them: importing mpi4py
+mpi4py, torch and the engine's loop are imported inside the functions that need them: importing mpi4py
 initialises MPI, and the notebook client imports this module (to send :func:`engine_train` to the
 engines) without becoming an MPI process or loading torch.
+
+Data distribution for nodes without a copy of the data set: rank 0 sends each rank its shard::
+
+    pilab.train(cfg, comm, data=cluster.load_scattered(cfg, comm))      # sharding="static" only
 """
 from __future__ import annotations
 
@@ -20,10 +24,91 @@ import signal
 import socket
 import time
 
-from ...engine.signals import handled
+import numpy as np
+
+from ...config import ConfigError
+from ...engine import handled
 from .errors import ClusterError
 from .events import begin_stream, publish
-from .scatter import load_scattered
+
+
+def scatter_shards(ds, comm, *, seed: int = 0, root: int = 0):
+    """Give every rank its static training shard and its test slice from ``root``'s copy of the data
+    set, as raw uint8 buffers (``Scatterv``, no pickling), so the nodes need no copy on disk::
+
+        ds = data.load("embedded") if comm.rank == 0 else None
+        local = cluster.scatter_shards(ds, comm, seed=cfg.seed)
+        pilab.train(cfg, comm, data=local)        # sharding="static" only
+
+    The returned data set has the full shapes, but only this rank's rows are filled (the rest stay
+    untouched zero pages, which cost no memory); ``data.ShardLoader`` and ``train.evaluate`` read just
+    those rows. ``root`` returns ``ds`` itself. Labels (8 bytes an image) are broadcast to all.
+    """
+    # Imported here: mpi4py initialises MPI and pilab.data loads torch; the notebook client imports
+    # pilab.lab.cluster without either.
+    from ... import data as data_mod
+    from ...launch import mpi
+    MPI = mpi()
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    meta = None
+    if rank == root:
+        meta = {"n_train": len(ds.y_train), "n_test": len(ds.y_test), "classes": tuple(ds.classes),
+                "source": ds.source, "checksum": ds.checksum}
+    meta = comm.bcast(meta, root=root)
+    n_train, n_test = meta["n_train"], meta["n_test"]
+    pixel = 32 * 32 * 3
+
+    y_train = ds.y_train if rank == root else np.empty(n_train, dtype=np.int64)
+    y_test = ds.y_test if rank == root else np.empty(n_test, dtype=np.int64)
+    comm.Bcast([np.ascontiguousarray(y_train, dtype=np.int64), MPI.INT64_T], root=root)
+    comm.Bcast([np.ascontiguousarray(y_test, dtype=np.int64), MPI.INT64_T], root=root)
+
+    # Every rank computes the same partition from the labels; only root reads pixels.
+    shards = data_mod.static_shards(y_train, size, seed)
+    test = [data_mod.test_shard(n_test, size, r) for r in range(size)]
+    x_train = np.zeros((n_train, 32, 32, 3), np.uint8) if rank != root else None
+    x_test = np.zeros((n_test, 32, 32, 3), np.uint8) if rank != root else None
+
+    counts = [len(s) * pixel for s in shards]
+    send = None
+    if rank == root:
+        send = [np.ascontiguousarray(ds.x_train[np.concatenate(shards)]), counts,
+                np.cumsum([0] + counts[:-1]).tolist(), MPI.BYTE]
+    recv = np.empty((len(shards[rank]), 32, 32, 3), np.uint8)
+    comm.Scatterv(send, [recv, MPI.BYTE], root=root)
+    if rank != root:
+        x_train[shards[rank]] = recv
+
+    tcounts = [(s.stop - s.start) * pixel for s in test]
+    tsend = None
+    if rank == root:
+        tsend = [np.ascontiguousarray(ds.x_test), tcounts, [s.start * pixel for s in test], MPI.BYTE]
+    trecv = np.empty((test[rank].stop - test[rank].start, 32, 32, 3), np.uint8)
+    comm.Scatterv(tsend, [trecv, MPI.BYTE], root=root)
+    if rank == root:
+        return ds
+    x_test[test[rank]] = trecv
+    return data_mod.CIFAR10(x_train, y_train, x_test, y_test, classes=meta["classes"],
+                            source=f"{meta['source']} [shard {rank}/{size} from rank {root}]",
+                            checksum=meta["checksum"])
+
+
+def load_scattered(cfg, comm, *, root: int = 0):
+    """Rank ``root`` loads ``cfg``'s data set (with its subsets) and scatters the shards::
+
+        pilab.train(cfg, comm, data=cluster.load_scattered(cfg, comm))
+    """
+    from ... import data as data_mod  # torch: see scatter_shards
+
+    if cfg.sharding != "static":
+        raise ConfigError("scattered data needs sharding='static'; 'reshuffle' reads the whole set on "
+                          "every rank each epoch: put the data on every node (or a shared directory)")
+    ds = None
+    if comm.Get_rank() == root:
+        ds = data_mod.load(cfg.data, train_subset=cfg.train_subset, test_subset=cfg.test_subset,
+                           seed=cfg.seed)
+    return scatter_shards(ds, comm, seed=cfg.seed, root=root)
 
 
 def whoami() -> dict:
@@ -36,7 +121,7 @@ def whoami() -> dict:
 
 
 class StopFlag:
-    """A callable that says whether a stop was requested (``train.run(..., stop=flag)``)."""
+    """A callable that says whether a stop was requested (``pilab.train(..., stop=flag)``)."""
 
     def __init__(self):
         self.requested_at: float | None = None
@@ -55,11 +140,11 @@ def stop_flag(signals=(signal.SIGINT,)):
 
         %%px
         with cluster.stop_flag() as stop:
-            result = train.run(cfg, MPI.COMM_WORLD, stop=stop)
+            result = pilab.train(cfg, MPI.COMM_WORLD, stop=stop)
 
     Interrupting the notebook kernel during that cell makes ipyparallel send SIGINT to the engines;
     here it sets the flag instead of raising KeyboardInterrupt in the middle of a collective (which
-    would leave the other ranks waiting forever). ``train.run`` polls the flag every step and stops
+    would leave the other ranks waiting forever). ``pilab.train`` polls the flag every step and stops
     all ranks together when any rank has it set. Outside the main thread it yields a plain flag.
     """
     flag = StopFlag()
@@ -73,7 +158,7 @@ last: dict = {}
 
 
 def engine_train(cfg, np_: int | None = None, *, stream: bool = True, scatter: bool = False,
-                 hang_s: float = 0.0) -> dict:
+                 hang_s: float = 0.0, components=()) -> dict:
     """Train on ranks ``0..np_-1`` of COMM_WORLD; call it on every engine (it splits the world).
 
     Ranks ``>= np_`` get no communicator and return ``{"rank": r, "idle": True}`` at once. Rank 0 of
@@ -82,7 +167,7 @@ def engine_train(cfg, np_: int | None = None, *, stream: bool = True, scatter: b
 
         lab.view.apply_async(cluster.engine_train, cfg, 2)     # what Engines.train does
     """
-    from ...engine.harness import guarded_run  # these two on the engines only (see the module docstring)
+    from ...engine import guarded_run  # these two on the engines only (see the module docstring)
     from ...launch import mpi
     MPI = mpi()
 
@@ -103,7 +188,7 @@ def engine_train(cfg, np_: int | None = None, *, stream: bool = True, scatter: b
             # ends itself, naming the unreachable ranks (the client reports them as died). A stuck but
             # reachable rank is left to the client's own hang report.
             out = guarded_run(cfg, comm, data=data, callbacks=callbacks, hang_s=hang_s, where="engine",
-                              stop=stop)
+                              stop=stop, components=components)
             result = out.result
             last.clear()
             last.update(model=out.model, cfg=cfg, np=np_, rank=comm.Get_rank(), result=result)
