@@ -1,10 +1,10 @@
 """Writing results so that a reader never sees half a file: temporary file + rename, JSON helpers.
 
     from pilab.files import save_json, load_json
-    save_json({"np": 2}, "runs/x/result.json")     # creates runs/x/, replaces the file atomically
+    save_json({"np": 2}, "runs/x/study.json")      # creates runs/x/, replaces the file atomically
 
-JSON is written compactly: one key per line, but a list of plain values (a run's per-step losses and
-times) on one line, so a 4,680-step log is 8 lines, not 37,000.
+JSON is written compactly: one key per line, but a list of plain values on one line. A run's result is
+two files, written and read by ``pilab.resultfile`` (its per-step series are not JSON).
 """
 from __future__ import annotations
 

@@ -369,7 +369,7 @@ small="--width 0.25 --batch-size 4 --threads 1 --train-subset 256 --test-subset 
 # holding the script for ever; the limits are hours, far above what the runs took (docs/arm64.md).
 limit="timeout -k 60"
 # A train's result.json in one line (no single quotes: it goes into in_pi's command line in them).
-result_py='import json, sys; r = json.load(open(sys.argv[1])); e = r["env"]; print("result: np", r["np"],
+result_py='import sys; from pilab import resultfile; r = resultfile.load(sys.argv[1]); e = r["env"]; print("result: np", r["np"],
     "steps", r["steps_done"], "step s", [round(t, 1) for t in r["steps"]["time"]], "test acc",
     r["epochs"][-1]["test_acc"], "| machine", e["machine"], "hosts", e["hostnames"], "threads/rank",
     e["threads_per_rank"], "torch", e["torch"], "|", e["mpi_library"])'

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 # takes its layer, so a new module needs no entry here) or a module at the top of pilab/.
 LAYERS = {
     "files": 0, "verdict": 0,  # atomic writes; the one logic that judges a study's rows (no pilab imports)
+    "resultfile": 0.5,  # a run's result on disk: result.json and its per-step series (files only)
     "envvars": 0,  # the registry of the environment variables pilab reads (no pilab imports)
     "component": 0,  # what a loop feature is: the moments the loop calls (no pilab imports)
     "lazy": 0,  # a package's face loaded on first use (PEP 562)

@@ -2,7 +2,6 @@
 Its arithmetic against the exact mode is tests/test_performance.py::test_fast_mode_stays_close_to_exact_at_np48
 (both settings); here: when it is on, and what a machine without a C++ compiler gets (a real missing
 compiler: CXX pointing nowhere, with an empty inductor cache so nothing compiled before is reused)."""
-import json
 import os
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from dataclasses import replace
 
 from conftest import REPO
 
+from pilab import resultfile
 from pilab.config import Config
 from pilab import engine
 
@@ -49,7 +49,7 @@ def test_no_compiler_runs_eager_and_says_so_in_one_line(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     said = [x for x in p.stderr.splitlines() if x.startswith("pilab: torch.compile failed")]
     assert len(said) == 1 and "no-such-c++" in said[0] and "compile_bn=off" in said[0], p.stderr[-3000:]
-    r = json.loads((out / "result.json").read_text())
+    r = resultfile.load(str(out / "result.json"))
     assert r["compile_bn_used"].startswith("torch.compile failed") and r["config"]["compile_bn"] == "on"
     # ... and the eager run it went on with is the run compile_bn=off gives
     ref, _ = engine.fit(replace(TINY, compile_bn="off", seed=0), engine.VirtualRanks(4))

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import MPIEXEC, REPO, mpi_env
+from pilab import resultfile
 
 HERE = Path(__file__).parent
 ARTIFACTS = REPO / "test-artifacts"
@@ -396,7 +397,8 @@ def trained(tmp_path_factory):
 
 
 def test_keep_k_checkpoints_and_a_checksum(trained):
-    assert files_in(trained) == ["checkpoint-e0002.pt", "checkpoint-e0003.pt", "checkpoint.pt", "result.json"]
+    assert files_in(trained) == ["checkpoint-e0002.pt", "checkpoint-e0003.pt", "checkpoint.pt", "result.json",
+                                "result.steps.npz"]
     from pilab.engine import checkpoint
     latest = torch.load(trained / "checkpoint.pt", weights_only=True)
     assert latest["epoch"] == 3 and latest["np"] == 1 and latest["format"] == checkpoint.FORMAT
@@ -484,7 +486,7 @@ def test_disk_full_keeps_the_previous_checkpoint_and_says_so(trained, tmp_path):
         line = one_line_error(p, 74, "cannot write the checkpoint of epoch 2", "No space left on device",
                               "checkpoint-e0001.pt) is intact")
         kept = files_in(out)
-        assert kept == ["checkpoint-e0001.pt", "checkpoint.pt", "result.json"], kept
+        assert kept == ["checkpoint-e0001.pt", "checkpoint.pt", "result.json", "result.steps.npz"], kept
         ck = torch.load(out / "checkpoint.pt", weights_only=True)
         from pilab.engine import checkpoint
         assert ck["epoch"] == 1 and checkpoint.digest(ck) == ck["sha256"]
@@ -547,7 +549,7 @@ def test_an_output_directory_of_another_run_is_refused_unless_overwrite(trained,
     note("--out holds another run", exit=2, seconds=p.seconds, message=line)
     p = pilab("train", *TINY, "--epochs", "1", "--lr", "0.1", "--out", str(d), "--overwrite", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert files_in(d) == ["result.json"], "the old run's checkpoints went with it"
+    assert files_in(d) == ["result.json", "result.steps.npz"], "the old run's checkpoints went with it"
     assert json.loads((d / "result.json").read_text())["config"]["lr"] == 0.1
     # the same command again is a re-run: allowed (the README's commands can be run twice)
     p = pilab("train", *TINY, "--epochs", "1", "--lr", "0.1", "--out", str(d), cwd=tmp_path)
@@ -568,7 +570,7 @@ def test_an_unfinished_run_is_continued_not_restarted(tmp_path):
 # 4. determinism
 # ----------------------------------------------------------------------------------------------
 def _losses(path: Path):
-    r = json.loads(path.read_text())
+    r = resultfile.load(str(path))
     return ([(e["train_loss"], e["test_loss"], e["test_acc"]) for e in r["epochs"]], r["steps"]["loss"])
 
 

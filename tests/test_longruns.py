@@ -23,7 +23,7 @@ import torch
 from conftest import MPIEXEC, REPO, mpi_env
 from served import served_batches
 
-from pilab import engine
+from pilab import engine, resultfile
 from pilab.config import Config
 
 ARTIFACTS = REPO / "test-artifacts"
@@ -55,7 +55,7 @@ def pilab(*args, cwd, timeout=300, launcher=None, env=None):
 
 
 def result(d: Path) -> dict:
-    return json.loads((d / "result.json").read_text())
+    return resultfile.load(str(d / "result.json"))
 
 
 def weights(path: Path) -> dict:

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import mpi_env
-from pilab import perfmodel
+from pilab import perfmodel, resultfile
 from pilab.study import analysis, compare as paper, points, scaling
 from pilab.config import Config, ConfigError
 
@@ -114,7 +114,7 @@ def test_compare_paper_sets_a_tiny_real_study_beside_the_published_figures(tiny_
 
 
 def test_the_full_set_gets_its_image_counts_from_the_runs_for_the_performance_model(tiny_study, cifar_archive):
-    r = json.loads((tiny_study / "np1" / "result.json").read_text())
+    r = resultfile.load(str(tiny_study / "np1" / "result.json"))
     whole = Config(data=str(cifar_archive), width=0.25)  # train_subset=0: all the images
     # the study loaded the archive, so its cache gives the counts; the cache is keyed by content, so a
     # byte-identical copy elsewhere has them too, and a file whose content was never loaded has none
@@ -133,11 +133,10 @@ def test_the_full_set_gets_its_image_counts_from_the_runs_for_the_performance_mo
     assert (sized.train_subset, sized.test_subset) == (r["data"]["n_train"], r["data"]["n_test"])
     assert perfmodel.predict(sized, 2, "pi4b_cluster")["n_train"] == 480
     # one directory holds one training: a point of other settings is refused, naming the np
-    other = json.loads((tiny_study / "np48" / "result.json").read_text())
+    other = resultfile.load(str(tiny_study / "np48" / "result.json"))
     bad = tiny_study.parent / "mixed"
     for n, res in ((1, r), (48, {**other, "config": {**other["config"], "lr": 0.2}})):
-        (bad / f"np{n}").mkdir(parents=True)
-        (bad / f"np{n}" / "result.json").write_text(json.dumps(res))
+        resultfile.save(res, str(bad / f"np{n}" / "result.json"))
     with pytest.raises(ConfigError, match=r"np \[48\]"):
         scaling.study_from_points(str(bad))
 

@@ -12,7 +12,7 @@ import pytest
 from bokeh.models import LabelSet, LogScale, Range1d, Scatter
 from bokeh.plotting import figure
 
-from pilab import plots
+from pilab import plots, resultfile
 from pilab.cli import COMMANDS, build_parser
 from pilab.config import DEMO, Config
 from pilab.study import ablation, analysis, compare, remedies, report, scaling, tables
@@ -363,10 +363,10 @@ def test_the_seeds_table_of_the_committed_fast_and_right_points(tmp_path):
     # a second seed of the np=48 baseline: mean and sample sd over the two
     copy = tmp_path / "study"
     shutil.copytree(root, copy, ignore=shutil.ignore_patterns("*.pt", "*.html", "*.png", "remedies.json"))
-    twin = dict(base48, epochs=[dict(e) for e in base48["epochs"]])
+    # (read and written by pilab.resultfile: a result is result.json and its per-step file)
+    twin = resultfile.load(str(root / "np48" / "seed0" / "baseline" / "result.json"))
     twin["epochs"][-1]["test_acc"] = base48["epochs"][-1]["test_acc"] + 0.02
-    (copy / "np48" / "seed1" / "baseline").mkdir(parents=True)
-    (copy / "np48" / "seed1" / "baseline" / "result.json").write_text(json.dumps(twin))
+    resultfile.save(twin, str(copy / "np48" / "seed1" / "baseline" / "result.json"))
     r2 = {(r["np"], r["slug"]): r for r in seeds.table(str(copy))["rows"]}[(48, "baseline")]
     assert r2["n"] == 2 and abs(r2["acc_mean"] - (r["acc_mean"] + 0.01)) < 1e-12
     assert abs(r2["acc_sd"] - 0.02 / 2 ** 0.5) < 1e-12

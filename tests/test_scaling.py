@@ -520,11 +520,12 @@ def test_the_committed_remedies_search_shows_a_fast_and_right_np48():
 def test_a_study_stores_each_run_once_by_reference(tmp_path):
     # study.json refers to its points' result.json (path + SHA-256) instead of holding a second copy;
     # what the study added to a run rides beside the reference; load_study gives the study back as it was.
+    from pilab import resultfile
     from pilab.config import ConfigError
     from pilab.files import save_json
     run = {"np": 2, "steps": {"loss": [2.3, 2.1, 1.9]}, "epochs": [{"test_acc": 0.5}]}
-    save_json(run, str(tmp_path / "np2" / "result.json"))
-    assert '"loss": [2.3, 2.1, 1.9]' in (tmp_path / "np2" / "result.json").read_text()  # an array on one line
+    resultfile.save(run, str(tmp_path / "np2" / "result.json"))
+    assert '"epochs": [\n  {\n   "test_acc": 0.5' in (tmp_path / "np2" / "result.json").read_text()  # readable
     st = {"kind": "pilab.scaling.study", "rows": [], "runs": {"2": {**run, "rapl": {"joules": 1.0}}, "4": {"np": 4}}}
     save_json(points.stored(st, str(tmp_path)), str(tmp_path / "study.json"))
     raw = json.loads((tmp_path / "study.json").read_text())
@@ -534,7 +535,7 @@ def test_a_study_stores_each_run_once_by_reference(tmp_path):
     assert set(raw["runs"]["4"]) == {"file", "sha256"} and raw["runs"]["4"]["file"] == "np4/result.json"
     assert json.loads((tmp_path / "np4" / "result.json").read_text()) == {"np": 4}
     assert scaling.load_study(str(tmp_path)) == st
-    (tmp_path / "np2" / "result.json").write_text(json.dumps({**run, "np": 3}))
+    resultfile.save({**run, "np": 3}, str(tmp_path / "np2" / "result.json"))
     with pytest.raises(ConfigError, match="changed after"):
         scaling.load_study(str(tmp_path))
     # ... and is never written over another run's file; a study.json that embeds a run is refused

@@ -27,6 +27,8 @@ import pytest
 
 from conftest import mpi_env
 
+from pilab import resultfile
+
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--width", "0.25", "--batch-size", "16", "--threads", "1", "--quiet"]
 STUDY_TINY = [a for a in TINY if a != "--quiet"]  # scale takes no --quiet
@@ -299,6 +301,13 @@ def test_a_result_is_on_the_disk_before_it_replaces_the_old_one(tmp_path, monkey
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
     files.save_json({"np": 2}, str(tmp_path / "result.json"))
     assert any(".tmp-result.json" in s for s in synced) and str(tmp_path) in synced
+    # a run's result: its per-step sidecar too, before the result.json that names it
+    from pilab import resultfile
+    synced.clear()
+    resultfile.save({"np": 2, "steps": {"loss": [2.3, 2.2], "lr": [0.1, 0.1]}}, str(tmp_path / "r" / "result.json"))
+    npz = [i for i, s in enumerate(synced) if "result.steps.npz" in s]
+    js = [i for i, s in enumerate(synced) if ".tmp-result.json" in s]
+    assert npz and js and npz[0] < js[0], synced
 
 
 def test_an_unreadable_checkpoint_is_left_as_it_is(tmp_path):
@@ -366,8 +375,9 @@ def test_analysis_reads_the_recorded_model_and_never_runs_a_builder_it_did_not_n
               cwd=tmp_path)
     assert p.returncode == 0 and marker not in p.stdout + p.stderr, p.stderr[-3000:]
     # a result that records no profile (an older pilab's): refused in one line, unless you name the builder
-    del res["model_profile"]
-    (tmp_path / "old.json").write_text(json.dumps(res))
+    old = resultfile.load(str(tmp_path / "r" / "result.json"))  # with its per-step series (pilab.resultfile)
+    del old["model_profile"]
+    resultfile.save(old, str(tmp_path / "old.json"))
     cal[cal.index("--result") + 1] = str(tmp_path / "old.json")
     p = pilab(*cal, cwd=tmp_path)
     line = one_error(p)

@@ -23,7 +23,7 @@ import pytest
 
 from conftest import mpi_env, run_on_testbed, skip_or_fail, holding_testbed
 
-from pilab import testbed
+from pilab import resultfile, testbed
 from pilab.testbed import slurmd as slurm
 
 pytestmark = pytest.mark.mpi
@@ -113,9 +113,7 @@ def test_train_in_an_allocation_or_a_batch_job_equals_mpiexec_with_a_hostfile(tb
                            cwd=tmp_path)
     logs = "".join(p.read_text() for p in tmp_path.glob("batch-*.log"))
     assert batch.returncode == 0, batch.stderr + logs[-3000:]
-    a = json.loads((tmp_path / "alloc" / "result.json").read_text())
-    b = json.loads((tmp_path / "hostfile" / "result.json").read_text())
-    c = json.loads((tmp_path / "batch" / "result.json").read_text())
+    a, b, c = (resultfile.load(str(tmp_path / d / "result.json")) for d in ("alloc", "hostfile", "batch"))
     assert a["env"]["hostnames"] == b["env"]["hostnames"] == c["env"]["hostnames"] == \
         ["node01", "node01", "node02", "node02"]
     assert a["steps"]["loss"] == b["steps"]["loss"] == c["steps"]["loss"]  # bitwise: same placement, same sums

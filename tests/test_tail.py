@@ -1,7 +1,6 @@
 """The end of a step's exchange (issue 39 item 4): the last bucket cut small (``Config.bucket_tail_mb``) and
 each bucket's parameters stepped as its average lands (``Config.step_as_landed``, ``optim.SubsetStep``).
 Neither may change a number: the same losses bit for bit with and without them, on real ranks."""
-import json
 import subprocess
 import sys
 
@@ -9,6 +8,7 @@ import pytest
 import torch
 
 from conftest import MPIEXEC, mpi_env
+from pilab import resultfile
 from pilab.config import Config
 from pilab.dist.buckets import bucket_assignment
 from pilab.engine.optim import SubsetStep, build_optimizer
@@ -60,7 +60,7 @@ def _losses(np_, out, *flags):
            *flags]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=mpi_env())
     assert p.returncode == 0, p.stderr[-3000:]
-    r = json.loads((out / "result.json").read_text())
+    r = resultfile.load(str(out / "result.json"))
     return r["steps"]["loss"], [e["test_loss"] for e in r["epochs"]]
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import MPIEXEC, REPO, mpi_env, skip_or_fail
+from pilab import resultfile
 from pilab.trace import format as tracefile
 from pilab import engine
 
@@ -29,8 +30,7 @@ def _train(out, *extra, prefix=None, timeout=120):
     cmd = prefix(args) if prefix else [MPIEXEC, "-n", "2", *PY, *args]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env())
     assert p.returncode == 0, p.stdout + p.stderr
-    with open(out / "result.json") as f:
-        return json.load(f)
+    return resultfile.load(str(out / "result.json"))
 
 
 def _by_step(doc):

@@ -161,25 +161,29 @@ def seeds(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _same_run(saved: dict, wanted: dict) -> bool:
-    """Whether two Configs compute the same run (they may differ in what a resumption may change). The
-    saved one is read through Config, so a setting added since takes its default: compile_bn's ``auto``
-    acts only on the fast mode on CPU, so the exact points made before it are the same run."""
+def _same_run(saved: dict, wanted: dict, checksum: str) -> bool:
+    """Whether a saved result is the run a Config (``wanted``, on the data whose digest is ``checksum``)
+    computes; they may differ in what a resumption may change, and in the path the data was read from
+    (the data set is the one its digest names). The saved config is read through Config, so a setting
+    added since takes its default: compile_bn's ``auto`` acts only on the fast mode on CPU, so the exact
+    points made before it are the same run."""
     from pilab.config import Config, ConfigError
     from pilab.engine.checkpoint import RESUMABLE
-    strip = lambda c: json.loads(json.dumps({k: v for k, v in c.items() if k not in RESUMABLE}))  # noqa: E731
+    strip = lambda c: json.loads(json.dumps({k: v for k, v in c.items() if k not in (*RESUMABLE, "data")}))  # noqa: E731
     try:
-        saved = Config.from_dict(saved).to_dict()
+        cfg = Config.from_dict(saved["config"]).to_dict()
     except (ConfigError, TypeError, ValueError):
         return False
-    return strip(saved) == strip(wanted)
+    return strip(cfg) == strip(wanted) and (saved.get("data") or {}).get("checksum") == checksum
 
 
 def finished(path: str) -> dict | None:
-    """The result.json at ``path`` if its run went to its last step, else None."""
+    """The result at ``path`` (read by pilab.resultfile: result.json and its per-step file) if its run went
+    to its last step, else None."""
+    from pilab import resultfile
     if not os.path.isfile(path):
         return None
-    r = json.load(open(path))
+    r = resultfile.load(path)
     return r if not r.get("stopped_early") and r.get("steps_done") == r.get("total_steps") else None
 
 
@@ -238,10 +242,12 @@ def job(name: str, np_: int, seed: int, a) -> dict:
             "dir": point_dir(a.out, name, np_, seed)}
 
 
-def check_points(jobs: list[dict]) -> None:
+def check_points(jobs: list[dict], checksum: str) -> None:
     """Refuse an ``--out`` whose point folders hold another protocol's run, finished (its result.json) or
-    cut short (its checkpoint.pt), and a candidate these settings cannot run (a warmup longer than
-    ``--epochs``): one line, exit 2, before anything is written."""
+    cut short (its checkpoint.pt), or a result in the old form, and a candidate these settings cannot run
+    (a warmup longer than ``--epochs``): one line, exit 2, before anything is written. ``checksum``: the
+    digest of the data this command trains on."""
+    from pilab import resultfile
     from pilab.config import Config, ConfigError
     from pilab.engine import checkpoint
     for j in jobs:
@@ -252,8 +258,12 @@ def check_points(jobs: list[dict]) -> None:
             print(f"screen: {j['candidate']} at np={j['np']}: {e}", file=sys.stderr)
             raise SystemExit(2) from None
         if os.path.isfile(path):
-            if not _same_run(json.load(open(path))["config"], cfg.to_dict()):
-                problem = f"{path} is another protocol's run (its config differs from this command's)"
+            try:
+                if not _same_run(resultfile.load(path), cfg.to_dict(), checksum):
+                    problem = f"{path} is another protocol's run (its config or data differ from this command's)"
+            except resultfile.ResultFileError as e:
+                print(f"screen: {e}", file=sys.stderr)
+                raise SystemExit(2) from None
         elif checkpoint.latest(j["dir"]):
             try:
                 checkpoint.load(checkpoint.latest(j["dir"]), cfg, j["np"])
@@ -580,14 +590,14 @@ def main(argv=None) -> list[dict]:
     stage1 = [job(REFERENCE, 1, s, a) for s in seeds(a.reference_seeds)]
     stage1 += [job(n, big, 0, a) for n in a.names]
     stage1 += [job(n, 1, s, a) for n in a.names for s in seeds(a.np1_seeds)]
-    check_points(stage1)
-    os.makedirs(a.out, exist_ok=True)
-    lock = claim(a.out)  # noqa: F841 -- held (by this process and its workers) until they end
-
     global _DS
     from pilab import data as data_mod
     t0 = time.perf_counter()
+    # the data first: a kept point is checked against what it is (its digest), not the path it came from
     _DS = data_mod.load(a.data, train_subset=a.train_subset, test_subset=a.test_subset)
+    check_points(stage1, _DS.checksum)
+    os.makedirs(a.out, exist_ok=True)
+    lock = claim(a.out)  # noqa: F841 -- held (by this process and its workers) until they end
     print(f"screen: data {_DS.source}: {len(_DS.y_train)} train / {len(_DS.y_test)} test, "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     path = os.path.join(a.out, "results.jsonl")

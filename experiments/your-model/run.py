@@ -90,10 +90,10 @@ def row(name: str, study_dir: str) -> dict:
     from pilab.engine import memory
     from pilab.models import counted_train_flops, forward_macs, probe_model
 
-    from pilab import data
+    from pilab import data, resultfile
 
     study = json.load(open(os.path.join(study_dir, "study.json")))
-    r1 = json.load(open(os.path.join(study_dir, "np1", "result.json")))
+    r1 = resultfile.load(os.path.join(study_dir, "np1", "result.json"))
     pts = {int(p["np"]): p for p in study["rows"]}
     cfg = Config.from_dict(r1["config"])
     ds = data.load(cfg.data, train_subset=cfg.train_subset, test_subset=cfg.test_subset)  # cached: no decode

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 
-from .. import testbed
+from .. import resultfile, testbed
 
 NAME, SUBNET = "plbal", "10.86.0.0/24"
 # the timed runs: a step of ~0.5 s on a whole core, ranks compute-bound (the 1 GbE veth moves 0.9 MB of
@@ -63,7 +63,6 @@ def unavailable() -> str | None:
 def _run(tb, case: str, steps: int, out: str, mpiexec=None, delay: float = 0.0) -> dict:
     """One run of ``case`` (quotas set before the job starts; dynamic's throttle ``delay`` seconds after
     it started, while it runs): its result.json, with ``throttled_at_step``."""
-    import json
     import subprocess
     import sys
 
@@ -92,8 +91,7 @@ def _run(tb, case: str, steps: int, out: str, mpiexec=None, delay: float = 0.0) 
             timer.cancel()
     if p.returncode != 0:
         raise RuntimeError(f"balance run {case} failed: {p.stderr[-2000:]}")
-    with open(os.path.join(out, "result.json")) as f:
-        result = json.load(f)
+    result = resultfile.load(os.path.join(out, "result.json"))  # with its per-step series
     result["startup_s"] = result["epochs"][0]["started_at"] - launched  # launch to the first step
     if throttled:  # the step it happened in: from the epoch's start (wall clock) and the steps' times
         ends = itertools.accumulate(result["steps"]["time"])

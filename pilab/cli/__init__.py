@@ -52,7 +52,8 @@ def _library_errors() -> tuple:
     # they were imported, so look their types up instead of importing them for a one-line message.
     errors = [UsageError, ConfigError, LaunchError]
     for module, name in (("pilab.data.dataset", "DataError"), ("pilab.dist.helpers", "LauncherError"),
-                         ("pilab.models.names", "ModelError"), ("pilab.launch.slurm", "SlurmError")):
+                         ("pilab.models.names", "ModelError"), ("pilab.launch.slurm", "SlurmError"),
+                         ("pilab.resultfile", "ResultFileError")):
         if module in sys.modules:
             errors.append(getattr(sys.modules[module], name))
     return tuple(errors)

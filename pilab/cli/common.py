@@ -11,6 +11,7 @@ import os
 import sys
 from dataclasses import fields
 
+from .. import resultfile
 from ..config import CHOICES, Config, ConfigError, allowed
 from ..engine import EXIT_HANG, EXIT_WRITE, print_stragglers
 
@@ -286,13 +287,13 @@ TRUST_MODEL = ("your model builder (module:function or file.py:function) the run
 def _saved_config(out: str) -> tuple[dict | None, dict | None, str | None]:
     """(config, result) of the run in ``out``: from result.json, else from its checkpoint; the third
     value names what could not be read."""
-    import json
     res_path = os.path.join(out, "result.json")
     if os.path.exists(res_path):
         try:
-            with open(res_path) as f:
-                res = json.load(f)
+            res = resultfile.load(res_path)
             return res["config"], res, None
+        except resultfile.OldFormError as e:
+            raise UsageError(f"--out {out}: {e}") from None
         except (OSError, ValueError, KeyError, TypeError):
             return None, None, res_path
     ck = os.path.join(out, "checkpoint.pt")

@@ -185,6 +185,18 @@ def _read_json(path: str, flag: str):
         raise UsageError(f"{flag} {path}: cannot read it as JSON ({e})") from None
 
 
+def _read_result(path: str) -> dict:
+    from .. import resultfile
+    try:
+        return resultfile.load(path)
+    except FileNotFoundError:
+        raise UsageError(f"--result {path}: no such file") from None
+    except OSError as e:
+        raise UsageError(f"--result {path}: cannot read it ({e})") from None
+    except resultfile.ResultFileError as e:
+        raise UsageError(f"--result {e}") from None
+
+
 def _load_calibration(path: str) -> pm.Calibration:
     try:
         return pm.Calibration.from_dict(_read_json(path, "--calibration"))
@@ -264,7 +276,7 @@ def run_calibrate(args, argv) -> int:
         _check_range(args, dest, 1)
     if args.inter_bench and not (args.nodes and args.ranks_per_node and args.cluster_out):
         raise UsageError("--inter-bench needs --nodes, --ranks-per-node and --cluster-out")
-    result = _read_json(args.result, "--result")
+    result = _read_result(args.result)
     bench = _read_json(args.bench, "--bench")
     inter_bench = _read_json(args.inter_bench, "--inter-bench") if args.inter_bench else None
     try:

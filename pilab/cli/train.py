@@ -167,8 +167,8 @@ def _ranks_per_host(args) -> int:
 def _keep_after_launcher(cfg: Config, np_: int, rc: int, said: str, t_launch: float) -> None:
     """mpiexec failed and no rank wrote result.json (a node's processes killed, a node powered off: the
     launcher ends the others with SIGKILL): keep what the last checkpoint says was done."""
+    from .. import resultfile
     from ..engine import result_from_checkpoint
-    from ..files import save_json
     path = os.path.join(cfg.out, "result.json")
     if os.path.exists(path) and os.path.getmtime(path) >= t_launch:
         return  # rank 0 kept it (watchdog, an exception, a signal): it knows more
@@ -176,7 +176,7 @@ def _keep_after_launcher(cfg: Config, np_: int, rc: int, said: str, t_launch: fl
     reason = (f"the job ended (mpiexec exit {rc}) before rank 0 could write its result: a rank was killed "
               f"or its node went away" + (f"; mpiexec said last: {last[:200]}" if last else ""))
     try:
-        save_json(result_from_checkpoint(cfg, np_, reason), path)
+        resultfile.save(result_from_checkpoint(cfg, np_, reason), path)
     except OSError:
         pass  # the launcher's exit code still says the job failed
 

@@ -42,10 +42,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import __version__, data as data_mod
+from .. import __version__, data as data_mod, resultfile
 from ..component import SYNC
 from ..config import Config
-from ..files import save_json
 from ..perfmodel import model_profile
 from . import checkpoint, features, memory, records
 from .backend import StepResult, load_data, local_ranks, resolve_device, split_sync_groups
@@ -415,7 +414,7 @@ def _finish(run: _Run) -> dict:
         result["write_error"] = run.write_error
     if s.rank == 0 and cfg.out:
         try:
-            save_json(result, os.path.join(cfg.out, "result.json"))
+            resultfile.save(result, os.path.join(cfg.out, "result.json"))
         except OSError as e:  # rank 0 alone: report it, don't fail one rank of a finished job
             result["write_error"] = "; ".join(filter(None, [run.write_error, (
                 f"cannot write {os.path.join(cfg.out, 'result.json')}: {e.strerror or e} (an earlier "
@@ -435,7 +434,7 @@ def _keep(run: _Run, reason: str) -> str:
     for c in s.components:
         res.update(c.result())
     path = os.path.join(s.cfg.out, "result.json")
-    save_json(res, path)
+    resultfile.save(res, path)
     return path
 
 

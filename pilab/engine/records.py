@@ -21,7 +21,7 @@ import os
 import socket
 import time
 
-from .. import __version__
+from .. import __version__, resultfile
 from ..config import Config
 from ..files import temp_name
 from . import checkpoint
@@ -30,8 +30,8 @@ from .checkpoint import CheckpointError
 
 # Every file a run writes in its --out (and its numbered checkpoints, checkpoint-e*.pt: run_files): what
 # --overwrite, and a study point run again, remove first, so that nothing of an old run (a trace.json
-# of a run with --trace) is taken for the new run's.
-RUN_FILES = ("result.json", "trace.json", "checkpoint.pt")
+# of a run with --trace) is taken for the new run's. A result is two files (``pilab.resultfile``).
+RUN_FILES = (*resultfile.files("result.json"), "trace.json", "checkpoint.pt")
 
 
 def run_files(out: str) -> list[str]:
@@ -191,13 +191,15 @@ class Keeper:
                 last, since = now, time.monotonic()
 
     def cleanup(self) -> None:
-        """Remove a temporary file a write cut short left (a process about to ``os._exit``)."""
-        tmp = temp_name(self._path) if getattr(self, "_path", "") else ""
-        if tmp and os.path.exists(tmp):
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
+        """Remove the temporary files a write cut short left (a process about to ``os._exit``): the
+        result's and its per-step file's (``pilab.resultfile``)."""
+        path = getattr(self, "_path", "")
+        for tmp in [temp_name(p) for p in resultfile.files(path)] if path else []:
+            if os.path.exists(tmp):
+                try:
+                    os.remove(tmp)
+                except OSError:
+                    pass
 
     def __call__(self, reason: str) -> str | None:
         if self._write is not None and self.written is None:

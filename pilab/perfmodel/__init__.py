@@ -11,8 +11,9 @@ Calibrate on your machine, then predict (everything returns dicts / lists of dic
     python -m pilab perfmodel table --published       # the Pi table beside the published figures
 
     from pilab import perfmodel
+    from pilab import resultfile
     from pilab.files import load_json
-    cal = perfmodel.calibrate(load_json("runs/np1/result.json"), load_json("runs/perfmodel/comm_bench.json"))
+    cal = perfmodel.calibrate(resultfile.load("runs/np1/result.json"), load_json("runs/perfmodel/comm_bench.json"))
     perfmodel.predict(Config(width=0.25), 2, cal)                      # one dict
     perfmodel.predict_table(Config(), [2, 4, 8, 48], "pi4b_cluster", "naive", baseline_np=2)
     perfmodel.pi_table()                                                # both profiles + published figures

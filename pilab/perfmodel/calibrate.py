@@ -2,8 +2,9 @@
 Cluster built from it (``this_box``, or your own nodes with ``cluster_from_calibration``).
 
     from pilab.perfmodel import calibrate, this_box
+    from pilab import resultfile
     from pilab.files import load_json
-    cal = calibrate(load_json("runs/np1/result.json"), load_json("runs/perfmodel/comm_bench.json"))
+    cal = calibrate(resultfile.load("runs/np1/result.json"), load_json("runs/perfmodel/comm_bench.json"))
     cal.save("runs/perfmodel/calibration.json")
     this_box(cal).train_gflops                 # achieved GFLOP/s per rank in the np=1 run
 
@@ -215,7 +216,7 @@ def calibrate(np1_result: Mapping[str, Any], comm_bench: Any, *, source: str = "
     """Calibration from an np=1 ``result.json`` (dict) and a micro-benchmark (``run_comm_bench``'s
     dict, one ``comm_bench`` dict or a list of them).
 
-        cal = calibrate(json.load(open("runs/np1/result.json")), json.load(open("runs/bench.json")))
+        cal = calibrate(resultfile.load("runs/np1/result.json"), json.load(open("runs/bench.json")))
 
     ``available_cores``: on a shared machine, the CPU cores the np=1 run actually got (its CPU time
     over its wall time, when that is below its threads); its times are scaled back to a run that got

@@ -213,8 +213,8 @@ def study_with_runs(path: str) -> dict:
         res = os.path.join(os.path.dirname(path), f"np{r['np']}", "result.json")
         if not isinstance(runs.get(str(r["np"])), dict) or "epochs" not in runs[str(r["np"])]:
             if os.path.exists(res):
-                with open(res) as f:
-                    runs[str(r["np"])] = json.load(f)
+                from .. import resultfile
+                runs[str(r["np"])] = resultfile.load(res)
     study["runs"] = runs
     return study
 

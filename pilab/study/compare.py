@@ -74,6 +74,19 @@ def differing_settings(configs: dict[str, dict]) -> dict[str, dict[str, dict]]:
     return out
 
 
+def data_set(study: dict) -> str | None:
+    """What a study's data set is, as its runs recorded it, not where it lay: its sizes and the digest
+    of its arrays (``result["data"]["checksum"]``), so one archive named by two paths is one data set;
+    None where no run recorded it::
+
+        data_set(st)      # "50000 train / 10000 test, sha256 7da6a56bd03f"
+    """
+    seen = sorted({f"{d['n_train']} train / {d['n_test']} test, sha256 {d['checksum'][:12]}"
+                   for r in (study.get("runs") or {}).values() if isinstance(r, dict)
+                   for d in [r.get("data") or {}] if d.get("checksum") and "n_train" in d})
+    return " | ".join(seen) or None
+
+
 def compare(studies: dict[str, dict]) -> dict:
     """Put several studies (label -> study dict) side by side: per (label, np) final accuracy, the
     test-accuracy curve, and how many evaluated epochs sat at chance level (< 15%); ``varies``: the
@@ -95,7 +108,9 @@ def compare(studies: dict[str, dict]) -> dict:
                 "verdict_why": r["verdict_why"]})
     # a study with no finished point yet (one being run, see load_study) has no settings to compare
     configs = {k: v["config"] for k, v in studies.items() if v.get("config") is not None}
-    varies = differing_settings(configs)
+    # the data set by what it is (its runs' record), not by the path it was read from
+    varies = differing_settings({k: {**c, "data": data_set(studies[k]) or c.get("data")}
+                                 for k, c in configs.items()})
     warning = None
     if len(varies) > 1:
         warning = ("these studies differ in more than one kind of setting, so a difference between them "

@@ -14,9 +14,10 @@ import os
 import tempfile
 from dataclasses import replace
 
+from .. import resultfile
 from ..config import Config, ConfigError
 from ..engine import checkpoint
-from ..files import dumps, save_json, sha256_file
+from ..files import dumps, sha256_file
 from ..perfmodel import remember
 
 
@@ -30,10 +31,14 @@ def finished_run(path: str, p: int, cfg: Config, simulated: bool) -> dict | None
     """The result.json at ``path`` if it is ``cfg``'s training at ``p`` ranks (:func:`same_training`),
     simulated or measured as asked, and ran to the end; else None (missing, unreadable, other).
     ConfigError where it is that training but on data whose contents, or with a model builder whose
-    source, changed since (:func:`check_sources`): keeping it would mix two runs in one study."""
+    source, changed since (:func:`check_sources`): keeping it would mix two runs in one study. A result
+    in the form before result.steps.npz raises ``resultfile.OldFormError`` (convert it; it is not run
+    again over it)."""
     try:
-        r = read_json(path)
+        r = resultfile.load(path)
         saved = Config.from_dict(r["config"]).to_dict()
+    except resultfile.OldFormError:
+        raise
     except (OSError, ValueError, KeyError, TypeError):
         return None
     done = not r.get("stopped_early") and r.get("steps_done", r.get("total_steps")) == r.get("total_steps")
@@ -126,7 +131,7 @@ def reused_run(dirs, p: int, cfg: Config, simulated: bool, dest: str | None) -> 
         if r is not None:
             r = {**r, "reused_from": os.path.join(d, f"np{p}")}
             if dest:
-                save_json(r, dest)
+                resultfile.save(r, dest)
             return r
     return None
 
@@ -156,12 +161,16 @@ def stored(study_: dict, out: str) -> dict:
         path = os.path.join(out, rel)
         plain = json.loads(dumps(run, indent=None))  # as JSON reads it back: lists, plain numbers
         if not os.path.exists(path):
-            save_json(plain, path)
+            resultfile.save(plain, path)
         try:
-            saved = read_json(path)
+            saved = resultfile.load(path)
+        except resultfile.OldFormError:
+            raise
         except (OSError, ValueError):
             saved = None
-        if not (isinstance(saved, dict) and all(k in plain and plain[k] == v for k, v in saved.items())):
+        # the per-step timings come back to the microsecond (pilab.resultfile): the rest says which run it is
+        if not (isinstance(saved, dict) and all(k in plain and plain[k] == v for k, v in saved.items()
+                                                if k != "steps")):
             raise ConfigError(f"{path} holds another run than the study's np={p}; write the study to "
                               "another --out, or run it again there")
         also = {k: v for k, v in plain.items() if k not in saved}
@@ -196,7 +205,7 @@ def resolved(study_: dict, where: str) -> dict:
         if not same:
             raise ConfigError(f"{path} changed after the study in {where} was written (its SHA-256 "
                               "differs); run `pilab scale` with --resume there to make the study again")
-        out[p] = {**read_json(path), **run.get("also", {})}
+        out[p] = {**resultfile.load(path), **run.get("also", {})}
         remember(out[p].get("model_profile"))  # analysis of the study reads the model as its runs measured it
     # rows of studies made before rows said which simulator mode ran: from their runs
     rows = [r if "simulate_mode" in r else {**r, "simulate_mode": mode_ran(out.get(str(r["np"])))}

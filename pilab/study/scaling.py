@@ -26,7 +26,7 @@ import tempfile
 import time
 from dataclasses import asdict, replace
 
-from .. import engine, verdict as judging
+from .. import engine, resultfile, verdict as judging
 from ..config import DEMO, Config, ConfigError, small_mode
 from ..launch import run_job
 from . import energy, report
@@ -349,8 +349,10 @@ def _finished_points(out: str) -> dict[int, tuple[dict, Config]]:
         if not m:
             continue
         try:
-            r = read_json(path)
+            r = resultfile.load(path)
             cfg = Config.from_dict({**r["config"], "out": out, "resume": ""})
+        except resultfile.OldFormError:
+            raise
         except (OSError, ValueError, KeyError, TypeError, ConfigError):
             continue
         if finished_run(path, int(m.group(1)), cfg, bool(r.get("simulated"))) is not None:

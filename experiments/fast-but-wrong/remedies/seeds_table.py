@@ -24,7 +24,6 @@ that machine's ranks per node, and energy needs a power model for its name (the 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -32,7 +31,7 @@ import sys
 
 from dataclasses import replace
 
-from pilab import Config, ConfigError, perfmodel
+from pilab import Config, ConfigError, perfmodel, resultfile
 from pilab.study import analysis, remedies
 from pilab.study.analysis import target_baseline, time_to_target
 from pilab.study.points import trained_config
@@ -60,8 +59,7 @@ def points(root: str) -> dict[tuple[int, str], dict[int, dict]]:
                 path = os.path.join(d, name, "result.json")
                 if not os.path.isfile(path):
                     continue
-                with open(path) as f:
-                    r = json.load(f)
+                r = resultfile.load(path)
                 if r.get("stopped_early") or r.get("steps_done") != r.get("total_steps"):
                     continue
                 out.setdefault((int(np_dir[2:]), name), {})[int(seed_dir[4:])] = r
