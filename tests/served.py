@@ -22,8 +22,8 @@ class served_batches:
         self.orig, self.orig_ranks = data.ShardLoader.batch, data.ranks_batch
         orig, orig_ranks, on_batch, inside = self.orig, self.orig_ranks, self.on_batch, []
 
-        def batch(loader, epoch, step):
-            x, y = orig(loader, epoch, step)
+        def batch(loader, epoch, step, share=None):  # share: a balanced rank's part of the global batch
+            x, y = orig(loader, epoch, step, share=share)
             if not inside:  # asked by ranks_batch: reported there
                 on_batch(loader, epoch, step, y)
             return x, y

@@ -236,3 +236,16 @@ def test_every_face_gives_what_its_modules_define_whatever_was_imported_first():
         shadowed = [n for n in getattr(face, "__all__", ())
                     if isinstance(getattr(face, n), ModuleType) and getattr(face, n).__name__ == f"{package}.{n}"]
         assert not shadowed, (package, shadowed)
+
+
+def test_a_module_run_with_dash_m_defines_everything_before_its_main_guard():
+    """``python -m pilab.engine.harness`` runs the module top to bottom: a function defined after the
+    ``if __name__ == "__main__"`` block does not exist yet when ``main()`` runs (a merge once left half of
+    harness.py below it, and every MPI study run failed with a NameError)."""
+    late = []
+    for path in sorted((REPO / "pilab").rglob("*.py")):
+        body = ast.parse(path.read_text()).body
+        guards = [i for i, n in enumerate(body) if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+        if guards and guards[-1] != len(body) - 1:
+            late.append(str(path.relative_to(REPO)))
+    assert not late, late

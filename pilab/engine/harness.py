@@ -265,12 +265,6 @@ def main(argv=None) -> int:
     return exit_code(out.result, out.signum)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
-
-
 @contextlib.contextmanager
 def handled(signums, handler):
     """``handler(signum, frame)`` for each of ``signums`` during the block; the earlier handlers after
@@ -351,3 +345,7 @@ def sigterm_as_interrupt():
         raise KeyboardInterrupt(signal.Signals(signum).name)
     with handled((signal.SIGTERM,), handler):
         yield
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -143,8 +143,11 @@ def partial_study(cfg, criteria, nps, simulate_nps, runs, kept, t_start, command
             rows, meta = rows_from_runs(runs, criteria)
         except (ConfigError, KeyError, TypeError, ZeroDivisionError):  # e.g. the baseline is missing
             pass
+    # the failing job's own last line (its exception) beside its name: "np=1 run failed (exit 1):" alone
+    # left the user nothing to go on
+    lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
     reason = "interrupted" if isinstance(cause, KeyboardInterrupt) else \
-        f"a run failed: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}"
+        f"a run failed: {' '.join(lines[:1] + lines[1:][-1:]) if lines else type(cause).__name__}"
     return {"kind": "pilab.scaling.study", "config": cfg.to_dict(), "criteria": asdict(criteria),
             "nps": nps, "simulate_nps": simulate_nps, **meta, "rows": rows,
             "runs": {str(p): r for p, r in runs.items()}, "calibration": None,
