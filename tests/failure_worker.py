@@ -126,11 +126,11 @@ def case_raise_in_train(out: str) -> None:
     if MPI.COMM_WORLD.Get_rank() == 1:
         orig, calls = data_mod.ShardLoader.batch, []
 
-        def batch(self, epoch, step):
+        def batch(self, epoch, step, share=None):
             calls.append(step)
             if len(calls) == 6:
                 raise RuntimeError("injected failure on rank 1 at its 6th batch")
-            return orig(self, epoch, step)
+            return orig(self, epoch, step, share=share)
         data_mod.ShardLoader.batch = batch
     sys.exit(main(["train", "--out", out, *sys.argv[3:]]))
 

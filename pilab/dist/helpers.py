@@ -140,6 +140,9 @@ def abort_on_error(comm, code: int = 1, *, on_error=None):
             except Exception:  # what ends the job must not fail to end it
                 traceback.print_exc()
         comm.Abort(code)
+        # Abort does not return while the job stands; where it does (the launcher already tearing the job
+        # down) the exception must go on up, or the block's caller carries on as if it had finished
+        raise
 
 
 class LauncherError(RuntimeError):

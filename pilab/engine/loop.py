@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -77,6 +78,14 @@ class Handoff:
 class Session:
     """A run set up on ``ranks``: data, model, optimizer, schedule; ``step`` trains one step."""
 
+    @functools.cached_property
+    def model_profile(self) -> dict | None:
+        """What analysis needs of the model (perfmodel.model_profile), on rank 0: measured where its code runs
+        anyway, so reading the result never builds it again. Measured on first use -- when the result is
+        written, after training -- because its probe models took ~80 MB more at setup, stacked on the
+        training's own peak (tests/test_memory.py's prediction of a rank's peak)."""
+        return model_profile(self.cfg.model, self.cfg.width, self.cfg.timesteps) if self.rank == 0 else None
+
     def __init__(self, cfg: Config, ranks, *, data=None, components=()):
         owned = data is None or isinstance(data, Handoff)
         self.cfg, self.ranks = cfg, ranks
@@ -95,10 +104,8 @@ class Session:
         memory.tune_allocator(self.allocator)
         self._set_data(data.take() if isinstance(data, Handoff) else data, owned)
         self.model = ranks.build(cfg, self.device, self.ds, self.batch, self.components)
-        # data and builder digests (a resume on other ones is refused); what analysis needs of the model,
-        # measured here where its code runs anyway (reading the result never builds it again)
+        # data and builder digests (a resume on other ones is refused)
         self.sources = checkpoint.sources(cfg, self.ds)
-        self.model_profile = model_profile(cfg.model, cfg.width, cfg.timesteps) if self.rank == 0 else None
         self.first_batch = self.batch
         self.steps_per_epoch = ranks.steps_per_epoch  # the first epoch's (a batch ramp changes it)
         self.schedule_in_epochs = False  # a feature that chooses the batches as it goes sets it (see lr)
