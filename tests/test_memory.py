@@ -19,6 +19,7 @@ from pilab import engine
 from pilab.engine import optim
 from pilab.engine import virtual as engine_virtual
 from pilab.engine import memory
+from pilab.models import mobilenet
 from pilab.models import zoo as models
 from conftest import MPIEXEC, mpi_env
 from pilab.config import Config, ConfigError
@@ -26,9 +27,9 @@ from pilab.config import Config, ConfigError
 
 def _three_steps(relu6_forward=None):
     """Losses and final weights of 3 SGD steps of a small MobileNetV2-CIFAR on fixed random batches."""
-    saved = models.ReLU6.forward
+    saved = mobilenet.ReLU6.forward
     if relu6_forward is not None:
-        models.ReLU6.forward = relu6_forward
+        mobilenet.ReLU6.forward = relu6_forward
     try:
         torch.manual_seed(0)
         m = models.build_model("mobilenetv2_cifar", num_classes=10, width=0.25)
@@ -46,7 +47,7 @@ def _three_steps(relu6_forward=None):
             losses.append(loss.item())
         return losses, [p.detach().clone() for p in m.parameters()]
     finally:
-        models.ReLU6.forward = saved
+        mobilenet.ReLU6.forward = saved
 
 
 def test_relu6_that_saves_no_copy_gives_bitwise_the_same_training():
