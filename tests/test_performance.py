@@ -147,8 +147,12 @@ def test_simulate_mode_is_validated_and_auto_picks_what_the_run_allows():
     from pilab.engine import mode_used
     assert Config().simulate_mode == "auto"
     assert mode_used(Config()) == "fast"  # the same mathematics at one process's cost
-    assert mode_used(Config(local_steps=4)) == "exact"  # each rank's own weights: one rank per forward
-    assert mode_used(Config(batch_ramp="gns:64", batch_size=8)) == "exact"  # each rank's own gradient
+    # a component that needs each rank's own weights (local SGD) or gradient (the noise-driven batch ramp)
+    # says so (per_rank); the simulator built for such a run takes the exact mode
+    assert mode_used(Config(), per_rank=True) == "exact"
+    small = dict(width=0.25, train_subset=256, test_subset=20, threads=1, epochs=1)
+    for cfg in (Config(local_steps=4, **small), Config(batch_ramp="gns:64", **{**small, "batch_size": 8})):
+        assert engine.Session(cfg, engine.VirtualRanks(4)).ranks.mode == "exact", cfg
     assert mode_used(Config(simulate_mode="exact")) == "exact"
     assert Config(simulate_mode="fast").simulate_mode == "fast"
     with pytest.raises(ConfigError, match="simulate_mode"):

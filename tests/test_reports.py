@@ -198,8 +198,10 @@ def test_ablation_words_on_notebook_03s_committed_rows():
     accs = [float(line.split()[-1]) for line in table.splitlines()[1:]]
     assert len(accs) == 4, table
     words = ablation.ablation_summary({**_ablations(accs + [accs[-1]]), "rows": _ablations(accs + [accs[-1]])["rows"][:4]})
-    assert "lost mainly to the step count (15 points), and also to the shards (7 points)" in words, words
-    assert "the batch statistics give 8 points back" in words, words
+    # the rows of the notebook's last run (small mode): the batch statistics gain 2.6 points, inside the
+    # 4-point noise at this size, so they are neither a cost nor "do not matter"
+    assert "lost mainly to the step count (9 points), and also to the shards (4 points)" in words, words
+    assert "the batch statistics makes no clear difference" in words, words
     assert "not matter" not in words and "costs some" not in words
 
 
