@@ -274,11 +274,10 @@ class Trace(Component):
                if self.ranks.simulated else "one per rank"}
         if self.cfg.out:
             path = os.path.join(self.cfg.out, "trace.json")
-            from ..perfmodel import model_profile
-            # the model as analysis needs it (perfmodel validate reads it, never imports the builder)
+            # the model as analysis needs it (perfmodel validate reads it, never imports the builder): the
+            # session's, measured once for result.json and the trace alike
             meta = {"kind": "measured", "config": self.cfg.to_dict(), "np": self.np_, "clock": clock,
-                    "simulated": bool(self.ranks.simulated),
-                    "model_profile": model_profile(self.cfg.model, self.cfg.width, self.cfg.timesteps)}
+                    "simulated": bool(self.ranks.simulated), "model_profile": self.session.model_profile}
             try:
                 tracefile.write(path, self._events(), meta=meta)
                 out["path"] = path
