@@ -151,8 +151,17 @@ def reference_step_cpu() -> float:
 
 def pytest_collection_finish(session):
     import time
-    if len(session.items) >= SUITE_MIN_TESTS and not session.config.option.collectonly:
+    if session.config.option.collectonly:
+        return
+    if len(session.items) >= SUITE_MIN_TESTS:
         _clock.update(t0=time.monotonic(), ref_start=reference_step_cpu())
+    # The notebooks' nbval runs start now, in the background (tests/notebook_runs.py): one queue beside a
+    # whole suite, whose waiting tests (testbed, Slurm, installs) leave CPU idle; two at a time otherwise.
+    chosen = {item.callspec.params["name"] for item in session.items
+              if getattr(item, "originalname", "") == "test_notebook_runs_under_nbval"}
+    if chosen:
+        import notebook_runs
+        notebook_runs.start(chosen, at_once=1 if len(session.items) >= SUITE_MIN_TESTS else 2)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -176,4 +185,6 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if "notebook_runs" in sys.modules:
+        sys.modules["notebook_runs"].stop()
     shutil.rmtree(_CACHE, ignore_errors=True)

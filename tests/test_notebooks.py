@@ -4,7 +4,8 @@
   in a temporary copy (what a notebook writes stays there), against its committed outputs: ``--nbval-lax``,
   so a cell that raises fails, and the cells marked ``# NBVAL_CHECK_OUTPUT`` (outputs that do not depend on
   the machine: settings, the committed figures) must match. This is each notebook's one run in the suite
-  (two notebooks at a time, each against the CPU budget its first cell promises); tests/test_browser.py
+  (started in the background as collection ends, tests/notebook_runs.py; each against the CPU budget its
+  first cell promises); tests/test_browser.py
   keeps only what needs a browser.
 - The committed outputs are what ``./lab.sh notebooks`` makes: every code cell that shows something has its
   output, no widget state, no BokehJS, no absolute path or pid; and the table a notebook shows agrees with
@@ -14,22 +15,14 @@
 """
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import glob
 import html.parser
 import json
 import os
-import queue
-import shutil
-import signal
-import subprocess
-import sys
-import threading
-import time
 
+import notebook_runs
 import pytest
-from conftest import IDLE_STEP_S, reference_step_cpu
+from conftest import IDLE_STEP_S
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, "notebooks", "*.ipynb")))
@@ -38,95 +31,18 @@ NAMES = [os.path.basename(p) for p in NOTEBOOKS]
 # say little, so the CPU time of the nbval run and all it waited for (kernel, MPI jobs) is scaled by a
 # reference training step measured beside it (conftest's, as the suite's clock does).
 BUDGET_S = 180.0
-CELL_TIMEOUT_S = 2400  # a hang guard only: a loaded shared box runs a small-mode notebook for minutes
-RUN_TIMEOUT_S = 3500
-# Two notebooks at a time. A small-mode notebook is made for one core and keeps about 0.9 of one busy, so on
-# a 2-core machine one after the other leaves the other core to whoever else is there: 05 and 06 took 109 s
-# and 108 s one after the other, 85 s and 86 s side by side (alternated, this shared machine, CPU time +2%).
-# Each run's CPU time is its own process tree's (os.wait4), so the budget below is judged as before.
-AT_ONCE = 2
-# longest first, so that the two queues end together (their CPU seconds in small mode, test-artifacts/nbval-*)
-LONGEST_FIRST = ["03_fast_but_wrong.ipynb", "02_strong_scaling.ipynb", "04_models.ipynb", "05_spiking.ipynb",
-                 "01_quickstart.ipynb", "06_your_model.ipynb"]
-
-
-def _nbval(name: str, tmp_path, running: dict) -> dict:
-    """One notebook under nbval in a temporary copy: its exit code, its output, its wall seconds and its process
-    tree's CPU seconds (os.wait4: the run and every process it waited for, whatever ran beside it)."""
-    work = tmp_path / "notebooks"
-    work.mkdir()
-    for f in os.listdir(os.path.join(REPO, "notebooks")):  # the notebook and the files beside it (06's mynet.py)
-        if f == name or (os.path.isfile(os.path.join(REPO, "notebooks", f)) and not f.endswith(".ipynb")):
-            shutil.copy(os.path.join(REPO, "notebooks", f), work / f)
-    env = dict(os.environ, PILAB_NB_SMALL="1",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    env.pop("PILAB_NB_LIVE_EPOCHS", None)
-    log = tmp_path / "nbval.log"
-    t0 = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--nbval-lax",
-             f"--nbval-cell-timeout={CELL_TIMEOUT_S}", "--rootdir", str(tmp_path), str(work / name)],
-            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    running[name] = proc
-
-    def kill():
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    timer = threading.Timer(RUN_TIMEOUT_S, kill)  # a hang guard, as subprocess.run's timeout was
-    timer.start()
-    try:
-        _, status, usage = os.wait4(proc.pid, 0)
-    finally:
-        timer.cancel()
-    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
-    running.pop(name)
-    return {"code": proc.returncode, "output": log.read_text(), "cpu": usage.ru_utime + usage.ru_stime,
-            "wall": time.monotonic() - t0}
+# The runs themselves start in the background as the session's collection ends (tests/notebook_runs.py,
+# conftest.pytest_collection_finish): one queue beside the rest of the suite, whose testbed, Slurm and
+# install tests leave a core idle much of the time; two at a time in a smaller selection (a small-mode
+# notebook keeps about 0.9 of one core busy).
 
 
 @pytest.fixture(scope="module")
-def nbval_runs(request, tmp_path_factory):
-    """The selected notebooks' nbval runs, started when the first is asked for, AT_ONCE at a time, each
-    queue in LONGEST_FIRST order: name -> a future of ``_nbval``'s dict plus ``ref``, the reference step
-    measured before and after the run (averaged). A queue measures it once between two of its runs: the
-    step after one run is the step before the next."""
+def nbval_runs(request):
+    """The selected notebooks' runs: name -> a future of the run's dict (notebook_runs.start's)."""
     chosen = {item.callspec.params["name"] for item in request.session.items
               if getattr(item, "originalname", "") == "test_notebook_runs_under_nbval"}
-    todo = queue.SimpleQueue()
-    for name in [n for n in LONGEST_FIRST if n in chosen] + sorted(chosen - set(LONGEST_FIRST)):
-        todo.put(name)
-    futures = {name: concurrent.futures.Future() for name in chosen}
-    running: dict = {}
-    stopping = threading.Event()
-
-    def worker():
-        ref = None
-        while not stopping.is_set():
-            try:
-                name = todo.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                ref = reference_step_cpu() if ref is None else ref
-                run = _nbval(name, tmp_path_factory.mktemp(f"nbval-{name[:2]}"), running)
-                after = reference_step_cpu()
-                futures[name].set_result({**run, "ref": (ref + after) / 2})
-                ref = after
-            except BaseException as e:  # the test of this notebook reports it
-                futures[name].set_exception(e)
-    workers = [threading.Thread(target=worker, daemon=True) for _ in range(min(AT_ONCE, len(chosen)))]
-    for w in workers:
-        w.start()
-    try:
-        yield futures
-    finally:  # the session ends early (-x, Ctrl-C): what has not started will not, what runs is ended
-        stopping.set()
-        for proc in list(running.values()):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        for w in workers:
-            w.join()
+    return notebook_runs.start(chosen, at_once=2)  # already started by conftest in a normal session
 
 
 @pytest.mark.mpi  # 01, 02, 04 and 05 start MPI jobs or engines
