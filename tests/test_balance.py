@@ -1,5 +1,7 @@
 """Uneven per-rank shares set by speed (``Config.balance``, pilab.engine.balance): the policy on its own
 (given, measured and re-measured speeds, the threshold, checkpoints)."""
+import re
+
 import pytest
 
 from pilab.config import Config, ConfigError
@@ -183,3 +185,31 @@ def test_static_measures_a_rank_held_to_a_fifth_of_a_core_and_gives_it_less(tmp_
     assert [c["step"] for c in b["changes"]] == [WINDOW], b  # measured once, over the first window
     assert sum(b["shares"]) == 32 and b["shares"][0] > 1.5 * b["shares"][1], b
     assert b["speeds"][1] < 0.6 * b["speeds"][0], b
+
+
+@pytest.mark.mpi
+def test_the_trace_records_each_ranks_share_and_says_what_it_bought(tmp_path):
+    """A traced run with given shares 3:1 at np 2 under mpiexec: every step span of rank r in trace.json
+    carries b_r, and `pilab trace` says the shares and prices the step at equal shares."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import MPIEXEC, mpi_env
+    args = [sys.executable, "-m", "pilab", "train", "--width", "0.25", "--batch-size", "8", "--threads", "1",
+            "--sharding", "reshuffle", "--balance", "static:3,1", "--train-subset", "256", "--test-subset", "50",
+            "--epochs", "1", "--quiet", "--straggler-threshold", "0", "--trace", "--out", str(tmp_path)]
+    p = subprocess.run([MPIEXEC, "-n", "2", *args], capture_output=True, text=True, timeout=300, env=mpi_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    with open(tmp_path / "trace.json") as f:
+        doc = json.load(f)
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["name"] in ("data", "forward", "backward")]
+    assert {e["tid"] for e in spans} == {0, 1}
+    assert all(e["args"]["images"] == {0: 12, 1: 4}[e["tid"]] for e in spans)  # 3:1 of 16
+    p = subprocess.run([sys.executable, "-m", "pilab", "trace", str(tmp_path)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "balance static:3,1: each rank's share of the 16 images a step, 12/4 at the end." in p.stdout
+    line = next(x for x in p.stdout.splitlines() if x.startswith("the median step took"))
+    assert re.fullmatch(r"the median step took \d+\.\d ms; at equal shares \(8/8\) the same per-image times "
+                        r"give ≈ \d+\.\d ms \(\d+\.\d\d× the measured step\)", line), line
