@@ -213,3 +213,38 @@ def test_the_trace_records_each_ranks_share_and_says_what_it_bought(tmp_path):
     line = next(x for x in p.stdout.splitlines() if x.startswith("the median step took"))
     assert re.fullmatch(r"the median step took \d+\.\d ms; at equal shares \(8/8\) the same per-image times "
                         r"give ≈ \d+\.\d ms \(\d+\.\d\d× the measured step\)", line), line
+
+
+def test_the_live_panel_labels_each_ranks_bar_with_its_share():
+    """The live plot and the control panel fed with a real run's events as rank 0 emitted them (the simulator
+    with given shares 3:1 at np 2, exact: bit for bit as under mpiexec): each rank's bar and its axis label
+    say its images a step, from the run's first step and again at each epoch."""
+    pytest.importorskip("ipywidgets")
+    import pilab
+    from pilab import plots
+    from pilab.lab import widgets
+
+    events = []
+    cfg = Config(width=0.25, batch_size=8, sharding="reshuffle", balance="static:3,1", simulate_mode="exact",
+                 train_subset=128, test_subset=50, epochs=2, threads=1)
+    pilab.simulate(cfg, 2, callbacks=[events.append])
+    shares = [e for e in events if e["kind"] == "shares"]
+    assert [(e["global_step"], e["shares"]) for e in shares] == [(1, [12, 4])]  # given: told once
+    assert [e["shares"] for e in events if e["kind"] == "epoch"] == [[12, 4], [12, 4]]
+    live = plots.LivePlot()
+    panel = widgets.ControlPanel(None, live=live)
+    seen = []
+    for ev in events:
+        live(ev)
+        panel._on_event(ev)
+        if ev["kind"] == "shares":
+            seen = list(live.timeline.y_range.factors)
+    assert seen == ["0 · 12 img", "1 · 4 img"]  # from the first step, before any epoch ended
+    factors = list(live.timeline.y_range.factors)
+    assert factors == ["0 · 12 img", "1 · 4 img"] and list(live.ranks.data["rank"]) == factors
+    live({"kind": "straggler", "line": "x", "stragglers": [{"rank": 1, "kind": "compute", "slowdown": 0.5}]})
+    assert list(live.timeline.y_range.factors) == ["0 · 12 img", "1 · 4 img ! compute +50%"]
+    assert list(live.ranks.data["rank"]) == list(live.timeline.y_range.factors)
+    # a new run's start clears the labels
+    live(next(e for e in events if e["kind"] == "start"))
+    assert list(live.timeline.y_range.factors) == ["0", "1"]

@@ -111,7 +111,9 @@ class Balance(Component):
     step's shares (``session.phase``'s ``Phase.shares``), which both rank backends follow (the data:
     ``ShardLoader.batch(share=)``; the loss weight b_r / B: ``GradSync.backward(weight=)``); after each
     it hands every rank's busy time to ``Shares``. result.json's ``balance``: mode, the shares at the
-    end, the speeds behind them and every change (the step it took effect from)::
+    end, the speeds behind them and every change (the step it took effect from); each epoch's record its
+    ``shares`` at the epoch's end; rank 0's callbacks a ``shares`` event (``global_step``, ``shares``: from
+    the next step on) at the first step and at every change, which the live panel's bars show::
 
         pilab.train(pilab.Config(sharding="reshuffle", balance="static"), comm)
         pilab.simulate(pilab.Config(sharding="reshuffle", balance="static:2,1", simulate_mode="exact"), 2)
@@ -138,6 +140,7 @@ class Balance(Component):
         self.policy = Shares(self.mode, session.np_, session.batch * session.np_, self.given)
         self.first = list(self.policy.shares)
         self._busy = None
+        self._shown = None  # the shares the last ``shares`` event told the callbacks
 
     def before_step(self, session, epoch: int, step: int) -> None:
         session.phase = dataclasses.replace(session.phase, shares=tuple(self.policy.shares))
@@ -148,7 +151,16 @@ class Balance(Component):
     def after_step(self, session, epoch: int, step: int, st) -> list:
         if self._busy is not None:
             self.policy.observe(session.epoch_start[epoch] + step, self._busy)
-        return []
+        if session.rank != 0 or self.policy.shares == self._shown:
+            return []
+        # the live panel's per-rank bars show each rank's share (``plots.LivePlot``): told at the first
+        # step and whenever they change, not every step
+        self._shown = list(self.policy.shares)
+        return [{"kind": "shares", "global_step": session.epoch_start[epoch] + step + 1, "mode": self.mode,
+                 "shares": list(self._shown)}]
+
+    def end_epoch(self, session, epoch: int, record: dict) -> None:
+        record["shares"] = list(self.policy.shares)  # each rank's images a step as the epoch ended
 
     def state_dict(self):
         return {**self.policy.state_dict(), "first": self.first}
