@@ -248,3 +248,53 @@ def test_the_live_panel_labels_each_ranks_bar_with_its_share():
     # a new run's start clears the labels
     live(next(e for e in events if e["kind"] == "start"))
     assert list(live.timeline.y_range.factors) == ["0", "1"]
+
+
+@pytest.mark.mpi
+def test_resume_at_another_np_sets_the_shares_again(tmp_path):
+    """A checkpoint made at np 3 with shares, resumed at np 2 (a fixed global batch: --batch-mode global), and
+    the reverse, under mpiexec. Given speeds are one per rank: the np-3 run's three are refused at np 2 in
+    one line naming the fix, two new ones run; measured shares are measured again at the new np."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import MPIEXEC, mpi_env
+    common = ["--width", "0.25", "--batch-size", "24", "--batch-mode", "global", "--threads", "1", "--sharding",
+              "reshuffle", "--train-subset", "480", "--test-subset", "50", "--epochs", "1", "--quiet",
+              "--straggler-threshold", "0", "--hang-s", "0"]
+
+    def train(np_, out, *flags):
+        cmd = [MPIEXEC, "-n", str(np_), sys.executable, "-m", "pilab", "train", *common, "--out", str(out), *flags]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=mpi_env())
+
+    def result(out):
+        with open(out / "result.json") as f:
+            return json.load(f)
+    stop = WINDOW + 2  # of 20 steps: the measured shares of the first run are in its checkpoint
+    given = tmp_path / "given"
+    p = train(3, given, "--balance", "static:3,2,1", "--max-steps", str(stop), "--checkpoint-every-steps", str(stop))
+    assert p.returncode == 0, p.stderr[-3000:]
+    resume = ["--resume", str(given / "checkpoint.pt")]
+    p = train(2, given, "--balance", "static:3,2,1", *resume)  # the flags it was made with
+    assert p.returncode == 2, p.stderr[-3000:]
+    said = [x for x in p.stderr.splitlines() if x.startswith("pilab: error:")]
+    assert said == ["pilab: error: balance='static:3,2,1' gives 3 speeds for 2 ranks; give one per rank "
+                    "(--balance static:S0,S1) or let them be measured (--balance static)"], p.stderr
+    assert "Traceback" not in p.stderr
+    p = train(2, given, "--balance", "static:3,1", *resume)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = result(given)
+    assert r["np"] == 2 and r["resumed_from_np"] == 3 and r["global_batch"] == 24 and r["steps_done"] == 20
+    assert r["balance"]["first"] == r["balance"]["shares"] == [18, 6] and r["balance"]["changes"] == []
+
+    for before, after in ((3, 2), (2, 3)):  # measured shares: measured again
+        out = tmp_path / f"measured{before}"
+        p = train(before, out, "--balance", "static", "--max-steps", str(stop), "--checkpoint-every-steps", str(stop))
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert result(out)["balance"]["speeds"] is not None  # its shares were measured before the checkpoint
+        p = train(after, out, "--balance", "static", "--resume", str(out / "checkpoint.pt"))
+        assert p.returncode == 0, p.stderr[-3000:]
+        b = result(out)["balance"]
+        assert result(out)["resumed_from_np"] == before and b["first"] == [24 // after] * after, b
+        assert len(b["speeds"]) == after and sum(b["shares"]) == 24, b  # measured over the resumed run's steps
