@@ -5,7 +5,7 @@ Everything a user needs is a name here, loaded on first use (``import pilab`` lo
     import pilab
     cfg = pilab.Config(epochs=2, width=0.5)
     result = pilab.train(cfg)                          # one process; every rank of mpiexec: comm=MPI.COMM_WORLD
-    result = pilab.simulate(cfg, 48)                   # np=48 emulated exactly in this process
+    result = pilab.simulate(cfg, 48)                   # np=48 in this process (fast or exact: simulate_mode)
     study = pilab.scale(cfg, nps=(1, 2), simulate_nps=(8, 48), out="runs/demo")   # strong scaling
     search = pilab.remedies(cfg, 48)                   # which settings stay accurate at np=48
     side_by_side = pilab.compare({"linear": study, "sqrt": other})

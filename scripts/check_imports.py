@@ -18,13 +18,13 @@ ROOT = Path(__file__).resolve().parent.parent / "pilab"
 
 # Each part of the package and its layer: a module may import only lower layers (docs/architecture.md:
 # front-ends -> study -> engine -> {dist, data, models}). A part is a folder of pilab (every module in it
-# takes its layer, so a new module needs no entry here) or a module at the top of pilab/.
+# takes its layer, so a new module needs no entry here) or a module at the top of pilab/. The modules at
+# the top that are not listed are the base (files, verdict, resultfile, envvars, component, lazy: atomic
+# writes, the verdict's logic, a result on disk, the environment's registry, what a loop feature is, lazy
+# package faces): they import no part above them, only one another (the circle check keeps that a tree),
+# so a new small leaf module needs no entry either.
+BASE = 0
 LAYERS = {
-    "files": 0, "verdict": 0,  # atomic writes; the one logic that judges a study's rows (no pilab imports)
-    "resultfile": 0.5,  # a run's result on disk: result.json and its per-step series (files only)
-    "envvars": 0,  # the registry of the environment variables pilab reads (no pilab imports)
-    "component": 0,  # what a loop feature is: the moments the loop calls (no pilab imports)
-    "lazy": 0,  # a package's face loaded on first use (PEP 562)
     "launch": 1,  # finding mpiexec, starting a job, hostfiles, Slurm, where the ranks land (no torch)
     "models": 1,  # the networks, by name (torch only)
     "plots": 1, "testbed": 1,  # the view (Bokeh, matplotlib); network namespaces playing a cluster
@@ -39,6 +39,18 @@ LAYERS = {
     "cli": 10,
     "__main__": 11, "__init__": 11,
 }
+
+
+def is_base(name: str) -> bool:
+    """A module at the top of pilab/ that the table does not list (``files``, ``verdict``, ...)."""
+    return name not in LAYERS and (ROOT / f"{name}.py").is_file()
+
+
+def layer(name: str) -> float | None:
+    """A part's layer: the table's, ``BASE`` for a base module, None for an unknown part."""
+    return LAYERS.get(name, BASE if is_base(name) else None)
+
+
 # Third-party modules only these parts may import (anywhere in them): ipywidgets is the notebook
 # panel's; mpi4py is loaded through pilab.launch.mpi() (importing it initialises MPI, which a process
 # that only plots, predicts or launches must not do) and used directly only by the communication layer.
@@ -118,8 +130,8 @@ def check() -> tuple[list[str], dict, int]:
         mine = part(me) if me != "pilab" else "__init__"
         if path.name == "__main__.py":
             mine = "__main__"
-        if mine not in LAYERS:
-            problems.append(f"{me}: not in the layer table of scripts/check_imports.py; add it")
+        if layer(mine) is None:
+            problems.append(f"{me}: not in the layer table of scripts/check_imports.py; add its folder")
             continue
         for target, line, in_func in imports_of(path):
             local_imports += in_func and target.startswith("pilab")
@@ -137,15 +149,17 @@ def check() -> tuple[list[str], dict, int]:
             theirs = part(target)
             if theirs is None or theirs == mine or theirs == "__init__":
                 continue
-            if theirs not in LAYERS:
+            if layer(theirs) is None:
                 problems.append(f"{me}:{line} imports unknown part {target}")
                 continue
             graph.setdefault(mine, set()).add(theirs)
             if theirs == "cli" and mine != "__main__":
                 problems.append(f"{me}:{line} imports the CLI ({target}); only the CLI itself may")
-            elif LAYERS[theirs] >= LAYERS[mine]:
-                problems.append(f"{me}:{line} imports {target}: layer {LAYERS[theirs]} from layer "
-                                f"{LAYERS[mine]} (imports must point down)")
+            elif is_base(mine) and is_base(theirs):
+                continue  # base modules may import one another; the circle check below keeps it a tree
+            elif layer(theirs) >= layer(mine):
+                problems.append(f"{me}:{line} imports {target}: layer {layer(theirs)} from layer "
+                                f"{layer(mine)} (imports must point down)")
     problems += [f"import circle: {' -> '.join(c)}" for c in cycles(graph)]
     # module by module too: two modules of one part importing each other pass the part-level check
     problems += [f"import circle between modules: {' -> '.join(c)}" for c in cycles(modules)
@@ -261,8 +275,8 @@ def main() -> int:
     ap.add_argument("--numbers", action="store_true", help="also the architecture's numbers")
     args = ap.parse_args()
     problems, graph, local = check()
-    for mod in sorted(graph, key=lambda m: LAYERS[m]):
-        print(f"{mod:<10} -> {', '.join(sorted(graph[mod], key=lambda m: -LAYERS[m]))}")
+    for mod in sorted(graph, key=layer):
+        print(f"{mod:<10} -> {', '.join(sorted(graph[mod], key=lambda m: -layer(m)))}")
     print(f"function-local imports of pilab modules: {local}")
     if args.stats:
         stats()

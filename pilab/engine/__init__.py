@@ -5,7 +5,7 @@ each name loads its module on first use::
     from mpi4py import MPI
     from pilab import engine
     result = engine.train(cfg, comm=MPI.COMM_WORLD)           # every rank of an MPI job (None: one process)
-    result = engine.simulate(cfg, 48)                         # np=48 emulated exactly in this process
+    result = engine.simulate(cfg, 48)                         # np=48 in this process (fast or exact: simulate_mode)
     result, model = engine.fit(cfg, engine.VirtualRanks(4))   # the loop itself, on any backend
 
 ``train`` and ``simulate`` return the result (every rank; rank 0 writes ``<out>/result.json``): the
@@ -32,7 +32,8 @@ def train(cfg, comm=None, *, components=(), callbacks=(), stop=None, data=None, 
 def simulate(cfg, np_: int, *, components=(), callbacks=(), stop=None, data=None, ranks_per_chunk: int = 0,
              model_fn=None) -> dict:
     """Emulate ``np_`` ranks training ``cfg`` in this process (``pilab.engine.virtual``): a result shaped
-    like ``train``'s, the same numbers as an MPI run's (docs/simulator.md)."""
+    like ``train``'s: an MPI run's numbers bit for bit with ``simulate_mode="exact"``, to float rounding in the
+    ``fast`` mode that ``auto`` (the default) picks for most runs (docs/guide/simulate.md)."""
     from .loop import fit
     from .virtual import VirtualRanks
 

@@ -141,7 +141,8 @@ class VirtualReplicas:
 
 
 class VirtualRanks:
-    """``np_`` ranks emulated in this process, exactly (see the module docstring)."""
+    """``np_`` ranks emulated in this process: bit for bit an MPI run in the ``exact`` mode, the same mathematics
+    to float rounding in the ``fast`` one (the module docstring says which ``auto`` picks)."""
 
     simulated = True
     rank = 0
