@@ -271,3 +271,60 @@ def accuracy_markdown(a: dict, when: str = "") -> list[str]:
             f"Final test accuracy of equal shares against shares 2:1 (`static:2,1`), one run per seed "
             f"({a.get('settings', 'simulator, np=2, embedded data, MobileNetV2-CIFAR 0.25, exact mode')}). " + when,
             "", "| balance | per seed | mean | spread |", "|---|---|---|---|", *rows, ""]
+
+
+# the saved run of this section that the guide and notebook 01 show (pilab's source tree, not a wheel)
+SAVED = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
+                     "balance-testbed.json")
+
+
+def what_it_buys(saved: str = SAVED):
+    """A throttled node and what ``--balance`` does about it, in words: the saved testbed run of this section
+    (``off``, ``static`` and ``dynamic`` against the ideal step) beside the performance model's 12 Pi 4B +
+    12 Pi 5 cluster with and without balancing. A ``pilab.plots.Paragraph`` (notebook 01's cell)::
+
+        from pilab.bench import balance
+        balance.what_it_buys()
+    """
+    import json
+
+    from .. import perfmodel as pm
+    from ..plots.base import Paragraph
+    parts = []
+    try:
+        with open(saved) as f:
+            b = json.load(f)["balance"]
+    except (OSError, ValueError, KeyError):
+        b = None
+        parts.append(f"The testbed's measurement ({os.path.basename(saved)}) is in pilab's source repository "
+                     "(benchmarks/), not in this install; sudo python -m pilab bench --sections balance makes one.")
+    if b:
+        def fig(key):
+            s = b[key]
+            return f"{s['median']:.2f}× ({s['min']:.2f}–{s['max']:.2f})"
+        r0 = b["rounds"][0]["static"]
+        speeds = r0["changes"][0]["speeds"] if r0.get("changes") else None
+        dyn = [r["dynamic"] for r in b["rounds"]]
+        back = [d.get("steps_to_goal") for d in dyn]
+        parts.append(
+            f"Measured on the testbed (benchmarks/balance-testbed.json; 2 nodes × 1 rank, each on a core of its own, "
+            f"node02 held to half a core by its CPU quota; {len(b['rounds'])} alternated rounds). With equal shares "
+            f"every step waited for node02: {fig('off_of_ideal')} the step of a cluster of the same total speed "
+            f"with perfect sharing (the ideal). --balance static measured the two speeds over the first "
+            f"{b['window']} steps" + (f" ({speeds[0]:.0f} and {speeds[1]:.0f} images/s)" if speeds else "")
+            + f" and split the {sum(r0['shares'])} images of a step {r0['shares'][0]}/{r0['shares'][1]}: "
+            f"{fig('static_of_ideal')} the ideal.")
+        if all(k is not None for k in back):
+            parts.append(f"--balance dynamic, node02 throttled while the job ran: the step was back within "
+                         f"{b['goal']}× the ideal {min(back)}–{max(back)} steps later (it looks every "
+                         f"{b['window']} steps).")
+    pred = pm.predict(pm.pi_config(), 48, "pi4b:12,pi5:12", baseline_np=2)["balancing"]
+    off, bal, ideal = pred["off"], pred["balanced"], pred["ideal"]
+    parts.append(f"Predicted by the performance model for 12 Pi 4B + 12 Pi 5 (np=48, mobilenetv2_cifar, 32 images "
+                 f"a rank): equal shares {off['of_ideal']:.2f}× the ideal step, a speedup of {off['speedup']:.1f} "
+                 f"over one Pi 4B node; balanced (shares {min(bal['shares'])} on a Pi 4B rank, "
+                 f"{max(bal['shares'])} on a Pi 5's) {bal['of_ideal']:.2f}×, a speedup of {bal['speedup']:.1f}; "
+                 f"the ideal {ideal['speedup']:.1f}.")
+    out = Paragraph("\n\n".join(parts))
+    out.title = "A throttled node, and the balance that fixes it"
+    return out
