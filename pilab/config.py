@@ -266,7 +266,10 @@ class Config:
                                   "(e.g. static:2,1 or static:1x24,2.5x24)")
             speeds += [s] * n
         if np_ is not None and len(speeds) != np_:
-            raise ConfigError(f"balance={value!r} gives {len(speeds)} speeds for {np_} ranks; give one per rank")
+            # also where a checkpoint made at another np is resumed with its flags: its speeds were per rank
+            want = ",".join(f"S{r}" for r in range(np_)) if np_ <= 3 else f"S0,...,S{np_ - 1}"
+            raise ConfigError(f"balance={value!r} gives {len(speeds)} speeds for {np_} ranks; give one per rank "
+                              f"(--balance static:{want}) or let them be measured (--balance static)")
         return mode, speeds
 
     def ramp(self) -> list[tuple[int, int]]:
@@ -363,6 +366,8 @@ class Config:
         if self.gns_max and np_ < 2:
             raise ConfigError(f"batch_ramp={self.batch_ramp!r} measures the gradient noise from the ranks' own "
                               "gradients and needs np >= 2; use an explicit ramp (e.g. '3:16,6:32') at np=1")
+        if np_ > 1:  # given speeds, one per rank (at np=1 there is nothing to share)
+            self.balance_plan(np_)
         if np_ % self.sync_group(np_):
             raise ConfigError(f"bn_group={self.bn_group} does not divide np={np_}; pick a divisor of {np_} "
                               "(e.g. the ranks per node)")

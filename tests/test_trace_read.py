@@ -220,3 +220,34 @@ def test_committed_example_is_what_the_reader_says():
         saved = json.load(f)["rates"]["200mbit"]
     assert v["step"]["error"] == pytest.approx(saved["step"]["error"], rel=1e-9)
     assert [b["error"] for b in v["buckets"]] == pytest.approx([b["error"] for b in saved["buckets"]], rel=1e-9)
+
+
+def test_uneven_shares_priced_against_equal_ones(tmp_path):
+    # rank 1 at half rank 0's speed (2 ms an image against 1 ms) with shares 16/8 of 24: both busy 16 ms, then
+    # a 4 ms optimizer; at equal shares (12/12) rank 1 would have taken 24 ms: each step 8 ms longer
+    ev = [tf.process(0, "node01"), tf.process(1, "node02"), tf.thread(0, 0, "rank 0"), tf.thread(1, 1, "rank 1")]
+    per_image, shares, t0 = {0: 1.0, 1: 2.0}, {0: 16, 1: 8}, 0.0
+    for s in range(1, 7):
+        for r in (0, 1):
+            b = shares[r]
+            info = {"step": s, "epoch": 1, "images": b}
+            ev += [tf.span("data", pid=r, tid=r, ts=t0, dur=0.25 * b * per_image[r] * MS, **info),
+                   tf.span("forward", pid=r, tid=r, ts=t0 + 0.25 * b * per_image[r] * MS,
+                           dur=0.25 * b * per_image[r] * MS, **info),
+                   tf.span("backward", pid=r, tid=r, ts=t0 + 0.5 * b * per_image[r] * MS,
+                           dur=0.5 * b * per_image[r] * MS, **info),
+                   tf.span("wait", pid=r, tid=r, ts=t0 + 16 * MS, dur=0.0, **info),
+                   tf.span("optimizer", pid=r, tid=r, ts=t0 + 16 * MS, dur=4 * MS, **info)]
+        t0 += 21 * MS
+    tf.write(str(tmp_path / "t.json"), ev, meta={"kind": "measured", "np": 2, "config": {"balance": "static"}})
+    a = analyse(load(str(tmp_path / "t.json")))
+    b = a["balance"]
+    assert b["shares"] == b["first"] == [16, 8] and b["steps"] == 6 and b["mode"] == "static"
+    assert b["step"] == pytest.approx(0.020) and b["equal"] == pytest.approx(0.028)
+    text = report(a)
+    assert "balance static: each rank's share of the 24 images a step, 16/8 at the end." in text
+    assert "the median step took 20.0 ms; at equal shares (12/12) the same per-image times give ≈ 28.0 ms " \
+           "(1.40× the measured step)" in text
+    # a trace without shares (or equal ones in a run without balance) says nothing of them
+    assert analyse(load(str(make_trace(tmp_path / "u.json"))))["balance"] is None
+    assert "balance" not in report(analyse(load(str(make_trace(tmp_path / "u.json")))))

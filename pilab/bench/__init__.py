@@ -30,7 +30,9 @@ failed job raises ``launch.JobError``).
 Only when named (minutes each): ``deviation``, the fast mode's deviation after 100 steps at np=48;
 ``perfmodel``, the performance model calibrated here and checked against held-out real runs
 (``pilab.perfmodel.check``); ``network``, its network half on a testbed of shaped links that the
-section brings up and removes (root; ``pilab.bench.network``; skipped with one line otherwise).
+section brings up and removes (root; ``pilab.bench.network``; skipped with one line otherwise);
+``balance``, uneven shares (``--balance``) against a throttled node on a testbed (root;
+``pilab.bench.balance``), and ``balance_accuracy``, their final test accuracy against equal shares.
 
 Running some sections only (``--sections memory``) replaces those sections in an existing BENCHMARKS.md
 and keeps the others. Figures are judged "met" / "NOT met" against the goals the run is given (``--goals``;

@@ -114,7 +114,8 @@ def _parts() -> list:
             ("ranks", lambda r: _comm(r.get("ranks", {}), r)), ("sync", _sync), ("trace", _trace),
             ("ranks", lambda r: _e2e(r.get("ranks", {}), r)), ("ranks", lambda r: _memory(r.get("ranks", {}))),
             ("memory", memory_per_rank), ("simulator", _simulator), ("checkpoint", _checkpoint), ("cli", _cli),
-            ("perfmodel", _perfmodel), ("network", _network), ("balance", _balance)]
+            ("perfmodel", _perfmodel), ("network", _network), ("balance", _balance),
+            ("balance_accuracy", _balance_accuracy)]
 
 
 _RATIOS = ("Every figure is a ratio against a baseline measured in the same run: the contenders alternate round by "
@@ -199,7 +200,7 @@ def markdown_report(res: dict) -> str:
     ]
     for part in (_one_rank(res), _malloc(res), _models(res), _data(res), _cache(res), _comm(ranks, res), _sync(res), _trace(res),
                  _e2e(ranks, res), _memory(ranks), memory_per_rank(res), _simulator(res), _checkpoint(res), _cli(res), _perfmodel(res),
-                 _network(res), _balance(res), _gpu(res)):
+                 _network(res), _balance(res), _balance_accuracy(res), _gpu(res)):
         out += part
     return "\n".join(out)
 
@@ -392,6 +393,14 @@ def _balance(res: dict) -> list[str]:
         return []
     from .balance import markdown
     return markdown(b, _when(res))
+
+
+def _balance_accuracy(res: dict) -> list[str]:
+    a = res.get("balance_accuracy")
+    if not a:
+        return []
+    from .balance import accuracy_markdown
+    return accuracy_markdown(a, _when(res))
 
 
 def _comm(ranks: dict, res: dict) -> list[str]:

@@ -18,8 +18,9 @@ SECTIONS = ("one_rank", "malloc", "models", "data", "cache", "simulator", "check
             "trace", "memory")
 # not in the default run: the fast mode's 100-step deviation (~7 min here), the performance model
 # against real runs (~4 min), its network half on a testbed (~15 min, root), uneven shares against a
-# throttled node on a testbed (~15 min, root)
-EXTRA_SECTIONS = ("deviation", "perfmodel", "network", "balance")
+# throttled node on a testbed (~15 min, root), and the final accuracy of uneven against equal shares (the
+# simulator, 3 seeds: ~40 min on 2 busy cores; apart from balance, whose timed runs want a quiet machine)
+EXTRA_SECTIONS = ("deviation", "perfmodel", "network", "balance", "balance_accuracy")
 
 
 def run(*, quick: bool = False, sections=SECTIONS, out: str = "runs/bench", markdown: str | None = "BENCHMARKS.md",
@@ -125,6 +126,7 @@ def _plan(q: bool, mpiexec, log, before, out, command, sim=(None, None)) -> dict
         "perfmodel": lambda: _perfmodel_section(q, mpiexec, log),
         "network": lambda: _network_section(q, mpiexec, log, out, command),
         "balance": lambda: _balance_section(q, mpiexec, log),
+        "balance_accuracy": lambda: _balance_accuracy_section(q, log),
     }
 
 
@@ -159,6 +161,11 @@ def _balance_section(q: bool, mpiexec, log):
     if why:
         return why
     return lambda: balance.section(q, mpiexec=mpiexec, log=log)
+
+
+def _balance_accuracy_section(q: bool, log):
+    from . import balance
+    return lambda: balance.accuracy(q, log=log)
 
 
 def _network_section(q: bool, mpiexec, log, out, command):

@@ -31,7 +31,9 @@ def add_parser(sub) -> None:
                         f"{','.join(EXTRA_SECTIONS)}, only when named: the simulator's fast mode after 100 "
                         "steps at np=48 (~7 min); the performance model against held-out real runs (~4 min); "
                         "its network half on a testbed of shaped links it brings up and removes (root, "
-                        "~15 min; skipped otherwise)")
+                        "~15 min; skipped otherwise); uneven shares against a throttled node on a testbed "
+                        "(balance: root, ~15 min) and their final accuracy against equal shares "
+                        "(balance_accuracy: the simulator, 3 seeds, ~40 min)")
     p.add_argument("--out", default="runs/bench",
                    help="directory for bench.json and BENCHMARKS.md (default: runs/bench); a run of some sections "
                         "replaces theirs in a BENCHMARKS.md already there and keeps the others")

@@ -253,11 +253,14 @@ def verify(ck: dict, cfg: Config, np_: int, path: str = "checkpoint") -> Config:
     except ConfigError as e:
         raise CheckpointError(f"{path} holds a configuration this pilab cannot read ({e})") from None
     mine, theirs = cfg.to_dict(), saved.to_dict()
-    diff = sorted(k for k in mine if k not in RESUMABLE and mine[k] != theirs[k]
+    ck_np = ck.get("np")
+    # each rank's share (balance) is set per rank: at another np the shares are set again, given speeds
+    # one per new rank (Config.check_world checks their count) and measured ones measured again
+    per_rank = ("balance",) if ck_np is not None and ck_np != np_ else ()
+    diff = sorted(k for k in mine if k not in RESUMABLE + per_rank and mine[k] != theirs[k]
                   and not (k == "epochs" and stable_phase(ck, saved, cfg)))
     problems = [f"{k}={theirs[k]!r} (this run: {mine[k]!r})" for k in diff]
     fix = [_flag(k, theirs[k]) for k in diff]
-    ck_np = ck.get("np")
     # A fixed global batch (batch_mode=global) resumes at another np: the same global batch, schedule
     # and data order (engine.Session regroups it); per-rank batches would change the run itself.
     if ck_np is not None and ck_np != np_ and cfg.batch_mode != "global":

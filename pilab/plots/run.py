@@ -295,14 +295,16 @@ def _timeline(src: ColumnDataSource, title: str = "where each rank's time went")
     return p
 
 
-def rank_label(rank: int, marks: Mapping[int, str] | None = None) -> str:
-    """The per-rank bar's label: ``"2"``, or ``"2 ! compute +45%"`` for a straggler (``marks``)."""
+def rank_label(rank: int, marks: Mapping[int, str] | None = None, shares: list | None = None) -> str:
+    """The per-rank bar's label: ``"2"``, ``"2 ! compute +45%"`` for a straggler (``marks``), and with uneven
+    shares (``Config.balance``: ``shares``, each rank's images a step) ``"2 · 20 img ! compute +45%"``."""
     mark = (marks or {}).get(rank)
-    return f"{rank} ! {mark}" if mark else str(rank)
+    name = f"{rank} · {shares[rank]} img" if shares and rank < len(shares) else str(rank)
+    return f"{name} ! {mark}" if mark else name
 
 
 def _rank_columns(per_rank: Mapping[str, list], marks: Mapping[int, str] | None = None,
-                  result: Mapping | None = None) -> dict:
+                  result: Mapping | None = None, shares: list | None = None) -> dict:
     """Columns for the per-rank stacked bars from an epoch record's ``per_rank`` (or sums of them);
     ``marks`` (rank -> short note) marks the stragglers' bars in their labels. With the run's
     ``result``, evaluation and the rest of its wall time (start-up, data set-up, the final sync) are
@@ -317,7 +319,7 @@ def _rank_columns(per_rank: Mapping[str, list], marks: Mapping[int, str] | None 
         ev = sum(e.get("eval_time") or 0.0 for e in result.get("epochs") or [])
         evaluation = [ev] * n
         other = [max(result["wall_time"] - (c + x + d) - ev, 0.0) for c, x, d in zip(compute, exposed, data)]
-    return {"rank": [rank_label(r, marks) for r in range(n)], "compute": compute, "comm_exposed": exposed,
+    return {"rank": [rank_label(r, marks, shares) for r in range(n)], "compute": compute, "comm_exposed": exposed,
             "comm_hidden": [max(c - e, 0.0) for c, e in zip(comm, exposed)], "data": data,
             "evaluation": evaluation, "other": other}
 
@@ -370,7 +372,9 @@ def throughput_figure(result: Mapping) -> figure:
 def timeline_figure(result: Mapping) -> figure:
     """Per-rank compute / communication / data seconds over the whole run, as stacked bars."""
     wall = f", {result['wall_time']:.0f} s in all" if result.get("wall_time") else ""
-    return _timeline(ColumnDataSource(_rank_columns(_sum_per_rank(result.get("epochs") or []), result=result)),
+    shares = (result.get("balance") or {}).get("shares")  # uneven shares: each bar says its rank's images a step
+    return _timeline(ColumnDataSource(_rank_columns(_sum_per_rank(result.get("epochs") or []), result=result,
+                                                    shares=shares)),
                      title=f"where each rank's time went (np={result.get('np', '?')}{wall})")
 
 
@@ -450,7 +454,9 @@ class LivePlot:
 
     Step events stream into the loss and throughput plots, epoch events into the accuracy plot and the
     per-rank time split, a traced run's lane events into the swim-lane of its last steps under it
-    (``pilab.plots.run.LiveLanes``); a start event clears everything for the new run. Safe to call from the
+    (``pilab.plots.run.LiveLanes``); with uneven shares (``Config.balance``) each rank's bar is labelled with
+    its images a step, from the ``shares`` events (``pilab.engine.balance.Balance``) and each epoch's record;
+    a start event clears everything for the new run. Safe to call from the
     watcher thread of a :class:`pilab.lab.cluster.Run` (updates are serialised).
     """
 
@@ -475,6 +481,7 @@ class LivePlot:
         self._per_rank: dict[str, list] = {}
         self._epochs_done = 0
         self.marks: dict[int, str] = {}  # stragglers: rank -> "compute +45%" (their bars' labels)
+        self.shares: list | None = None  # uneven shares: each rank's images a step (their bars' labels)
 
 
     def widget(self):
@@ -505,10 +512,13 @@ class LivePlot:
                 self._straggler(event)
             elif kind == "lane":
                 self.lanes(event)
+            elif kind == "shares":
+                self.shares = list(event["shares"])
+                self._relabel()
             elif kind == "end":
                 self.title.text = f"<b>{html.escape(_summary(event['result']))}</b>"
                 if self._per_rank:  # now the bars can show the whole wall time
-                    self.ranks.data = _rank_columns(self._per_rank, self.marks, event["result"])
+                    self.ranks.data = _rank_columns(self._per_rank, self.marks, event["result"], self.shares)
             elif kind == "error":
                 self.title.text = f"<b style='color:#c00'>{html.escape(str(event.get('message', 'run failed')))}</b>"
 
@@ -520,7 +530,7 @@ class LivePlot:
                                                                  "data")})
         self.timeline.y_range.factors = [str(r) for r in range(n)]
         self._per_rank = {}
-        self.marks, self.note.text = {}, ""
+        self.marks, self.note.text, self.shares = {}, "", None
         self.lanes(event)
         cfg = event.get("config") or {}
         self.title.text = "<b>" + html.escape(f"running on {n} rank(s): {cfg.get('model', '')} width "
@@ -530,20 +540,26 @@ class LivePlot:
     def _epoch(self, event: Mapping) -> None:
         self.epochs.stream({k: [event.get(k)] for k in self.epochs.data})
         per_rank = event.get("per_rank")
+        if event.get("shares"):
+            self.shares = list(event["shares"])
         if per_rank:
             for k, vals in per_rank.items():
                 prev = self._per_rank.get(k, [0.0] * len(vals))
                 self._per_rank[k] = [a + (b or 0.0) for a, b in zip(prev, vals)]
-            self.ranks.data = _rank_columns(self._per_rank, self.marks)
+        self._relabel()
 
     def _straggler(self, event: Mapping) -> None:
         """Mark each straggler's bar and show the warning line (``pilab.trace.stragglers``)."""
         for s in event.get("stragglers") or []:
             self.marks[int(s["rank"])] = f"{s['kind']} +{100 * s['slowdown']:.0f}%"
-        n = len(self.timeline.y_range.factors)
-        self.timeline.y_range.factors = [rank_label(r, self.marks) for r in range(n)]
-        if self._per_rank:
-            self.ranks.data = _rank_columns(self._per_rank, self.marks)
-        else:
-            self.ranks.data = dict(self.ranks.data, rank=[rank_label(r, self.marks) for r in range(n)])
+        self._relabel()
         self.note.text = f"<span style='color:#b60'>{html.escape(event.get('line', ''))}</span>"
+
+    def _relabel(self) -> None:
+        """The bars and their axis labelled with the marks and shares known now (the two must agree)."""
+        n = len(self.timeline.y_range.factors)
+        self.timeline.y_range.factors = [rank_label(r, self.marks, self.shares) for r in range(n)]
+        if self._per_rank:
+            self.ranks.data = _rank_columns(self._per_rank, self.marks, shares=self.shares)
+        else:
+            self.ranks.data = dict(self.ranks.data, rank=[rank_label(r, self.marks, self.shares) for r in range(n)])

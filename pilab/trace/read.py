@@ -7,6 +7,7 @@ model's predicted one alike (the conventions of ``pilab.trace.format``)::
     print(report(a))                          # the table `python -m pilab trace runs/x` prints
     a["slow"][0]["who"]                       # "rank 3 (node02)" or "link node01-node02"
     a["critical"]["path"]                     # the median step on its critical rank: compute, network, ...
+    a["balance"]                              # uneven shares: each rank's, the step against equal shares'
 
 The figures, per rank and step (seconds; the ranks' clocks aligned by the recorder):
 
@@ -48,7 +49,8 @@ def load(path: str) -> dict:
 def steps(doc: dict) -> tuple[dict, dict]:
     """({(rank, step): record}, {rank: host name}) from a trace: each record holds the rank's spans of
     that step ({name: [start, end]} in seconds, a name seen twice spans both), its ``busy`` seconds per
-    span name, and its buckets ({K: [posted, done]})."""
+    span name, its buckets ({K: [posted, done]}) and, where the recorder noted it, ``images``: its share
+    of the step's global batch."""
     hosts, rank_host, recs = {}, {}, {}
 
     def rec(r, s):
@@ -68,6 +70,8 @@ def steps(doc: dict) -> tuple[dict, dict]:
             old = x["spans"].get(ev["name"], [a, b])
             x["spans"][ev["name"]] = [min(old[0], a), max(old[1], b)]
             x["busy"][ev["name"]] = x["busy"].get(ev["name"], 0.0) + ev["dur"] / 1e6
+            if "images" in args:  # the rank's share of the step's global batch (b_r)
+                x["images"] = int(args["images"])
             if ev["name"] == "wait" and "peer_s" in args:  # a predicted trace states its straggler wait
                 x["peer_s"] = x.get("peer_s", 0.0) + args["peer_s"]
         elif ph == "b" and ev.get("cat") == tf.ASYNC_CAT and "bucket" in args:
@@ -81,7 +85,8 @@ def steps(doc: dict) -> tuple[dict, dict]:
 
 
 def figures(recs: dict) -> dict:
-    """Per (rank, step): time, compute, data, wait, peer, network (seconds)."""
+    """Per (rank, step): time, compute, data, wait, peer, network, work (data + forward + backward: what
+    grows with the rank's images) in seconds, and images (its share; None in a trace without them)."""
     by_step: dict = {}
     for (r, s), x in recs.items():
         by_step.setdefault(s, {})[r] = x
@@ -100,7 +105,9 @@ def figures(recs: dict) -> dict:
             out[(r, s)] = {"time": max(b for _, b in sp.values()) - min(a for a, _ in sp.values()),
                            "compute": sum(busy.get(n, 0.0) for n in COMPUTE), "data": busy.get("data", 0.0),
                            "wait": wait, "peer": peer, "network": wait - peer,
-                           "buckets": x["buckets"], "pace": sp["backward"][1] if "backward" in sp else 0.0}
+                           "buckets": x["buckets"], "pace": sp["backward"][1] if "backward" in sp else 0.0,
+                           "images": x.get("images"),
+                           "work": sum(busy.get(n, 0.0) for n in ("data", "forward", "backward"))}
     return out
 
 
@@ -134,7 +141,77 @@ def analyse(doc: dict, top: int = 5, step: int | None = None) -> dict:
             "clock_error_us": (meta.get("clock") or {}).get("error_us"), "ranks": table,
             "slow": [{"step": s, "time": step_time[s], **_blame(s, step_time[s], ranks, fig, host, typical)}
                      for s in slow],
-            "critical": _critical(chosen, step_time[chosen], ranks, fig, host, median_step == chosen)}
+            "critical": _critical(chosen, step_time[chosen], ranks, fig, host, median_step == chosen),
+            "balance": shares_bought(fig, step_time, meta)}
+
+
+def shares_bought(fig: dict, step_time: dict, meta: dict) -> dict | None:
+    """What uneven shares (``Config.balance``) bought, from the trace's own times; None when the trace holds
+    no shares, or equal ones in a run without balance::
+
+        shares_bought(figures(recs), {step: seconds}, doc["otherData"])
+        # {"shares": [44, 20], "first": [32, 32], "first_step": 1, "step": 0.24, "equal": 0.33, ...}
+
+    Rank r spent t_r seconds of a step on the work that grows with its b_r images (data, forward,
+    backward); t_r / b_r is its time per image. With equal shares B / n each, the slowest rank per image
+    would have set the step's work: max_r (t_r / b_r) B / n, where the step measured max_r t_r; the rest
+    of the step (optimizer, the exposed exchange) stays. So, per step,
+
+        equal ≈ step - max_r t_r + max_r (t_r / b_r) B / n
+
+    and both figures are medians over the kept steps. An estimate: a rank's time per image grows a little
+    as its share shrinks (the per-step work that does not shrink with it). In a simulated trace the
+    virtual ranks run one after another in one process, so only the shares are reported."""
+    cfg = meta.get("config") or {}
+    steps = sorted(step_time)
+    per = {s: {r: f for (r, q), f in fig.items() if q == s and f.get("images")} for s in steps}
+    per = {s: v for s, v in per.items() if v}
+    if not per:
+        return None
+    shares = {s: [v[r]["images"] for r in sorted(v)] for s, v in per.items()}
+    uneven = any(len(set(b)) > 1 for b in shares.values())
+    if str(cfg.get("balance", "off")) == "off" and not uneven:
+        return None
+    order = sorted(per)
+    first, last = shares[order[0]], shares[order[-1]]
+    # the kept steps have gaps (the first few, the last window, the named): where shares changed between
+    # two of them is result.json's balance["changes"]; here, only what the first kept step had
+    out = {"mode": cfg.get("balance"), "first": first, "first_step": order[0], "shares": last,
+           "simulated": bool(meta.get("simulated"))}
+    if out["simulated"]:
+        return out
+    est = []
+    for s in order:
+        v = per[s]
+        if any(f["work"] <= 0 for f in v.values()):
+            continue
+        total, n = sum(f["images"] for f in v.values()), len(v)
+        slowest = max(f["work"] for f in v.values())
+        per_image = max(f["work"] / f["images"] for f in v.values())
+        est.append((step_time[s], step_time[s] - slowest + per_image * total / n))
+    if est:
+        out["step"] = statistics.median(t for t, _ in est)
+        out["equal"] = statistics.median(e for _, e in est)
+        out["steps"] = len(est)
+    return out
+
+
+def _shares_lines(b: dict | None) -> list[str]:
+    """``report``'s words for ``shares_bought``'s figures (one or two lines)."""
+    if not b:
+        return []
+    total, ms = sum(b["shares"]), 1e3
+    shares = "/".join(map(str, b["shares"]))
+    moved = f" ({'/'.join(map(str, b['first']))} at step {b['first_step']})" if b["first"] != b["shares"] else ""
+    head = f"balance {b['mode'] or 'off'}: each rank's share of the {total} images a step, {shares} at the end{moved}"
+    if b["simulated"]:
+        return ["", head + "; simulated ranks run one after another, so the trace cannot say what the shares bought"]
+    if "equal" not in b:
+        return ["", head]
+    equal = "/".join(str(total // len(b['shares']) + (r < total % len(b['shares']))) for r in range(len(b['shares'])))
+    return ["", head + ".",
+            f"the median step took {b['step'] * ms:.1f} ms; at equal shares ({equal}) the same per-image times give "
+            f"≈ {b['equal'] * ms:.1f} ms ({b['equal'] / b['step']:.2f}× the measured step)"]
 
 
 def _blame(s: int, time: float, ranks: list, fig: dict, host: dict, typical: dict) -> dict:
@@ -238,4 +315,5 @@ def report(a: dict) -> str:
     for k, v in c["parts"].items():
         lines.append(f"  {label[k]:<20} {c['path'][k]:>9.4f} s {100 * c['path_shares'][k]:>6.1f}% "
                      f"{v:>9.4f} s {100 * c['shares'][k]:>6.1f}%")
+    lines += _shares_lines(a.get("balance"))
     return "\n".join(lines)

@@ -1,7 +1,9 @@
 """A per-rank trace of a real run (``Config.trace``): every rank's data, forward, backward, each gradient
 message's Allreduce (posted, first seen complete), the wait at the end of backward, the optimizer,
 evaluations and checkpoints, on the ranks' clocks aligned over MPI, written by rank 0 as
-``<out>/trace.json`` in the Chrome Trace Event Format (``pilab.trace.format``; open it in ui.perfetto.dev)::
+``<out>/trace.json`` in the Chrome Trace Event Format (``pilab.trace.format``; open it in ui.perfetto.dev).
+Each step's spans carry the rank's images of that step (``args.images``: b_r, its share of the global batch,
+uneven with ``Config.balance``), from which ``pilab trace`` says what the shares bought::
 
     mpiexec -n 2 python -m pilab train --trace --out runs/t     # runs/t/trace.json + result.json["trace"]
     python -m pilab train --np 2 --trace --trace-window 20 --out runs/t
@@ -94,7 +96,8 @@ class Trace(Component):
         self.window = cfg.trace_window
         self.seen = 0  # steps recorded on this rank
         self.gstep = 0  # the last step's global number (1-based, as the loop's events)
-        self.first: list = []  # this rank's records since the last flush: (step, epoch, comm_wait, spans, flights)
+        self.first: list = []  # this rank's records since the last flush: (step, epoch, comm_wait, spans, flights,
+        # every rank's images of the step)
         self.last: deque = deque(maxlen=self.window)
         self.named: list = []
         self.n_named = 0
@@ -132,7 +135,11 @@ class Trace(Component):
         if self.step_seen is None:  # a step the backend does not trace (the simulator's local-SGD steps)
             return []
         spans, flights = self.step_seen
-        rec = (g, epoch + 1, float(st.comm_wait), spans, flights)
+        # each rank's images this step (b_r): uneven with ``balance`` (the step's Phase.shares), else the
+        # per-rank batch; what `pilab trace` needs to say what the shares bought
+        shares = session.phase.shares
+        images = tuple(int(b) for b in shares) if shares is not None else (int(session.batch),) * self.np_
+        rec = (g, epoch + 1, float(st.comm_wait), spans, flights, images)
         self.seen += 1
         if self.seen <= FIRST:
             self.first.append(rec)
@@ -195,9 +202,9 @@ class Trace(Component):
         proc = (lambda tid: tid) if self.comm is not None else (lambda tid: 0)  # whose clock: the process's
         for r, part in enumerate(every):
             for kind in ("first", "last", "named"):
-                for g, epoch, wait, spans, flights in part[kind]:
+                for g, epoch, wait, spans, flights, images in part[kind]:
                     row = self.kept.setdefault(g, {})
-                    row[r] = (epoch, wait,
+                    row[r] = (epoch, wait, images,
                               [(tid, n, self._to_us(proc(tid), b), self._to_us(proc(tid), e)) for tid, n, b, e in spans],
                               [(tid, k, nb, self._to_us(proc(tid), a), self._to_us(proc(tid), b))
                                for tid, k, nb, a, b in flights])
@@ -218,9 +225,9 @@ class Trace(Component):
         ev = [tracefile.process(i, h) for i, h in enumerate(names if self.comm is not None else names[:1])]
         ev += [tracefile.thread(pid(r), r, f"rank {r}") for r in range(self.np_)]
         for g, row in list(self.kept.items()):  # a copy: an aborted run's rank 0 may call this mid-merge
-            for epoch, _, spans, flights in list(row.values()):
-                ev += [tracefile.span(n, pid=pid(tid), tid=tid, ts=b, dur=max(0.0, e - b), step=g, epoch=epoch)
-                       for tid, n, b, e in spans]
+            for epoch, _, images, spans, flights in list(row.values()):
+                ev += [tracefile.span(n, pid=pid(tid), tid=tid, ts=b, dur=max(0.0, e - b), step=g, epoch=epoch,
+                                      images=images[tid]) for tid, n, b, e in spans]
                 for tid, k, nb, a, b in flights:
                     ev += tracefile.flight(f"bucket {k}", pid=pid(tid), tid=tid, ts=a, end=max(a, b),
                                            id=f"{tid}-{g}-{k}", step=g, bucket=k, bytes=nb)
@@ -246,7 +253,7 @@ class Trace(Component):
         optimizer), network (the wait span less the wait for a slower rank) and wait seconds."""
         per: dict = {}
         for row in list(self.kept.values()):
-            for r, (_, wait, spans, _) in list(row.items()):
+            for r, (_, wait, _, spans, _) in list(row.items()):
                 for tid in {s[0] for s in spans}:
                     d = {n: (e - b) / 1e6 for t, n, b, e in spans if t == tid}
                     if "wait" in d:
