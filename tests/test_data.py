@@ -546,6 +546,11 @@ def test_uneven_shares_use_every_image_once_an_epoch_however_they_change(embedde
     # the same share again is the same batch (a replay, the simulator's virtual rank)
     a, b = loaders[1].batch(1, 2, share=(7, 9)), loaders[1].batch(1, 2, share=(7, 9))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # and the same from a device-resident set (the simulator's on a GPU; device="cpu" runs that path here)
+    on_device = data.ShardLoader(embedded, np_, 1, total // np_, policy="reshuffle", seed=5, device="cpu")
+    for epoch, step, share in ((1, 2, (7, 9)), (0, 0, (0, 48)), (1, 3, (47, 1))):
+        c, d = loaders[1].batch(epoch, step, share=share), on_device.batch(epoch, step, share=share)
+        assert torch.equal(c[0], d[0]) and torch.equal(c[1], d[1])
 
 
 def test_shares_need_the_reshuffle_policy_and_fit_the_global_batch(embedded):

@@ -105,7 +105,8 @@ def augment(x: torch.Tensor, *, seed: int, epoch: int, step: int, rank: int, mea
     _check_images(x)
     shift, flip = augment_draws(x.shape[0], seed=seed, epoch=epoch, step=step, rank=rank,
                                 pad=pad_for(x.shape[1], x.shape[2]))
-    return augment_with(x, shift, flip, mean, std)
+    # drawn on the CPU whatever the device (the same numbers everywhere), applied where the images are
+    return augment_with(x, shift.to(x.device), flip.to(x.device), mean, std)
 
 
 def augment_draws(b: int, *, seed: int, epoch: int, step: int, rank: int,
@@ -270,10 +271,9 @@ class ShardLoader:
     def share_indices(self, epoch: int, step: int, start: int, count: int) -> np.ndarray:
         """The training-set indices of ``batch(epoch, step, share=(start, count))``."""
         total = self.batch_size * self.np_
-        if self.policy != "reshuffle" or self.device is not None:
-            raise DataError("shares of a global batch need the reshuffle policy on the CPU (sharding="
-                            f"reshuffle: every rank holds the whole set); this loader is {self.policy}"
-                            + (f" on {self.device}" if self.device is not None else ""))
+        if self.policy != "reshuffle":
+            raise DataError("shares of a global batch need the reshuffle policy (sharding=reshuffle: every "
+                            f"rank holds the whole set); this loader is {self.policy}: use --sharding reshuffle")
         if not (0 <= start and 1 <= count and start + count <= total):
             raise DataError(f"share ({start}, {count}) is outside the global batch of {total}")
         if self._perm is None or self._perm[0] != epoch:  # once an epoch
@@ -283,6 +283,8 @@ class ShardLoader:
 
     def _shared(self, epoch: int, step: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.from_numpy(self.share_indices(epoch, step, start, count))
+        if self.device is not None:  # a device-resident set (the simulator on a GPU): a share's rows moved
+            rows = rows.to(self.device)  # per step, a few hundred bytes; its draws as augment() makes them
         return self._x.index_select(0, rows), self._y.index_select(0, rows)
 
     def _device_batch(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
