@@ -189,7 +189,8 @@ def _train_alone(cfg: Config, quiet: bool, stop=None, data=None) -> dict:
 
 def _train_rank(cfg: Config, args) -> int:
     """One rank of an mpiexec job: the settings checked on every rank and voted on, then the guarded
-    run (``pilab.engine.harness``)."""
+    run (``pilab.engine.harness``); a finished run ends the process with its exit code
+    (``harness.end_rank``), a refused one returns it."""
     from ..launch import mpi
     MPI = mpi()  # LaunchError naming the fix without an MPI library
 
@@ -217,7 +218,7 @@ def _train_rank(cfg: Config, args) -> int:
     if stale:
         clear_out_dir(cfg.out)
     out = harness.guarded_run(cfg, comm, data=data, callbacks=progress_callbacks(args.quiet), hang_s=hang_s)
-    return _report(out.result, cfg, out.signum, speak=comm.Get_rank() == 0)
+    harness.end_rank(_report(out.result, cfg, out.signum, speak=comm.Get_rank() == 0))
 
 
 def _ranks_on_my_node(comm) -> int:

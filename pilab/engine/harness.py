@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 from ..config import Config, ConfigError
 
-__all__ = ["guarded_run", "Outcome", "prepare", "vote", "Refused", "exit_code", "EXIT_WRITE", "print_stragglers",
+__all__ = ["guarded_run", "Outcome", "prepare", "vote", "Refused", "exit_code", "end_rank", "EXIT_WRITE", "print_stragglers",
            "handled", "exit_code_for", "Interrupt", "interruptible", "sigterm_as_interrupt"]
 
 EXIT_WRITE = 74  # a result or checkpoint could not be written (sysexits' EX_IOERR)
@@ -213,6 +213,26 @@ def _mpi():
     return mpi()
 
 
+def end_rank(code: int):
+    """End this rank of a finished run with ``code``: its output flushed, MPI finalized, then ``os._exit``
+    -- not the interpreter's own shutdown. That shutdown runs C++ static destructors and stops daemon
+    threads by unwinding them (CPython before 3.14), and in a rank that has run torch and MPI it aborted
+    now and then ("terminate called without an active exception", exit 6) after the result was written,
+    so that the launcher saw a failed rank: one CI run in two lost one job that way. Nothing is left to do
+    here: the result and the checkpoints are written and closed, pilab registers no atexit work, and
+    MPI_Finalize is what mpi4py's own atexit would have called::
+
+        raise SystemExit(end_rank(main()))     # a rank's entry point, after a normal return
+    """
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            f.flush()
+    MPI = _mpi()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+    os._exit(code)
+
+
 # ----------------------------------------------------------------------------------------------
 # the job: one guarded run launched by pilab.launch.run_job (the study's measured points)
 # ----------------------------------------------------------------------------------------------
@@ -348,4 +368,4 @@ def sigterm_as_interrupt():
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    end_rank(main())
