@@ -220,6 +220,27 @@ def test_the_backends_name_no_feature_and_a_step_result_is_the_loops_own():
                            "noise", "straggler_threshold"}, (path, used & {"trace", "gns_max", "local_steps"})
 
 
+def test_a_codec_is_named_only_where_it_is_defined():
+    # How gradients travel is a pilab.dist.codec.Codec: GradSync sends through it, the memory check, the
+    # simulator's refusal and the performance model read its attributes, so a new codec is a class in
+    # codec.py and a choice of Config.compression (two files of pilab/) -- none of them names one
+    import pytest
+
+    from pilab.config import CHOICES, ConfigError
+    from pilab.dist import CODECS, codec_for
+    paths = ("pilab/dist/gradsync.py", "pilab/engine/mpi.py", "pilab/engine/virtual.py", "pilab/engine/memory.py",
+             "pilab/perfmodel/predict.py")
+    for path in paths:
+        tree = ast.parse((REPO / path).read_text())
+        strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
+            {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        assert not strings & set(CODECS) - {"none"} and not names & {"fp16", "float16", "half_type"}, path
+    assert CHOICES["compression"] == tuple(CODECS)
+    with pytest.raises(ConfigError, match="use one of: none, fp16"):
+        codec_for("int8")
+
+
 def test_every_face_gives_what_its_modules_define_whatever_was_imported_first():
     # A package's face (its __init__) names what the package offers; importing one of its modules must not
     # shadow a name of the face (Python sets pilab.perfmodel.predict to the module on its first import:

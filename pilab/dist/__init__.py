@@ -3,7 +3,8 @@ the primitives (``comm``: ``allreduce_``, ``broadcast_``, ``world``, the named `
 the exact arithmetic MPI ranks and the simulator share), the helpers built on them (``helpers``:
 parameters, optimizer state and BatchNorm buffers broadcast or settled), and ``GradSync`` -- fused,
 overlapped gradient averaging for a training loop of your own, as ``hvd.DistributedOptimizer`` is for
-Horovod's users (``gradsync``; its bucket rule ``buckets``, shared with the performance model) -- with
+Horovod's users (``gradsync``; its bucket rule ``buckets``, shared with the performance model; the
+``Codec`` each bucket travels through, ``codec``: ``Config.compression``) -- with
 SyncBatchNorm over MPI ranks on CPU (``syncbn``). Importing it imports nothing; each name loads its
 module on first use::
 
@@ -17,10 +18,11 @@ from .. import lazy
 
 __getattr__, __dir__, __all__ = lazy.face(__name__, {
     "comm": ["MPI", "world", "allreduce_", "broadcast_", "mpi_buffer", "Slots", "share_of_mean", "squared_norm",
-             "fp16_type", "wait_polling", "SPIN_S", "SPIN_BYTES_PER_S", "SLEEP_S"],
+             "wait_polling", "SPIN_S", "SPIN_BYTES_PER_S", "SLEEP_S"],
     "helpers": ["broadcast_module_", "broadcast_optimizer_state_", "bn_buffers", "sync_buffers_", "reduce_sums",
                 "gather_floats", "abort_on_error", "LauncherError", "check_launcher"],
     "gradsync": ["GradSync", "StepComm"],
     "buckets": ["bucket_assignment"],
+    "codec": ["Codec", "CODECS", "codec_for", "fp16_type"],
     "syncbn": ["SyncBatchNorm", "convert_sync_batchnorm", "per_channel"],
 })

@@ -110,16 +110,8 @@ def squared_norm(tensors) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# waiting for requests, and fp16 on the wire
+# waiting for requests
 # ----------------------------------------------------------------------------------------------
-def fp16_type():
-    """MPI datatype for IEEE half precision, or None if this MPI library has none."""
-    t = getattr(MPI, "FLOAT16_T", None) if MPI is not None else None
-    if t is None or t == MPI.DATATYPE_NULL:
-        return None
-    return t
-
-
 SPIN_S = 2e-3  # finish() polls without napping this long first: a transfer in flight finishes at full speed
 # ... or longer when much was posted at the end: the time those bytes take at this (conservative) rate, so
 # naps never slow a transfer that is still moving (a bucket of 8.5 MB took 2.3 ms here; napping after 2 ms

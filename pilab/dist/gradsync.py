@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from .buckets import bucket_assignment
-from .comm import MPI, SPIN_BYTES_PER_S, SPIN_S, Slots, fp16_type, mpi_buffer, share_of_mean, wait_polling, world
+from .codec import codec_for
+from .comm import MPI, SPIN_BYTES_PER_S, SPIN_S, Slots, mpi_buffer, share_of_mean, wait_polling, world
 
 
 @dataclass
@@ -26,7 +27,7 @@ class StepComm:
     """Communication figures of one step, in seconds and bytes (this rank)."""
     total: float = 0.0  # first bucket posted -> last bucket complete
     exposed: float = 0.0  # time spent waiting after backward ended (not hidden behind compute)
-    bytes_sent: int = 0  # payload handed to Allreduce (halved by fp16 compression)
+    bytes_sent: int = 0  # payload handed to Allreduce (as its codec sends it: halved by fp16)
     buckets: int = 0
     messages: int = 0  # Iallreduce calls for them (buckets ready together go as one)
     first_post: float = 0.0  # perf_counter() when the first bucket was posted
@@ -95,7 +96,8 @@ class GradSync:
     Each rank's gradient is divided by the world size before it is sent (so the sum is the mean, and with
     ``compression="fp16"`` the sum of np halves cannot overflow): for free when the caller runs backward
     through ``sync.backward(loss)``, which scales the loss by 1/size; by a pass over each bucket
-    otherwise. With ``compression="fp16"`` the bucket is sent as half precision: half the bytes::
+    otherwise. ``compression`` names the ``Codec`` a bucket travels through (``pilab.dist.codec``): with
+    ``"fp16"`` it is sent as half precision, half the bytes::
 
         sync = GradSync(model, comm, bucket_mb=1.0, meta=2)
         for x, y in batches:
@@ -116,11 +118,10 @@ class GradSync:
         # after the division), before the Allreduce sums them in place: what a rank's own gradient is
         self.on_send = on_send
         self.rank, self.size = world(comm)
-        self.fp16 = compression == "fp16"
-        self.half_type = fp16_type() if self.fp16 else None
-        if self.fp16 and self.size > 1 and self.half_type is None:
-            raise RuntimeError("compression=fp16 needs an MPI library with a half-precision type "
-                               "(MPICH >= 4.1); use compression=none")
+        # how a bucket travels (pilab.dist.codec); coded: in a wire buffer of its own type
+        self.codec = codec_for(compression)
+        self.coded = self.codec.coded
+        self.wire_type = self.codec.mpi_type() if self.coded and self.size > 1 else None
         params = [p for p in model.parameters() if p.requires_grad]
         # Gradients arrive roughly in reverse definition order; fill buckets in that order so the
         # first one is complete early in backward.
@@ -133,10 +134,10 @@ class GradSync:
         # numpy's allocation, not torch's: MPICH's shared-memory Allreduce moved a buffer at torch's 64-byte
         # alignment ~10% slower than the same bytes at numpy's (2.7 vs 3.0 ms for 8.9 MB, np=2, here)
         self._flat = torch.from_numpy(np.zeros(total, dtype=np.float32))
-        self._wire = torch.zeros(total, dtype=torch.float16) if self.fp16 else self._flat
+        self._wire = torch.zeros(total, dtype=getattr(torch, self.codec.dtype)) if self.coded else self._flat
         self._wire_np = mpi_buffer(self._wire)  # sliced per message: a numpy slice is cheaper than a tensor's
         offsets = list(itertools.accumulate([0] + [sum(p.numel() for p in g) for g in groups]))
-        self.buckets: list[_Bucket] = [_Bucket(g, self._flat, self._wire if self.fp16 else None, off, i)
+        self.buckets: list[_Bucket] = [_Bucket(g, self._flat, self._wire if self.coded else None, off, i)
                                        for i, (g, off) in enumerate(zip(groups, offsets))]
         self._where: dict[int, int] = {}
         for i, b in enumerate(self.buckets):
@@ -238,17 +239,17 @@ class GradSync:
         self._test()
 
     def _prepare(self, b: _Bucket):
-        """The bucket's bytes made ready to send: every gradient in its slot, divided, cast for fp16."""
+        """The bucket's bytes made ready to send: every gradient in its slot, divided, encoded."""
         # The usual case first, in one pass at C speed: backward accumulated every gradient into its slot
         # (the per-parameter loop below took 0.09 ms of a 2 ms exchange of 8.9 MB on shared memory)
         if not (b.all_views and all(map(operator.is_, map(_GRAD, b.params), b.views))):
             self._gather(b)
-        if not self.seeded:  # pre-divide: the sum is then the mean, and fp16 cannot overflow
+        if not self.seeded:  # pre-divide: the sum is then the mean, and a narrow codec's cannot overflow
             b.flat.div_(self.size)
         if self.on_send is not None:
             self.on_send(self._tensors(b))
-        if self.fp16:
-            b.wire.copy_(b.flat)
+        if self.coded:
+            self.codec.encode(b.flat, b.wire)
 
     @staticmethod
     def _tensors(b: _Bucket) -> list:
@@ -287,7 +288,7 @@ class GradSync:
     def _send(self, run: list):
         lo, hi = run[0].offset, run[-1].offset + run[-1].numel
         wire = self._wire_np[lo:hi]
-        msg = [wire, self.half_type] if self.fp16 else wire
+        msg = [wire, self.wire_type] if self.coded else wire
         now = time.perf_counter()
         if not self.stats.posts:
             self.stats.first_post = now
@@ -361,11 +362,11 @@ class GradSync:
         return all(self._landed) and self._meta_request.Test()
 
     def _unpack(self, buckets, wire: bool = True) -> None:
-        """The averages of ``buckets`` into ``p.grad``: from the fp16 wire, and into the gradients that
+        """The averages of ``buckets`` into ``p.grad``: decoded from the wire, and into the gradients that
         are not views of the buffer (a layout a flat slot cannot hold)."""
         for b in buckets:
-            if self.fp16 and wire:
-                b.flat.copy_(b.wire)
+            if self.coded and wire:
+                self.codec.decode(b.wire, b.flat)
             if b.all_views:  # every gradient is already its slot of the averaged buffer
                 continue
             offset = 0
@@ -407,8 +408,8 @@ class GradSync:
             wait_polling(None, max(SPIN_S, late / SPIN_BYTES_PER_S), test=lambda: self._poll_landing(step))
         else:
             self._wait(late)
-            if self.fp16:
-                self._flat.copy_(self._wire)  # in one piece
+            if self.coded:
+                self.codec.decode(self._wire, self._flat)  # in one piece
             self._unpack(self.buckets, wire=False)
         done = time.perf_counter()
         stats.exposed = done - t_end - stats.stepped

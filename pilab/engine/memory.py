@@ -62,6 +62,7 @@ import subprocess
 import sys
 
 from ..config import EVAL_CHUNK, Config, ConfigError
+from ..dist import codec_for
 
 __all__ = ["predict_peak_bytes", "breakdown", "NODE_MEMORY", "NODE_RESERVE_BYTES", "node_bytes", "fit_warning",
            "ALLOCATORS", "choose_allocator", "tune_allocator", "MemoryConfigError", "step_memory", "BATCHES", "STEPS",
@@ -168,9 +169,9 @@ def breakdown(cfg: Config, *, np_: int | None = None, allocator: str = "fast", p
     # the images a rank's forward holds activations for: batch augmentation's copies count
     batch = (cfg.per_rank_batch(ranks) if np_ else cfg.batch_size) * cfg.batch_aug
     # parameters, their gradients (GradSync's flat buckets), the optimizer's state (SGD/LARS: the momentum
-    # buffer; LAMB: Adam's two moments), Lookahead's slow copy; fp16's wire copy
+    # buffer; LAMB: Adam's two moments), Lookahead's slow copy; a codec's wire copy
     state = 2 if cfg.optimizer == "lamb" else (1 if cfg.momentum else 0)
-    model = params * 4 * (2 + state + (cfg.lookahead_steps > 0)) + (params * 2 if cfg.compression == "fp16" else 0)
+    model = params * 4 * (2 + state + (cfg.lookahead_steps > 0)) + codec_for(cfg.compression).extra_bytes(params)
     train = TRAIN_BYTES_PER_ELEMENT * act * batch * (1 + ALLOCATOR_RETAIN[allocator])
     warm = WARM_BYTES
     measured = _step_memory(cfg, shape, allocator) if probe else None

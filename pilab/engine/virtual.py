@@ -36,7 +36,7 @@ from torch import nn
 from .. import data as data_mod
 from ..component import SYNC, Phase, RankStep, has
 from ..config import Config, ConfigError
-from ..dist import share_of_mean
+from ..dist import codec_for, share_of_mean
 from .backend import StepResult, base_model, environment, evaluate, forward_loss, slot_sizes, usable_cores
 from .layers import RankContext, step_seed, sync_virtual_buffers_
 
@@ -167,8 +167,8 @@ class VirtualRanks:
         if cfg.bn == "sync" and self.ranks_per_chunk not in (0, self.np_):
             raise ConfigError(f"bn=sync runs all {self.np_} virtual ranks in one forward (BatchNorm over the "
                               f"global batch), but ranks_per_chunk={self.ranks_per_chunk}; leave it 0")
-        if cfg.compression != "none":
-            raise ConfigError("the simulator does not emulate compression=fp16; use compression=none")
+        if not codec_for(cfg.compression).simulated:
+            raise ConfigError(f"the simulator does not emulate compression={cfg.compression}; use compression=none")
         for c in needs_per_rank(components):
             name = c.name or type(c).__name__
             if cfg.simulate_mode == "fast":

@@ -21,6 +21,7 @@ import statistics
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..config import Config, ConfigError
+from ..dist import codec_for
 from .allreduce import allreduce_phases, allreduce_time
 from .layout import bn_bytes, bn_channels, buckets_for, gradient_layout, optimizer_work, work_per_image
 from .machine import ELEMENT_BYTES, METRIC_BYTES, THREAD_EXPONENT, Cluster
@@ -120,15 +121,15 @@ def bucket_schedule(cfg: Config, layout, compute: float, cl: Cluster, ar: Callab
 
         bucket_schedule(Config(), gradient_layout("mobilenetv2_cifar", 1.0), 0.5, cl, ar)["buckets"][-1]
     """
-    fp16 = cfg.compression == "fp16"
-    wire = 2 if fp16 else ELEMENT_BYTES
+    c = codec_for(cfg.compression)
+    wire = c.itemsize
     t_fwd = compute * (1 - cl.backward_fraction)
     t_bwd = compute * cl.backward_fraction
     done = t_fwd + t_bwd
     end = 0.0
     out = []
     for numel, ready in buckets_for(layout, cfg.bucket_mb, cfg.bucket_tail_mb):  # posted in order as they fill; one at a time
-        t = ar(numel * wire) + (numel * wire * cl.gamma_fp16 if fp16 else 0.0)
+        t = ar(numel * wire) + (numel * wire * cl.gamma_fp16 if c.software_sum else 0.0)
         # overlap < 1: only that share of the remaining backward can hide communication
         posted = t_fwd + t_bwd * (1 - cl.overlap * (1 - ready))
         start = max(end, posted)
@@ -346,7 +347,7 @@ def _one_batch(cfg: Config, p: int, cl, profile: str, n_train: int, n_test: int,
     time_ = steps * step
     images = steps * b * p
     n_params = sum(n for n, _ in layout)
-    wire = 2 if cfg.compression == "fp16" else ELEMENT_BYTES
+    wire = codec_for(cfg.compression).itemsize
     return {
         "np": p, "profile": profile, "cluster": cl.name, "model": cfg.model, "width": cfg.width,
         "nodes": place["nodes"], "ranks_per_node": place["ranks_per_node"],
