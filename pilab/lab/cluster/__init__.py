@@ -35,10 +35,9 @@ from ... import lazy
 
 __getattr__, __dir__, __all__ = lazy.face(__name__, {
     "client": ["Engines", "Run", "LocalRun"],
-    "errors": ["ClusterError"],
     "events": ["publish"],
     "profiles": ["start", "connect", "profile_dir", "hostfile_slots", "lan_address", "non_loopback_addresses",
                 "running_clusters", "stop_stale"],
-    "rank": ["whoami", "stop_flag", "StopFlag", "engine_train", "rank_state", "RankTable", "last", "scatter_shards",
+    "rank": ["ClusterError", "whoami", "stop_flag", "StopFlag", "engine_train", "rank_state", "RankTable", "last", "scatter_shards",
             "load_scattered"],
 })

@@ -34,9 +34,8 @@ from typing import Callable, Iterable
 
 import psutil  # an ipyparallel dependency
 
-from .errors import ClusterError
 from .events import EventReader
-from .rank import StopFlag, engine_train, whoami
+from .rank import ClusterError, StopFlag, engine_train, whoami
 
 
 # ``lab`` below is a pilab.lab.cluster.client.Engines (named as a string: that module imports this one)

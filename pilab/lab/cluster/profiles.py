@@ -24,7 +24,7 @@ import psutil  # an ipyparallel dependency
 
 from ...launch import HostsError, read_hostfile
 from .client import Engines
-from .errors import ClusterError
+from .rank import ClusterError
 
 # The repository root: pilab/lab/cluster/profiles.py is three levels below it.
 _REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))

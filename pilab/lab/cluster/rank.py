@@ -28,8 +28,18 @@ import numpy as np
 
 from ...config import ConfigError
 from ...engine import handled
-from .errors import ClusterError
 from .events import begin_stream, publish
+
+
+class ClusterError(RuntimeError):
+    """Engines are missing, a rank died or stopped making progress; raised by every part of
+    :mod:`pilab.lab.cluster`, its message naming the ranks, the profile or the hostfile, and what to do::
+
+        try:
+            lab = cluster.start(n=4)
+        except cluster.ClusterError as e:
+            print(e)
+    """
 
 
 def scatter_shards(ds, comm, *, seed: int = 0, root: int = 0):
