@@ -376,11 +376,11 @@ def test_the_pages_show_one_demo_table_and_its_reuse_example_reuses():
     assert table("README.md") == table(os.path.join("docs", "getting-started.md"))
     from pilab.cli import build_parser
     from pilab.cli.common import config_from_args
-    from pilab.cli.scale import _defaults
+    from pilab.cli.scale import defaults
     from pilab.study.points import same_training
     for page in ("README.md", os.path.join("docs", "getting-started.md")):
         text = _text(os.path.join(REPO, page)).replace("\\\n", " ")
         first, second = re.findall(r"python -m pilab (scale --nps 1,2 --simulate-nps 8,48 [^\n#]*)", text)[:2]
         assert "--reuse runs/s" in second, (page, second)
-        a, b = (config_from_args(build_parser().parse_args(c.split()), _defaults()) for c in (first, second))
+        a, b = (config_from_args(build_parser().parse_args(c.split()), defaults()) for c in (first, second))
         assert same_training(a.to_dict(), b, 1) and not same_training(a.to_dict(), b, 2), page

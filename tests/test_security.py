@@ -64,9 +64,9 @@ def test_the_side_channel_binds_the_hosts_address_on_the_shared_network():
 
 
 def test_the_doctors_listener_answers_only_its_runs_secret(capsys):
-    from pilab.doctor.preflight import _Listener
+    from pilab.doctor.preflight import ClockListener
     from pilab.doctor.probe import talk_to_head
-    listener = _Listener("127.0.0.1")
+    listener = ClockListener("127.0.0.1")
     try:
         head = f"127.0.0.1:{listener.port}"
         for guess in ("", "0" * 32):  # a stranger: nothing back, logged once

@@ -15,7 +15,7 @@ from .common import (UsageError, add_batch_arguments, add_config_arguments, add_
                      config_from_args, fit_nps)
 
 
-def _defaults(args=None):
+def defaults(args=None):
     """The demo's settings, with its subsets on the embedded data only (config.demo)."""
     from ..config import demo
     return replace(demo(getattr(args, "data", None) or "embedded"), out="runs/remedies")
@@ -56,7 +56,7 @@ def add_parser(sub) -> None:
                         "candidate's training: taken instead of run again")
     add_batch_arguments(p, "each candidate (and the np=1 reference)")
     from .scale import SUBSETS_SHOWN
-    add_config_arguments(p, _defaults(), skip=("resume",), shown=SUBSETS_SHOWN, of_args=_defaults)
+    add_config_arguments(p, defaults(), skip=("resume",), shown=SUBSETS_SHOWN, of_args=defaults)
     p.set_defaults(precheck=check)
     p.set_defaults(func=run)
     # The candidate labels depend on the settings and np: worked out only when this command's help is
@@ -69,7 +69,7 @@ def add_parser(sub) -> None:
             p.epilog = ("the default candidates (--only), at the default settings and --np 48, by label and folder "
                         "name; they follow --np and the settings (the batch sizes and epochs in them); "
                         "--candidates toolbox adds its own:\n  "
-                        + "\n  ".join(f"{label}  ({slug(label)})" for label in candidate_labels(_defaults(), 48)))
+                        + "\n  ".join(f"{label}  ({slug(label)})" for label in candidate_labels(defaults(), 48)))
             p.formatter_class = argparse.RawDescriptionHelpFormatter  # one label a line
         return plain_help()
     p.format_help = format_help
@@ -121,14 +121,14 @@ def check(args, np_: int | None = None) -> None:
         from ..study import remedies
         at = args.recipes_of or np_ or args.np or DEFAULT_NP
         cands = remedies.load_candidates(args.candidates or "default")
-        remedies.chosen(cands(config_from_args(args, _defaults(args)), at), only, at)
+        remedies.chosen(cands(config_from_args(args, defaults(args)), at), only, at)
 
 
 def run(args, argv) -> int:
     from ..study import remedies, report, tables
     from ..config import ConfigError
     from ..files import save_json
-    cfg = config_from_args(args, _defaults(args))
+    cfg = config_from_args(args, defaults(args))
     if args.np is None:  # the default, fitted to the data: your own may hold fewer than 48 ranks' batches
         from .. import data
         n_train = data.train_size(cfg.data, train_subset=cfg.train_subset, test_subset=cfg.test_subset,

@@ -18,7 +18,7 @@ from .common import (UsageError, add_batch_arguments, add_config_arguments, add_
 
 
 
-def _defaults(args=None):
+def defaults(args=None):
     """The study's own defaults: the demo's, with its subsets on the embedded data only (config.demo)."""
     from ..config import demo
     return replace(demo(getattr(args, "data", None) or "embedded"), out="runs/scale")
@@ -67,7 +67,7 @@ def add_parser(sub) -> None:
                         "they are the same training (e.g. the np=1 point every LR rule shares)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace another study's results in --out (default: refuse)")
-    add_config_arguments(p, _defaults(), skip=("resume",), shown=SUBSETS_SHOWN, of_args=_defaults)
+    add_config_arguments(p, defaults(), skip=("resume",), shown=SUBSETS_SHOWN, of_args=defaults)
     p.set_defaults(func=run)
 
 
@@ -192,7 +192,7 @@ def _run_batch(cfg, args, opts, nps, sims, criteria, argv) -> int:
 
 def run(args, argv) -> int:
     from ..perfmodel import PI_BASELINE_NP, PI_STUDY_NPS, PI_THREADS_PER_RANK
-    cfg = config_from_args(args, _defaults(args))
+    cfg = config_from_args(args, defaults(args))
     nps, baseline = list(args.nps), args.baseline
     sims = list(SIMULATED if args.simulate_nps is None else args.simulate_nps)
     if args.preset == "pi":

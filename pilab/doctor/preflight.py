@@ -53,7 +53,7 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-class _Listener:
+class ClockListener:
     """Answers every line with the head's clock, on the address the Pi profile's controller binds, to a
     connection whose first line is this doctor run's secret (``secret``, in ``$PILAB_DOCTOR_SECRET`` of
     the probe jobs); any other connection is closed unanswered, the first one logged."""
@@ -268,7 +268,7 @@ def run(hosts: list[tuple[str, int]], *, cfg=None, ranks_per_node: int = 2, mpie
     toward = env.get("PILAB_CONTROLLER_IP") or lan_address(hostfile)
     bind, advertised = controller_address(hostfile, env)
     try:
-        listener = _Listener(bind)
+        listener = ClockListener(bind)
     except OSError as e:
         tmp_dir.cleanup()
         raise DoctorError(f"the controller's address {bind} cannot be bound here ({e.strerror}); set "
