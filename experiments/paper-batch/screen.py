@@ -120,7 +120,9 @@ CANDIDATES: dict[str, dict] = {
     # first step, blew up): the SGD side's lr on a log grid, and the head by Muon as well
     **{f"muon {m:g} sgd {lr:g}{name}": dict(MUON, muon_lr=m, lr=lr, **extra)
        for m in (0.001, 0.002, 0.004, 0.008) for lr in (0.0025, 0.00025) for name, extra in (
-           ("", {}), (" + head", dict(muon_on="conv+head")), (" BN trained", dict(freeze_bn_scale=False, bn_lr_scale=1.0)))},
+           ("", {}), (" + head", dict(muon_on="conv+head")), (" BN trained", dict(freeze_bn_scale=False, bn_lr_scale=1.0)),
+           (" + depthwise", dict(muon_on="conv+depthwise")), (" + EMA", dict(ema_epochs=0.5)),
+           (" + batch aug 2", dict(batch_aug=2)))},
     # the same with the warmup-stable-decay schedule (3 epochs of decay), for the time to accuracy
     # (to_accuracy.py: a run extended epoch by epoch from its stable phase)
     **{f"muon {m:g} wsd 3": dict(MUON, muon_lr=m, schedule="wsd", decay_epochs=3.0) for m in (0.002, 0.004, 0.008)},
