@@ -144,6 +144,9 @@ def test_the_time_to_accuracy_driver_extends_a_run_from_its_stable_phase_and_tab
     text = (tmp_path / "table.md").read_text()
     steps = 5 * five["steps_per_epoch"]
     assert f"| 4 | 5 | {steps} | {steps * five['global_batch']:,} | 0: {five['epochs'][-1]['test_acc']:.4f} |" in text
+    # the speedup against the np=1 run that sets the target (here the committed one), the recipe's own beside it
+    assert "× one node's np=1 (the target's run) | × one node's np=1 (this recipe's) |" in text
+    assert "The committed np=1 that sets the target (experiments/paper-size/naive/np1/result.json" in text
     assert (tmp_path / "to_accuracy.png").read_bytes()[:4] == b"\x89PNG"
     # the fixed-budget points (np=1 and the 4-epoch run here) into a screen table folder, beside its recipes
     dest = tmp_path / "table"
