@@ -147,9 +147,10 @@ def test_compare_paper_on_the_committed_paper_size_points(tmp_path):
     rules = {"50k naive": "naive", "50k sqrt+warmup": "sqrt-warmup"}
     batch = os.path.join(REPO, "experiments", "paper-batch", "cpu",
                          "linear-warmup-5-few-step-zero-init-residual")
+    muon = os.path.join(REPO, "experiments", "paper-batch", "cpu", "muon-0-004-sgd-0-00025-wsd-3")
     p = _pilab("compare", *[os.path.join(PS, r) for r in rules.values()], os.path.join(FBW, "naive"),
-               os.path.join(FBW, "sqrt-warmup"), batch, "--labels",
-               "50k naive,50k sqrt+warmup,15k naive,15k sqrt+warmup,50k few-step+zero-init", "--paper",
+               os.path.join(FBW, "sqrt-warmup"), batch, muon, "--labels",
+               "50k naive,50k sqrt+warmup,15k naive,15k sqrt+warmup,50k few-step+zero-init,50k Muon", "--paper",
                "--out", str(tmp_path / "c"))
     side = json.loads((tmp_path / "c" / "compare.json").read_text())["paper"]
     for label, r in rules.items():
@@ -162,12 +163,13 @@ def test_compare_paper_on_the_committed_paper_size_points(tmp_path):
             if done is not None:
                 assert a["final_test_acc"] == done["epochs"][-1]["test_acc"]
                 assert a["simulated"] == (row["np"] > 2)  # np 1 and 2 real runs, the rest simulated
-    # the paper-batch screen's folder (npN-seedS): its seed 0 at np 1 and 48, and no other np pending
-    seed0 = {n: json.load(open(os.path.join(batch, f"np{n}-seed0", "result.json"))) for n in (1, 48)}
-    for row in side["rows"]:
-        a = row["studies"]["50k few-step+zero-init"]
-        assert not a["pending"]
-        assert a["final_test_acc"] == (seed0[row["np"]]["epochs"][-1]["test_acc"] if row["np"] in seed0 else None)
+    # the paper-batch screen's folders (npN-seedS): their seed 0 at np 1 and 48, and no other np pending
+    for label, folder in (("50k few-step+zero-init", batch), ("50k Muon", muon)):
+        seed0 = {n: json.load(open(os.path.join(folder, f"np{n}-seed0", "result.json"))) for n in (1, 48)}
+        for row in side["rows"]:
+            a = row["studies"][label]
+            assert not a["pending"]
+            assert a["final_test_acc"] == (seed0[row["np"]]["epochs"][-1]["test_acc"] if row["np"] in seed0 else None)
     committed = json.loads(open(os.path.join(PS, "compare.json")).read())
     assert committed["paper"]["rows"] == side["rows"], "re-run the compare command in experiments/paper-size/README.md"
     assert "pending" in p.stdout or all(not any(a["pending"] for a in r["studies"].values()) for r in side["rows"])
