@@ -239,7 +239,8 @@ def table(out: str, target: float = TARGET) -> str:
 
 def figure(out: str, target: float = TARGET) -> str | None:
     """``OUT/to_accuracy.png``: test accuracy after each epoch against training images seen, for each
-    extended run (mean over its seeds) and the recipe's np=1, with the target; None without matplotlib."""
+    extended run (mean over its seeds), the recipe's np=1 and the committed np=1 that sets the target; None
+    without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -261,6 +262,11 @@ def figure(out: str, target: float = TARGET) -> str | None:
             mean = screen._mean_curve(ones)
             imgs = [(k + 1) * ones[0]["steps_per_epoch"] * ones[0]["global_batch"] / 1e3 for k in range(len(mean))]
             ax.plot(imgs, mean, "--", color="k", label=f"{name}, np=1 ({ones[0]['total_steps']:,} steps)")
+    ref = screen.finished(REFERENCE_NP1)
+    if ref:  # the run that sets the target
+        acc = [e["test_acc"] for e in ref["epochs"]]
+        imgs = [(k + 1) * ref["steps_per_epoch"] * ref["global_batch"] / 1e3 for k in range(len(acc))]
+        ax.plot(imgs, acc, ":", color="k", label=f"the committed np=1, SGD ({ref['total_steps']:,} steps): the target's run")
     ax.axhline(target, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("training images seen (thousands)")
     ax.set_ylabel("test accuracy")
