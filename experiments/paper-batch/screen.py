@@ -137,6 +137,7 @@ CANDIDATES: dict[str, dict] = {
                                                              zero_init_residual=True, **FEW_STEP),
 }
 REFERENCE = "naive"  # np=1's committed recipe (0.785 on seed 0 at 50,000 images, CPU)
+REFERENCE_NP1 = os.path.join(REPO, "experiments", "paper-size", "naive", "np1", "result.json")  # its committed run
 
 
 def default_data() -> str:
@@ -378,7 +379,7 @@ def _summary(found: dict, big: int) -> str:
     head = [f"| candidate | np=1 | np={big} | np={big} − np=1 | steps np=1 / np={big} | images np=1 / np={big} | Pi speedup, whole run | time to target, np={big} on "
             f"the Pi (× one node) | energy on the Pi, np={big}: run / to target |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     body = []
-    ref = finished(os.path.join(REPO, "experiments", "paper-size", "naive", "np1", "result.json"))
+    ref = finished(REFERENCE_NP1)
     ref_acc = ref["epochs"][-1]["test_acc"] if ref else None
     for name in sorted({n for n, p in found if p == big}, key=lambda n: (-_mean_sd(
             [r["epochs"][-1]["test_acc"] for r in found[(n, big)]])[0], n)):  # ties by name: sets' order varies
@@ -459,7 +460,7 @@ def images_to_reach(out: str, big: int | None = None) -> str:
     warmup and schedule in epochs, so the ratio is what the larger batch costs in images)."""
     found = points(out)
     big = big or max([p for _, p in found] or [48])
-    ref = finished(os.path.join(REPO, "experiments", "paper-size", "naive", "np1", "result.json"))
+    ref = finished(REFERENCE_NP1)
     mean = _mean_curve
     seeds_of = lambda rs: f"{len(rs)} seed{'s' if len(rs) > 1 else ''}"  # noqa: E731
 

@@ -43,7 +43,6 @@ sys.path.insert(0, HERE)
 import screen  # noqa: E402 -- the candidates, the protocol, the point folders, the lock
 
 TARGET = 0.785  # np=1's committed 10-epoch accuracy (experiments/paper-size/naive/np1)
-REFERENCE_NP1 = os.path.join(screen.REPO, "experiments", "paper-size", "naive", "np1", "result.json")
 HORIZON = 200  # the trunk's nominal epochs: it stops (max_steps) long before its own decay would begin
 _DS = None  # the decoded data, loaded before the workers fork
 
@@ -187,6 +186,7 @@ def table(out: str, target: float = TARGET) -> str:
     import torch
     torch.set_num_threads(1)  # the performance model's probe forward: no OpenMP pool a later fork inherits
     lines = []
+    ref = screen.finished(screen.REFERENCE_NP1)
     for cand, by_np in branches(out).items():
         name = next((n for n in screen.CANDIDATES if screen.slug(n) == cand), cand)
         ones = _np1_points(out, name)
@@ -205,10 +205,10 @@ def table(out: str, target: float = TARGET) -> str:
                       f"{ones[0]['total_steps'] * ones[0]['global_batch']:,} images): {' '.join(f'{x:.4f}' for x in acc)} "
                       f"(mean {sum(acc) / len(acc):.4f}, {len(acc)} seeds); on one node (np=2's epoch time) "
                       f"{own_node / 60:.0f} min.", ""]
-        ref = screen.finished(REFERENCE_NP1)
-        by_target = own_node if ones and tgt > target else (_one_node(ref) if ref else None)
-        if ref and not (ones and tgt > target):
-            lines += [f"The committed np=1 that sets the target ({os.path.relpath(REFERENCE_NP1, screen.REPO)}, "
+        own_sets_target = bool(ones) and tgt > target
+        by_target = own_node if own_sets_target else (_one_node(ref) if ref else None)
+        if ref and not own_sets_target:
+            lines += [f"The committed np=1 that sets the target ({os.path.relpath(screen.REFERENCE_NP1, screen.REPO)}, "
                       f"{ref['epochs'][-1]['test_acc']:.4f}, {len(ref['epochs'])} epochs): on one node "
                       f"{by_target / 60:.0f} min.", ""]
         lines += ["| np | epochs | steps | images | test acc per seed | mean | seeds at target | Pi wall-clock | "
@@ -262,7 +262,7 @@ def figure(out: str, target: float = TARGET) -> str | None:
             mean = screen._mean_curve(ones)
             imgs = [(k + 1) * ones[0]["steps_per_epoch"] * ones[0]["global_batch"] / 1e3 for k in range(len(mean))]
             ax.plot(imgs, mean, "--", color="k", label=f"{name}, np=1 ({ones[0]['total_steps']:,} steps)")
-    ref = screen.finished(REFERENCE_NP1)
+    ref = screen.finished(screen.REFERENCE_NP1)
     if ref:  # the run that sets the target
         acc = [e["test_acc"] for e in ref["epochs"]]
         imgs = [(k + 1) * ref["steps_per_epoch"] * ref["global_batch"] / 1e3 for k in range(len(acc))]
